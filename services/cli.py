@@ -1,0 +1,61 @@
+"""The `treeserve` command line: one subcommand per module, imported only when it runs.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; keeping the imports lazy
+makes `treeserve --help` instant and keeps torch/ray out of commands that do not need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("treeserve.services.serve_command", "start the Ray Serve + gRPC service from a Serve config"),
+    "generate": ("treeserve.services.generate_command", "generate a completion (via the service or in-process)"),
+    "bench": ("treeserve.engine.bench", "benchmark autoregressive vs speculative methods on Spec-Bench prompts"),
+    "train-drafter": ("treeserve.engine.training.drafter_command", "self-distil a drafter from the target"),
+    "train-c2t": ("treeserve.engine.training.c2t_command", "train the C2T pruning classifier"),
+    "agreement": ("treeserve.engine.training.agreement_command", "measure drafter/target top-1 and top-k agreement"),
+    "prepare-model": ("treeserve.engine.models.prepare_command", "convert the embedded GGUF target to safetensors"),
+    "memory-estimate": ("treeserve.services.memory_estimate", "weights + KV-cache bytes per GPU for deploy layouts"),
+}
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2, no traceback."""
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="treeserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parsers = {}
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
+    return parser, parsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, parsers = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # Only the chosen subcommand's module is imported (and only it adds its options).
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in SUBCOMMANDS:
+        args = parser.parse_args(argv)
+        parser.print_help()
+        return 0 if command is None else 2
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    module.add_arguments(parsers[command])
+    args = parser.parse_args(argv)
+    try:
+        return int(module.run(args) or 0)
+    except (CliError, ValueError, FileNotFoundError) as exc:
+        print(f"treeserve {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
