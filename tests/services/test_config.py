@@ -1,0 +1,140 @@
+"""services/config.py: typed parsing, defaults, and errors that name the offending field path."""
+
+import dataclasses
+import json
+
+import pytest
+
+from treeserve.services import config as cfg
+from treeserve.services.config import AppConfig, ServeConfigFile, load_serve_config
+
+
+def _app(args=None, deployments=None):
+    app = {"name": "treeserve", "import_path": "treeserve.services.app:build_app", "args": args or {}}
+    if deployments is not None:
+        app["deployments"] = deployments
+    return {"applications": [app]}
+
+
+def _error(data) -> str:
+    with pytest.raises(ValueError) as info:
+        load_serve_config(data)
+    return str(info.value)
+
+
+def test_empty_config_gives_local_cpu_defaults():
+    config = load_serve_config({})
+    assert isinstance(config, ServeConfigFile)
+    assert config.grpc_options.port == 9000
+    assert config.grpc_options.grpc_servicer_functions == [cfg.TREESERVE_SERVICER]
+    assert config.logging_config.enable_access_log is False
+    args = config.app.args
+    assert (args.target.path, args.target.device, args.target.tensor_parallel_size) == ("default", "cpu", 1)
+    assert args.speculation.budget == "auto" and args.speculation.batch_method == "c2t_chain"
+
+
+def test_from_args_parses_sections():
+    args = AppConfig.from_args({"target": {"dtype": "bfloat16"}, "speculation": {"method": "c2t", "budget": 32},
+                                "limits": {"max_batch_size": 2}, "grpc": {"max_message_bytes": 8 << 20},
+                                "drafter": {"kind": "parallel"}})
+    assert args.target.dtype == "bfloat16" and args.speculation.budget == 32
+    assert args.limits.max_batch_size == 2 and args.drafter.kind == "parallel"
+    assert AppConfig.from_args(None) == AppConfig()
+
+
+def test_every_field_has_help():
+    def walk(cls):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+    for cls in (cfg.ModelFacts, cfg.ModelConfig, cfg.DrafterConfig, cfg.SpeculationConfig, cfg.LimitsConfig,
+                cfg.InternalGrpcConfig, AppConfig, cfg.AutoscalingConfig, cfg.RayActorOptions,
+                cfg.DeploymentConfig, cfg.RuntimeEnv, cfg.ApplicationConfig, cfg.HttpOptions, cfg.GrpcOptions,
+                cfg.LoggingConfig, ServeConfigFile):
+        walk(cls)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"target": {"tensor_parallel_size": 2}},
+     "applications[0].args.target.tensor_parallel_size: must divide num_attention_heads=9"),
+    ({"target": {"path": "/nowhere", "num_attention_heads": 64, "num_key_value_heads": 6,
+                 "tensor_parallel_size": 4}},
+     "applications[0].args.target.tensor_parallel_size: must divide num_key_value_heads=6"),
+    ({"target": {"dtype": "float64"}}, "applications[0].args.target.dtype: must be one of"),
+    ({"target": {"path": "hf://meta-llama/Llama-2-7b"}}, "applications[0].args.target.path"),
+    ({"target": {"tensor_parallel_size": True}}, "applications[0].args.target.tensor_parallel_size: expected an integer"),
+    ({"speculation": {"method": "medusa"}}, "applications[0].args.speculation.method"),
+    ({"speculation": {"budget": 0}}, "applications[0].args.speculation.budget"),
+    ({"speculation": {"budget": 1025}}, "applications[0].args.speculation.budget"),
+    ({"speculation": {"budget": "many"}}, "applications[0].args.speculation.budget"),
+    ({"limits": {"max_batch_size": -1}}, "applications[0].args.limits.max_batch_size: must be > 0"),
+    ({"limits": {"max_prompt_tokens": 4000}}, "applications[0].args.limits: max_prompt_tokens + max_new_tokens"),
+    ({"grpc": {"max_message_bytes": 1024}}, "applications[0].args.grpc.max_message_bytes"),
+    ({"drafter": {"kind": "medusa"}}, "applications[0].args.drafter.kind"),
+    ({"targt": {}}, "applications[0].args.targt: unknown field"),
+])
+def test_bad_args_name_the_field(args, message):
+    assert message in _error(_app(args))
+
+
+@pytest.mark.parametrize("deployments, message", [
+    ([{"name": "Router", "num_replicas": -1}], "applications[0].deployments[0].num_replicas: must be >= 1"),
+    ([{"name": "Router", "num_replicas": "2"}], "applications[0].deployments[0].num_replicas: expected an integer"),
+    ([{"name": "Router", "autoscaling_config": {"min_replicas": -1}}],
+     "applications[0].deployments[0].autoscaling_config.min_replicas: must be >= 0"),
+    ([{"name": "Router", "autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}],
+     "applications[0].deployments[0].autoscaling_config.max_replicas"),
+    ([{"name": "Router", "num_replicas": 1, "autoscaling_config": {}}], "not both"),
+    ([{"name": "Ruoter"}], "applications[0].deployments[0].name: must be one of Router, Drafter, Target"),
+    ([{"name": "Target", "ray_actor_options": {"num_cpus": -0.5}}],
+     "applications[0].deployments[0].ray_actor_options.num_cpus"),
+    ([{"name": "Router"}, {"name": "Router"}], "applications[0].deployments[1].name: Router listed twice"),
+])
+def test_bad_deployments_name_the_field(deployments, message):
+    assert message in _error(_app(deployments=deployments))
+
+
+def test_cuda_target_must_reserve_one_gpu_per_rank():
+    args = {"target": {"path": "/models/x", "device": "cuda", "tensor_parallel_size": 4,
+                       "num_attention_heads": 64, "num_key_value_heads": 8}}
+    bundles = [{"CPU": 1}] + [{"GPU": 1}] * 3
+    message = _error(_app(args, [{"name": "Target", "placement_group_bundles": bundles}]))
+    assert "applications[0].deployments[0]: reserves 3 GPUs" in message
+    ok = load_serve_config(_app(args, [{"name": "Target", "placement_group_bundles": bundles + [{"GPU": 1}]}]))
+    assert ok.app.deployment("Target").gpus_per_replica() == 4
+
+
+def test_model_config_json_is_the_source_of_truth(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "intermediate_size": 1024, "vocab_size": 100, "max_position_embeddings": 512}))
+    args = {"target": {"path": str(model), "tensor_parallel_size": 4, "max_context_tokens": 512},
+            "limits": {"max_prompt_tokens": 256, "max_new_tokens": 128}}
+    assert "must divide num_key_value_heads=2" in _error(_app(args))
+    args["target"]["tensor_parallel_size"] = 2
+    assert load_serve_config(_app(args)).app.args.target.facts().head_dim == 64
+    args["target"]["num_attention_heads"] = 16
+    assert "num_attention_heads: 16 disagrees with the model's config (8)" in _error(_app(args))
+
+
+def test_model_facts_relative_to_the_config_file(tmp_path):
+    (tmp_path / "facts.json").write_text(json.dumps({
+        "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 6, "intermediate_size": 128,
+        "vocab_size": 10, "max_position_embeddings": 4096}))
+    path = tmp_path / "serve.yaml"
+    path.write_text("applications:\n- args:\n    target: {path: /nowhere, model_facts: facts.json, "
+                    "tensor_parallel_size: 4}\n")
+    assert "must divide num_attention_heads=6" in _error(path)
+    path.write_text("applications:\n- args:\n    target: {path: /nowhere, model_facts: missing.json}\n")
+    assert "applications[0].args.target.model_facts: cannot read" in _error(path)
+
+
+def test_top_level_errors(tmp_path):
+    assert "grpc_options.grpc_servicer_functions: must include" in _error({"grpc_options": {"grpc_servicer_functions": []}})
+    assert "grpc_options.port: must be a TCP port" in _error({"grpc_options": {"port": 70000}})
+    assert "exactly one application" in _error({"applications": []})
+    assert "proxy_location: must be one of" in _error({"proxy_location": "Everywhere"})
+    (tmp_path / "bad.yaml").write_text("applications: [\n")
+    assert "not valid YAML" in _error(tmp_path / "bad.yaml")
+    assert "cannot read Serve config" in _error(tmp_path / "absent.yaml")
