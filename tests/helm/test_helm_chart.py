@@ -127,6 +127,13 @@ def test_render_preset(preset):
     assert svc["spec"]["selector"]["app.kubernetes.io/instance"] == "treeserve"
 
 
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_serve_config_accepted_by_ray_serve_schema(preset):
+    schema = pytest.importorskip("ray.serve.schema")
+    text = render(preset)["RayService/treeserve"]["spec"]["serveConfigV2"]
+    schema.ServeDeploySchema.model_validate(yaml.safe_load(text))
+
+
 def test_gpu_preset_placement():
     serve = load_serve_config(yaml.safe_load(
         render(CHART / "presets" / "llama2-70b-4xa100.yaml")["RayService/treeserve"]["spec"]["serveConfigV2"]))
