@@ -69,8 +69,12 @@ class CachedLM:
 
     # ------------------------------------------------------------------ session state
     def begin(self, session_id: str, context: list[int], accepted_nodes: list[int] | None = None) -> None:
-        """Start a step whose root is `context[-1]`; `accepted_nodes` are the previous tree's accepted
-        non-root nodes in path order (None when unknown: the cache is then reconciled by tokens only)."""
+        """Start a step whose root is `context[-1]`.
+
+        `accepted_nodes` (the previous tree's accepted non-root nodes, in path order) is a hint: the
+        accepted path is checked against the tokens `context` adds after the previous root, and found by
+        walking the previous tree along those tokens when the hint is absent or disagrees (a drafter whose
+        tree was pruned and re-indexed after it fed the nodes only knows its own node order)."""
         if not context:
             raise ValueError("context must hold at least the root token")
         cache = self.sessions.get(session_id)
@@ -80,19 +84,38 @@ class CachedLM:
                 self.sessions.pop(next(iter(self.sessions)))
             cache = self.sessions[session_id] = SessionCache()
         if cache.pending_tokens:
-            self._compact(cache, accepted_nodes or [])
+            self._compact(cache, self._accepted_path(cache, context, accepted_nodes))
         self._reconcile(cache, context[:-1])
 
     def release(self, session_id: str) -> bool:
         return self.sessions.pop(session_id, None) is not None
 
-    def _compact(self, cache: SessionCache, accepted: list[int]) -> None:
+    @staticmethod
+    def _accepted_path(cache: SessionCache, context: list[int], hint: list[int] | None) -> list[int]:
+        """Pending nodes (root excluded) on the path the context took through the previous tree."""
         fed = len(cache.committed)
-        pending = len(cache.pending_tokens)
-        path = [0] + [a for a in accepted if 0 < a < pending]
-        keep = torch.tensor(list(range(fed)) + [fed + a for a in path], device=self.device)
-        cache.keep(keep)
-        cache.committed = cache.committed + [cache.pending_tokens[a] for a in path]
+        if len(context) <= fed or context[fed] != cache.pending_tokens[0] or context[:fed] != cache.committed:
+            return []
+        wanted = context[fed + 1:-1]
+        tokens, parents = cache.pending_tokens, cache.pending_parents
+        if hint is not None and len(hint) <= len(wanted) and all(
+                0 < n < len(tokens) and tokens[n] == t and parents[n] == p
+                for n, t, p in zip(hint, wanted, [0] + list(hint[:-1]))):
+            return list(hint)
+        path, node = [], 0
+        for token in wanted:
+            child = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == token), None)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        return path
+
+    def _compact(self, cache: SessionCache, path: list[int]) -> None:
+        fed = len(cache.committed)
+        keep = [0] + path
+        cache.keep(torch.tensor(list(range(fed)) + [fed + a for a in keep], device=self.device))
+        cache.committed = cache.committed + [cache.pending_tokens[a] for a in keep]
         cache.pending_tokens, cache.pending_parents, cache.pending_depth = [], [], []
 
     def _reconcile(self, cache: SessionCache, prefix: list[int]) -> None:

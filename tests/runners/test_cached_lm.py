@@ -94,9 +94,11 @@ def test_incremental_extension_and_wrong_hint(tiny):
     third = lm.extend([ExtendRequest("b", [13], [2])])[0]
     logits = torch.cat([first, second, third])
     check_tree_logits(tiny, context, [context[-1], 11, 12, 13], [-1, 0, 0, 2], logits)
-    # Claim node 1 was accepted although the context says node 2 (token 12) was.
+    # Claim node 1 was accepted although the context says node 2 (token 12) was: the path is found by
+    # tokens, so node 2's KV is kept and nothing needs recomputing.
     context2 = context + [12, 99]
     lm.begin("b", context2, [1])
-    assert lm.sessions["b"].extension == [12]
+    assert lm.sessions["b"].committed == context2[:-1]
+    assert lm.sessions["b"].extension == []
     out = lm.extend([ExtendRequest("b", [99, 7], [-1, 0])])[0]
     check_tree_logits(tiny, context2, [99, 7], [-1, 0], out)

@@ -1,0 +1,54 @@
+"""The target side of a step: score a batch of TokenTrees in one forward and return what verification needs.
+
+At temperature 0 only the argmax of each node is returned; otherwise the warped (temperature, top-k,
+top-p) target probabilities, so the router never sees raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.tree import TokenTree
+from treeserve.engine.verify import TargetDists
+
+
+@dataclass
+class ScoreRequest:
+    """Score `tree` for one session; `context[-1]` must be the tree's root token."""
+
+    session_id: str
+    context: list[int]  # all tokens of the sequence so far (prompt + emitted); last = root
+    tree: TokenTree
+    sampling: SamplingParams
+    accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
+
+
+class TargetRunner:
+    def __init__(self, model: torch.nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 max_sessions: int = 256):
+        self.lm = CachedLM(model, device, dtype, max_sessions)
+        self.vocab_size = model.config.vocab_size
+
+    def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
+        for r in requests:
+            if int(r.tree.tokens[0]) != r.context[-1]:
+                raise ValueError(f"session {r.session_id}: tree root {int(r.tree.tokens[0])} is not the last "
+                                 f"context token {r.context[-1]}")
+            self.lm.begin(r.session_id, r.context, r.accepted_nodes)
+        logits = self.lm.extend([ExtendRequest(r.session_id, r.tree.tokens.tolist(), r.tree.parents.tolist())
+                                 for r in requests])
+        return [to_target_dists(l, r.sampling) for l, r in zip(logits, requests)]
+
+    def release(self, session_id: str) -> bool:
+        return self.lm.release(session_id)
+
+
+def to_target_dists(logits: torch.Tensor, sampling: SamplingParams) -> TargetDists:
+    """logits [N, V] -> argmax at temperature 0, warped probabilities otherwise."""
+    if sampling.is_greedy:
+        return TargetDists(argmax=logits.argmax(dim=-1).cpu())
+    return TargetDists(probs=warp_probs(logits, sampling).cpu())
