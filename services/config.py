@@ -419,8 +419,8 @@ def _convert(value: Any, tp: Any, path: str, base_dir: Optional[Path]) -> Any:
             try:
                 return _convert(value, option, path, base_dir)
             except ValueError as exc:
-                errors.append(str(exc).split(": ", 1)[-1])
-        raise ValueError(f"{path}: {' or '.join(errors)}")
+                errors.append(str(exc).split(": ", 1)[-1].split(", got ")[0])
+        raise ValueError(f"{path}: {'; or '.join(errors)}; got {value!r}")
     if origin is Literal:
         if value not in targs:
             raise ValueError(f"{path}: must be one of {', '.join(map(str, targs))}, got {value!r}")
