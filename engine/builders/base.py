@@ -1,0 +1,139 @@
+"""Protocols shared by the tree builders, and the append-only partial tree they grow.
+
+A model-backed `DraftOracle` caches the drafter's KV for nodes it has already seen, so builders
+only ever append nodes while they query it (re-indexing happens once, at the end, through
+`TokenTree.select`), and ask for all frontier nodes of a layer in one call where the algorithm
+allows it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree import ChildDraw, TokenTree
+
+
+@runtime_checkable
+class DraftOracle(Protocol):
+    """Next-token draft distributions for nodes of a partial tree."""
+
+    vocab_size: int
+
+    def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
+        """tokens/parents: [n_so_far], the append-only partial tree (node 0 = root);
+        node_ids: [k] nodes whose next-token distributions are wanted (one drafter forward);
+        returns [k, vocab] warped draft probabilities (warp_probs with the request's SamplingParams)."""
+        ...
+
+
+@runtime_checkable
+class TreeBuilder(Protocol):
+    def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
+        ...
+
+
+def check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    """ValueError naming `name` unless value is an int >= 1 (or None when allowed)."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_open_unit(name: str, value: float) -> None:
+    """ValueError naming `name` unless 0 < value < 1."""
+    if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0):
+        raise ValueError(f"{name} must lie strictly between 0 and 1, got {value!r}")
+
+
+def safe_log(prob: float) -> float:
+    return math.log(prob) if prob > 0.0 else float("-inf")
+
+
+class PartialTree:
+    """Append-only tree under construction; `finish` validates it into a TokenTree."""
+
+    def __init__(self, root_token: int, oracle: DraftOracle) -> None:
+        if not isinstance(root_token, int) or root_token < 0 or root_token >= oracle.vocab_size:
+            raise ValueError(f"root_token must lie in [0, {oracle.vocab_size}), got {root_token!r}")
+        self.oracle = oracle
+        self.tokens: list[int] = [root_token]
+        self.parents: list[int] = [-1]
+        self.log_joint: list[float] = [0.0]
+        self.draw: list[int] = [int(ChildDraw.TOP_K)]
+        self.rows: dict[int, Tensor] = {}  # node -> draft row kept for verification
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, log_q: float) -> int:
+        """Append a child of `parent`; returns its node index."""
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.log_joint.append(self.log_joint[parent] + log_q)
+        self.draw.append(int(ChildDraw.TOP_K))  # overwritten by set_draw if it gets children
+        return len(self.tokens) - 1
+
+    def depth_of(self, node: int) -> int:
+        depth = 0
+        while node > 0:
+            node = self.parents[node]
+            depth += 1
+        return depth
+
+    def query(self, node_ids: Sequence[int]) -> Tensor:
+        """One oracle call for `node_ids` -> [k, V] draft probabilities."""
+        vocab = self.oracle.vocab_size
+        out = self.oracle.probs(
+            torch.tensor(self.tokens, dtype=torch.long),
+            torch.tensor(self.parents, dtype=torch.long),
+            torch.tensor(list(node_ids), dtype=torch.long),
+        )
+        if out.dim() != 2 or out.shape != (len(node_ids), vocab):
+            raise ValueError(f"oracle probs must have shape [{len(node_ids)}, {vocab}], got {tuple(out.shape)}")
+        return out
+
+    def set_draw(self, node: int, draw: ChildDraw, row: Tensor | None = None) -> None:
+        """Record how `node`'s children are drawn, and the distribution they came from if the
+        verification rule needs it (WITHOUT_REPLACEMENT)."""
+        self.draw[node] = int(draw)
+        if row is not None:
+            self.rows[node] = row
+
+    def finish(self, keep: Sequence[int] | Tensor | None = None) -> TokenTree:
+        """Validate into a TokenTree; `keep` (optional) selects a sub-tree, re-indexed."""
+        num = len(self.tokens)
+        probs = rows = None
+        if self.rows:
+            nodes = sorted(self.rows)
+            probs = torch.stack([self.rows[n].float() for n in nodes])
+            rows = torch.full((num,), -1, dtype=torch.long)
+            rows[nodes] = torch.arange(len(nodes))
+        tree = TokenTree(
+            torch.tensor(self.tokens, dtype=torch.long),
+            torch.tensor(self.parents, dtype=torch.long),
+            torch.tensor(self.draw, dtype=torch.uint8),
+            torch.tensor(self.log_joint, dtype=torch.float32),
+            probs,
+            rows,
+        )
+        return tree if keep is None else tree.select(keep)
+
+
+class UniformStream:
+    """Uniform draws in [0, 1) fetched from the generator in chunks (one RNG call per chunk)."""
+
+    def __init__(self, generator: torch.Generator, chunk: int = 64) -> None:
+        self.generator = generator
+        self.chunk = max(1, chunk)
+        self._buffer: list[float] = []
+
+    def next(self) -> float:
+        if not self._buffer:
+            self._buffer = torch.rand(self.chunk, generator=self.generator, dtype=torch.float64).tolist()
+        return self._buffer.pop()

@@ -1,0 +1,70 @@
+"""C2T tree construction (Huo et al., section 4.2): layer-wise pre-pruning with a classifier.
+
+At each layer, every frontier node proposes its top-K tokens (the first use of Top-K: only those
+are scored, section 4.2.2 item 1); each candidate gets features [joint probability, top-1000
+entropy of the frontier node's distribution, depth] and a classifier confidence; candidates with
+confidence >= beta survive (first pruning, 4.2.1); of those, at most K with the highest confidence
+are kept (second pruning, 4.2.2 item 2). Kept candidates are both verified and expanded next
+layer. Growth stops at `max_depth`, when no candidate survives, or at `budget` draft nodes.
+
+Children are deterministic (top-K of q filtered by a deterministic classifier): ChildDraw.TOP_K,
+point-mass verification.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive
+from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
+from treeserve.engine.sampling import SamplingParams, topk_rows
+from treeserve.engine.tree import ChildDraw, TokenTree
+
+
+@dataclass
+class C2TBuilder:
+    classifier: C2TClassifier
+    beta: float = 0.5  # confidence threshold
+    top_k: int = 15  # K for both uses of Top-K (paper default 15)
+    max_depth: int = 10
+    budget: int = 64  # cap on draft nodes
+
+    def __post_init__(self) -> None:
+        check_open_unit("beta", self.beta)
+        check_positive("top_k", self.top_k)
+        check_positive("max_depth", self.max_depth)
+        check_positive("budget", self.budget)
+
+    def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
+        tree = PartialTree(root_token, oracle)
+        frontier = [0]
+        for depth in range(1, self.max_depth + 1):
+            room = self.budget - (len(tree) - 1)
+            if not frontier or room <= 0:
+                break
+            rows = tree.query(frontier)
+            probs, tokens = topk_rows(rows, self.top_k)  # [F, K]
+            parent_joint = torch.tensor([math.exp(tree.log_joint[f]) for f in frontier], dtype=probs.dtype)
+            joint = parent_joint[:, None] * probs
+            entropy = top_entropy(rows)[:, None].expand_as(joint)
+            feats = c2t_features(joint.reshape(-1), entropy.reshape(-1), torch.full((joint.numel(),), float(depth)))
+            conf = self.classifier.confidence(feats)
+            conf = torch.where(probs.reshape(-1) > 0, conf, torch.zeros_like(conf))
+            passing = torch.nonzero(conf >= self.beta).flatten()
+            if passing.numel() == 0:
+                break
+            keep = min(self.top_k, room, passing.numel())
+            chosen = passing[conf[passing].topk(keep).indices].tolist()
+            chosen.sort()  # flat index = frontier slot * K + rank: parents in order, siblings by rank
+            width = probs.shape[1]
+            flat_probs, flat_tokens = probs.reshape(-1).tolist(), tokens.reshape(-1).tolist()
+            new_frontier = []
+            for idx in chosen:
+                parent = frontier[idx // width]
+                tree.set_draw(parent, ChildDraw.TOP_K)
+                new_frontier.append(tree.add(parent, flat_tokens[idx], math.log(flat_probs[idx])))
+            frontier = new_frontier
+        return tree.finish()

@@ -1,0 +1,77 @@
+"""Chain drafts: vanilla speculative sampling (Leviathan et al. 2023; Chen et al. 2023), and the
+C2T chain with classifier early exit used for batch > 1 (C2T section 5.5, DESIGN.md section 6).
+
+How children are drawn (and hence the verification rule):
+- temperature 0: argmax of q at every step -> ChildDraw.GREEDY (target-argmax matching).
+- temperature > 0, `sampled=True` (SpS): each token sampled from q -> ChildDraw.WITHOUT_REPLACEMENT
+  with one child per node, whose rule is min(1, p/q) with residual norm(max(p - q, 0)).
+- temperature > 0, `sampled=False`: deterministic top-1 of q -> ChildDraw.TOP_K (point-mass rule).
+The C2T chain is always deterministic top-1: its early exit looks at the chosen token's joint
+probability, and stopping on a *sampled* token's value would bias which samples survive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
+from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
+from treeserve.engine.sampling import ResidualRow, SamplingParams
+from treeserve.engine.tree import ChildDraw, TokenTree
+
+
+@dataclass
+class ChainBuilder:
+    """Fixed-length chain of `length` draft tokens, one oracle call per token."""
+
+    length: int = 5
+    sampled: bool = True  # at temperature > 0: sample (SpS) rather than take the top-1 token
+
+    def __post_init__(self) -> None:
+        check_positive("length", self.length)
+
+    def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
+        tree = PartialTree(root_token, oracle)
+        sample = self.sampled and not sampling.is_greedy
+        draw = ChildDraw.GREEDY if sampling.is_greedy else (ChildDraw.WITHOUT_REPLACEMENT if sample else ChildDraw.TOP_K)
+        uniforms = torch.rand(self.length, generator=generator, dtype=torch.float64).tolist() if sample else []
+        node = 0
+        for step in range(self.length):
+            row = tree.query([node])[0]
+            residual = ResidualRow(row)
+            picked = residual.sample(uniforms[step]) if sample else residual.take_top()
+            if picked is None:
+                break
+            tree.set_draw(node, draw, row if sample else None)
+            node = tree.add(node, picked[0], safe_log(picked[1]))
+        return tree.finish()
+
+
+@dataclass
+class C2TChainBuilder:
+    """Top-1 chain that stops before the first token whose C2T confidence is below `beta`."""
+
+    classifier: C2TClassifier
+    max_length: int = 8
+    beta: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_positive("max_length", self.max_length)
+        check_open_unit("beta", self.beta)
+
+    def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
+        tree = PartialTree(root_token, oracle)
+        draw = ChildDraw.GREEDY if sampling.is_greedy else ChildDraw.TOP_K
+        node = 0
+        for depth in range(1, self.max_length + 1):
+            row = tree.query([node])
+            prob, token = row[0].max(dim=0)
+            joint = torch.tensor([tree.log_joint[node]]).exp() * prob
+            feats = c2t_features(joint, top_entropy(row), torch.tensor([float(depth)]))
+            if float(self.classifier.confidence(feats)[0]) < self.beta:
+                break
+            tree.set_draw(node, draw)
+            node = tree.add(node, int(token), safe_log(float(prob)))
+        return tree.finish()

@@ -1,0 +1,55 @@
+"""EAGLE-2 dynamic trees (Li et al. 2024, as summarised in C2T section 2.2): expand, then rerank.
+
+Expand: the root's top-k tokens form layer 1; at every later step the k nodes of the newest layer
+with the largest joint probability are expanded, each into its own top-k tokens, for `depth` layers
+(one oracle call per layer). Rerank: all drafted nodes are ranked by joint probability and the best
+`budget` are kept; a child's joint probability never exceeds its parent's, so the kept set is a
+tree (ties broken by node index, parents first). `rerank=False` keeps the full expanded tree
+(C2T trains its classifier on those).
+
+Children are deterministic top-k picks of q: ChildDraw.TOP_K, point-mass verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive, safe_log
+from treeserve.engine.sampling import SamplingParams, topk_rows
+from treeserve.engine.tree import ChildDraw, TokenTree
+
+
+@dataclass
+class Eagle2Builder:
+    budget: int = 60  # N: draft nodes kept by the rerank
+    depth: int = 6  # expansion rounds
+    top_k: int = 10  # K: children per expanded node and nodes expanded per layer
+    rerank: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive("budget", self.budget)
+        check_positive("depth", self.depth)
+        check_positive("top_k", self.top_k)
+
+    def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
+        tree = PartialTree(root_token, oracle)
+        expand = [0]
+        for _ in range(self.depth):
+            rows = tree.query(expand)
+            values, tokens = topk_rows(rows, self.top_k)
+            layer: list[int] = []
+            for parent, vals, toks in zip(expand, values.tolist(), tokens.tolist()):
+                tree.set_draw(parent, ChildDraw.TOP_K)
+                for val, tok in zip(vals, toks):
+                    if val > 0.0:
+                        layer.append(tree.add(parent, tok, safe_log(val)))
+            if not layer:
+                break
+            layer.sort(key=lambda n: (-tree.log_joint[n], n))
+            expand = layer[: self.top_k]
+        if not self.rerank or len(tree) - 1 <= self.budget:
+            return tree.finish()
+        ranked = sorted(range(1, len(tree)), key=lambda n: (-tree.log_joint[n], n))
+        return tree.finish(keep=ranked[: self.budget])

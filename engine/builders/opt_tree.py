@@ -1,0 +1,71 @@
+"""OPT-Tree (Wang et al.), Algorithm 1: grow the draft tree layer by layer, each layer being the n
+children of the previous layer with the largest p-hat (eq. 2: product of q along the path), while
+the best achievable E(A) keeps growing by more than delta; then keep the n best nodes.
+
+E_sub(T, n) = max E(A) over sub-trees of T with n nodes containing the root = the sum of the n
+largest p-hat in T (Theorem 3.1 makes the n largest an ancestor-closed set). Theorem 3.2: E_sub is
+non-decreasing over drafting steps (a new layer only adds candidates). `build_with_trace` returns
+the E_sub sequence so that property can be checked.
+
+Children are deterministic top picks of q: ChildDraw.TOP_K (point-mass verification).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
+from treeserve.engine.sampling import SamplingParams, global_topk
+from treeserve.engine.tree import ChildDraw, TokenTree
+
+
+@dataclass
+class OptTreeBuilder:
+    budget: int = 60  # n: draft nodes per layer and in the final tree
+    delta: float = 0.2  # stop when E_sub grows by delta or less (paper: between mu and 1)
+    max_depth: int | None = None  # D(T) < n in the paper; an extra cap on drafter calls
+
+    def __post_init__(self) -> None:
+        check_positive("budget", self.budget)
+        check_positive("max_depth", self.max_depth, allow_none=True)
+        if not math.isfinite(self.delta) or self.delta < 0:
+            raise ValueError(f"delta must be a finite number >= 0, got {self.delta}")
+
+    def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
+        return self.build_with_trace(root_token, oracle, sampling, generator)[0]
+
+    def build_with_trace(
+        self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator
+    ) -> tuple[TokenTree, list[float]]:
+        """The tree and E_sub(T, n) after every drafting step."""
+        n = self.budget
+        max_depth = n if self.max_depth is None else min(self.max_depth, n)
+        tree = PartialTree(root_token, oracle)
+        p_hat: list[float] = []  # p-hat of every draft node, to evaluate E_sub
+        frontier, e_prev, trace = [0], 0.0, []
+        for _ in range(max_depth):
+            rows = tree.query(frontier)
+            scale = torch.tensor([math.exp(tree.log_joint[f]) for f in frontier], dtype=rows.dtype)
+            values, row_idx, tokens = global_topk(rows, scale, n)
+            q = rows[row_idx, tokens]
+            order = sorted(range(values.shape[0]), key=lambda i: (int(row_idx[i]), -float(values[i])))
+            new_layer = []
+            for i in order:
+                qi = float(q[i])
+                if qi <= 0.0:
+                    continue
+                parent = frontier[int(row_idx[i])]
+                tree.set_draw(parent, ChildDraw.TOP_K)
+                child = tree.add(parent, int(tokens[i]), math.log(qi))
+                new_layer.append(child)
+                p_hat.append(math.exp(tree.log_joint[child]))
+            e_sub = sum(sorted(p_hat, reverse=True)[:n])
+            trace.append(e_sub)
+            if not new_layer or e_sub - e_prev <= self.delta:
+                break
+            e_prev, frontier = e_sub, new_layer
+        ranked = sorted(range(1, len(tree)), key=lambda i: (-tree.log_joint[i], i))
+        return tree.finish(keep=ranked[:n]), trace

@@ -1,0 +1,87 @@
+"""The C2T confidence classifier (C2T section 4.1): a 2-layer FFN, Linear-ReLU-Linear-sigmoid,
+over three features of a draft node:
+
+    [joint probability (C2T eq. 1, product of q along the root path),
+     entropy of the top-1000 probabilities of the parent's draft distribution (eq. 2-3),
+     depth of the node (root = 0)]
+
+The entropy is -sum p log p over the parent's 1000 largest probabilities, not renormalised
+(C2T appendix C: almost the full entropy, cheaper on a GPU). The same `c2t_features` must be used
+for training and inference. Weights are stored with safetensors; the hidden size is in the
+metadata (C2T appendix B.3 uses 48).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+ENTROPY_TOP = 1000
+NUM_FEATURES = 3
+
+
+def top_entropy(probs: Tensor, top: int = ENTROPY_TOP) -> Tensor:
+    """probs [R, V] -> [R]: entropy over each row's `top` largest probabilities."""
+    if probs.shape[-1] > top:
+        probs = torch.topk(probs, top, dim=-1, sorted=False).values
+    return -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
+
+
+def c2t_features(joint_prob: Tensor, parent_entropy: Tensor, depth: Tensor) -> Tensor:
+    """Stack the per-node features [M] x 3 -> [M, 3] float32 in the classifier's input order."""
+    return torch.stack([joint_prob.float(), parent_entropy.float(), depth.float()], dim=-1)
+
+
+class C2TClassifier(nn.Module):
+    """confidence = sigmoid(W2 relu(W1 x + b1) + b2), x = c2t_features(...)."""
+
+    def __init__(self, hidden: int = 48) -> None:
+        super().__init__()
+        if hidden < 1:
+            raise ValueError(f"hidden must be >= 1, got {hidden}")
+        self.hidden = hidden
+        self.fc1 = nn.Linear(NUM_FEATURES, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
+
+    def forward(self, features: Tensor) -> Tensor:
+        """features [M, 3] -> logits [M] (apply sigmoid for confidence; BCEWithLogits for training)."""
+        return self.fc2(torch.relu(self.fc1(features))).squeeze(-1)
+
+    @torch.no_grad()
+    def confidence(self, features: Tensor) -> Tensor:
+        """features [M, 3] -> confidence in (0, 1) [M]."""
+        return torch.sigmoid(self.forward(features.float()))
+
+    @classmethod
+    def joint_prob_prior(cls, hidden: int = 48, center: float = 0.05, scale: float = 60.0) -> "C2TClassifier":
+        """An untrained stand-in that scores by joint probability alone:
+        sigmoid(scale * (joint - center)). Used when no trained weights are configured, so C2T
+        degrades to a joint-probability threshold (EAGLE-2's confidence, C2T section 3)."""
+        model = cls(hidden)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+            model.fc1.weight[0, 0] = scale  # joint >= 0, so relu passes it through unchanged
+            model.fc2.weight[0, 0] = 1.0
+            model.fc2.bias[0] = -scale * center
+        return model
+
+    def save(self, path: str | Path) -> None:
+        tensors = {name: t.detach().contiguous() for name, t in self.state_dict().items()}
+        save_file(tensors, str(path), metadata={"hidden": str(self.hidden), "features": "joint,entropy_top1000,depth"})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "C2TClassifier":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+        tensors = load_file(str(path))
+        hidden = int(meta.get("hidden", tensors["fc1.weight"].shape[0]))
+        model = cls(hidden)
+        model.load_state_dict(tensors)
+        model.eval()
+        return model

@@ -1,0 +1,260 @@
+"""The token tree exchanged between drafter, target and router (DESIGN.md section 3).
+
+Node 0 is the ROOT: the last emitted token, not yet in the target's KV cache. Nodes 1.. are draft
+tokens in topological order (every parent precedes its children). Siblings keep the order in which
+they were drawn, which matters for verification of children sampled without replacement
+(DySpec Algorithm 3 walks siblings in draw order); every re-indexing here preserves it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+# Row sums of stored draft distributions must be 1 within this tolerance (float32 softmax output).
+_SUM_TOL = 1e-3
+
+
+class ChildDraw(enum.IntEnum):
+    """How a node's children were drawn; selects the verification rule (DESIGN.md section 5)."""
+
+    TOP_K = 0  # deterministic top-k of q: point-mass rule (accept x w.p. p'(x), zero it, renormalise)
+    WITHOUT_REPLACEMENT = 1  # sampled from residual q, earlier siblings removed: DySpec Algorithm 3
+    GREEDY = 2  # argmax chain at temperature 0 (deterministic, so point-mass rule at T > 0)
+
+
+def _as_long(name: str, value: Tensor | Sequence[int]) -> Tensor:
+    tensor = torch.as_tensor(value)
+    if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got dtype {tensor.dtype}")
+    return tensor.to(torch.long)
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTree:
+    """A validated draft tree. Build with `TokenTree.build(...)` (accepts lists) or the constructor
+    (tensors of the right dtype); both validate and raise ValueError naming the bad field."""
+
+    tokens: Tensor  # LongTensor [N]; tokens[0] is the root token
+    parents: Tensor  # LongTensor [N]; parents[0] == -1, 0 <= parents[i] < i
+    child_draw: Tensor  # uint8 [N]; ChildDraw of each node's children
+    log_joint: Tensor  # FloatTensor [N]; sum of log q along the root path, 0 at the root
+    draft_probs: Tensor | None = None  # FloatTensor [E, V]; q at each expanded node that needs it
+    draft_rows: Tensor | None = None  # LongTensor [N]; node -> row of draft_probs, or -1
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def build(
+        cls,
+        tokens: Tensor | Sequence[int],
+        parents: Tensor | Sequence[int],
+        child_draw: Tensor | Sequence[int] | ChildDraw = ChildDraw.TOP_K,
+        log_joint: Tensor | Sequence[float] | None = None,
+        draft_probs: Tensor | None = None,
+        draft_rows: Tensor | Sequence[int] | None = None,
+    ) -> "TokenTree":
+        """Convert plain sequences to tensors and validate. A single ChildDraw applies to all nodes;
+        log_joint defaults to zeros (unknown)."""
+        tokens_t = _as_long("tokens", tokens)
+        num = tokens_t.shape[0] if tokens_t.dim() == 1 else -1
+        if isinstance(child_draw, (ChildDraw, int)):
+            draw_t = torch.full((max(num, 0),), int(child_draw), dtype=torch.uint8)
+        else:
+            draw_t = _as_long("child_draw", child_draw).to(torch.uint8)
+        lj = torch.zeros(max(num, 0)) if log_joint is None else torch.as_tensor(log_joint, dtype=torch.float32)
+        rows = None if draft_rows is None else _as_long("draft_rows", draft_rows)
+        return cls(tokens_t, _as_long("parents", parents), draw_t, lj, draft_probs, rows)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        tokens, parents = self.tokens, self.parents
+        if tokens.dim() != 1 or tokens.shape[0] < 1 or tokens.dtype != torch.long:
+            raise ValueError(f"tokens must be a LongTensor [N] with N >= 1, got {tuple(tokens.shape)} {tokens.dtype}")
+        num = tokens.shape[0]
+        if bool((tokens < 0).any()):
+            raise ValueError("tokens must be >= 0")
+        if parents.shape != (num,) or parents.dtype != torch.long:
+            raise ValueError(f"parents must be a LongTensor [{num}], got {tuple(parents.shape)} {parents.dtype}")
+        if int(parents[0]) != -1:
+            raise ValueError("parents[0] must be -1 (node 0 is the root)")
+        if num > 1 and bool((parents[1:] < 0).any() | (parents[1:] >= torch.arange(1, num)).any()):
+            raise ValueError("parents must satisfy 0 <= parents[i] < i (topological order, no cycles)")
+        if self.child_draw.shape != (num,) or self.child_draw.dtype != torch.uint8:
+            raise ValueError(f"child_draw must be a uint8 tensor [{num}], got {tuple(self.child_draw.shape)}")
+        if bool((self.child_draw > max(ChildDraw)).any()):
+            raise ValueError("child_draw holds a value that is not a ChildDraw")
+        lj = self.log_joint
+        if lj.shape != (num,) or not lj.dtype.is_floating_point:
+            raise ValueError(f"log_joint must be a FloatTensor [{num}], got {tuple(lj.shape)} {lj.dtype}")
+        if bool(torch.isnan(lj).any() | (lj > 1e-4).any()):
+            raise ValueError("log_joint must hold log-probabilities (<= 0, no NaN)")
+        self._validate_draft(num)
+
+    def _validate_draft(self, num: int) -> None:
+        probs, rows = self.draft_probs, self.draft_rows
+        needs_row = (self.child_draw == ChildDraw.WITHOUT_REPLACEMENT) & self.has_children_mask
+        if probs is None:
+            if rows is not None:
+                raise ValueError("draft_rows given without draft_probs")
+            if bool(needs_row.any()):
+                raise ValueError("draft_probs is required: some node has WITHOUT_REPLACEMENT children")
+            return
+        if probs.dim() != 2 or not probs.dtype.is_floating_point:
+            raise ValueError(f"draft_probs must be a FloatTensor [E, V], got {tuple(probs.shape)} {probs.dtype}")
+        if rows is None or rows.shape != (num,) or rows.dtype != torch.long:
+            raise ValueError(f"draft_rows must be a LongTensor [{num}] when draft_probs is given")
+        if bool(((rows < -1) | (rows >= probs.shape[0])).any()):
+            raise ValueError(f"draft_rows must lie in [-1, {probs.shape[0]})")
+        if bool((needs_row & (rows < 0)).any()):
+            raise ValueError("draft_rows: a node with WITHOUT_REPLACEMENT children has no draft row")
+        vocab = probs.shape[1]
+        if bool((self.tokens >= vocab).any()):
+            raise ValueError(f"tokens must be < vocab size {vocab} of draft_probs")
+        if probs.shape[0]:
+            # One reduction each: NaN propagates through amin and sum, so this also catches NaN.
+            low = probs.amin()
+            sums = probs.sum(dim=1)
+            if bool(torch.isnan(low)) or float(low) < 0:
+                raise ValueError("draft_probs must be non-negative and free of NaN")
+            if bool(((sums - 1).abs() > _SUM_TOL).any()):
+                raise ValueError("draft_probs rows must sum to 1")
+            child = torch.nonzero(needs_row[self.parents.clamp(min=0)] & (self.parents >= 0)).flatten()
+            if child.numel() and bool((probs[rows[self.parents[child]], self.tokens[child]] <= 0).any()):
+                raise ValueError("tokens: a WITHOUT_REPLACEMENT child has zero draft probability at its parent")
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def vocab_size(self) -> int | None:
+        return None if self.draft_probs is None else self.draft_probs.shape[1]
+
+    @cached_property
+    def _parent_list(self) -> list[int]:
+        return self.parents.tolist()
+
+    @cached_property
+    def depth(self) -> Tensor:
+        """LongTensor [N]: root 0, its children 1, ..."""
+        out = [0] * self.num_nodes
+        for i, p in enumerate(self._parent_list[1:], start=1):
+            out[i] = out[p] + 1
+        return torch.tensor(out, dtype=torch.long)
+
+    @cached_property
+    def _children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for i, p in enumerate(self._parent_list[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    @cached_property
+    def has_children_mask(self) -> Tensor:
+        """bool [N]: node has at least one child."""
+        mask = torch.zeros(self.num_nodes, dtype=torch.bool)
+        mask[self.parents[1:]] = True
+        return mask
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` in draw order."""
+        return self._children[node]
+
+    def ancestor_mask(self) -> Tensor:
+        """bool [N, N]: mask[i, j] is True iff j is i or an ancestor of i (tree attention)."""
+        num = self.num_nodes
+        mask = torch.eye(num, dtype=torch.bool)
+        rows = torch.arange(num)
+        cur = self.parents.clone()
+        # One vectorised step per tree level: walk every node up one parent at a time.
+        while bool((cur >= 0).any()):
+            live = cur >= 0
+            mask[rows[live], cur[live]] = True
+            cur = torch.where(live, self.parents[cur.clamp(min=0)], cur)
+        return mask
+
+    def position_ids(self, past_len: int) -> Tensor:
+        """LongTensor [N]: past_len + depth (the root sits at position past_len)."""
+        return self.depth + past_len
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-node index lists, one per node (paths()[0] == [0])."""
+        out: list[list[int]] = [[0]]
+        for i, p in enumerate(self._parent_list[1:], start=1):
+            out.append(out[p] + [i])
+        return out
+
+    def dfs_order(self) -> Tensor:
+        """LongTensor [N]: pre-order DFS permutation (children in draw order), DySpec appendix C.
+        Being pre-order it stays topological, so `reorder(tree.dfs_order())` is a valid tree."""
+        order: list[int] = []
+        stack = [0]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(self._children[node]))
+        return torch.tensor(order, dtype=torch.long)
+
+    def block_count(self, block: int = 32) -> int:
+        """Number of non-empty block x block tiles of the ancestor mask (attention kernel work)."""
+        return count_mask_blocks(self.ancestor_mask(), block)
+
+    # ------------------------------------------------------------------ re-indexing
+    def reorder(self, order: Tensor | Sequence[int]) -> "TokenTree":
+        """New tree whose node i is old node order[i]; order must be a topological permutation that
+        starts with the root and keeps siblings in draw order."""
+        order_t = _as_long("order", order)
+        if order_t.shape != (self.num_nodes,) or not torch.equal(order_t.sort().values, torch.arange(self.num_nodes)):
+            raise ValueError("order must be a permutation of all nodes")
+        return self._reindex(order_t)
+
+    def select(self, keep_nodes: Tensor | Sequence[int]) -> "TokenTree":
+        """Sub-tree of the kept nodes (root implied), re-indexed in the old relative order.
+
+        The kept set must be closed under ancestors. Under a WITHOUT_REPLACEMENT parent it must keep
+        a prefix of the siblings: a later sibling was drawn from a residual that excludes the earlier
+        ones, so dropping an earlier one would make verification lossy.
+        """
+        keep = torch.zeros(self.num_nodes, dtype=torch.bool)
+        keep[_as_long("keep_nodes", keep_nodes)] = True
+        keep[0] = True
+        kept_parent_ok = keep[self.parents.clamp(min=0)] | (self.parents < 0)
+        if bool((keep & ~kept_parent_ok).any()):
+            raise ValueError("keep_nodes must be closed under ancestors")
+        for node in torch.nonzero(keep & (self.child_draw == ChildDraw.WITHOUT_REPLACEMENT)).flatten().tolist():
+            flags = keep[self._children[node]].tolist()
+            if flags and flags != sorted(flags, reverse=True):
+                raise ValueError("keep_nodes must keep a prefix of WITHOUT_REPLACEMENT siblings")
+        return self._reindex(torch.nonzero(keep).flatten())
+
+    def _reindex(self, order: Tensor) -> "TokenTree":
+        new_index = torch.full((self.num_nodes,), -1, dtype=torch.long)
+        new_index[order] = torch.arange(order.shape[0])
+        old_parents = self.parents[order]
+        parents = torch.where(old_parents >= 0, new_index[old_parents.clamp(min=0)], old_parents)
+        probs, rows = self.draft_probs, self.draft_rows
+        if probs is not None and rows is not None:
+            # Keep only the rows the kept nodes refer to, so the payload shrinks with the tree.
+            old_rows = rows[order]
+            used = old_rows >= 0
+            probs = probs[old_rows[used]]
+            rows = torch.full_like(old_rows, -1)
+            rows[used] = torch.arange(int(used.sum()))
+        return TokenTree(self.tokens[order], parents, self.child_draw[order], self.log_joint[order], probs, rows)
+
+
+def count_mask_blocks(mask: Tensor, block: int = 32) -> int:
+    """Number of block x block tiles of a bool mask [N, N] holding at least one True."""
+    num = mask.shape[0]
+    pad = (-num) % block
+    padded = torch.nn.functional.pad(mask, (0, pad, 0, pad))
+    tiles = padded.view((num + pad) // block, block, (num + pad) // block, block)
+    return int(tiles.any(dim=3).any(dim=1).sum())

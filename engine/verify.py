@@ -1,0 +1,179 @@
+"""Lossless verification of a token tree against the target's distributions.
+
+Terms (as in vLLM's rejection sampler):
+- accepted tokens: draft tokens on the path the verifier walks down from the root, each accepted
+  by the rule of its parent's `ChildDraw`;
+- recovered token: drawn where the walk stops because every child of the current node was
+  rejected; it comes from the residual target distribution that the rejections leave behind;
+- bonus token: drawn where the walk stops because the current node has no children; it comes from
+  the target distribution at that node. Either way exactly one token follows the accepted ones, so a
+  step emits len(accepted_nodes) + 1 tokens (the MAL of DESIGN.md section 7 counts all of them).
+
+Rules per node (DESIGN.md section 5):
+- temperature 0: follow the child whose token equals the target argmax; emit the argmax at the end.
+- WITHOUT_REPLACEMENT children (DySpec Algorithm 3, SpecInfer's multi-round rule): accept child x
+  w.p. min(1, R[x] / D[x]); on rejection R <- norm(max(R - D, 0)), D[x] <- 0, D <- norm(D); if no
+  child is accepted, sample from R. A sampled chain (one child per node) reduces to min(1, p/q)
+  with residual norm(max(p - q, 0)).
+- TOP_K / GREEDY children (deterministic given the context): point-mass rule, accept child x w.p.
+  p'(x); on rejection p'(x) <- 0 and renormalise; if none is accepted, sample from p'.
+Edge cases: a residual that is all zero (only float error can cause it) falls back to the target
+distribution; a duplicate sibling token has p'(x) = 0 (point mass) or D[x] = 0 (residual) once its
+twin was rejected and is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree import ChildDraw, TokenTree
+
+
+@dataclass(frozen=True)
+class TargetDists:
+    """Target output for one tree, node-aligned with the TokenTree (row i = next token after node i)."""
+
+    argmax: Tensor | None = None  # LongTensor [N]; needed at temperature 0
+    probs: Tensor | None = None  # FloatTensor [N, V]; warped target probabilities at temperature > 0
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted_nodes: list[int]  # tree node indices accepted, in path order, root excluded
+    tokens: list[int]  # accepted draft tokens + the final bonus/recovered token
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes)
+
+
+def _check_target(tree: TokenTree, target: TargetDists, sampling: SamplingParams) -> None:
+    num = tree.num_nodes
+    if sampling.is_greedy:
+        if target.argmax is None or target.argmax.shape != (num,):
+            raise ValueError(f"argmax must be a LongTensor [{num}] at temperature 0")
+        return
+    probs = target.probs
+    if probs is None or probs.dim() != 2 or probs.shape[0] != num:
+        raise ValueError(f"probs must be a FloatTensor [{num}, V] at temperature > 0")
+    if tree.vocab_size is not None and probs.shape[1] != tree.vocab_size:
+        raise ValueError(f"probs vocab size {probs.shape[1]} != draft vocab size {tree.vocab_size}")
+    low = probs.amin()
+    if bool(torch.isnan(low)) or float(low) < 0:
+        raise ValueError("probs must be non-negative and free of NaN")
+
+
+def _sample(dist: Tensor, uniform: float) -> int:
+    """Inverse-CDF draw from a non-negative float64 vector [V] (normalised or not)."""
+    cum = torch.cumsum(dist, dim=0)
+    idx = int(torch.searchsorted(cum, cum[-1:] * uniform, right=True))
+    idx = min(idx, dist.shape[0] - 1)
+    while float(dist[idx]) <= 0.0 and idx > 0:  # float edge at the top of the CDF
+        idx -= 1
+    return idx
+
+
+def _verify_greedy(tree: TokenTree, argmax: Tensor) -> VerifyResult:
+    tokens = tree.tokens.tolist()
+    best = argmax.tolist()
+    node, accepted, out = 0, [], []
+    while True:
+        want = best[node]
+        nxt = next((c for c in tree.children(node) if tokens[c] == want), None)
+        out.append(want)
+        if nxt is None:
+            return VerifyResult(accepted, out)
+        accepted.append(nxt)
+        node = nxt
+
+
+def _point_mass_step(p: Tensor, kids: list[int], kid_tokens: list[int], uniforms: list[float]) -> tuple[int | None, int]:
+    """Point-mass rule at one node; returns (accepted child or None, emitted token if none)."""
+    mass = float(p.sum(dtype=torch.float64))
+    vals = p[kid_tokens].double().tolist()
+    rejected: set[int] = set()
+    for kid, tok, val in zip(kids, kid_tokens, vals):
+        if tok in rejected:
+            continue
+        if mass > 0.0 and uniforms.pop() * mass < val:
+            return kid, tok
+        rejected.add(tok)
+        mass -= val
+    residual = p.double()
+    if rejected and mass > 1e-12:
+        residual = residual.clone()
+        residual[list(rejected)] = 0.0
+        if float(residual.sum()) <= 0.0:
+            residual = p.double()
+    return None, _sample(residual, uniforms.pop())
+
+
+def _residual_step(
+    p: Tensor, q: Tensor, kids: list[int], kid_tokens: list[int], uniforms: list[float]
+) -> tuple[int | None, int]:
+    """DySpec Algorithm 3 at one node; returns (accepted child or None, emitted token if none)."""
+    target = p.double()
+    resid = target.clone()
+    draft = q.double().clone()
+    for kid, tok in zip(kids, kid_tokens):
+        d = float(draft[tok])
+        if d <= 0.0:  # duplicate of a rejected sibling: it cannot have been drawn here
+            continue
+        if uniforms.pop() * d < float(resid[tok]):
+            return kid, tok
+        resid = (resid - draft).clamp_(min=0.0)
+        total = float(resid.sum())
+        resid = resid / total if total > 0.0 else target.clone()
+        draft[tok] = 0.0
+        remaining = float(draft.sum())
+        if remaining <= 0.0:
+            break
+        draft /= remaining
+    return None, _sample(resid, uniforms.pop())
+
+
+def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, generator: torch.Generator) -> VerifyResult:
+    """Walk the tree from the root, accepting children by the rule of each node's ChildDraw."""
+    _check_target(tree, target, sampling)
+    if sampling.is_greedy:
+        return _verify_greedy(tree, target.argmax)
+    probs = target.probs
+    tokens = tree.tokens.tolist()
+    draw = tree.child_draw.tolist()
+    rows = None if tree.draft_rows is None else tree.draft_rows.tolist()
+    # Enough uniforms for every child test plus the final draw, fetched in one generator call.
+    uniforms = torch.rand(tree.num_nodes + 1, generator=generator, dtype=torch.float64).tolist()
+    node, accepted, out = 0, [], []
+    while True:
+        kids = tree.children(node)
+        p = probs[node]
+        if not kids:
+            out.append(_sample(p.double(), uniforms.pop()))
+            return VerifyResult(accepted, out)
+        kid_tokens = [tokens[k] for k in kids]
+        if draw[node] == ChildDraw.WITHOUT_REPLACEMENT:
+            chosen, token = _residual_step(p, tree.draft_probs[rows[node]], kids, kid_tokens, uniforms)
+        else:
+            chosen, token = _point_mass_step(p, kids, kid_tokens, uniforms)
+        out.append(token)
+        if chosen is None:
+            return VerifyResult(accepted, out)
+        accepted.append(chosen)
+        node = chosen
+
+
+def verify_batch(
+    trees: Sequence[TokenTree],
+    targets: Sequence[TargetDists],
+    sampling_per_tree: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> list[VerifyResult]:
+    """verify_tree for each request of a batch (each with its own sampling parameters and RNG)."""
+    if not (len(trees) == len(targets) == len(sampling_per_tree) == len(generators)):
+        raise ValueError("trees, targets, sampling_per_tree and generators must have the same length")
+    return [verify_tree(t, d, s, g) for t, d, s, g in zip(trees, targets, sampling_per_tree, generators)]

@@ -1,0 +1,121 @@
+"""Statistical losslessness: the first 3 emitted tokens of tree speculative decoding follow the
+target's exact distribution, for every builder (each with its own verification rule) and warp."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from toy import ToyModels, ToyOracle, target_for
+from treeserve.engine.builders import (
+    C2TBuilder,
+    C2TChainBuilder,
+    ChainBuilder,
+    DySpecBuilder,
+    DySpecThresholdBuilder,
+    Eagle2Builder,
+    OptTreeBuilder,
+    StaticTreeBuilder,
+)
+from treeserve.engine.c2t_classifier import C2TClassifier
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree import ChildDraw
+from treeserve.engine.verify import verify_tree
+
+PROMPT = (3, 7, 1)
+DRAWS = 20_000
+EMIT = 3
+
+SMALL_STATIC = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+PRIOR = C2TClassifier.joint_prob_prior(center=0.05)
+BUILDERS = {
+    "chain_sampled": (lambda: ChainBuilder(length=3), False),
+    "chain_top1": (lambda: ChainBuilder(length=3, sampled=False), True),
+    "static": (lambda: StaticTreeBuilder(paths=SMALL_STATIC), True),
+    "eagle2": (lambda: Eagle2Builder(budget=6, depth=3, top_k=3), True),
+    "dyspec": (lambda: DySpecBuilder(budget=6), False),
+    "dyspec_threshold": (lambda: DySpecThresholdBuilder(threshold=0.15, budget=8), False),
+    "opt_tree": (lambda: OptTreeBuilder(budget=4, delta=0.05), True),
+    "c2t": (lambda: C2TBuilder(PRIOR, beta=0.5, top_k=3, max_depth=3), True),
+    "c2t_chain": (lambda: C2TChainBuilder(PRIOR, max_length=3, beta=0.5), True),
+}
+WARPS = {
+    "T1": SamplingParams(temperature=1.0),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.9),
+    "top_k": SamplingParams(temperature=1.0, top_k=20),
+}
+
+
+def emitted_counts(models: ToyModels, builder, deterministic: bool, sampling: SamplingParams, seed: int):
+    """Run speculative decoding DRAWS times from PROMPT, keeping the first EMIT tokens each time.
+    Deterministic builders get their trees cached per context (they ignore the generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache: dict = {}
+    counts: collections.Counter = collections.Counter()
+    kinds: set[int] = set()
+    for _ in range(DRAWS):
+        ctx, out = PROMPT, ()
+        while len(out) < EMIT:
+            hit = cache.get(ctx)
+            if hit is None:
+                tree = builder.build(ctx[-1], ToyOracle(models, ctx[:-1], sampling), sampling, gen)
+                hit = (tree, target_for(models, ctx[:-1], tree, sampling))
+                kinds.update(tree.child_draw[tree.has_children_mask].tolist())
+                if deterministic:
+                    cache[ctx] = hit
+            result = verify_tree(hit[0], hit[1], sampling, gen)
+            out += tuple(result.tokens)
+            ctx += tuple(result.tokens)
+        counts[out[:EMIT]] += 1
+    return counts, kinds
+
+
+def chi_square_pvalue(counts, exact: dict, draws: int) -> float:
+    observed, expected, pool_obs, pool_exp = [], [], 0, 0.0
+    for seq, prob in exact.items():
+        exp = prob * draws
+        if exp < 5:
+            pool_obs += counts.get(seq, 0)
+            pool_exp += exp
+        else:
+            observed.append(counts.get(seq, 0))
+            expected.append(exp)
+    assert sum(counts[s] for s in counts if s not in exact) == 0, "emitted a sequence of target probability 0"
+    observed.append(pool_obs)
+    expected.append(pool_exp)
+    return float(chisquare(observed, expected).pvalue)
+
+
+@pytest.mark.parametrize("warp", list(WARPS))
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_first_tokens_follow_target(models, name, warp):
+    make, deterministic = BUILDERS[name]
+    sampling = WARPS[warp]
+    counts, kinds = emitted_counts(models, make(), deterministic, sampling, seed=hash((name, warp)) % 2**31)
+    expected_kind = ChildDraw.WITHOUT_REPLACEMENT if name in ("chain_sampled", "dyspec", "dyspec_threshold") else ChildDraw.TOP_K
+    assert kinds == {int(expected_kind)}
+    exact = models.exact_first_tokens(PROMPT, sampling, EMIT)
+    assert chi_square_pvalue(counts, exact, DRAWS) > 0.01
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_greedy_matches_target_greedy_decoding(models, name):
+    sampling = SamplingParams()
+    builder = BUILDERS[name][0]()
+    gen = torch.Generator().manual_seed(0)
+    ctx, out = PROMPT, []
+    while len(out) < 12:
+        tree = builder.build(ctx[-1], ToyOracle(models, ctx[:-1], sampling), sampling, gen)
+        result = verify_tree(tree, target_for(models, ctx[:-1], tree, sampling), sampling, gen)
+        assert len(result.tokens) == len(result.accepted_nodes) + 1
+        out += result.tokens
+        ctx += tuple(result.tokens)
+    ref, rctx = [], PROMPT
+    while len(ref) < len(out):
+        tok = int(models.logits(rctx)[0].argmax())
+        ref.append(tok)
+        rctx += (tok,)
+    assert out == ref

@@ -1,0 +1,94 @@
+"""A toy language-model pair for engine tests: fixed random target and draft distributions per
+context (seeded from the context tuple), a DraftOracle over it, and exact target marginals."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.tree import TokenTree
+from treeserve.engine.verify import TargetDists
+
+
+@dataclass
+class ToyModels:
+    """Target logits ~ scale * N(0, 1) per context; draft logits = target + noise * N(0, 1), so the
+    draft agrees with the target often but not always."""
+
+    vocab: int = 24
+    seed: int = 0
+    scale: float = 2.0
+    noise: float = 1.0
+    _cache: dict[tuple[int, ...], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+
+    def logits(self, context: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """(target logits [V], draft logits [V]) for the next token after `context`."""
+        hit = self._cache.get(context)
+        if hit is None:
+            key = zlib.crc32(repr((self.seed, context)).encode())
+            gen = torch.Generator().manual_seed(key)
+            target = torch.randn(self.vocab, generator=gen) * self.scale
+            draft = target + torch.randn(self.vocab, generator=gen) * self.noise
+            hit = self._cache[context] = (target, draft)
+        return hit
+
+    def target_probs(self, context: tuple[int, ...], sampling: SamplingParams) -> Tensor:
+        return warp_probs(self.logits(context)[0], sampling)
+
+    def exact_first_tokens(self, context: tuple[int, ...], sampling: SamplingParams, n: int = 3) -> dict[tuple[int, ...], float]:
+        """Exact probability of every n-token continuation under the warped target."""
+        out: dict[tuple[int, ...], float] = {(): 1.0}
+        for _ in range(n):
+            nxt: dict[tuple[int, ...], float] = {}
+            for seq, prob in out.items():
+                row = self.target_probs(context + seq, sampling).tolist()
+                for tok, p in enumerate(row):
+                    if p > 0:
+                        nxt[seq + (tok,)] = prob * p
+            out = nxt
+        return out
+
+
+def node_contexts(prefix: tuple[int, ...], tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
+    """Context (prefix + root path tokens) after every node."""
+    ctx: list[tuple[int, ...]] = []
+    for i, (tok, par) in enumerate(zip(tokens, parents)):
+        ctx.append((prefix if par < 0 else ctx[par]) + (tok,))
+    return ctx
+
+
+@dataclass
+class ToyOracle:
+    """DraftOracle over ToyModels; `prefix` = the context before the root token."""
+
+    models: ToyModels
+    prefix: tuple[int, ...]
+    sampling: SamplingParams
+    calls: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.models.vocab
+
+    def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
+        self.calls += 1
+        ctx = node_contexts(self.prefix, tokens.tolist(), parents.tolist())
+        rows = [self.models.logits(ctx[i])[1] for i in node_ids.tolist()]
+        return warp_probs(torch.stack(rows), self.sampling)
+
+
+def target_for(models: ToyModels, prefix: tuple[int, ...], tree: TokenTree, sampling: SamplingParams) -> TargetDists:
+    ctx = node_contexts(prefix, tree.tokens.tolist(), tree.parents.tolist())
+    logits = torch.stack([models.logits(c)[0] for c in ctx])
+    if sampling.is_greedy:
+        return TargetDists(argmax=logits.argmax(dim=-1))
+    return TargetDists(probs=warp_probs(logits, sampling))
+
+
+def all_sequences(vocab: int, n: int) -> list[tuple[int, ...]]:
+    return list(itertools.product(range(vocab), repeat=n))
