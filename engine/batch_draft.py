@@ -1,0 +1,50 @@
+"""Batched C2T chain drafting for batch sizes above 1 (C2T section 5.5; DESIGN.md section 6).
+
+Every sequence drafts a top-1 chain; all still-growing chains advance together, one drafter forward per
+depth, and a chain stops before the first token whose classifier confidence falls under `beta`. Chains are
+deterministic top-1 (ChildDraw.GREEDY at temperature 0, TOP_K otherwise: point-mass verification), the
+same rule as `C2TChainBuilder`, which is the single-sequence form of this loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
+from treeserve.engine.runners.drafter import DrafterRunner, SessionOracle
+from treeserve.engine.tree import ChildDraw, TokenTree
+
+
+def draft_c2t_chains(drafter: DrafterRunner, oracles: list[SessionOracle], roots: list[int],
+                     classifier: C2TClassifier, beta: float, max_length: int) -> list[TokenTree]:
+    chains: list[list[int]] = [[r] for r in roots]
+    log_joint: list[list[float]] = [[0.0] for _ in roots]
+    growing = list(range(len(roots)))
+    to_feed = {i: ([roots[i]], [-1]) for i in growing}
+    for depth in range(1, max_length + 1):
+        if not growing:
+            break
+        probs = drafter.extend_many([oracles[i] for i in growing], [to_feed[i][0] for i in growing],
+                                    [to_feed[i][1] for i in growing])
+        rows = torch.stack([p[-1] for p in probs])  # [G, V] distribution after each chain's last token
+        top_p, top_tok = rows.max(dim=-1)
+        joint = torch.tensor([math.exp(log_joint[i][-1]) for i in growing]) * top_p
+        feats = c2t_features(joint, top_entropy(rows), torch.full((len(growing),), float(depth)))
+        keep = classifier.confidence(feats) >= beta
+        still = []
+        for g, i in enumerate(growing):
+            if not bool(keep[g]):
+                continue
+            token = int(top_tok[g])
+            chains[i].append(token)
+            log_joint[i].append(log_joint[i][-1] + math.log(max(float(top_p[g]), 1e-30)))
+            to_feed[i] = ([token], [len(chains[i]) - 2])
+            still.append(i)
+        growing = still
+    trees = []
+    for i, chain in enumerate(chains):
+        draw = ChildDraw.GREEDY if oracles[i].sampling.is_greedy else ChildDraw.TOP_K
+        trees.append(TokenTree.build(chain, list(range(-1, len(chain) - 1)), draw, log_joint[i]))
+    return trees

@@ -1,0 +1,176 @@
+"""Hardware-aware tree budget: pick the draft-tree size that maximises measured tokens per second.
+
+The best tree size depends on the machine (how a target forward's time grows with the number of tree
+nodes: on this 2-core CPU T(64) = 3.5 T(1), on a GPU a 70B target verifies 64 tokens for about the
+price of one) and on the drafter (how many extra tokens a bigger tree buys). So:
+
+1. `measure_profile` times the target forward against tree size and one drafter step at start-up, and
+   caches the curve per model and machine (`$TREESERVE_CACHE/profiles/`). As in Sequoia, the hardware
+   curve bounds the useful sizes; as in OPT-Tree, mu = drafter step / target step sets the floor of the
+   marginal gain worth drafting (`opt_tree_delta`).
+2. `BudgetChooser` predicts tokens/s per candidate budget from the profile and a geometric acceptance
+   prior, tries the promising candidates, then keeps choosing the budget with the best *measured*
+   tokens/s (emitted tokens over draft + score + verify time), re-checking neighbours now and then.
+   Output is unaffected: verification is lossless for every budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from treeserve.engine.requests import StepRecord
+from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+
+PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+CANDIDATE_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass
+class HardwareProfile:
+    """Measured costs on this machine."""
+
+    target_ms: dict[int, float]  # tree nodes fed (root included) -> target forward ms at the reference prefix
+    drafter_step_ms: float  # one drafter forward for one node
+    prefix_tokens: int  # context length the times were measured at
+
+    def target_time_ms(self, nodes: int) -> float:
+        """Linear interpolation of the measured curve (clamped past its ends)."""
+        sizes = sorted(self.target_ms)
+        if nodes <= sizes[0]:
+            return self.target_ms[sizes[0]]
+        for lo, hi in zip(sizes, sizes[1:]):
+            if nodes <= hi:
+                w = (nodes - lo) / (hi - lo)
+                return self.target_ms[lo] * (1 - w) + self.target_ms[hi] * w
+        last, prev = sizes[-1], sizes[-2]
+        slope = (self.target_ms[last] - self.target_ms[prev]) / (last - prev)
+        return self.target_ms[last] + slope * (nodes - last)
+
+    @property
+    def mu(self) -> float:
+        """OPT-Tree's mu: drafter step time over target step time."""
+        return self.drafter_step_ms / self.target_ms[min(self.target_ms)]
+
+    def opt_tree_delta(self) -> float:
+        """OPT-Tree's delta: a drafter step must buy at least mu expected tokens (paper: mu <= delta < 1)."""
+        return min(0.9, max(self.mu, 1e-3))
+
+
+@torch.inference_mode()
+def _time_extend(lm: CachedLM, context: list[int], nodes: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        lm.begin("profile", context)
+        start = time.perf_counter()
+        lm.extend([ExtendRequest("profile", [context[-1]] + [7] * (nodes - 1), [-1] + list(range(nodes - 1)))])
+        times.append(time.perf_counter() - start)
+    lm.release("profile")
+    return 1e3 * sorted(times[1:])[len(times[1:]) // 2]  # median, first run is warm-up
+
+
+def _profile_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str, dtype) -> str:
+    parts = [target.config.to_json_string(), "" if drafter is None else drafter.config.to_json_string(),
+             str(sum(p.numel() for p in target.parameters())), device, str(dtype), platform.machine(),
+             platform.processor(), str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__]
+    if device.startswith("cuda"):
+        parts.append(torch.cuda.get_device_name(torch.device(device)))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32, prefix_tokens: int = 128, repeats: int = 3,
+                    cache_dir: Path | None = None) -> HardwareProfile:
+    """Time target forwards of PROFILE_SIZES tree nodes and one drafter step; cached per model and machine."""
+    from treeserve.engine.models.loading import cache_root
+
+    path = (cache_dir or cache_root() / "profiles") / f"{_profile_key(target, drafter, device, dtype)}.json"
+    if path.is_file():
+        raw = json.loads(path.read_text())
+        return HardwareProfile({int(k): v for k, v in raw["target_ms"].items()}, raw["drafter_step_ms"],
+                               raw["prefix_tokens"])
+    context = [11 + (i % 97) for i in range(prefix_tokens + 1)]
+    lm = CachedLM(target, device, dtype)
+    target_ms = {n: _time_extend(lm, context, n, repeats) for n in PROFILE_SIZES}
+    drafter_ms = _time_extend(CachedLM(drafter, device, dtype), context, 1, repeats) if drafter is not None else 0.0
+    profile = HardwareProfile(target_ms, drafter_ms, prefix_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
+    return profile
+
+
+@dataclass
+class _Arm:
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class BudgetChooser:
+    """Chooses each step's draft budget from the hardware profile and measured throughput per budget."""
+
+    profile: HardwareProfile
+    max_budget: int = 64
+    prior_acceptance: float = field(default=0.6, metadata={"help": "per-token acceptance assumed before measuring"})
+    explore_steps: int = field(default=3, metadata={"help": "steps to measure each promising budget"})
+    revisit: float = field(default=0.05, metadata={"help": "chance of re-measuring a neighbouring budget"})
+    seed: int = 0
+    arms: dict[int, _Arm] = field(default_factory=dict)
+    current: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_budget < 1:
+            raise ValueError(f"max_budget must be >= 1, got {self.max_budget}")
+        self._rng = random.Random(self.seed)
+        self.candidates = [b for b in CANDIDATE_BUDGETS if b <= self.max_budget]
+        ranked = sorted(self.candidates, key=self.predicted_rate, reverse=True)
+        self._to_explore = ranked[:4]
+
+    def predicted_rate(self, budget: int) -> float:
+        """Tokens/s of a chain-like tree of `budget` nodes under a geometric acceptance prior."""
+        a = self.prior_acceptance
+        tokens = sum(a ** d for d in range(budget + 1))
+        ms = self.profile.target_time_ms(budget + 1) + self.profile.drafter_step_ms * budget
+        return 1e3 * tokens / ms
+
+    def choose(self) -> int:
+        for budget in self._to_explore:
+            if self.arms.get(budget, _Arm()).steps < self.explore_steps:
+                return budget
+        best = max((b for b in self.arms if self.arms[b].steps), key=lambda b: self.arms[b].rate)
+        if self._rng.random() < self.revisit:
+            i = self.candidates.index(best)
+            return self.candidates[min(len(self.candidates) - 1, max(0, i + self._rng.choice((-1, 1))))]
+        return best
+
+    def builder_for(self, builder):
+        """`builder` with this step's budget (a chain's length); builders without a budget are unchanged."""
+        self.current = self.choose()
+        if hasattr(builder, "budget"):
+            return dataclasses.replace(builder, budget=self.current)
+        if hasattr(builder, "length"):
+            return dataclasses.replace(builder, length=self.current)
+        return builder
+
+    def observe(self, record: StepRecord) -> None:
+        arm = self.arms.setdefault(self.current, _Arm())
+        arm.tokens += record.emitted
+        arm.seconds += (record.draft_ms + record.score_ms + record.verify_ms) / 1e3
+        arm.steps += 1
+
+    def summary(self) -> dict[int, float]:
+        return {b: round(a.rate, 2) for b, a in sorted(self.arms.items()) if a.steps}

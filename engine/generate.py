@@ -1,0 +1,195 @@
+"""In-process speculative generation: the reference decoding loop the services distribute.
+
+One step for the active batch reads like the protocol (DESIGN.md section 3):
+
+    trees = self.draft(batch)          # drafter: TokenTree per sequence
+    dists = self.score(batch, trees)   # target: one forward over all trees
+    self.accept(batch, trees, dists)   # verification, emission, stop conditions
+
+Batch size 1 uses the configured (dynamic) tree method; above 1, C2T chain mode with early exit, all
+chains scored in one padded target forward (DESIGN.md section 6). Method "autoregressive" drafts
+nothing: the tree is the root alone, so the same loop is plain decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from treeserve.engine.batch_draft import draft_c2t_chains
+from treeserve.engine.budget import BudgetChooser
+from treeserve.engine.builders import TreeConfig, make_builder
+from treeserve.engine.c2t_classifier import C2TClassifier
+from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
+from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.runners.target import ScoreRequest, TargetRunner
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree import TokenTree
+from treeserve.engine.verify import verify_tree
+
+AUTOREGRESSIVE = "autoregressive"
+_session_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """Decoding state of one request."""
+
+    request: GenerationRequest
+    session_id: str
+    context: list[int]  # prompt + emitted tokens; context[-1] is the next root
+    generator: torch.Generator
+    builder: object | None
+    emitted: list[int] = field(default_factory=list)
+    accepted_hint: list[int] | None = None
+    steps: list[StepRecord] = field(default_factory=list)
+    finish: FinishReason | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class SpeculativeEngine:
+    """Drives target and drafter runners; `generate` decodes a batch of requests to completion."""
+
+    def __init__(self, target: TargetRunner, drafter: DrafterRunner | None, tokenizer, tree: TreeConfig,
+                 max_context_tokens: int, c2t_classifier: C2TClassifier | None = None,
+                 budget: BudgetChooser | None = None, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5):
+        if drafter is None and tree.method != AUTOREGRESSIVE:
+            raise ValueError(f"tree method {tree.method!r} needs a drafter")
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.tree = tree
+        self.max_context_tokens = max_context_tokens
+        self.classifier = c2t_classifier or C2TClassifier.joint_prob_prior()
+        self.budget = budget
+        self.batch_chain_depth = batch_chain_depth
+        self.batch_chain_beta = batch_chain_beta
+        self.eos_ids = set(_eos_ids(tokenizer))
+
+    # ------------------------------------------------------------------ public API
+    def encode_chat(self, text_or_messages: str | list[dict]) -> list[int]:
+        messages = [{"role": "user", "content": text_or_messages}] if isinstance(text_or_messages, str) \
+            else text_or_messages
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Reject bad input before any model work (ValueError naming the field)."""
+        if not request.prompt_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.target.vocab_size
+        if any(t < 0 or t >= vocab for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if request.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {request.max_new_tokens}")
+        total = len(request.prompt_ids) + request.max_new_tokens
+        if total > self.max_context_tokens:
+            raise ValueError(f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
+                             f"({request.max_new_tokens}) exceeds the context window of {self.max_context_tokens}")
+        method = (request.tree or self.tree).method
+        if method != AUTOREGRESSIVE and self.drafter is None:
+            raise ValueError(f"tree method {method!r} needs a drafter")
+        if request.tree is not None and request.tree.method != AUTOREGRESSIVE:
+            make_builder(request.tree)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        for r in requests:
+            self.validate(r)
+        batch = [self._start(r) for r in requests]
+        try:
+            active = list(batch)
+            while active:
+                self.step(active)
+                active = [s for s in active if s.finish is None]
+        finally:
+            for s in batch:
+                self.release(s)
+        return [self._result(s) for s in batch]
+
+    def step(self, batch: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        trees = self.draft(batch)
+        t1 = time.perf_counter()
+        dists = self.target.score([ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint)
+                                   for s, tree in zip(batch, trees)])
+        t2 = time.perf_counter()
+        for s, tree, dist in zip(batch, trees, dists):
+            result = verify_tree(tree, dist, s.request.sampling, s.generator)
+            s.accepted_hint = result.accepted_nodes
+            self._emit(s, result.tokens)
+            s.steps.append(StepRecord(tree_size=tree.num_nodes - 1, accepted=result.num_accepted,
+                                      emitted=len(result.tokens), batch_size=len(batch),
+                                      draft_ms=(t1 - t0) * 1e3, score_ms=(t2 - t1) * 1e3, verify_ms=0.0))
+        verify_ms = (time.perf_counter() - t2) * 1e3 / len(batch)
+        for s in batch:
+            s.steps[-1].verify_ms = verify_ms
+            if self.budget is not None and s.steps[-1].tree_size:
+                self.budget.observe(s.steps[-1])
+
+    def draft(self, batch: list[Sequence]) -> list[TokenTree]:
+        """One TokenTree per sequence (the root alone for autoregressive decoding)."""
+        if len(batch) > 1 and self.drafter is not None and any(s.builder is not None for s in batch):
+            oracles = [self.drafter.begin(s.session_id, s.context, s.request.sampling, s.accepted_hint)
+                       for s in batch]
+            return draft_c2t_chains(self.drafter, oracles, [s.context[-1] for s in batch], self.classifier,
+                                    self.batch_chain_beta, self.batch_chain_depth)
+        trees = []
+        for s in batch:
+            if s.builder is None:
+                trees.append(TokenTree.build([s.context[-1]], [-1]))
+                continue
+            oracle = self.drafter.begin(s.session_id, s.context, s.request.sampling, s.accepted_hint)
+            builder = self.budget.builder_for(s.builder) if self.budget is not None else s.builder
+            trees.append(builder.build(s.context[-1], oracle, s.request.sampling, s.generator))
+        return trees
+
+    def release(self, s: Sequence) -> None:
+        self.target.release(s.session_id)
+        if self.drafter is not None:
+            self.drafter.release(s.session_id)
+
+    # ------------------------------------------------------------------ internals
+    def _start(self, request: GenerationRequest) -> Sequence:
+        generator = torch.Generator()
+        generator.manual_seed(request.seed if request.seed is not None else torch.seed())
+        config = request.tree or self.tree
+        builder = None if config.method == AUTOREGRESSIVE else make_builder(config)
+        return Sequence(request=request, session_id=f"local-{next(_session_ids)}", context=list(request.prompt_ids),
+                        generator=generator, builder=builder)
+
+    def _emit(self, s: Sequence, tokens: list[int]) -> None:
+        for token in tokens:
+            s.emitted.append(token)
+            s.context.append(token)
+            if token in self.eos_ids:
+                s.finish = FinishReason.EOS
+            elif len(s.emitted) >= s.request.max_new_tokens:
+                s.finish = FinishReason.LENGTH
+            elif s.request.stop_strings and self._hit_stop(s):
+                s.finish = FinishReason.STOP_STRING
+            if s.finish is not None:
+                return
+
+    def _hit_stop(self, s: Sequence) -> bool:
+        # Only the tail can contain a new match: decode enough tokens to cover the longest stop string.
+        longest = max(len(x) for x in s.request.stop_strings)
+        tail = self.tokenizer.decode(s.emitted[-(longest + 2):])
+        return any(x in tail for x in s.request.stop_strings)
+
+    def _result(self, s: Sequence) -> GenerationResult:
+        ids = [t for t in s.emitted if t not in self.eos_ids]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if s.finish == FinishReason.STOP_STRING:
+            cut = min((text.find(x) for x in s.request.stop_strings if x in text), default=len(text))
+            text = text[:cut]
+        return GenerationResult(token_ids=s.emitted, text=text, finish_reason=s.finish or FinishReason.LENGTH,
+                                steps=s.steps, prompt_tokens=len(s.request.prompt_ids),
+                                wall_time_s=time.perf_counter() - s.started)
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    ids = tokenizer.eos_token_id
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]

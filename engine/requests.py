@@ -1,0 +1,59 @@
+"""Request, result and per-step record types of in-process generation (shared by engine and services)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.sampling import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_STRING = "stop_string"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to decode; `prompt_ids` are final (chat template already applied)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None  # None: a random seed
+    tree: TreeConfig | None = None  # per-request override of the engine's tree method
+
+
+@dataclass
+class StepRecord:
+    """One speculation step of one sequence."""
+
+    tree_size: int  # draft nodes sent to the target (root excluded): "candidate tokens"
+    accepted: int  # draft tokens accepted
+    emitted: int  # tokens emitted: accepted + the bonus/recovered token
+    batch_size: int  # sequences in the step's target forward
+    draft_ms: float  # drafting wall time of the whole batch step
+    score_ms: float  # target forward wall time of the whole batch step
+    verify_ms: float  # verification time per sequence
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens (EOS included when emitted)
+    text: str  # decoded text, special tokens and stop string removed
+    finish_reason: FinishReason
+    steps: list[StepRecord]
+    prompt_tokens: int
+    wall_time_s: float
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """MAL: tokens emitted per target forward, bonus included (DESIGN.md section 7)."""
+        return sum(s.emitted for s in self.steps) / max(1, len(self.steps))
+
+    @property
+    def mean_tree_size(self) -> float:
+        return sum(s.tree_size for s in self.steps) / max(1, len(self.steps))

@@ -1,0 +1,98 @@
+"""Speculative generation on the tiny pair equals the target's own greedy decoding, for every method."""
+
+import pytest
+import torch
+
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.requests import FinishReason, GenerationRequest
+from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.sampling import SamplingParams
+
+METHODS = [
+    TreeConfig(method="autoregressive"),
+    TreeConfig(method="chain", depth=4),
+    TreeConfig(method="static", static_tree="mc_sim_7b_63"),
+    TreeConfig(method="eagle2", budget=16, depth=4, top_k=4),
+    TreeConfig(method="dyspec", budget=12),
+    TreeConfig(method="dyspec_threshold", threshold=0.05, budget=24),
+    TreeConfig(method="opt_tree", budget=12, delta=0.1),
+    TreeConfig(method="c2t", budget=16, depth=4, top_k=4),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target_dir, tiny_drafter_dir):
+    target = load_causal_lm(tiny_target_dir)
+    drafter = load_causal_lm(tiny_drafter_dir).model
+    return target, drafter
+
+
+def make_engine(pair, tree):
+    target, drafter = pair
+    return SpeculativeEngine(TargetRunner(target.model), DrafterRunner(drafter, target.model.config.vocab_size),
+                             target.tokenizer, tree, max_context_tokens=2048)
+
+
+@torch.inference_mode()
+def reference(model, prompt_ids, n):
+    out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("tree", METHODS, ids=lambda t: t.method)
+def test_greedy_equals_target_generate(pair, tree):
+    engine = make_engine(pair, tree)
+    prompts = [engine.encode_chat(p) for p in ["Tell me a story about a fox.", "2+2=?"]]
+    for prompt in prompts:
+        result = engine.generate([GenerationRequest(prompt, max_new_tokens=20)])[0]
+        expected = reference(pair[0].model, prompt, 20)
+        n = len(result.token_ids)
+        assert result.token_ids == expected[:n]
+        assert result.finish_reason in (FinishReason.LENGTH, FinishReason.EOS)
+        assert sum(s.emitted for s in result.steps) >= n
+
+
+def test_batch_chain_mode_equals_single(pair):
+    engine = make_engine(pair, TreeConfig(method="dyspec", budget=8))
+    prompts = [engine.encode_chat(p) for p in ["Hello there", "Write a poem about rain and the sea", "Why?"]]
+    lengths = [12, 20, 7]
+    results = engine.generate([GenerationRequest(p, max_new_tokens=n) for p, n in zip(prompts, lengths)])
+    for p, n, r in zip(prompts, lengths, results):
+        assert r.token_ids == reference(pair[0].model, p, n)[:len(r.token_ids)]
+        assert all(s.batch_size >= 1 for s in r.steps)
+    assert results[1].steps[0].batch_size == 3
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(prompt_ids=[]), "prompt"),
+    (dict(prompt_ids=[1, 2], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_ids=[1, 2], max_new_tokens=5000), "context window"),
+])
+def test_bad_requests_rejected_before_model_work(pair, bad, field):
+    engine = make_engine(pair, TreeConfig(method="chain"))
+    with pytest.raises(ValueError, match=field):
+        engine.generate([GenerationRequest(**bad)])
+
+
+def test_bad_sampling_rejected():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1, top_p=1.5)
+
+
+def test_stop_string(pair):
+    engine = make_engine(pair, TreeConfig(method="chain", depth=3))
+    prompt = engine.encode_chat("Say something")
+    full = engine.generate([GenerationRequest(prompt, max_new_tokens=16)])[0]
+    stop = full.text[len(full.text) // 2:][:3]
+    if not stop.strip():
+        pytest.skip("tiny model produced no usable stop string")
+    cut = engine.generate([GenerationRequest(prompt, max_new_tokens=16, stop_strings=(stop,))])[0]
+    assert cut.finish_reason == FinishReason.STOP_STRING
+    assert stop not in cut.text
+    assert full.text.startswith(cut.text)
