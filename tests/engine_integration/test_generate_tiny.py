@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from treeserve.engine.builders import TreeConfig
+from treeserve.engine.drafting import LocalDrafter
 from treeserve.engine.generate import SpeculativeEngine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
@@ -32,8 +33,8 @@ def pair(tiny_target_dir, tiny_drafter_dir):
 
 def make_engine(pair, tree):
     target, drafter = pair
-    return SpeculativeEngine(TargetRunner(target.model), DrafterRunner(drafter, target.model.config.vocab_size),
-                             target.tokenizer, tree, max_context_tokens=2048)
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size))
+    return SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer, tree, max_context_tokens=2048)
 
 
 @torch.inference_mode()

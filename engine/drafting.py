@@ -1,0 +1,84 @@
+"""The drafter side of a step as one object: DraftRequests in, TokenTrees out.
+
+`LocalDrafter` owns the drafter runner, one tree builder per tree configuration, the C2T classifier for
+batched chain mode and the hardware-aware budget chooser. The in-process engine calls it directly; the
+Drafter deployment serves the same `draft`/`release` over gRPC, so both paths build identical trees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treeserve.engine.batch_draft import draft_c2t_chains
+from treeserve.engine.budget import BudgetChooser
+from treeserve.engine.builders import TreeConfig, make_builder
+from treeserve.engine.c2t_classifier import C2TClassifier
+from treeserve.engine.requests import StepRecord
+from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree import TokenTree
+
+AUTOREGRESSIVE = "autoregressive"
+
+
+@dataclass
+class DraftRequest:
+    """Draft one tree whose root is `context[-1]`."""
+
+    session_id: str
+    context: list[int]  # prompt + emitted tokens; last = root
+    sampling: SamplingParams
+    tree: TreeConfig  # method and parameters (a chooser may replace the budget)
+    seed: int  # seeds this step's sampling without replacement
+    accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
+
+
+def root_only(context: list[int]) -> TokenTree:
+    return TokenTree.build([context[-1]], [-1])
+
+
+class LocalDrafter:
+    def __init__(self, runner: DrafterRunner, classifier: C2TClassifier | None = None,
+                 budget: BudgetChooser | None = None, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5):
+        self.runner = runner
+        self.classifier = classifier or C2TClassifier.joint_prob_prior()
+        self.budget = budget
+        self.batch_chain_depth = batch_chain_depth
+        self.batch_chain_beta = batch_chain_beta
+        self._builders: dict[str, object] = {}
+
+    def builder(self, config: TreeConfig):
+        """The (cached) builder for `config`; raises ValueError for invalid parameters."""
+        key = repr(config)
+        if key not in self._builders:
+            self._builders[key] = make_builder(config)
+        return self._builders[key]
+
+    def draft(self, requests: list[DraftRequest]) -> list[TokenTree]:
+        """One tree per request: the configured method alone, C2T chains in one batch above one."""
+        speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
+        trees: dict[int, TokenTree] = {}
+        if len(speculative) > 1:
+            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes) for r in speculative]
+            chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in speculative], self.classifier,
+                                      self.batch_chain_beta, self.batch_chain_depth)
+            trees = {id(r): t for r, t in zip(speculative, chains)}
+        elif speculative:
+            r = speculative[0]
+            oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes)
+            builder = self.builder(r.tree)
+            if self.budget is not None:
+                builder = self.budget.builder_for(builder)
+            generator = torch.Generator().manual_seed(r.seed)
+            trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
+        return [trees.get(id(r)) or root_only(r.context) for r in requests]
+
+    def observe(self, record: StepRecord) -> None:
+        """Feed a finished step's timing to the budget chooser (batch-1 dynamic trees only)."""
+        if self.budget is not None and record.batch_size == 1 and record.tree_size:
+            self.budget.observe(record)
+
+    def release(self, session_id: str) -> bool:
+        return self.runner.release(session_id)
