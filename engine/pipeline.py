@@ -1,0 +1,82 @@
+"""Assemble runnable pieces from paths and options: the target runner, the local drafter, the engine.
+
+Every entry point (CLI `generate`/`bench`, the Target and Drafter deployments, tests on real models) builds
+through these functions, so a model loads, a drafter is checked against its target, and the budget is
+chosen the same way everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from treeserve.engine.budget import BudgetChooser, measure_profile
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.c2t_classifier import C2TClassifier
+from treeserve.engine.drafting import AUTOREGRESSIVE, LocalDrafter
+from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.models.drafter import load_drafter
+from treeserve.engine.models.loading import LoadedModel, load_causal_lm
+from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.runners.target import TargetRunner
+
+DEFAULT_C2T_CLASSIFIER = Path(__file__).parent / "models" / "default_c2t.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load_classifier(path: str | None = "default") -> C2TClassifier:
+    """The C2T classifier: "default" (the shipped one if present, else a joint-probability prior) or a file."""
+    if path == "default":
+        return C2TClassifier.load(DEFAULT_C2T_CLASSIFIER) if DEFAULT_C2T_CLASSIFIER.is_file() \
+            else C2TClassifier.joint_prob_prior()
+    if path is None:
+        return C2TClassifier.joint_prob_prior()
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"C2T classifier {path} does not exist")
+    return C2TClassifier.load(path)
+
+
+def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str = "cpu",
+                        dtype: torch.dtype = torch.float32, budget: int | str = "auto",
+                        classifier_path: str | None = "default") -> LocalDrafter:
+    """A LocalDrafter for `target`; budget "auto" measures the hardware and chooses per step."""
+    model = load_drafter(drafter_path, target, device, dtype)
+    chooser = None
+    if budget == "auto":
+        chooser = BudgetChooser(measure_profile(target, model, device, dtype))
+    elif not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
+    return LocalDrafter(DrafterRunner(model, target.config.vocab_size, device, dtype),
+                        classifier=load_classifier(classifier_path), budget=chooser)
+
+
+def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
+    """TreeConfig for `method`; an integer budget is fixed (for a chain: its length)."""
+    config = TreeConfig(method=method, **overrides)
+    if isinstance(budget, int):
+        config = replace(config, budget=budget, depth=budget if method == "chain" else config.depth)
+    if method in ("c2t", "c2t_chain") and config.c2t_classifier_path is None and DEFAULT_C2T_CLASSIFIER.is_file():
+        config = replace(config, c2t_classifier_path=str(DEFAULT_C2T_CLASSIFIER))
+    return config
+
+
+def build_engine(target_path: str = "default", drafter_path: str = "default", method: str = "dyspec",
+                 budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
+                 max_context_tokens: int = 2048, target: LoadedModel | None = None,
+                 **tree_overrides) -> SpeculativeEngine:
+    """An in-process engine over the target (and drafter unless method is autoregressive)."""
+    torch_dtype = parse_dtype(dtype)
+    target = target or load_causal_lm(target_path, device, torch_dtype)
+    drafter = None
+    if method != AUTOREGRESSIVE:
+        drafter = build_local_drafter(drafter_path, target.model, device, torch_dtype, budget)
+    return SpeculativeEngine(TargetRunner(target.model, device, torch_dtype), drafter, target.tokenizer,
+                             tree_config(method, budget, **tree_overrides), max_context_tokens)
