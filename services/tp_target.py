@@ -1,0 +1,310 @@
+"""A tensor-parallel target: N Ray actors hold one shard each and score token trees together.
+
+`TensorParallelTarget` is what a Target deployment replica holds when `tensor_parallel_size > 1` (it is also
+usable directly, e.g. in tests). It exposes the same `score(requests)` / `release(session_id)` as
+`treeserve.engine.runners.target.TargetRunner`, so the Target deployment and the in-process engine can use
+either.
+
+How it is laid out:
+
+- **Placement.** Inside a Serve replica that was given `placement_group_bundles` (DESIGN.md; on cuda the
+  replica holds no GPU itself), the rank actors are scheduled into the replica's own placement group (any
+  bundle with room: one GPU bundle each). Anywhere else it creates its own placement group of N bundles,
+  `{"CPU": cpus_per_rank}` on cpu and `{"GPU": 1, "CPU": cpus_per_rank}` on cuda, `STRICT_PACK` by default so
+  NCCL ranks share a node. Its own group is removed by `shutdown()`.
+- **Process group.** Rank 0 picks its node IP and a free TCP port at run time (it hosts the rendezvous
+  store, so its own node is the address that works when the group was placed elsewhere than the replica);
+  all ranks then `init_process_group(backend, "tcp://ip:port")` with backend `nccl` on cuda and `gloo`
+  otherwise - the only device-specific choice in the TP path.
+- **Weights.** Each rank builds the model on the meta device and reads only its slices from the safetensors
+  files (`treeserve.engine.tp_loading.load_tp_shard`), then wraps it in a `TargetRunner`. Each rank keeps
+  its own per-session KV caches, sharded by KV head.
+- **Steps.** Every rank receives the same inputs (`score`, `release`), one step at a time and in the same
+  order (a lock around each step: collectives must pair up across ranks); rank 0 returns the results, the
+  others return None. Head counts that do not divide N raise ValueError before any Ray or process-group work.
+- **Health.** `health()` pings every rank on a separate actor thread (so it answers during a long step) and
+  raises if any rank is dead or the group was broken by a failed step; a Serve replica's `check_health`
+  calls it, so Serve replaces a replica that lost a rank. After a failure the object refuses further steps:
+  its caches are gone with the rank, and the router rebuilds sessions from context on the new replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from treeserve.engine.tp import check_tp_size
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def backend_for(device: str | torch.device) -> str:
+    """torch.distributed backend for a device: NCCL on cuda, gloo everywhere else."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+class TPGroupError(RuntimeError):
+    """A rank is dead or the group is broken; the holder must be replaced (its state is lost)."""
+
+
+class _Rank:
+    """One tensor-parallel rank: a shard of the model, a TargetRunner around it, its sessions' KV caches."""
+
+    def __init__(self, rank: int, world_size: int, num_threads: int = 1):
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        torch.set_num_threads(num_threads)
+        self.rank, self.world_size = rank, world_size
+        self.runner = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a currently free port (rank 0 hosts the TCP store)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, init_method: str, backend: str, model_dir: str, device: str, dtype: torch.dtype,
+              max_sessions: int, timeout_s: float) -> dict[str, Any]:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from treeserve.engine.runners.target import TargetRunner
+        from treeserve.engine.tp_loading import load_tp_shard
+
+        dev = torch.device(device)
+        if dev.type != "cpu":
+            # Ray gives each rank actor its own accelerator (visible as index 0).
+            dev = torch.device(dev.type, dev.index or 0)
+            torch.accelerator.set_device_index(dev.index)
+        start = time.perf_counter()
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        mesh = DeviceMesh(dev.type, list(range(self.world_size)))
+        init_s = time.perf_counter() - start
+        model, _, info = load_tp_shard(model_dir, mesh, dev, dtype)
+        self.runner = TargetRunner(model, dev, dtype, max_sessions)
+        return {"rank": self.rank, "init_s": init_s, "load_s": info.load_s, "mode": info.mode,
+                "local_param_bytes": info.local_param_bytes, "full_param_bytes": info.full_param_bytes,
+                "pid": os.getpid()}
+
+    def score(self, requests):
+        with torch.no_grad():
+            out = self.runner.score(requests)
+        return out if self.rank == 0 else None
+
+    def score_logits(self, requests):
+        """Raw logits [N, V] per request (what `score` warps): for equality checks against TP=1."""
+        from treeserve.engine.runners.cached_lm import ExtendRequest
+
+        lm = self.runner.lm
+        with torch.no_grad():
+            for r in requests:
+                lm.begin(r.session_id, r.context, r.accepted_nodes)
+            logits = lm.extend([ExtendRequest(r.session_id, r.tree.tokens.tolist(), r.tree.parents.tolist())
+                                for r in requests])
+        return [l.cpu() for l in logits] if self.rank == 0 else None
+
+    def release(self, session_id: str) -> bool:
+        return self.runner.release(session_id)
+
+    def kv_heads(self, session_id: str) -> int:
+        """KV heads this rank caches for a session (num_key_value_heads / tp when sharded by head)."""
+        return int(self.runner.lm.sessions[session_id].keys[0].shape[1])
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> int:
+        return self.rank
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# Steps run in the default group (one thread: collectives in order); pings in their own thread.
+_RankActor = ray.remote(concurrency_groups={"control": 1})(_Rank)
+
+
+class TensorParallelTarget:
+    """`score`/`release` like TargetRunner, computed by `tensor_parallel_size` rank actors."""
+
+    def __init__(self, model_path: str | os.PathLike = "default", tensor_parallel_size: int = 2,
+                 device: str = "cpu", dtype: str | torch.dtype = "float32", *, cpus_per_rank: float = 1.0,
+                 max_sessions: int = 256, num_threads: int = 1, placement_strategy: str = "STRICT_PACK",
+                 start_timeout_s: float = 600.0, step_timeout_s: float = 600.0,
+                 health_timeout_s: float = 30.0):
+        from transformers import AutoConfig
+
+        from treeserve.engine.models.loading import resolve_model_dir
+
+        self.tensor_parallel_size = tensor_parallel_size
+        self.device = str(device)
+        self.dtype = _as_dtype(dtype)
+        self.step_timeout_s = step_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.actors: list = []
+        self.load_info: list[dict[str, Any]] = []
+        self._own_pg = None
+        self._broken: str | None = None
+        self._lock = threading.Lock()
+        # Validate before any Ray or process-group work.
+        model_dir = resolve_model_dir(model_path)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        check_tp_size(config, tensor_parallel_size)
+        self.model_dir = Path(model_dir)
+        self.vocab_size = config.vocab_size
+        accel = torch.device(device).type != "cpu"
+        if accel and torch.device(device).type != "cuda":
+            raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        if not ray.is_initialized():
+            raise RuntimeError("TensorParallelTarget needs a running Ray (ray.init() or a Serve replica)")
+        try:
+            self._start(model_dir, accel, cpus_per_rank, max_sessions, num_threads, placement_strategy,
+                        start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ start-up
+    def _start(self, model_dir, accel, cpus_per_rank, max_sessions, num_threads, strategy, timeout_s) -> None:
+        from ray.util.placement_group import get_current_placement_group, placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        n = self.tensor_parallel_size
+        pg = get_current_placement_group()
+        if pg is None:
+            bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if accel else {})}
+            pg = self._own_pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy)
+            try:
+                ray.get(pg.ready(), timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise TPGroupError(f"placement group of {n} x {bundle} not ready after {timeout_s:.0f} s: "
+                                   f"the cluster lacks the resources") from None
+        env = {"OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads),
+               "TOKENIZERS_PARALLELISM": "false"}
+        for rank in range(n):
+            strategy_ = PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=rank if self._own_pg is not None else -1,
+                placement_group_capture_child_tasks=False)
+            self.actors.append(_RankActor.options(
+                num_cpus=cpus_per_rank, num_gpus=1 if accel else 0, scheduling_strategy=strategy_,
+                runtime_env={"env_vars": env}, max_restarts=0,
+            ).remote(rank, n, num_threads))
+        ip, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=timeout_s)
+        init_method = f"tcp://{ip}:{port}"
+        backend = backend_for(self.device)
+        refs = [a.setup.remote(init_method, backend, str(model_dir), self.device, self.dtype, max_sessions,
+                               self.step_timeout_s) for a in self.actors]
+        self.load_info = self._gather(refs, timeout_s)
+        self.init_method, self.backend = init_method, backend
+
+    # ------------------------------------------------------------------ steps
+    def _gather(self, refs: list, timeout_s: float) -> list:
+        """Results of one call per rank; the first failure (or a timeout) breaks the group and raises."""
+        results: dict[int, Any] = {}
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending, deadline = list(refs), time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._broken = f"ranks {sorted(index[r] for r in pending)} did not answer within {timeout_s:.0f} s"
+                raise TPGroupError(self._broken)
+            for ref in ready:
+                try:
+                    results[index[ref]] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    self._broken = f"rank {index[ref]} died: {exc}"
+                    raise TPGroupError(self._broken) from exc
+                except ray.exceptions.RayTaskError as exc:
+                    # Same inputs on every rank: a rank raising (e.g. ValueError on a bad request, before
+                    # any collective) means all of them raise. Wait for the rest so the next step starts
+                    # with every rank idle, then re-raise the rank's own exception type.
+                    ray.wait(pending, num_returns=len(pending), timeout=self.health_timeout_s)
+                    raise exc.as_instanceof_cause() from None
+        return [results[i] for i in range(len(refs))]
+
+    def _step(self, method: str, *args) -> list:
+        with self._lock:
+            if self._broken:
+                raise TPGroupError(f"tensor-parallel group unusable: {self._broken}")
+            args = [ray.put(a) for a in args]
+            refs = [getattr(a, method).remote(*args) for a in self.actors]
+            return self._gather(refs, self.step_timeout_s)
+
+    def score(self, requests: list) -> list:
+        """Same as TargetRunner.score: one TargetDists per ScoreRequest (computed by all ranks, from rank 0)."""
+        return self._step("score", list(requests))[0]
+
+    def score_logits(self, requests: list) -> list[torch.Tensor]:
+        """Raw target logits [N, V] per request (diagnostics and equality tests)."""
+        return self._step("score_logits", list(requests))[0]
+
+    def release(self, session_id: str) -> bool:
+        return bool(self._step("release", session_id)[0])
+
+    async def score_async(self, requests: list) -> list:
+        """`score` without blocking an event loop (Serve replicas are async)."""
+        return await asyncio.to_thread(self.score, requests)
+
+    async def release_async(self, session_id: str) -> bool:
+        return await asyncio.to_thread(self.release, session_id)
+
+    # ------------------------------------------------------------------ lifecycle
+    def health(self) -> None:
+        """Raise TPGroupError unless every rank answers (pings run beside a step in progress)."""
+        if self._broken:
+            raise TPGroupError(f"tensor-parallel group unusable: {self._broken}")
+        if not self.actors:
+            raise TPGroupError("tensor-parallel target is shut down")
+        refs = [a.ping.remote() for a in self.actors]
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=self.health_timeout_s)
+            except ray.exceptions.RayActorError as exc:
+                self._broken = f"rank {rank} is dead: {exc}"
+                raise TPGroupError(self._broken) from exc
+            except ray.exceptions.GetTimeoutError:
+                raise TPGroupError(f"rank {rank} did not answer a ping within {self.health_timeout_s:.0f} s")
+
+    def shutdown(self) -> None:
+        """Kill the rank actors and remove the placement group this object created (idempotent)."""
+        actors, self.actors = self.actors, []
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        if self._own_pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._own_pg)
+            except Exception:
+                pass
+            self._own_pg = None
+        self._broken = self._broken or "shut down"
+
+    def __enter__(self) -> "TensorParallelTarget":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+

@@ -1,0 +1,125 @@
+"""TP=2 (gloo, Ray actors) scores trees exactly like TP=1; dead ranks fail health checks.
+
+Logits are compared raw (max |diff| < 1e-4) for a batch of different trees over different prefix lengths,
+before and after KV compaction; the default target is checked at TP=3 (9 heads, 3 KV heads), including
+greedy generation on 10 Spec-Bench dev prompts.
+"""
+
+import time
+
+import pytest
+import torch
+
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.services.tp_target import TensorParallelTarget, TPGroupError
+
+from helpers import dev_prompts, greedy, max_diff, next_step, reference_logits, tree_batch
+
+TOL = 1e-4
+
+
+def _check_tree_steps(tp, ref, contexts, vocab, seed, report):
+    step1 = tree_batch(0, contexts, vocab, seed)
+    d1 = max_diff(tp.score_logits(step1), reference_logits(ref, step1))
+    step2 = next_step(step1, vocab, seed)  # carries accepted nodes: both sides compact their caches
+    d2 = max_diff(tp.score_logits(step2), reference_logits(ref, step2))
+    report(f"max|diff| before compaction {d1:.2e}, after {d2:.2e}")
+    assert d1 < TOL and d2 < TOL
+    # Same result through the public score() (argmax and warped probabilities).
+    step3 = next_step(step2, vocab, seed + 1)
+    ref_dists = ref.score(step3)
+    tp_dists = tp.score(step3)
+    for a, b in zip(tp_dists, ref_dists):
+        assert torch.equal(a.argmax, b.argmax)
+    return step3
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2(ray_cpu, tiny_tp_dir):
+    start = time.perf_counter()
+    tp = TensorParallelTarget(tiny_tp_dir, tensor_parallel_size=2, device="cpu", dtype="float32",
+                              cpus_per_rank=0.5)
+    print(f"\nTP=2 tiny start-up {time.perf_counter() - start:.1f} s: {tp.load_info}")
+    yield tp
+    tp.shutdown()
+
+
+def test_tiny_tp2_matches_tp1(tiny_tp2, tiny_tp_dir, capsys):
+    import ray
+
+    assert all(info["mode"] == "sharded" for info in tiny_tp2.load_info)
+    assert all(info["local_param_bytes"] < info["full_param_bytes"] for info in tiny_tp2.load_info)
+    ref = TargetRunner(load_causal_lm(tiny_tp_dir).model)
+    vocab = ref.vocab_size
+    g = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    _check_tree_steps(tiny_tp2, ref, contexts, vocab, seed=11, report=lambda m: print("\ntiny TP=2:", m))
+    # KV cache sharded by head: 2 KV heads -> 1 per rank.
+    assert ray.get([a.kv_heads.remote("s0") for a in tiny_tp2.actors]) == [1, 1]
+    assert tiny_tp2.release("s0") and not tiny_tp2.release("s0")
+
+
+def test_tiny_tp2_greedy_equals_tp1(tiny_tp2, tiny_tp_dir):
+    loaded = load_causal_lm(tiny_tp_dir)
+    prompts = dev_prompts(loaded.tokenizer, 10)
+    ref = greedy(TargetRunner(loaded.model), prompts, 24)
+    assert greedy(tiny_tp2, prompts, 24) == ref
+
+
+def test_bad_request_raises_and_group_stays_usable(tiny_tp2):
+    from treeserve.engine.runners.target import ScoreRequest
+    from treeserve.engine.sampling import SamplingParams
+    from treeserve.engine.tree import TokenTree
+
+    bad = ScoreRequest("bad", [5, 6, 7], TokenTree.build([8], [-1]), SamplingParams())  # root != context[-1]
+    with pytest.raises(ValueError, match="is not the last context token"):
+        tiny_tp2.score([bad])
+    tiny_tp2.health()
+    good = ScoreRequest("ok", [5, 6, 7], TokenTree.build([7], [-1]), SamplingParams())
+    assert tiny_tp2.score([good])[0].argmax.shape == (1,)
+
+
+def test_killed_rank_fails_health(ray_cpu, tiny_tp_dir):
+    import ray
+
+    tp = TensorParallelTarget(tiny_tp_dir, tensor_parallel_size=2, cpus_per_rank=0.5)
+    try:
+        tp.health()
+        ray.kill(tp.actors[1], no_restart=True)
+        with pytest.raises(TPGroupError, match="rank 1"):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the kill is asynchronous
+                tp.health()
+                time.sleep(0.2)
+        with pytest.raises(TPGroupError):
+            tp.score([])
+    finally:
+        tp.shutdown()
+    with pytest.raises(TPGroupError):
+        tp.health()
+
+
+@pytest.mark.slow
+def test_default_target_tp3(ray_cpu, default_model_dir):
+    start = time.perf_counter()
+    tp = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=0.5)
+    print(f"\nTP=3 default start-up {time.perf_counter() - start:.1f} s, "
+          f"per-rank params {[round(i['local_param_bytes'] / 2**20) for i in tp.load_info]} MiB of "
+          f"{tp.load_info[0]['full_param_bytes'] / 2**20:.0f} MiB")
+    try:
+        loaded = load_causal_lm(default_model_dir)
+        ref = TargetRunner(loaded.model)
+        vocab = ref.vocab_size
+        prompts = dev_prompts(loaded.tokenizer, 10)
+        _check_tree_steps(tp, ref, [prompts[0], prompts[3][:40], prompts[5][:23]], vocab, seed=5,
+                          report=lambda m: print("default TP=3:", m))
+        t0 = time.perf_counter()
+        want = greedy(ref, prompts, 24)
+        t1 = time.perf_counter()
+        got = greedy(tp, prompts, 24)
+        t2 = time.perf_counter()
+        print(f"greedy 10 prompts x 24 tokens (batched): TP=1 {t1 - t0:.1f} s, TP=3 {t2 - t1:.1f} s")
+        assert got == want
+    finally:
+        tp.shutdown()
