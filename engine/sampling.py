@@ -151,9 +151,14 @@ class ResidualRow:
         return max(0.0, 1.0 - self.removed_mass)
 
     def _take(self, token: int, prob: float) -> tuple[int, float]:
-        self.removed[token] = prob
-        self.removed_mass += prob
+        self.remove(token, prob)
         return token, prob
+
+    def remove(self, token: int, prob: float) -> None:
+        """Exclude `token` (whose probability is `prob`) from later draws."""
+        if token not in self.removed:
+            self.removed[token] = prob
+            self.removed_mass += prob
 
     def peek_top(self) -> tuple[int, float] | None:
         """Most likely token not drawn yet, as (token, q[token]), or None if the support is used up."""
@@ -187,15 +192,16 @@ class ResidualRow:
         vocab = row.shape[0]
         if self._block_sums is None:
             blocks = _blocked(row[None])
-            sums = blocks[0].sum(dim=1, dtype=torch.float64) if blocks is not None else row.double()
+            sums = blocks[0].sum(dim=1, dtype=torch.float64) if blocks is not None else row
             self._block_sums = sums.tolist()
         width = BLOCK if len(self._block_sums) < vocab else 1
         sums = self._block_sums
         if self.removed:
             sums = list(sums)
             for tok, prob in self.removed.items():
-                sums[tok // width] -= prob
-        cum = list(itertools.accumulate(max(s, 0.0) for s in sums))
+                # Per-token sums (width 1) are zeroed exactly so no float residue stays drawable.
+                sums[tok // width] = 0.0 if width == 1 else max(sums[tok // width] - prob, 0.0)
+        cum = list(itertools.accumulate(sums))
         if not cum or cum[-1] <= 0.0:
             return None
         target = uniform * cum[-1]
@@ -203,7 +209,7 @@ class ResidualRow:
         while sums[block] <= 0.0 and block > 0:  # float edge: landed on an empty block
             block -= 1
         if width == 1:
-            token = block
+            token, prob = block, self._block_sums[block]
         else:
             start = block * width
             inside = row[start : start + width].tolist()
@@ -215,8 +221,7 @@ class ResidualRow:
             pos = min(bisect.bisect_right(inner, offset * inner[-1] / max(sums[block], 1e-300)), width - 1)
             while inside[pos] <= 0.0 and pos > 0:
                 pos -= 1
-            token = start + pos
-        prob = float(row[token])
+            token, prob = start + pos, inside[pos]
         if prob <= 0.0 or token in self.removed:
             return None
         return self._take(token, prob)

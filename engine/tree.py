@@ -51,6 +51,24 @@ class TokenTree:
         self._validate()
 
     @classmethod
+    def _trusted(
+        cls,
+        tokens: Tensor,
+        parents: Tensor,
+        child_draw: Tensor,
+        log_joint: Tensor,
+        draft_probs: Tensor | None,
+        draft_rows: Tensor | None,
+    ) -> "TokenTree":
+        """Skip validation for trees that are valid by construction (builders, re-indexing of a
+        validated tree): validation costs ~20 small tensor ops, more than building a small tree."""
+        tree = object.__new__(cls)
+        for name, value in (("tokens", tokens), ("parents", parents), ("child_draw", child_draw),
+                            ("log_joint", log_joint), ("draft_probs", draft_probs), ("draft_rows", draft_rows)):
+            object.__setattr__(tree, name, value)
+        return tree
+
+    @classmethod
     def build(
         cls,
         tokens: Tensor | Sequence[int],
@@ -141,6 +159,19 @@ class TokenTree:
     @cached_property
     def _parent_list(self) -> list[int]:
         return self.parents.tolist()
+
+    @cached_property
+    def token_list(self) -> list[int]:
+        """tokens as a Python list (cached; verification walks it node by node)."""
+        return self.tokens.tolist()
+
+    @cached_property
+    def child_draw_list(self) -> list[int]:
+        return self.child_draw.tolist()
+
+    @cached_property
+    def draft_row_list(self) -> list[int] | None:
+        return None if self.draft_rows is None else self.draft_rows.tolist()
 
     @cached_property
     def depth(self) -> Tensor:
@@ -248,7 +279,7 @@ class TokenTree:
             probs = probs[old_rows[used]]
             rows = torch.full_like(old_rows, -1)
             rows[used] = torch.arange(int(used.sum()))
-        return TokenTree(self.tokens[order], parents, self.child_draw[order], self.log_joint[order], probs, rows)
+        return TokenTree._trusted(self.tokens[order], parents, self.child_draw[order], self.log_joint[order], probs, rows)
 
 
 def count_mask_blocks(mask: Tensor, block: int = 32) -> int:

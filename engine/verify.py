@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.sampling import ResidualRow, SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -79,7 +79,7 @@ def _sample(dist: Tensor, uniform: float) -> int:
 
 
 def _verify_greedy(tree: TokenTree, argmax: Tensor) -> VerifyResult:
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list
     best = argmax.tolist()
     node, accepted, out = 0, [], []
     while True:
@@ -94,23 +94,18 @@ def _verify_greedy(tree: TokenTree, argmax: Tensor) -> VerifyResult:
 
 def _point_mass_step(p: Tensor, kids: list[int], kid_tokens: list[int], uniforms: list[float]) -> tuple[int | None, int]:
     """Point-mass rule at one node; returns (accepted child or None, emitted token if none)."""
-    mass = float(p.sum(dtype=torch.float64))
-    vals = p[kid_tokens].double().tolist()
-    rejected: set[int] = set()
+    target = ResidualRow(p)  # p' = p with rejected tokens removed, never materialised
+    vals = p[torch.tensor(kid_tokens)].tolist()
     for kid, tok, val in zip(kids, kid_tokens, vals):
-        if tok in rejected:
+        if tok in target.removed:
             continue
-        if mass > 0.0 and uniforms.pop() * mass < val:
+        if uniforms.pop() * target.remaining < val:
             return kid, tok
-        rejected.add(tok)
-        mass -= val
-    residual = p.double()
-    if rejected and mass > 1e-12:
-        residual = residual.clone()
-        residual[list(rejected)] = 0.0
-        if float(residual.sum()) <= 0.0:
-            residual = p.double()
-    return None, _sample(residual, uniforms.pop())
+        target.remove(tok, val)
+    picked = target.sample(uniforms.pop())
+    if picked is None:  # p' is all zero (float error only): fall back to the target distribution
+        return None, _sample(p.double(), uniforms.pop())
+    return None, picked[0]
 
 
 def _residual_step(
@@ -143,11 +138,9 @@ def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, 
     if sampling.is_greedy:
         return _verify_greedy(tree, target.argmax)
     probs = target.probs
-    tokens = tree.tokens.tolist()
-    draw = tree.child_draw.tolist()
-    rows = None if tree.draft_rows is None else tree.draft_rows.tolist()
-    # Enough uniforms for every child test plus the final draw, fetched in one generator call.
-    uniforms = torch.rand(tree.num_nodes + 1, generator=generator, dtype=torch.float64).tolist()
+    tokens, draw, rows = tree.token_list, tree.child_draw_list, tree.draft_row_list
+    # Enough uniforms for every child test plus the final draw (and one fallback), in one RNG call.
+    uniforms = torch.rand(tree.num_nodes + 2, generator=generator, dtype=torch.float64).tolist()
     node, accepted, out = 0, [], []
     while True:
         kids = tree.children(node)

@@ -112,9 +112,13 @@ class PartialTree:
         if self.rows:
             nodes = sorted(self.rows)
             probs = torch.stack([self.rows[n].float() for n in nodes])
+            # Only these rows feed verification; one reduction catches NaN and unnormalised rows.
+            if not bool(((probs.sum(dim=1) - 1).abs() <= 1e-3).all()):
+                raise ValueError("oracle probs: a draft row used for verification is NaN or does not sum to 1")
             rows = torch.full((num,), -1, dtype=torch.long)
             rows[nodes] = torch.arange(len(nodes))
-        tree = TokenTree(
+        # Valid by construction (append-only, parents precede children): skip re-validation.
+        tree = TokenTree._trusted(
             torch.tensor(self.tokens, dtype=torch.long),
             torch.tensor(self.parents, dtype=torch.long),
             torch.tensor(self.draw, dtype=torch.uint8),

@@ -1,9 +1,16 @@
 """Statistical losslessness: the first 3 emitted tokens of tree speculative decoding follow the
-target's exact distribution, for every builder (each with its own verification rule) and warp."""
+target's exact distribution (chi-square, 20k draws, p > 0.01), for every builder (each with its own
+verification rule) under every warp (temperature 1, top-p 0.9, top-k 20).
+
+The full builder x warp matrix (27 cases) takes minutes on the shared 2-core CI box, so by default
+each builder runs under one warp, assigned so that every warp meets both verification rules
+(residual and point-mass); set TREESERVE_FULL_LOSSLESS=1 to run the whole matrix.
+"""
 
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 import torch
@@ -86,15 +93,25 @@ def chi_square_pvalue(counts, exact: dict, draws: int) -> float:
     assert sum(counts[s] for s in counts if s not in exact) == 0, "emitted a sequence of target probability 0"
     observed.append(pool_obs)
     expected.append(pool_exp)
+    total = sum(expected)  # float32 warps sum to 1 only within ~1e-7; chisquare wants exact totals
+    expected = [e * draws / total for e in expected]
     return float(chisquare(observed, expected).pvalue)
 
 
-@pytest.mark.parametrize("warp", list(WARPS))
-@pytest.mark.parametrize("name", list(BUILDERS))
+DEFAULT_CASES = [
+    ("chain_sampled", "T1"), ("static", "T1"), ("c2t_chain", "T1"),
+    ("dyspec", "top_p"), ("eagle2", "top_p"), ("opt_tree", "top_p"),
+    ("dyspec_threshold", "top_k"), ("chain_top1", "top_k"), ("c2t", "top_k"),
+]
+FULL = os.environ.get("TREESERVE_FULL_LOSSLESS") == "1"
+CASES = [(b, w) for b in BUILDERS for w in WARPS] if FULL else DEFAULT_CASES
+
+
+@pytest.mark.parametrize(("name", "warp"), CASES)
 def test_first_tokens_follow_target(models, name, warp):
     make, deterministic = BUILDERS[name]
     sampling = WARPS[warp]
-    counts, kinds = emitted_counts(models, make(), deterministic, sampling, seed=hash((name, warp)) % 2**31)
+    counts, kinds = emitted_counts(models, make(), deterministic, sampling, seed=sum(map(ord, name + warp)))
     expected_kind = ChildDraw.WITHOUT_REPLACEMENT if name in ("chain_sampled", "dyspec", "dyspec_threshold") else ChildDraw.TOP_K
     assert kinds == {int(expected_kind)}
     exact = models.exact_first_tokens(PROMPT, sampling, EMIT)

@@ -25,6 +25,7 @@ class ToyModels:
     scale: float = 2.0
     noise: float = 1.0
     _cache: dict[tuple[int, ...], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    _warped: dict[tuple, Tensor] = field(default_factory=dict, repr=False)
 
     def logits(self, context: tuple[int, ...]) -> tuple[Tensor, Tensor]:
         """(target logits [V], draft logits [V]) for the next token after `context`."""
@@ -37,8 +38,16 @@ class ToyModels:
             hit = self._cache[context] = (target, draft)
         return hit
 
+    def warped(self, context: tuple[int, ...], sampling: SamplingParams, which: int) -> Tensor:
+        """Warped target (which=0) or draft (which=1) probabilities [V], memoised."""
+        key = (context, sampling, which)
+        hit = self._warped.get(key)
+        if hit is None:
+            hit = self._warped[key] = warp_probs(self.logits(context)[which], sampling)
+        return hit
+
     def target_probs(self, context: tuple[int, ...], sampling: SamplingParams) -> Tensor:
-        return warp_probs(self.logits(context)[0], sampling)
+        return self.warped(context, sampling, 0)
 
     def exact_first_tokens(self, context: tuple[int, ...], sampling: SamplingParams, n: int = 3) -> dict[tuple[int, ...], float]:
         """Exact probability of every n-token continuation under the warped target."""
@@ -78,16 +87,14 @@ class ToyOracle:
     def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
         self.calls += 1
         ctx = node_contexts(self.prefix, tokens.tolist(), parents.tolist())
-        rows = [self.models.logits(ctx[i])[1] for i in node_ids.tolist()]
-        return warp_probs(torch.stack(rows), self.sampling)
+        return torch.stack([self.models.warped(ctx[i], self.sampling, 1) for i in node_ids.tolist()])
 
 
 def target_for(models: ToyModels, prefix: tuple[int, ...], tree: TokenTree, sampling: SamplingParams) -> TargetDists:
     ctx = node_contexts(prefix, tree.tokens.tolist(), tree.parents.tolist())
-    logits = torch.stack([models.logits(c)[0] for c in ctx])
     if sampling.is_greedy:
-        return TargetDists(argmax=logits.argmax(dim=-1))
-    return TargetDists(probs=warp_probs(logits, sampling))
+        return TargetDists(argmax=torch.stack([models.logits(c)[0] for c in ctx]).argmax(dim=-1))
+    return TargetDists(probs=torch.stack([models.target_probs(c, sampling) for c in ctx]))
 
 
 def all_sequences(vocab: int, n: int) -> list[tuple[int, ...]]:

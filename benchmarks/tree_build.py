@@ -1,0 +1,119 @@
+"""Tree-building CPU cost per builder, excluding oracle (drafter) time, and the tree-attention block
+counts before/after the DFS reorder of DySpec appendix C.
+
+The oracle returns precomputed random probability rows over a 49,152-token vocabulary (SmolLM2's),
+shaped like a language model's: a few dominant tokens over a log-normal tail (mean top-1
+probability printed below). Time inside `oracle.probs` is measured and subtracted.
+
+    python benchmarks/tree_build.py [--repeats 15] [--vocab 49152]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from treeserve.engine.acceptance import expected_accepted_length
+from treeserve.engine.builders import TreeConfig, make_builder
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree import TokenTree
+
+
+def make_rows(num: int, vocab: int, seed: int = 0) -> Tensor:
+    """[num, vocab] probability rows: log-normal tail plus 1-6 boosted candidates per row."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num, vocab, generator=gen) * 1.5
+    for i in range(num):
+        k = int(torch.randint(1, 7, (1,), generator=gen))
+        idx = torch.randint(0, vocab, (k,), generator=gen)
+        logits[i, idx] += 12.0 + 2.0 * torch.randn(k, generator=gen)
+    return torch.softmax(logits, dim=-1)
+
+
+@dataclass
+class TimedOracle:
+    rows: Tensor  # [R, V] precomputed rows, handed out by node id
+    seconds: float = 0.0
+    calls: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.rows.shape[1]
+
+    def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
+        start = time.perf_counter()
+        out = self.rows[node_ids % self.rows.shape[0]]
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return out
+
+
+def time_build(config: TreeConfig, sampling: SamplingParams, rows: Tensor, repeats: int) -> tuple[float, float, TokenTree, int]:
+    """(median builder ms excluding oracle, median total ms, last tree, oracle calls per build)."""
+    builder = make_builder(config)
+    own, total = [], []
+    tree, calls = None, 0
+    for rep in range(repeats + 1):
+        oracle = TimedOracle(rows)
+        gen = torch.Generator().manual_seed(rep)
+        start = time.perf_counter()
+        tree = builder.build(0, oracle, sampling, gen)
+        elapsed = time.perf_counter() - start
+        if rep:  # the first run warms caches and allocators
+            own.append((elapsed - oracle.seconds) * 1e3)
+            total.append(elapsed * 1e3)
+        calls = oracle.calls
+    return statistics.median(own), statistics.median(total), tree, calls
+
+
+def random_tree(num: int, seed: int) -> TokenTree:
+    """Random recursive tree (each node's parent uniform among earlier nodes), as DySpec Table 5."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num)]
+    return TokenTree.build(list(range(num)), parents)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--vocab", type=int, default=49152)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = make_rows(96, args.vocab)
+    print(f"vocab {args.vocab}, mean top-1 draft prob {float(rows.max(dim=1).values.mean()):.2f}, torch threads 1\n")
+
+    greedy, hot = SamplingParams(), SamplingParams(temperature=1.0)
+    cases = [
+        ("chain", TreeConfig(method="chain", depth=64), hot),
+        ("static mc_sim_7b_63", TreeConfig(method="static"), hot),
+        ("eagle2 N=64 d=6 K=10", TreeConfig(method="eagle2", budget=64, depth=6, top_k=10), hot),
+        ("dyspec T=0", TreeConfig(method="dyspec", budget=64), greedy),
+        ("dyspec T=1", TreeConfig(method="dyspec", budget=64), hot),
+        ("dyspec_threshold T=1", TreeConfig(method="dyspec_threshold", budget=64, threshold=0.001), hot),
+        ("opt_tree n=64 d<=8", TreeConfig(method="opt_tree", budget=64, delta=0.0, max_depth=8), hot),
+        ("c2t K=15 d=6", TreeConfig(method="c2t", budget=64, depth=6, top_k=15, beta=0.5), hot),
+        ("dyspec 768 T=0", TreeConfig(method="dyspec", budget=768), greedy),
+        ("dyspec 768 T=1", TreeConfig(method="dyspec", budget=768), hot),
+        ("dyspec_threshold 768 T=1", TreeConfig(method="dyspec_threshold", budget=768, threshold=1e-4), hot),
+    ]
+    print(f"{'builder':28s} {'nodes':>5s} {'calls':>5s} {'E(A)':>6s} {'build ms':>9s} {'+oracle ms':>10s} {'blocks32':>8s} {'dfs':>5s}")
+    for name, config, sampling in cases:
+        own, total, tree, calls = time_build(config, sampling, rows, args.repeats if "768" not in name else max(3, args.repeats // 3))
+        before, after = tree.block_count(32), tree.reorder(tree.dfs_order()).block_count(32)
+        print(f"{name:28s} {tree.num_nodes - 1:5d} {calls:5d} {expected_accepted_length(tree):6.2f} "
+              f"{own:9.2f} {total:10.2f} {before:8d} {after:5d}")
+
+    print("\nblock counts of random trees (32x32 blocks, DySpec appendix C / Table 5)")
+    print(f"{'size':>6s} {'original':>9s} {'dfs':>6s}")
+    for size in (256, 512, 1024, 2048):
+        counts = [(t.block_count(32), t.reorder(t.dfs_order()).block_count(32)) for t in (random_tree(size, s) for s in range(3))]
+        print(f"{size:6d} {statistics.mean(c[0] for c in counts):9.1f} {statistics.mean(c[1] for c in counts):6.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Builder properties: DySpec optimality (appendix D), OPT-Tree Theorems 3.1/3.2, EAGLE-2 rerank,
+Sequoia DP, C2T classifier, configuration errors, E(A) bookkeeping."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from toy import ToyModels, ToyOracle
+from treeserve.engine.acceptance import expected_accepted_drafts, expected_accepted_length
+from treeserve.engine.builders import (
+    ChainBuilder,
+    DySpecBuilder,
+    DySpecThresholdBuilder,
+    Eagle2Builder,
+    OptTreeBuilder,
+    StaticTreeBuilder,
+    TreeConfig,
+    make_builder,
+    sequoia_tree,
+)
+from treeserve.engine.builders.static import EAGLE1_25, MC_SIM_7B_63, binary_tree
+from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree import ChildDraw
+
+GREEDY = SamplingParams()
+HOT = SamplingParams(temperature=1.0)
+
+
+def build(builder, models, sampling=GREEDY, prefix=(1, 2), root=3, seed=0):
+    return builder.build(root, ToyOracle(models, prefix, sampling), sampling, torch.Generator().manual_seed(seed))
+
+
+def best_subtree_value(models: ToyModels, context: tuple[int, ...], size: int) -> float:
+    """Brute force: max over all root-containing connected sub-trees with `size` draft nodes of the
+    infinite vocab-ary draft tree, of the sum of path products of q (DySpec eq. 13-14)."""
+    def q(path):
+        return models.warped(context + path[:-1], GREEDY, 1)[path[-1]].item()
+
+    weight = {(): 1.0}
+
+    def w(path):
+        if path not in weight:
+            weight[path] = w(path[:-1]) * q(path)
+        return weight[path]
+
+    trees = {frozenset([()])}
+    for _ in range(size):
+        trees = {t | {p + (tok,)} for t in trees for p in t for tok in range(models.vocab) if p + (tok,) not in t}
+    return max(sum(w(p) for p in t if p) for t in trees)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+def test_dyspec_greedy_is_optimal_by_brute_force(size):
+    models = ToyModels(vocab=4, seed=3, scale=1.0)
+    for prefix in [(0,), (1, 2)]:
+        tree = build(DySpecBuilder(budget=size), models, prefix=prefix[:-1], root=prefix[-1])
+        assert tree.num_nodes == size + 1
+        assert set(tree.child_draw[tree.has_children_mask].tolist()) <= {int(ChildDraw.TOP_K)}
+        assert expected_accepted_drafts(tree) == pytest.approx(best_subtree_value(models, prefix, size), rel=1e-5)
+
+
+def test_dyspec_sampled_tree_shape(models):
+    tree = build(DySpecBuilder(budget=20), models, HOT)
+    assert tree.num_nodes == 21
+    assert set(tree.child_draw[tree.has_children_mask].tolist()) == {int(ChildDraw.WITHOUT_REPLACEMENT)}
+    for node in range(tree.num_nodes):  # drawn without replacement: siblings are distinct
+        kids = tree.tokens[tree.children(node)].tolist()
+        assert len(kids) == len(set(kids))
+
+
+def test_dyspec_threshold_respects_threshold_and_budget(models):
+    tree = build(DySpecThresholdBuilder(threshold=0.02, budget=30), models, HOT)
+    assert 1 < tree.num_nodes <= 31
+    for node in range(1, tree.num_nodes):
+        if tree.children(node):  # only nodes above the threshold are expanded
+            assert math.exp(float(tree.log_joint[node])) > 0.02
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_opt_tree_selection_and_monotone_e_sub(seed):
+    models = ToyModels(vocab=24, seed=seed)
+    builder = OptTreeBuilder(budget=12, delta=0.0, max_depth=8)
+    tree, trace = builder.build_with_trace(3, ToyOracle(models, (seed,), GREEDY), GREEDY, torch.Generator())
+    assert tree.num_nodes == 13  # root + n, a valid (ancestor-closed, validated) tree
+    assert all(b >= a - 1e-9 for a, b in zip(trace, trace[1:]))  # Theorem 3.2
+    assert expected_accepted_drafts(tree) == pytest.approx(trace[-1], rel=1e-5)
+    p_hat = tree.log_joint.exp()
+    for node in range(1, tree.num_nodes):  # Theorem 3.1
+        assert p_hat[node] <= p_hat[int(tree.parents[node])] + 1e-7
+
+
+def test_opt_tree_delta_stops_early(models):
+    _, trace_small = OptTreeBuilder(budget=8, delta=0.0, max_depth=6).build_with_trace(3, ToyOracle(models, (1,), GREEDY), GREEDY, torch.Generator())
+    _, trace_big = OptTreeBuilder(budget=8, delta=0.9).build_with_trace(3, ToyOracle(models, (1,), GREEDY), GREEDY, torch.Generator())
+    assert len(trace_big) <= len(trace_small)
+
+
+def test_eagle2_rerank_and_full_tree(models):
+    full = build(Eagle2Builder(budget=10, depth=3, top_k=3, rerank=False), models)
+    assert full.num_nodes == 1 + 3 + 2 * 9
+    kept = build(Eagle2Builder(budget=10, depth=3, top_k=3), models)
+    assert kept.num_nodes == 11
+    best = sorted(full.log_joint[1:].tolist(), reverse=True)[:10]
+    assert sorted(kept.log_joint[1:].tolist(), reverse=True) == pytest.approx(best)
+
+
+def test_static_trees(models):
+    assert len(MC_SIM_7B_63) == 63 and len(EAGLE1_25) == 25 and len(binary_tree(3)) == 14
+    tree = build(StaticTreeBuilder(paths=MC_SIM_7B_63), models)
+    assert tree.num_nodes == 64
+    ranked = torch.topk(models.warped((1, 2, 3), GREEDY, 1), 10).indices.tolist()
+    assert tree.tokens[tree.children(0)].tolist() == ranked  # (0,), (1,), ... (9,) in rank order
+    with pytest.raises(ValueError, match="paths"):
+        StaticTreeBuilder(paths=((0,), (1, 0)))
+
+
+def test_sequoia_dp_matches_brute_force():
+    acc = [0.6, 0.25, 0.1]
+    for budget in range(1, 6):
+        paths = sequoia_tree(acc, budget, max_depth=3)
+        assert len(paths) == budget
+
+        def value(ps):
+            return sum(math.prod(acc[r] for r in p) for p in ps)
+
+        candidates = [p for d in range(1, 4) for p in itertools.product(range(3), repeat=d)]
+        best = max(
+            value(c) for c in itertools.combinations(candidates, budget)
+            if all(p[:-1] in c or not p[:-1] for p in c)
+        )
+        assert value(paths) == pytest.approx(best)
+
+
+def test_c2t_classifier_roundtrip(tmp_path):
+    model = C2TClassifier(hidden=12)
+    feats = c2t_features(torch.tensor([0.5, 0.01]), top_entropy(torch.softmax(torch.randn(2, 3000), -1)), torch.tensor([1.0, 4.0]))
+    assert feats.shape == (2, 3)
+    path = tmp_path / "c2t.safetensors"
+    model.save(path)
+    loaded = C2TClassifier.load(path)
+    assert loaded.hidden == 12 and torch.allclose(loaded.confidence(feats), model.confidence(feats))
+    prior = C2TClassifier.joint_prob_prior(center=0.1)
+    conf = prior.confidence(c2t_features(torch.tensor([0.5, 0.01]), torch.zeros(2), torch.ones(2)))
+    assert conf[0] > 0.5 > conf[1]
+
+
+def test_make_builder_for_every_method(models):
+    for method in ("chain", "static", "eagle2", "dyspec", "dyspec_threshold", "opt_tree", "c2t", "c2t_chain"):
+        tree = build(make_builder(TreeConfig(method=method, budget=8, depth=3)), models, HOT)
+        assert 1 <= tree.num_nodes <= 1 + max(8, 63)
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        (TreeConfig(method="dyspec", budget=0), "budget"),
+        (TreeConfig(method="eagle2", top_k=0), "top_k"),
+        (TreeConfig(method="dyspec_threshold", threshold=0.0), "threshold"),
+        (TreeConfig(method="dyspec_threshold", threshold=1.5), "threshold"),
+        (TreeConfig(method="opt_tree", delta=-1.0), "delta"),
+        (TreeConfig(method="c2t", beta=1.0), "beta"),
+        (TreeConfig(method="chain", depth=0), "length"),
+        (TreeConfig(method="static", static_tree="nope"), "static_tree"),
+        (TreeConfig(method="static", static_tree="sequoia"), "acceptance_by_rank"),
+        (TreeConfig(method="medusa"), "method"),
+    ],
+)
+def test_bad_config_names_the_field(config, field):
+    with pytest.raises(ValueError, match=field):
+        make_builder(config)
+
+
+class BadOracle:
+    def __init__(self, vocab: int, out: torch.Tensor):
+        self.vocab_size = vocab
+        self.out = out
+
+    def probs(self, tokens, parents, node_ids):
+        return self.out.expand(len(node_ids), -1).clone()
+
+
+def test_bad_oracle_output_is_rejected():
+    gen = torch.Generator()
+    with pytest.raises(ValueError, match="oracle"):  # vocab mismatch
+        DySpecBuilder(budget=3).build(0, BadOracle(5, torch.full((1, 4), 0.25)), HOT, gen)
+    nan_row = torch.tensor([[0.5, float("nan"), 0.25, 0.25]])
+    with pytest.raises(ValueError, match="oracle"):
+        ChainBuilder(length=2).build(0, BadOracle(4, nan_row), HOT, gen)
+    with pytest.raises(ValueError, match="root_token"):
+        ChainBuilder(length=2).build(9, BadOracle(4, torch.full((1, 4), 0.25)), HOT, gen)
+
+
+def test_expected_accepted_length_counts_the_bonus(models):
+    tree = build(ChainBuilder(length=3), models)
+    q = [models.warped((1, 2, 3) + tuple(tree.tokens[1:i].tolist()), GREEDY, 1)[int(tree.tokens[i])].item() for i in range(1, 4)]
+    expected = q[0] + q[0] * q[1] + q[0] * q[1] * q[2]
+    assert expected_accepted_drafts(tree) == pytest.approx(expected, rel=1e-5)
+    assert expected_accepted_length(tree) == pytest.approx(1 + expected, rel=1e-5)

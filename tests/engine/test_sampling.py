@@ -1,0 +1,86 @@
+"""SamplingParams, the warp, and the exact vocabulary-scale selection helpers."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from treeserve.engine.sampling import ResidualRow, SamplingParams, global_topk, topk_rows, warp_probs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [(dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k")],
+)
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_warp_probs():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    assert SamplingParams().is_greedy
+    assert torch.allclose(warp_probs(logits, SamplingParams()), torch.softmax(logits, -1))
+    hot = warp_probs(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(hot, torch.softmax(logits / 0.5, -1))
+    top2 = warp_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (top2[0, 2:] == 0).all() and torch.allclose(top2[0, :2], torch.softmax(logits[0, :2], -1))
+    base = torch.softmax(logits, -1)[0]  # 0.53, 0.19, 0.12, 0.07, 0.03
+    nucleus = warp_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    kept = int((nucleus[0] > 0).sum())
+    assert float(base[: kept - 1].sum()) < 0.8 <= float(base[:kept].sum())
+    assert torch.allclose(nucleus.sum(-1), torch.ones(1))
+
+
+def test_blocked_topk_is_exact():
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.softmax(torch.randn(5, 49152, generator=gen) * 3, -1)
+    for k in (1, 8, 40):
+        values, tokens = topk_rows(rows, k)
+        ref = torch.topk(rows, k)
+        assert torch.equal(values, ref.values)
+        assert torch.equal(rows.gather(1, tokens), values)
+    scale = torch.tensor([1.0, 0.5, 0.2, 0.9, 0.01])
+    values, row_idx, tokens = global_topk(rows, scale, 64)
+    ref = torch.topk((rows * scale[:, None]).reshape(-1), 64).values
+    assert torch.allclose(values, ref)
+    assert torch.allclose(rows[row_idx, tokens] * scale[row_idx], values)
+
+
+@pytest.mark.parametrize("vocab", [16, 1024])
+def test_residual_row_draws_from_the_residual(vocab):
+    gen = torch.Generator().manual_seed(1)
+    row = torch.softmax(torch.randn(vocab, generator=gen) * 2, -1)
+    first = [int(t) for t in torch.topk(row, 3).indices]
+    counts: collections.Counter = collections.Counter()
+    draws = 6000
+    for u in torch.rand(draws, generator=gen, dtype=torch.float64).tolist():
+        res = ResidualRow(row)
+        for tok in first:
+            res.remove(tok, float(row[tok]))
+        counts[res.sample(u)[0]] += 1
+    assert not set(first) & set(counts)
+    resid = row.clone().double()
+    resid[first] = 0
+    resid /= resid.sum()
+    big = torch.nonzero(resid * draws >= 5).flatten().tolist()
+    observed = [counts[t] for t in big] + [draws - sum(counts[t] for t in big)]
+    expected = [float(resid[t]) * draws for t in big]
+    expected.append(draws - sum(expected))
+    if expected[-1] < 1e-6:  # nothing pooled
+        observed.pop()
+        expected.pop()
+    assert chisquare(observed, expected).pvalue > 0.01
+
+
+def test_residual_row_top_order():
+    gen = torch.Generator().manual_seed(2)
+    row = torch.softmax(torch.randn(2048, generator=gen), -1)
+    res = ResidualRow(row)
+    taken = [res.take_top()[0] for _ in range(40)]
+    assert taken == torch.topk(row, 40).indices.tolist()
+    assert abs(res.remaining - (1 - float(torch.topk(row, 40).values.sum()))) < 1e-5

@@ -1,0 +1,133 @@
+"""TokenTree: validation, derived views, re-indexing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree import ChildDraw, TokenTree, count_mask_blocks
+from treeserve.engine.verify import TargetDists, verify_tree
+
+#        0
+#      /   \
+#     1     2
+#    / \    |
+#   3   4   5
+#   |
+#   6
+TOKENS = [9, 4, 2, 7, 1, 3, 5]
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+
+
+def make_tree(**kw) -> TokenTree:
+    return TokenTree.build(TOKENS, PARENTS, **kw)
+
+
+def random_tree(num: int, seed: int) -> TokenTree:
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num)]
+    return TokenTree.build(list(range(num)), parents)
+
+
+def test_derived_views():
+    tree = make_tree()
+    assert tree.num_nodes == 7
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert tree.position_ids(10).tolist() == [10, 11, 11, 12, 12, 12, 13]
+    assert tree.children(1) == [3, 4] and tree.children(6) == []
+    assert tree.paths()[6] == [0, 1, 3, 6]
+    mask = tree.ancestor_mask()
+    for i, path in enumerate(tree.paths()):
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(path)
+
+
+def test_ancestor_mask_matches_paths_on_random_trees():
+    for seed in range(3):
+        tree = random_tree(80, seed)
+        mask = tree.ancestor_mask()
+        expected = torch.zeros_like(mask)
+        for i, path in enumerate(tree.paths()):
+            expected[i, path] = True
+        assert torch.equal(mask, expected)
+
+
+def test_dfs_order_and_reorder_keep_the_tree():
+    tree = random_tree(100, 7)
+    order = tree.dfs_order()
+    assert sorted(order.tolist()) == list(range(100)) and int(order[0]) == 0
+    new = tree.reorder(order)
+    old_paths = {tuple(tree.tokens[p].tolist()) for p in tree.paths()}
+    assert {tuple(new.tokens[p].tolist()) for p in new.paths()} == old_paths
+    for node in range(new.num_nodes):  # siblings keep their draw order
+        kids = new.tokens[new.children(node)].tolist()
+        assert kids == sorted(kids)
+    assert new.block_count() <= tree.block_count() * 1.0 + 1
+
+
+def test_count_mask_blocks():
+    mask = torch.zeros(70, 70, dtype=torch.bool)
+    mask[0, 0] = mask[33, 65] = mask[69, 1] = True
+    assert count_mask_blocks(mask, 32) == 3
+    assert count_mask_blocks(torch.ones(64, 64, dtype=torch.bool), 32) == 4
+
+
+def test_select_reindexes_and_requires_closed_set():
+    tree = make_tree()
+    sub = tree.select([1, 3, 6])
+    assert sub.tokens.tolist() == [9, 4, 7, 5] and sub.parents.tolist() == [-1, 0, 1, 2]
+    with pytest.raises(ValueError, match="keep_nodes"):
+        tree.select([3])
+
+
+def test_select_keeps_draft_rows_and_sibling_prefix_rule():
+    probs = torch.full((4, 10), 0.1)
+    rows = [0, 1, 2, 3, -1, -1, -1]
+    draw = [ChildDraw.WITHOUT_REPLACEMENT] * 7
+    tree = make_tree(child_draw=draw, draft_probs=probs, draft_rows=rows)
+    sub = tree.select([1, 3, 6])
+    assert sub.draft_probs.shape == (3, 10) and sub.draft_rows.tolist() == [0, 1, 2, -1]
+    with pytest.raises(ValueError, match="prefix"):
+        tree.select([2, 5])  # drops node 1, the first-drawn child of the root
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(tokens=[1, 2, 3], parents=[-1, 2, 0]), "parents"),  # forward reference
+        (dict(tokens=[1, 2, 3], parents=[-1, 2, 1]), "parents"),  # cycle 1 <-> 2
+        (dict(tokens=[1, 2, 3], parents=[0, 0, 1]), "parents"),  # root with a parent
+        (dict(tokens=[1, 2], parents=[-1, 0, 0]), "parents"),  # shape mismatch
+        (dict(tokens=[], parents=[]), "tokens"),
+        (dict(tokens=[1, -2], parents=[-1, 0]), "tokens"),
+        (dict(tokens=[1, 2], parents=[-1, 0], child_draw=[0, 7]), "child_draw"),
+        (dict(tokens=[1, 2], parents=[-1, 0], log_joint=[0.0, float("nan")]), "log_joint"),
+        (dict(tokens=[1, 2], parents=[-1, 0], child_draw=ChildDraw.WITHOUT_REPLACEMENT), "draft_probs"),
+        (dict(tokens=[1, 2], parents=[-1, 0], child_draw=ChildDraw.WITHOUT_REPLACEMENT,
+              draft_probs=torch.tensor([[0.5, float("nan"), 0.5]]), draft_rows=[0, -1]), "draft_probs"),
+        (dict(tokens=[1, 2], parents=[-1, 0], child_draw=ChildDraw.WITHOUT_REPLACEMENT,
+              draft_probs=torch.tensor([[1.5, -0.5, 0.0]]), draft_rows=[0, -1]), "draft_probs"),
+        (dict(tokens=[1, 2], parents=[-1, 0], child_draw=ChildDraw.WITHOUT_REPLACEMENT,
+              draft_probs=torch.tensor([[0.5, 0.5, 0.0]]), draft_rows=[-1, -1]), "draft_rows"),
+        (dict(tokens=[1, 5], parents=[-1, 0], child_draw=ChildDraw.WITHOUT_REPLACEMENT,
+              draft_probs=torch.tensor([[0.5, 0.5, 0.0]]), draft_rows=[0, -1]), "tokens"),  # vocab 3
+        (dict(tokens=[1, 2], parents=[-1, 0], child_draw=ChildDraw.WITHOUT_REPLACEMENT,
+              draft_probs=torch.tensor([[0.5, 0.5, 0.0]]), draft_rows=[0, -1]), "tokens"),  # q(2) = 0
+    ],
+)
+def test_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        TokenTree.build(**kwargs)
+
+
+def test_verify_rejects_bad_target():
+    tree = TokenTree.build([1, 2], [-1, 0], child_draw=ChildDraw.WITHOUT_REPLACEMENT,
+                           draft_probs=torch.tensor([[0.2, 0.3, 0.5]]), draft_rows=[0, -1])
+    sampling = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="vocab"):
+        verify_tree(tree, TargetDists(probs=torch.full((2, 4), 0.25)), sampling, gen)
+    with pytest.raises(ValueError, match="probs"):
+        verify_tree(tree, TargetDists(probs=torch.tensor([[0.5, float("nan"), 0.5]] * 2)), sampling, gen)
+    with pytest.raises(ValueError, match="argmax"):
+        verify_tree(tree, TargetDists(probs=torch.full((2, 3), 1 / 3)), SamplingParams(), gen)
