@@ -48,6 +48,7 @@ class LocalDrafter:
         self.batch_chain_depth = batch_chain_depth
         self.batch_chain_beta = batch_chain_beta
         self._builders: dict[str, object] = {}
+        self.last_model_ms = 0.0  # drafter forward time of the last draft() call; the rest is tree building
 
     def builder(self, config: TreeConfig):
         """The (cached) builder for `config`; raises ValueError for invalid parameters."""
@@ -58,6 +59,7 @@ class LocalDrafter:
 
     def draft(self, requests: list[DraftRequest]) -> list[TokenTree]:
         """One tree per request: the configured method alone, C2T chains in one batch above one."""
+        model_seconds = self.runner.lm.forward_seconds
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
         if len(speculative) > 1:
@@ -73,6 +75,7 @@ class LocalDrafter:
                 builder = self.budget.builder_for(builder)
             generator = torch.Generator().manual_seed(r.seed)
             trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
+        self.last_model_ms = (self.runner.lm.forward_seconds - model_seconds) * 1e3
         return [trees.get(id(r)) or root_only(r.context) for r in requests]
 
     def observe(self, record: StepRecord) -> None:

@@ -36,6 +36,7 @@ class StepRecord:
     emitted: int  # tokens emitted: accepted + the bonus/recovered token
     batch_size: int  # sequences in the step's target forward
     draft_ms: float  # drafting wall time of the whole batch step
+    draft_model_ms: float  # of which drafter forwards (the rest is tree construction)
     score_ms: float  # target forward wall time of the whole batch step
     verify_ms: float  # verification time per sequence
 

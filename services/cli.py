@@ -12,6 +12,7 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("treeserve.services.demo_command", "start the service on the default model, answer a prompt, stop"),
     "serve": ("treeserve.services.serve_command", "start the Ray Serve + gRPC service from a Serve config"),
     "generate": ("treeserve.services.generate_command", "generate a completion (via the service or in-process)"),
     "bench": ("treeserve.engine.bench", "benchmark autoregressive vs speculative methods on Spec-Bench prompts"),

@@ -19,6 +19,7 @@ The model is called as a plain transformers causal LM, so it stays tensor-parall
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,7 @@ class CachedLM:
         self.dtype = dtype
         self.max_sessions = max_sessions
         self.sessions: dict[str, SessionCache] = {}
+        self.forward_seconds = 0.0  # total time inside model forwards (lets callers separate overheads)
 
     # ------------------------------------------------------------------ session state
     def begin(self, session_id: str, context: list[int], accepted_nodes: list[int] | None = None) -> None:
@@ -152,9 +154,11 @@ class CachedLM:
             pad = torch.arange(n, width)
             mask[b, 0, pad, past + pad] = 0.0
         pkv = self._merged_cache(caches, past)
+        started = time.perf_counter()
         out = self.model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
                          attention_mask=mask.to(self.device), past_key_values=pkv, use_cache=True)
         logits = out.logits.float()
+        self.forward_seconds += time.perf_counter() - started
         results = []
         for b, (cache, request, (tokens, _, _)) in enumerate(zip(caches, requests, rows)):
             n, m = len(tokens), len(request.tokens)

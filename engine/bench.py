@@ -1,0 +1,146 @@
+"""`treeserve bench`: autoregressive decoding vs every speculative method, measured side by side.
+
+Each method decodes the same Spec-Bench prompts (first turn, chat template) with the same target in the
+same process; answers are written in Spec-Bench's jsonl format (`choices[0].turns / new_tokens /
+wall_time / accept_lengths`), and a table reports per method: budget, MAL (tokens per target forward,
+bonus included), candidate tokens per step, tokens/s, speedup over autoregressive, the worst
+per-category speedup, and the share of step time spent building trees and verifying them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_METHODS = ["autoregressive", "chain:4", "static:60", "eagle2:32", "dyspec:32", "dyspec_threshold:32",
+                   "opt_tree:32", "c2t:32", "dyspec:auto", "chain:auto"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from treeserve.engine.training.agreement_command import DEV_PROMPTS
+
+    parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS, help="Spec-Bench-format jsonl")
+    parser.add_argument("--num-prompts", type=int, default=24, help="prompts used, spread over categories")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
+                        help="METHOD[:BUDGET] entries; BUDGET is an integer or 'auto' (hardware-aware)")
+    parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
+    parser.add_argument("--drafter", default="default", help="drafter ('default' or a directory)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    parser.add_argument("--answers-dir", type=Path, default=None, help="write Spec-Bench answers here")
+    parser.add_argument("--json-out", type=Path, default=None, help="write the summary table as JSON")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+
+
+@dataclass
+class MethodStats:
+    """Accumulated results of one method over all prompts."""
+
+    name: str
+    budget: str
+    tokens: int = 0
+    steps: int = 0
+    candidates: int = 0
+    seconds: float = 0.0
+    overhead_ms: float = 0.0  # tree construction + verification
+    step_ms: float = 0.0
+    by_category: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def parse_method(entry: str) -> tuple[str, int | str]:
+    from treeserve.engine.builders import METHODS
+
+    name, _, budget = entry.partition(":")
+    if name not in (*METHODS, "autoregressive"):
+        raise ValueError(f"unknown method {name!r}; choose from autoregressive, {', '.join(METHODS)}")
+    if name == "autoregressive" or budget in ("", "auto"):
+        return name, "auto"
+    if not budget.isdigit() or int(budget) < 1:
+        raise ValueError(f"budget of {entry!r} must be a positive integer or 'auto'")
+    return name, int(budget)
+
+
+def spec_bench_answer(row: dict, model_id: str, result) -> dict:
+    return {"question_id": row["question_id"], "category": row.get("category"), "model_id": model_id,
+            "answer_id": f"{model_id}-{row['question_id']}", "tstamp": time.time(),
+            "choices": [{"index": 0, "turns": [result.text], "decoding_steps": [len(result.steps)],
+                         "new_tokens": [len(result.token_ids)], "wall_time": [result.wall_time_s],
+                         "accept_lengths": [[s.emitted for s in result.steps]]}]}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.pipeline import build_engine
+    from treeserve.engine.requests import GenerationRequest
+    from treeserve.engine.sampling import SamplingParams
+    from treeserve.engine.training.agreement_command import load_prompts
+
+    torch.set_num_threads(args.threads)
+    methods = [parse_method(m) for m in args.methods]
+    if args.max_new_tokens < 1 or args.num_prompts < 1:
+        raise ValueError("--max-new-tokens and --num-prompts must be >= 1")
+    sampling = SamplingParams(temperature=args.temperature)
+    rows = load_prompts(args.prompts, args.num_prompts)
+    target = load_causal_lm(args.target)
+    engines = {f"{m}:{b}": build_engine(drafter_path=args.drafter, method=m, budget=b, target=target)
+               for m, b in methods}
+    prompts = [engines[next(iter(engines))].encode_chat(r["turns"][0]) for r in rows]
+    stats = {key: MethodStats(key.split(":")[0], key.split(":")[1]) for key in engines}
+    answers: dict[str, list[dict]] = defaultdict(list)
+    # Interleave methods per prompt so slow drifts of the machine hit every method alike.
+    with tqdm(total=len(rows) * len(engines), desc="bench") as bar:
+        for row, prompt in zip(rows, prompts):
+            for key, engine in engines.items():
+                request = GenerationRequest(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0)
+                result = engine.generate([request])[0]
+                st = stats[key]
+                st.tokens += len(result.token_ids)
+                st.steps += len(result.steps)
+                st.candidates += sum(s.tree_size for s in result.steps)
+                st.seconds += result.wall_time_s
+                st.overhead_ms += sum(s.draft_ms - s.draft_model_ms + s.verify_ms for s in result.steps)
+                st.step_ms += sum(s.draft_ms + s.score_ms + s.verify_ms for s in result.steps)
+                cat = st.by_category[row.get("category", "all")]
+                cat[0] += len(result.token_ids)
+                cat[1] += result.wall_time_s
+                answers[key].append(spec_bench_answer(row, key.replace(":", "-"), result))
+                bar.update(1)
+    base = stats.get("autoregressive:auto")
+    summary = []
+    for key, st in stats.items():
+        speed = st.tokens_per_s / base.tokens_per_s if base else float("nan")
+        worst = min(((c[0] / c[1]) / (base.by_category[k][0] / base.by_category[k][1]))
+                    for k, c in st.by_category.items()) if base else float("nan")
+        summary.append({"method": st.name, "budget": st.budget, "mal": st.tokens / max(1, st.steps),
+                        "candidates_per_step": st.candidates / max(1, st.steps), "tokens_per_s": st.tokens_per_s,
+                        "speedup": speed, "worst_category_speedup": worst,
+                        "overhead_pct": 100 * st.overhead_ms / max(st.step_ms, 1e-9)})
+    table = Table(title=f"{len(rows)} prompts x {args.max_new_tokens} tokens, temperature {args.temperature}")
+    for col in ("method", "budget", "MAL", "cand/step", "tok/s", "speedup", "worst cat.", "build+verify %"):
+        table.add_column(col, justify="right")
+    for s in summary:
+        table.add_row(s["method"], str(s["budget"]), f"{s['mal']:.2f}", f"{s['candidates_per_step']:.1f}",
+                      f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['worst_category_speedup']:.2f}x",
+                      f"{s['overhead_pct']:.1f}")
+    Console(width=160).print(table)
+    if args.answers_dir:
+        args.answers_dir.mkdir(parents=True, exist_ok=True)
+        for key, rows_out in answers.items():
+            path = args.answers_dir / f"{key.replace(':', '-')}.jsonl"
+            path.write_text("".join(json.dumps(a) + "\n" for a in rows_out))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(summary, indent=1))
+    return 0

@@ -1,0 +1,59 @@
+"""`treeserve train-c2t`: label full EAGLE-2 trees with the target, train the C2T classifier, save it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+from treeserve.engine.training.c2t import C2TTrainConfig
+from treeserve.engine.training.drafter_command import _add_dataclass_options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from treeserve.engine.pipeline import DEFAULT_C2T_CLASSIFIER
+
+    parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
+    parser.add_argument("--drafter", default="default", help="drafter ('default' or a directory)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_C2T_CLASSIFIER,
+                        help=f"classifier file (default: the shipped one, {DEFAULT_C2T_CLASSIFIER})")
+    parser.add_argument("--num-prompts", type=int, default=60,
+                        help="training prompts (Python docs, HumanEval, Debian text; never the dev set)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    _add_dataclass_options(parser, C2TTrainConfig, "classifier")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from treeserve.engine.models.drafter import load_drafter
+    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.runners.drafter import DrafterRunner
+    from treeserve.engine.runners.target import TargetRunner
+    from treeserve.engine.training import prompts as sources
+    from treeserve.engine.training.c2t import collect, train_classifier
+
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    torch.set_num_threads(args.threads)
+    config = C2TTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(C2TTrainConfig)})
+    target = load_causal_lm(args.target)
+    drafter = load_drafter(args.drafter, target.model)
+    rng = random.Random(config.seed + 7)
+    texts = sources.pydoc_passages(rng, 1000) + sources.humaneval_prompts(1000) + sources.debian_text_prompts(rng, 1000)
+    rng.shuffle(texts)
+    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"][-384:]
+               for t in texts[:args.num_prompts]]
+    eos = {target.tokenizer.eos_token_id}
+    features, labels = collect(TargetRunner(target.model), DrafterRunner(drafter, target.model.config.vocab_size),
+                               prompts, config, eos)
+    model, stats = train_classifier(features, labels, config)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    model.save(args.out)
+    card = {"prompts": args.num_prompts, "config": dataclasses.asdict(config), **stats}
+    args.out.with_suffix(".json").write_text(json.dumps(card, indent=2))
+    print(f"classifier written to {args.out}")
+    return 0

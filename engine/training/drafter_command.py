@@ -1,0 +1,72 @@
+"""`treeserve train-drafter`: self-distil a drafter from the target (data generation + training + card)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from treeserve.engine.training.distill_data import DistillDataConfig
+
+
+def _add_dataclass_options(parser: argparse.ArgumentParser, cls, title: str, skip=()) -> None:
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, tuple):
+            group.add_argument(flag, type=int, nargs="+", default=list(f.default), help=f.metadata["help"])
+        else:
+            group.add_argument(flag, type=type(f.default), default=f.default,
+                               help=f"{f.metadata['help']} (default: {f.default})")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+    from treeserve.engine.training.drafter import DrafterTrainConfig
+
+    parser.add_argument("--kind", choices=["autoregressive"], default="autoregressive",
+                        help="drafter kind: a few target layers with a restricted-vocabulary head")
+    parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
+    parser.add_argument("--out", type=Path, default=DEFAULT_DRAFTER_DIR,
+                        help=f"where the drafter is written (default: the shipped default drafter, {DEFAULT_DRAFTER_DIR})")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="where generated training data is kept and resumed from (default: cache dir)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    _add_dataclass_options(parser, DistillDataConfig, "training data")
+    _add_dataclass_options(parser, DrafterTrainConfig, "training", skip=("seed",))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from treeserve.engine.models.loading import cache_root, load_causal_lm
+    from treeserve.engine.training.distill_data import build_distill_data, load_distill_data
+    from treeserve.engine.training.drafter import DrafterTrainConfig, train_drafter
+
+    torch.set_num_threads(args.threads)
+    data_config = DistillDataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillDataConfig)})
+    train_config = DrafterTrainConfig(**{f.name: (tuple(getattr(args, f.name)) if f.name == "layers" else getattr(args, f.name))
+                                         for f in dataclasses.fields(DrafterTrainConfig) if f.name != "seed"},
+                                      seed=args.seed)
+    target = load_causal_lm(args.target)
+    target.tokenizer.padding_side = "left"
+    n_layers = target.model.config.num_hidden_layers
+    if any(not 0 <= i < n_layers for i in train_config.layers):
+        raise ValueError(f"--layers must be target layer indices in [0, {n_layers})")
+    data_dir = args.data_dir or cache_root() / "distill" / f"{target.path.name}-seed{args.seed}"
+    started = time.time()
+    data_path = build_distill_data(target.model, target.tokenizer, data_config, data_dir)
+    data_minutes = (time.time() - started) / 60
+    data = load_distill_data(data_path)
+    specials = sorted({target.tokenizer.eos_token_id, *target.tokenizer.all_special_ids})
+    drafter, stats = train_drafter(target.model, data, train_config, specials)
+    card = {"target": str(args.target), "data": dataclasses.asdict(data_config),
+            "data_generation_minutes": round(data_minutes, 1), "training": stats}
+    drafter.save(args.out, card=card)
+    (args.out / "training.json").write_text(json.dumps(card, indent=2))
+    print(f"drafter written to {args.out}; measure dev agreement with `treeserve agreement --drafter {args.out}`")
+    return 0
