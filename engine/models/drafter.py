@@ -113,7 +113,7 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
     Both kinds return an object with `.logits` [B, T, V] and `.past_key_values`; a restricted drafter's
     logits cover only its `vocab_ids`.
     """
-    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.models.loading import causal_lm_config, load_model, resolve_model_dir
 
     model_dir = DEFAULT_DRAFTER_DIR if path == "default" else Path(path).expanduser()
     if path == "default" and not (model_dir / "config.json").is_file():
@@ -122,8 +122,9 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
         raise FileNotFoundError(f"drafter path {model_dir} does not exist")
     if is_restricted_drafter(model_dir):
         return RestrictedVocabDrafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
-    drafter = load_causal_lm(model_dir, device=device, dtype=dtype).model
-    if drafter.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"drafter {model_dir} has a {drafter.config.vocab_size}-token vocabulary, "
-                         f"the target has {target.config.vocab_size}")
-    return drafter
+    model_dir = resolve_model_dir(model_dir)
+    vocab = causal_lm_config(model_dir).vocab_size
+    if vocab != target.config.vocab_size:
+        raise ValueError(f"drafter {model_dir} has a {vocab}-token vocabulary, the target has "
+                         f"{target.config.vocab_size}")
+    return load_model(model_dir, device, dtype)

@@ -109,18 +109,32 @@ class LoadedModel:
     path: Path
 
 
-def load_causal_lm(path: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu",
-                   dtype: torch.dtype = torch.float32) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def causal_lm_config(model_dir: Path):
+    """The config of a causal LM directory (ValueError if the directory holds another kind of model)."""
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_dir = resolve_model_dir(path)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"{model_dir} holds a {config.model_type!r} model, not a causal LM")
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, local_files_only=True, dtype=dtype, attn_implementation="eager"
-    ).to(device)
-    model.eval()
+    return config
+
+
+def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    causal_lm_config(model_dir)
+    # Eager attention: the 4D additive tree masks are exact there (DESIGN.md section 4).
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype,
+                                                 attn_implementation="eager")
+    return model.to(device).eval()
+
+
+def load_causal_lm(path: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(path)
+    model = load_model(model_dir, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return LoadedModel(model=model, tokenizer=tokenizer, path=model_dir)
