@@ -73,8 +73,10 @@ def _full_bytes(model: torch.nn.Module) -> int:
 
 
 def load_tp_shard(path, device_mesh, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32):
-    """Return (model, tokenizer, LoadInfo) for this rank of `device_mesh` (a 1-D DeviceMesh)."""
+                  dtype: torch.dtype = torch.float32, *, from_slices: bool = True):
+    """Return (model, tokenizer, LoadInfo) for this rank of `device_mesh` (a 1-D DeviceMesh).
+
+    `from_slices=False` forces the fallback (full `load_causal_lm`, then `apply_tp` on the built model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from treeserve.engine.models.loading import load_causal_lm, resolve_model_dir
@@ -95,7 +97,7 @@ def load_tp_shard(path, device_mesh, device: str | torch.device = "cpu",
     tied_name = next((f"{n}.weight" for n, m in model.named_modules() if out_emb is not None and m is out_emb),
                      None)
     needed = {n for n in names if not (tied and n == tied_name)}
-    if files is None or not needed <= files.keys():
+    if not from_slices or files is None or not needed <= files.keys():
         # Names differ from the modules (or no safetensors): let transformers convert, then cut the shards.
         del model
         model = load_causal_lm(model_dir, device, dtype).model

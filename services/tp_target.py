@@ -60,6 +60,19 @@ def backend_for(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def tp_placement_bundles(tensor_parallel_size: int, device: str = "cpu", cpus_per_rank: float = 1.0,
+                         replica_cpus: float = 0.0) -> list[dict[str, float]]:
+    """Serve `placement_group_bundles` for a Target replica that holds a TensorParallelTarget.
+
+    One bundle per rank ({"CPU": cpus_per_rank} plus {"GPU": 1} on cuda); Serve puts the replica itself
+    (`ray_actor_options`: `replica_cpus` CPUs, no GPU) in bundle 0, so that bundle also carries its CPUs. The
+    ranks are then scheduled into whichever bundle has room, one each."""
+    accel = torch.device(device).type != "cpu"
+    bundles = [{"CPU": float(cpus_per_rank), **({"GPU": 1.0} if accel else {})} for _ in range(tensor_parallel_size)]
+    bundles[0]["CPU"] += float(replica_cpus)
+    return bundles
+
+
 class TPGroupError(RuntimeError):
     """A rank is dead or the group is broken; the holder must be replaced (its state is lost)."""
 
@@ -81,7 +94,7 @@ class _Rank:
             return ip, s.getsockname()[1]
 
     def setup(self, init_method: str, backend: str, model_dir: str, device: str, dtype: torch.dtype,
-              max_sessions: int, timeout_s: float) -> dict[str, Any]:
+              max_sessions: int, timeout_s: float, from_slices: bool = True) -> dict[str, Any]:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -98,7 +111,7 @@ class _Rank:
                                 timeout=timedelta(seconds=timeout_s))
         mesh = DeviceMesh(dev.type, list(range(self.world_size)))
         init_s = time.perf_counter() - start
-        model, _, info = load_tp_shard(model_dir, mesh, dev, dtype)
+        model, _, info = load_tp_shard(model_dir, mesh, dev, dtype, from_slices=from_slices)
         self.runner = TargetRunner(model, dev, dtype, max_sessions)
         return {"rank": self.rank, "init_s": init_s, "load_s": info.load_s, "mode": info.mode,
                 "local_param_bytes": info.local_param_bytes, "full_param_bytes": info.full_param_bytes,
@@ -150,7 +163,7 @@ class TensorParallelTarget:
                  device: str = "cpu", dtype: str | torch.dtype = "float32", *, cpus_per_rank: float = 1.0,
                  max_sessions: int = 256, num_threads: int = 1, placement_strategy: str = "STRICT_PACK",
                  start_timeout_s: float = 600.0, step_timeout_s: float = 600.0,
-                 health_timeout_s: float = 30.0):
+                 health_timeout_s: float = 30.0, load_from_slices: bool = True):
         from transformers import AutoConfig
 
         from treeserve.engine.models.loading import resolve_model_dir
@@ -160,6 +173,7 @@ class TensorParallelTarget:
         self.dtype = _as_dtype(dtype)
         self.step_timeout_s = step_timeout_s
         self.health_timeout_s = health_timeout_s
+        self.load_from_slices = load_from_slices
         self.actors: list = []
         self.load_info: list[dict[str, Any]] = []
         self._own_pg = None
@@ -212,7 +226,7 @@ class TensorParallelTarget:
         init_method = f"tcp://{ip}:{port}"
         backend = backend_for(self.device)
         refs = [a.setup.remote(init_method, backend, str(model_dir), self.device, self.dtype, max_sessions,
-                               self.step_timeout_s) for a in self.actors]
+                               self.step_timeout_s, self.load_from_slices) for a in self.actors]
         self.load_info = self._gather(refs, timeout_s)
         self.init_method, self.backend = init_method, backend
 

@@ -49,3 +49,12 @@ def test_plan_covers_every_projection(tiny_tp_dir):
     assert placements_for("lm_head.weight", plan) is None
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         tp_plan_for(model, 4)  # 4 query heads divide, 2 KV heads do not
+
+
+def test_placement_bundles():
+    from treeserve.services.tp_target import backend_for, tp_placement_bundles
+
+    assert tp_placement_bundles(2, "cpu", 0.5, replica_cpus=0.25) == [{"CPU": 0.75}, {"CPU": 0.5}]
+    assert tp_placement_bundles(4, "cuda", 1, replica_cpus=1)[0] == {"CPU": 2.0, "GPU": 1.0}
+    assert [b["GPU"] for b in tp_placement_bundles(4, "cuda")] == [1.0] * 4
+    assert backend_for("cuda") == "nccl" and backend_for("cpu") == "gloo"

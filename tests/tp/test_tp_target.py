@@ -89,8 +89,14 @@ def test_bad_request_raises_and_group_stays_usable(tiny_tp2):
 def test_killed_rank_fails_health(ray_cpu, tiny_tp_dir):
     import ray
 
-    tp = TensorParallelTarget(tiny_tp_dir, tensor_parallel_size=2, cpus_per_rank=0.5)
+    # This group loads the full model and shards it with apply_tp (the fallback path), so it also checks
+    # the plan applied to an already-built model.
+    tp = TensorParallelTarget(tiny_tp_dir, tensor_parallel_size=2, cpus_per_rank=0.5, load_from_slices=False)
     try:
+        assert [info["mode"] for info in tp.load_info] == ["full_then_shard"] * 2
+        ref = TargetRunner(load_causal_lm(tiny_tp_dir).model)
+        step = tree_batch(0, [[1, 2, 3, 4, 5, 6], [7, 8, 9]], ref.vocab_size, seed=2)
+        assert max_diff(tp.score_logits(step), reference_logits(ref, step)) < TOL
         tp.health()
         ray.kill(tp.actors[1], no_restart=True)
         with pytest.raises(TPGroupError, match="rank 1"):
