@@ -3,7 +3,8 @@ counts before/after the DFS reorder of DySpec appendix C.
 
 The oracle returns precomputed random probability rows over a 49,152-token vocabulary (SmolLM2's),
 shaped like a language model's: a few dominant tokens over a log-normal tail (mean top-1
-probability printed below). Time inside `oracle.probs` is measured and subtracted.
+probability printed below). Times are CPU time of the building thread (time.thread_time), so
+waiting for a core on a shared machine is not counted; time inside `oracle.probs` is subtracted.
 
     python benchmarks/tree_build.py [--repeats 15] [--vocab 49152]
 """
@@ -25,14 +26,19 @@ from treeserve.engine.tree import TokenTree
 
 
 def make_rows(num: int, vocab: int, seed: int = 0) -> Tensor:
-    """[num, vocab] probability rows: log-normal tail plus 1-6 boosted candidates per row."""
+    """[num, vocab] probability rows shaped like a language model's: 1-4 head tokens sharing
+    1 - tail of the mass (Dirichlet split), the tail spread log-normally over the vocabulary,
+    tail mass uniform in [0.02, 0.3]."""
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(num, vocab, generator=gen) * 1.5
+    rows = torch.softmax(torch.randn(num, vocab, generator=gen) * 1.5, dim=-1)
+    tail = 0.02 + 0.28 * torch.rand(num, generator=gen)
+    rows *= tail[:, None]
     for i in range(num):
-        k = int(torch.randint(1, 7, (1,), generator=gen))
-        idx = torch.randint(0, vocab, (k,), generator=gen)
-        logits[i, idx] += 12.0 + 2.0 * torch.randn(k, generator=gen)
-    return torch.softmax(logits, dim=-1)
+        k = int(torch.randint(1, 5, (1,), generator=gen))
+        heads = torch.randperm(vocab, generator=gen)[:k]
+        split = torch.distributions.Dirichlet(torch.ones(k)).sample() if k > 1 else torch.ones(1)
+        rows[i, heads] += (1 - tail[i]) * split
+    return rows / rows.sum(dim=1, keepdim=True)
 
 
 @dataclass
@@ -46,24 +52,24 @@ class TimedOracle:
         return self.rows.shape[1]
 
     def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
-        start = time.perf_counter()
+        start = time.thread_time()
         out = self.rows[node_ids % self.rows.shape[0]]
-        self.seconds += time.perf_counter() - start
+        self.seconds += time.thread_time() - start
         self.calls += 1
         return out
 
 
 def time_build(config: TreeConfig, sampling: SamplingParams, rows: Tensor, repeats: int) -> tuple[float, float, TokenTree, int]:
-    """(median builder ms excluding oracle, median total ms, last tree, oracle calls per build)."""
+    """(median builder CPU ms excluding oracle, median total CPU ms, last tree, oracle calls per build)."""
     builder = make_builder(config)
     own, total = [], []
     tree, calls = None, 0
     for rep in range(repeats + 1):
         oracle = TimedOracle(rows)
         gen = torch.Generator().manual_seed(rep)
-        start = time.perf_counter()
+        start = time.thread_time()
         tree = builder.build(0, oracle, sampling, gen)
-        elapsed = time.perf_counter() - start
+        elapsed = time.thread_time() - start
         if rep:  # the first run warms caches and allocators
             own.append((elapsed - oracle.seconds) * 1e3)
             total.append(elapsed * 1e3)

@@ -145,6 +145,22 @@ class ResidualRow:
         self._sorted: list[tuple[float, int]] = []  # descending (prob, token) prefix
         self._next_rank = 0
 
+    @classmethod
+    def for_rows(cls, rows: Tensor, top: int = 0, block_sums: bool = False) -> list["ResidualRow"]:
+        """ResidualRows for every row of rows [R, V], with the sorted prefix (`top` > 0) and/or the
+        block sums computed by one batched op for all rows instead of one op per row."""
+        out = [cls(row) for row in rows]
+        if top:
+            values, tokens = topk_rows(rows, top)
+            for res, vals, toks in zip(out, values.tolist(), tokens.tolist()):
+                res._sorted = list(zip(vals, toks))
+        if block_sums:
+            blocks = _blocked(rows)
+            sums = (blocks.sum(dim=2) if blocks is not None else rows).tolist()
+            for res, row_sums in zip(out, sums):
+                res._block_sums = row_sums
+        return out
+
     @property
     def remaining(self) -> float:
         """Mass of q not yet drawn (1 - removed mass, up to float error)."""
@@ -192,7 +208,7 @@ class ResidualRow:
         vocab = row.shape[0]
         if self._block_sums is None:
             blocks = _blocked(row[None])
-            sums = blocks[0].sum(dim=1, dtype=torch.float64) if blocks is not None else row
+            sums = blocks[0].sum(dim=1) if blocks is not None else row
             self._block_sums = sums.tolist()
         width = BLOCK if len(self._block_sums) < vocab else 1
         sums = self._block_sums

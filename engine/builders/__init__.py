@@ -30,6 +30,7 @@ class TreeConfig:
     threshold: float = field(default=0.05, metadata={"help": "dyspec_threshold: expand while a position's reach probability exceeds this, in (0, 1)"})
     delta: float = field(default=0.2, metadata={"help": "opt_tree: stop when E_sub grows by at most delta (>= 0; paper: between mu and 1)"})
     beta: float = field(default=0.5, metadata={"help": "c2t / c2t_chain: classifier confidence threshold, in (0, 1)"})
+    prefetch: int = field(default=4, metadata={"help": "dyspec: draft rows fetched per drafter call (the popped node + best unfetched heap nodes)"})
     max_depth: int | None = field(default=None, metadata={"help": "optional depth cap for dyspec, dyspec_threshold and opt_tree"})
     chain_sampled: bool = field(default=True, metadata={"help": "chain at temperature > 0: sample tokens (SpS) instead of deterministic top-1"})
     rerank: bool = field(default=True, metadata={"help": "eagle2: keep the `budget` best nodes; False keeps the whole expanded tree"})
@@ -63,7 +64,7 @@ def make_builder(config: TreeConfig) -> TreeBuilder:
     if method == "eagle2":
         return Eagle2Builder(budget=config.budget, depth=config.depth, top_k=config.top_k, rerank=config.rerank)
     if method == "dyspec":
-        return DySpecBuilder(budget=config.budget, max_depth=config.max_depth)
+        return DySpecBuilder(budget=config.budget, max_depth=config.max_depth, prefetch=config.prefetch)
     if method == "dyspec_threshold":
         return DySpecThresholdBuilder(threshold=config.threshold, budget=config.budget, max_depth=config.max_depth)
     if method == "opt_tree":

@@ -67,6 +67,10 @@ class PartialTree:
         self.log_joint: list[float] = [0.0]
         self.draw: list[int] = [int(ChildDraw.TOP_K)]
         self.rows: dict[int, Tensor] = {}  # node -> draft row kept for verification
+        # Growing tensor copies of tokens/parents handed to the oracle; only new nodes are copied
+        # per call, so a budget-768 DySpec build does not re-convert the whole tree 768 times.
+        self._buffer = torch.empty(2, 64, dtype=torch.long)
+        self._synced = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -87,15 +91,21 @@ class PartialTree:
         return depth
 
     def query(self, node_ids: Sequence[int]) -> Tensor:
-        """One oracle call for `node_ids` -> [k, V] draft probabilities."""
-        vocab = self.oracle.vocab_size
-        out = self.oracle.probs(
-            torch.tensor(self.tokens, dtype=torch.long),
-            torch.tensor(self.parents, dtype=torch.long),
-            torch.tensor(list(node_ids), dtype=torch.long),
-        )
-        if out.dim() != 2 or out.shape != (len(node_ids), vocab):
-            raise ValueError(f"oracle probs must have shape [{len(node_ids)}, {vocab}], got {tuple(out.shape)}")
+        """One oracle call for `node_ids` -> [k, V] draft probabilities. The oracle receives views
+        of the partial tree, valid for the duration of the call."""
+        vocab, num = self.oracle.vocab_size, len(self.tokens)
+        if num > self._buffer.shape[1]:
+            grown = torch.empty(2, max(num, 2 * self._buffer.shape[1]), dtype=torch.long)
+            grown[:, : self._synced] = self._buffer[:, : self._synced]
+            self._buffer = grown
+        ids = list(node_ids)
+        fresh = torch.tensor([self.tokens[self._synced :] + ids, self.parents[self._synced :] + ids], dtype=torch.long)
+        self._buffer[:, self._synced : num] = fresh[:, : num - self._synced]
+        self._synced = num
+        wanted = fresh[0, fresh.shape[1] - len(ids) :]  # the ids ride along in the same conversion
+        out = self.oracle.probs(self._buffer[0, :num], self._buffer[1, :num], wanted)
+        if out.dim() != 2 or out.shape != (len(ids), vocab):
+            raise ValueError(f"oracle probs must have shape [{len(ids)}, {vocab}], got {tuple(out.shape)}")
         return out
 
     def set_draw(self, node: int, draw: ChildDraw, row: Tensor | None = None) -> None:
@@ -108,23 +118,25 @@ class PartialTree:
     def finish(self, keep: Sequence[int] | Tensor | None = None) -> TokenTree:
         """Validate into a TokenTree; `keep` (optional) selects a sub-tree, re-indexed."""
         num = len(self.tokens)
-        probs = rows = None
+        probs = None
+        row_of = [-1] * num
         if self.rows:
             nodes = sorted(self.rows)
-            probs = torch.stack([self.rows[n].float() for n in nodes])
+            probs = torch.stack([self.rows[n] for n in nodes]).float()
             # Only these rows feed verification; one reduction catches NaN and unnormalised rows.
             if not bool(((probs.sum(dim=1) - 1).abs() <= 1e-3).all()):
                 raise ValueError("oracle probs: a draft row used for verification is NaN or does not sum to 1")
-            rows = torch.full((num,), -1, dtype=torch.long)
-            rows[nodes] = torch.arange(len(nodes))
+            for index, node in enumerate(nodes):
+                row_of[node] = index
         # Valid by construction (append-only, parents precede children): skip re-validation.
+        packed = torch.tensor([self.tokens, self.parents, self.draw, row_of], dtype=torch.long)
         tree = TokenTree._trusted(
-            torch.tensor(self.tokens, dtype=torch.long),
-            torch.tensor(self.parents, dtype=torch.long),
-            torch.tensor(self.draw, dtype=torch.uint8),
+            packed[0],
+            packed[1],
+            packed[2].to(torch.uint8),
             torch.tensor(self.log_joint, dtype=torch.float32),
             probs,
-            rows,
+            packed[3] if probs is not None else None,
         )
         return tree if keep is None else tree.select(keep)
 

@@ -42,10 +42,12 @@ class DySpecBuilder:
 
     budget: int = 64  # draft nodes
     max_depth: int | None = None  # optional guard; the paper has none
+    prefetch: int = 4  # rows fetched per oracle call: the popped node + the best unfetched heap nodes
 
     def __post_init__(self) -> None:
         check_positive("budget", self.budget)
         check_positive("max_depth", self.max_depth, allow_none=True)
+        check_positive("prefetch", self.prefetch)
 
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
         tree = PartialTree(root_token, oracle)
@@ -58,6 +60,25 @@ class DySpecBuilder:
     def _depth_ok(self, depth: int) -> bool:
         return self.max_depth is None or depth <= self.max_depth
 
+    def _fetch(self, tree: PartialTree, residual: dict[int, ResidualRow], heap: list, node: int, greedy: bool) -> None:
+        """Fetch `node`'s row in one oracle call together with the rows of the (prefetch - 1) best
+        heap entries whose rows are still missing. Prefetching never changes the tree (rows do not
+        depend on when they are fetched); it trades drafter work on rows that may go unused for
+        fewer drafter calls, which dominate at budget 64+ (Algorithm 1 otherwise makes one call
+        per node)."""
+        wanted = [node]
+        if self.prefetch > 1:
+            # The first entries of the heap array are near its top; exact order does not matter here.
+            for item in heap[: 4 * self.prefetch]:
+                other = item[2]
+                if other not in residual and other not in wanted:
+                    wanted.append(other)
+                    if len(wanted) == self.prefetch:
+                        break
+        rows = tree.query(wanted)
+        made = ResidualRow.for_rows(rows, top=8 if greedy else 0, block_sums=not greedy)
+        residual.update(zip(wanted, made))
+
     def _grow_sampled(self, tree: PartialTree, uniforms: UniformStream) -> None:
         """Algorithm 1 at temperature > 0. Heap items: (-s, seq, node); rows are fetched lazily when
         a node's first position is popped, so leaves never cost an oracle call."""
@@ -68,7 +89,7 @@ class DySpecBuilder:
         while heap and len(tree) - 1 < self.budget:
             _, _, node = heapq.heappop(heap)
             if node not in residual:
-                residual[node] = ResidualRow(tree.query([node])[0])
+                self._fetch(tree, residual, heap, node, greedy=False)
             res = residual[node]
             picked = res.sample(uniforms.next())
             if picked is None:
@@ -98,8 +119,9 @@ class DySpecBuilder:
             _, _, node, resolved = heapq.heappop(heap)
             value = math.exp(tree.log_joint[node])
             if not resolved:
-                res = residual[node] = ResidualRow(tree.query([node])[0])
-                top = res.peek_top()
+                if node not in residual:
+                    self._fetch(tree, residual, heap, node, greedy=True)
+                top = residual[node].peek_top()
                 if top is not None:
                     heapq.heappush(heap, (-value * top[1], seq, node, True))
                     seq += 1
@@ -145,8 +167,7 @@ class DySpecThresholdBuilder:
             frontier.sort(key=lambda n: (-tree.log_joint[n], n))
             rows = tree.query(frontier)
             nxt: list[int] = []
-            for node, row in zip(frontier, rows):
-                res = ResidualRow(row)
+            for node, row, res in zip(frontier, rows, ResidualRow.for_rows(rows, top=8 if greedy else 0, block_sums=not greedy)):
                 value = math.exp(tree.log_joint[node])
                 reach = value
                 while reach > self.threshold and len(tree) - 1 < self.budget:

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
 from treeserve.engine.sampling import SamplingParams, global_topk
@@ -48,18 +49,17 @@ class OptTreeBuilder:
         frontier, e_prev, trace = [0], 0.0, []
         for _ in range(max_depth):
             rows = tree.query(frontier)
-            scale = torch.tensor([math.exp(tree.log_joint[f]) for f in frontier], dtype=rows.dtype)
-            values, row_idx, tokens = global_topk(rows, scale, n)
-            q = rows[row_idx, tokens]
-            order = sorted(range(values.shape[0]), key=lambda i: (int(row_idx[i]), -float(values[i])))
+            scale = [math.exp(tree.log_joint[f]) for f in frontier]
+            values, row_idx, tokens = self._layer_topk(rows, scale, n)
+            q = rows[torch.tensor(row_idx), torch.tensor(tokens)].tolist()
+            order = sorted(range(len(values)), key=lambda i: (row_idx[i], -values[i]))
             new_layer = []
             for i in order:
-                qi = float(q[i])
-                if qi <= 0.0:
+                if q[i] <= 0.0:
                     continue
-                parent = frontier[int(row_idx[i])]
+                parent = frontier[row_idx[i]]
                 tree.set_draw(parent, ChildDraw.TOP_K)
-                child = tree.add(parent, int(tokens[i]), math.log(qi))
+                child = tree.add(parent, tokens[i], math.log(q[i]))
                 new_layer.append(child)
                 p_hat.append(math.exp(tree.log_joint[child]))
             e_sub = sum(sorted(p_hat, reverse=True)[:n])
@@ -69,3 +69,21 @@ class OptTreeBuilder:
             e_prev, frontier = e_sub, new_layer
         ranked = sorted(range(1, len(tree)), key=lambda i: (-tree.log_joint[i], i))
         return tree.finish(keep=ranked[:n]), trace
+
+    @staticmethod
+    def _layer_topk(rows: Tensor, scale: list[float], n: int, chunk: int = 8) -> tuple[list[float], list[int], list[int]]:
+        """The n largest scale[r] * rows[r, v] as Python lists (values, row index, token).
+
+        Threshold scan: rows are read in chunks in descending scale while keeping the best n so far;
+        once the next row's scale is not above the n-th best value, no later row can contribute
+        (q <= 1), so it is never read. With peaked draft distributions most of a layer is skipped."""
+        order = sorted(range(len(scale)), key=lambda r: -scale[r])
+        best: list[tuple[float, int, int]] = []  # (value, row, token), descending
+        for start in range(0, len(order), chunk):
+            part = order[start : start + chunk]
+            if len(best) == n and scale[part[0]] <= best[-1][0]:
+                break
+            values, sub_idx, tokens = global_topk(rows[part], torch.tensor([scale[r] for r in part], dtype=rows.dtype), n)
+            found = zip(values.tolist(), (part[i] for i in sub_idx.tolist()), tokens.tolist())
+            best = sorted([*best, *found], key=lambda c: -c[0])[:n]
+        return [c[0] for c in best], [c[1] for c in best], [c[2] for c in best]
