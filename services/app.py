@@ -1,0 +1,88 @@
+"""The TreeServe Serve application: Router (public gRPC ingress) over Drafter and Target deployments.
+
+This is the only place that turns the plain replica classes into Serve deployments. Two entry points:
+
+- `build_app(args)`: the `import_path` of a Serve config (`serve run deploy/local-cpu.yaml`, KubeRay's
+  serveConfigV2). Serve itself applies the config's per-deployment overrides (autoscaling, resources).
+- `build_app_from_config(app_config)`: `treeserve serve` and tests, which call `serve.run` themselves, so the
+  per-deployment settings of the YAML (autoscaling_config, ray_actor_options, ...) are applied here.
+
+The Router gets the Drafter and Target handles only to discover their replicas' gRPC addresses; per-step
+traffic goes over direct channels (services/grpc_clients.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from treeserve.services.config import AppConfig, ApplicationConfig, DeploymentConfig
+
+# Replicas are tiny on the default CPU layout: 1 CPU each would deadlock three deployments on 2 cores.
+DEFAULT_ACTOR_OPTIONS = {"num_cpus": 0.5, "num_gpus": 0}
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str]) -> dict[str, Any]:
+    options: dict[str, Any] = {"ray_actor_options": dict(DEFAULT_ACTOR_OPTIONS)}
+    if config is not None:
+        actor = {"num_cpus": config.ray_actor_options.num_cpus, "num_gpus": config.ray_actor_options.num_gpus}
+        if config.ray_actor_options.memory is not None:
+            actor["memory"] = config.ray_actor_options.memory
+        options["ray_actor_options"] = actor
+        options["max_ongoing_requests"] = config.max_ongoing_requests
+        if config.num_replicas is not None:
+            options["num_replicas"] = config.num_replicas
+        if config.autoscaling_config is not None:
+            auto = config.autoscaling_config
+            options["autoscaling_config"] = {k: v for k, v in vars(auto).items() if v is not None}
+        if config.placement_group_bundles is not None:
+            options["placement_group_bundles"] = config.placement_group_bundles
+        if config.placement_group_strategy is not None:
+            options["placement_group_strategy"] = config.placement_group_strategy
+        if config.health_check_period_s is not None:
+            options["health_check_period_s"] = config.health_check_period_s
+        if config.graceful_shutdown_timeout_s is not None:
+            options["graceful_shutdown_timeout_s"] = config.graceful_shutdown_timeout_s
+    options["ray_actor_options"]["runtime_env"] = {"env_vars": {**THREAD_ENV, **env}}
+    return options
+
+
+def _bind(args: Mapping[str, Any], overrides: dict[str, dict[str, Any]]):
+    from ray import serve
+
+    from treeserve.services.drafter_service import DrafterReplica
+    from treeserve.services.router import RouterReplica
+    from treeserve.services.target_service import TargetReplica
+
+    config = AppConfig.from_args(dict(args))
+    args = dict(args)
+    target = serve.deployment(TargetReplica, name="Target").options(**overrides.get("Target", {})).bind(args)
+    drafter = None
+    if config.speculation.method != "autoregressive":
+        drafter = serve.deployment(DrafterReplica, name="Drafter").options(**overrides.get("Drafter", {})).bind(args)
+    return serve.deployment(RouterReplica, name="Router").options(**overrides.get("Router", {})).bind(
+        args, drafter, target)
+
+
+def build_app(args: Mapping[str, Any] | None = None):
+    """Serve `import_path` builder: the application from the config's `args` (validated by AppConfig)."""
+    AppConfig.from_args(dict(args or {}))  # fail at build time with the field path, not in a replica
+    env = {"OMP_NUM_THREADS": "1"}
+    return _bind(args or {}, {name: {"ray_actor_options": {**DEFAULT_ACTOR_OPTIONS,
+                                                           "runtime_env": {"env_vars": {**THREAD_ENV, **env}}}}
+                              for name in ("Router", "Drafter", "Target")})
+
+
+def build_app_from_config(app: ApplicationConfig, args: Mapping[str, Any] | None = None):
+    """The application with the YAML's per-deployment settings applied (for `serve.run`). `args` are the raw
+    `args` mapping (defaults to the parsed config's, re-serialised)."""
+    env = dict(app.runtime_env.env_vars) if app.runtime_env is not None else {}
+    overrides = {name: _deployment_options(app.deployment(name), env) for name in ("Router", "Drafter", "Target")}
+    return _bind(args if args is not None else config_to_args(app.args), overrides)
+
+
+def config_to_args(config: AppConfig) -> dict[str, Any]:
+    """AppConfig -> the plain `args` mapping replicas receive (they re-parse it)."""
+    import dataclasses
+
+    return dataclasses.asdict(config)

@@ -1,0 +1,559 @@
+"""Direct gRPC between the router and the drafter / target replicas (DESIGN.md section 3).
+
+Serve owns lifecycle, health and scaling; the per-step traffic (trees, distributions) goes over direct
+grpc.aio channels because a DeploymentHandle round trip costs ~5x a gRPC call on a small box. Pieces:
+
+- `ReplicaServer`: a grpc.aio server on a free port, run on its own thread and event loop inside a replica
+  (independent of Serve's loops), with the replica's address (`host:port`).
+- `Registry`: where replicas publish their address (Ray's internal KV, keyed by app / deployment / replica),
+  with a heartbeat; `serve_registry_discovery` lists it for the router.
+- `ReplicaPool`: the router's view of one deployment's live replicas: channels (max message length raised
+  above 4 MB), a consistent-hash ring for session-affine choice, drop-on-failure with a cool-down, refresh.
+- `RemoteTarget` / `RemoteDrafter`: the engine's Target / Drafter protocols over the pool. The async methods
+  run on the router's event loop; the sync protocol methods (called by `SpeculativeEngine.step` on a worker
+  thread) bridge onto that loop. A failed call drops that replica, refreshes and retries the affected
+  sessions on another one: every request carries the full context, so any replica rebuilds the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable
+
+import grpc
+
+from treeserve.engine.drafting import DraftRequest, root_only
+from treeserve.engine.requests import StepRecord
+from treeserve.engine.runners.target import ScoreRequest
+from treeserve.engine.tree import TokenTree
+from treeserve.engine.verify import TargetDists
+from treeserve.services import wire
+from treeserve.v1 import internal_pb2 as pb
+from treeserve.v1 import internal_pb2_grpc as pb_grpc
+
+log = logging.getLogger("treeserve.grpc")
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Status codes after which another replica may succeed (the replica died, restarts, or is overloaded).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                       grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Fail fast on a dead replica instead of waiting in reconnect backoff.
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.enable_retries", 0)]
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # pragma: no cover - Ray missing or not in a worker
+        pass
+    return "127.0.0.1"
+
+
+# ================================================================================================ server side
+class ReplicaServer:
+    """A grpc.aio server on its own thread and event loop; `address` is `host:port` once started."""
+
+    def __init__(self, add_servicer: Callable[[Any, Any], None], servicer: Any,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, host: str | None = None, port: int = 0):
+        self._add = add_servicer
+        self._servicer = servicer
+        self._options = channel_options(max_message_bytes)
+        self._bind = f"[::]:{port}"
+        self._host = host or node_ip()
+        self.port = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="treeserve-grpc", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "ReplicaServer":
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError("gRPC server did not start")
+        if self._error is not None:
+            raise RuntimeError(f"gRPC server failed to start: {self._error}")
+        return self
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._serve())
+        except BaseException as exc:  # pragma: no cover - reported through start()/alive()
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._server = grpc.aio.server(options=self._options)
+        self._add(self._servicer, self._server)
+        self.port = self._server.add_insecure_port(self._bind)
+        await self._server.start()
+        self._ready.set()
+        await self._server.wait_for_termination()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self.loop is not None and self._server is not None and self._thread.is_alive():
+            fut = asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self.loop)
+            try:
+                fut.result(grace_s + 5)
+            except Exception:  # pragma: no cover
+                pass
+        self._thread.join(timeout=grace_s + 5)
+
+
+class Worker:
+    """Runs blocking model work on one thread (models and caches are not thread-safe), off the server loop,
+    so Health answers while a forward runs."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="treeserve-model")
+        self.calls = 0
+
+    async def run(self, fn: Callable, *args) -> Any:
+        self.calls += 1
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+
+def replica_identity() -> tuple[str, str, str]:
+    """(app name, deployment name, replica id) inside a Serve replica; a process-unique id elsewhere."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        return ctx.app_name, ctx.deployment, ctx.replica_id.unique_id
+    except Exception:
+        return "local", "local", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+# ================================================================================================ discovery
+@dataclass(frozen=True)
+class Endpoint:
+    replica_id: str
+    address: str
+
+
+class Registry:
+    """Replica addresses in Ray's internal KV: key treeserve/<app>/<deployment>/<replica>, value JSON."""
+
+    NAMESPACE = "treeserve"
+
+    def __init__(self, app: str, deployment: str):
+        self.prefix = f"replicas/{app}/{deployment}/"
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            from ray.experimental.internal_kv import _internal_kv_initialized
+
+            return bool(_internal_kv_initialized())
+        except Exception:
+            return False
+
+    def publish(self, replica_id: str, address: str) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        value = json.dumps({"replica_id": replica_id, "address": address, "pid": os.getpid(), "time": time.time()})
+        _internal_kv_put(self.prefix + replica_id, value, overwrite=True, namespace=self.NAMESPACE)
+
+    def withdraw(self, replica_id: str) -> None:
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        try:
+            _internal_kv_del(self.prefix + replica_id, namespace=self.NAMESPACE)
+        except Exception:  # pragma: no cover - Ray already shutting down
+            pass
+
+    def list(self) -> list[Endpoint]:
+        from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+
+        out = []
+        for key in _internal_kv_list(self.prefix, namespace=self.NAMESPACE):
+            raw = _internal_kv_get(key, namespace=self.NAMESPACE)
+            if raw:
+                data = json.loads(raw)
+                out.append(Endpoint(data["replica_id"], data["address"]))
+        return out
+
+
+class Heartbeat:
+    """Publishes a replica's address now and every `period_s` (re-creates the entry if a router removed it)."""
+
+    def __init__(self, registry: Registry, replica_id: str, address: str, period_s: float = 5.0):
+        self.registry, self.replica_id, self.address = registry, replica_id, address
+        self._stop = threading.Event()
+        registry.publish(replica_id, address)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="treeserve-heartbeat")
+        self._period = period_s
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self.registry.publish(self.replica_id, self.address)
+            except Exception:  # pragma: no cover - GCS briefly unreachable
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.registry.withdraw(self.replica_id)
+
+
+def serve_discovery(app: str, deployment: str, handle: Any = None) -> Callable[[], Awaitable[list[Endpoint]]]:
+    """Discovery for a pool: the registry, and the deployment handle when the registry is empty (the handle
+    call also waits for a replica to come up)."""
+    registry = Registry(app, deployment)
+
+    async def discover() -> list[Endpoint]:
+        found = await asyncio.to_thread(registry.list) if Registry.available() else []
+        if not found and handle is not None:
+            try:
+                replica_id, address = await asyncio.wait_for(handle.address.remote(), timeout=10.0)
+                found = [Endpoint(replica_id, address)]
+            except Exception as exc:
+                log.warning("no %s replica reachable through its handle: %s", deployment, exc)
+        return found
+
+    return discover
+
+
+def static_discovery(addresses: Iterable[str]) -> Callable[[], Awaitable[list[Endpoint]]]:
+    endpoints = [Endpoint(a, a) for a in addresses]
+
+    async def discover() -> list[Endpoint]:
+        return list(endpoints)
+
+    return discover
+
+
+# ================================================================================================ the pool
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class _Live:
+    endpoint: Endpoint
+    channel: grpc.aio.Channel
+    stub: Any
+
+
+@dataclass
+class ReplicaPool:
+    """Live replicas of one deployment, chosen per session by consistent hashing."""
+
+    name: str  # "Drafter" / "Target"
+    stub_class: type
+    discover: Callable[[], Awaitable[list[Endpoint]]]
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    virtual_nodes: int = 64
+    cooldown_s: float = 10.0  # a dropped replica is not re-probed before this
+    refresh_period_s: float = 5.0  # background refresh (scale-out) at most this often
+    probe_timeout_s: float = 2.0
+    live: dict[str, _Live] = field(default_factory=dict)
+    _dropped: dict[str, float] = field(default_factory=dict)
+    _ring: list[tuple[int, str]] = field(default_factory=list)
+    _last_refresh: float = 0.0
+    _lock: asyncio.Lock | None = None
+
+    # -------------------------------------------------------------- choice
+    def pick(self, session_id: str, exclude: set[str] = frozenset()) -> _Live | None:
+        """The session's replica: first ring point clockwise of hash(session) not excluded."""
+        if not self._ring:
+            return None
+        start = bisect.bisect(self._ring, (_hash(session_id), ""))
+        for i in range(len(self._ring)):
+            replica = self._ring[(start + i) % len(self._ring)][1]
+            if replica not in exclude:
+                return self.live[replica]
+        return None
+
+    def _rebuild_ring(self) -> None:
+        self._ring = sorted((_hash(f"{rid}#{v}"), rid) for rid in self.live for v in range(self.virtual_nodes))
+
+    # -------------------------------------------------------------- membership
+    def drop(self, replica_id: str, reason: str = "") -> None:
+        live = self.live.pop(replica_id, None)
+        if live is None:
+            return
+        log.warning("dropping %s replica %s (%s): %s", self.name, replica_id, live.endpoint.address, reason)
+        self._dropped[replica_id] = time.monotonic()
+        self._rebuild_ring()
+        asyncio.ensure_future(live.channel.close())
+
+    async def refresh(self, force: bool = False) -> None:
+        """Re-list replicas: add new ones that answer a Health probe, forget ones no longer listed."""
+        now = time.monotonic()
+        if not force and now - self._last_refresh < self.refresh_period_s:
+            return
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if not force and time.monotonic() - self._last_refresh < self.refresh_period_s:
+                return
+            try:
+                listed = await self.discover()
+            except Exception as exc:
+                log.warning("%s discovery failed: %s", self.name, exc)
+                listed = []
+            self._last_refresh = time.monotonic()
+            ids = {e.replica_id for e in listed}
+            for rid in [r for r in self.live if r not in ids and listed]:
+                self.drop(rid, "no longer registered")
+            new = [e for e in listed if e.replica_id not in self.live
+                   and time.monotonic() - self._dropped.get(e.replica_id, -1e9) >= self.cooldown_s]
+            probes = await asyncio.gather(*(self._probe(e) for e in new))
+            for endpoint, live in zip(new, probes):
+                if live is not None:
+                    self.live[endpoint.replica_id] = live
+                    self._dropped.pop(endpoint.replica_id, None)
+                else:
+                    self._dropped[endpoint.replica_id] = time.monotonic()
+            self._rebuild_ring()
+
+    async def _probe(self, endpoint: Endpoint) -> _Live | None:
+        channel = grpc.aio.insecure_channel(endpoint.address, options=channel_options(self.max_message_bytes))
+        stub = self.stub_class(channel)
+        try:
+            await stub.Health(pb.HealthRequest(), timeout=self.probe_timeout_s)
+        except Exception:
+            await channel.close()
+            return None
+        return _Live(endpoint, channel, stub)
+
+    async def wait_for_replica(self, deadline: float) -> bool:
+        """Refresh until a replica is live or the monotonic `deadline` passes."""
+        delay = 0.1
+        while not self.live:
+            await self.refresh(force=True)
+            if self.live:
+                break
+            if time.monotonic() + delay > deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
+        return True
+
+    async def broadcast(self, method: str, request: Any, timeout_s: float = 5.0) -> list[Any]:
+        """Call `method` on every live replica; failures are ignored (returns the successful replies)."""
+        lives = list(self.live.values())
+        replies = await asyncio.gather(*(getattr(l.stub, method)(request, timeout=timeout_s) for l in lives),
+                                       return_exceptions=True)
+        return [r for r in replies if not isinstance(r, BaseException)]
+
+    async def close(self) -> None:
+        for live in list(self.live.values()):
+            await live.channel.close()
+        self.live.clear()
+        self._ring = []
+
+
+# ================================================================================================ clients
+class NoReplicaError(RuntimeError):
+    """No replica answered before the retry deadline."""
+
+
+class _Bridge:
+    """Run the async client methods from the engine's worker thread on the router's loop."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def _sync(self, coro: Awaitable) -> Any:
+        loop = self.loop
+        if loop is None:
+            raise RuntimeError("client not bound to an event loop (call bind_loop)")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            coro.close()
+            raise RuntimeError("sync client method called on its own event loop; use the async method")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.loop = loop or asyncio.get_running_loop()
+
+
+class _GroupedCaller(_Bridge):
+    """Send per-session items grouped by their affine replica; on a retryable failure drop the replica and
+    re-send the failed group's items (regrouped on the smaller ring) until `retry_timeout_s` passes."""
+
+    def __init__(self, pool: ReplicaPool, call_timeout_s: float, retry_timeout_s: float):
+        self.pool = pool
+        self.call_timeout_s = call_timeout_s
+        self.retry_timeout_s = retry_timeout_s
+        self.retries = 0
+
+    wait_for_live = True  # False: fail at once (NoReplicaError) when no replica is live
+
+    async def _grouped(self, items: list[Any], session_of: Callable[[Any], str],
+                       send: Callable[[Any, list[Any]], Awaitable[list[Any]]],
+                       deadline: float | None = None) -> list[Any]:
+        deadline = deadline or time.monotonic() + self.retry_timeout_s
+        await self.pool.refresh()
+        if not self.pool.live and not (self.wait_for_live and await self.pool.wait_for_replica(deadline)):
+            raise NoReplicaError(f"no live {self.pool.name} replica")
+        groups: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            live = self.pool.pick(session_of(item))
+            groups.setdefault(live.endpoint.replica_id, []).append(i)
+        results: list[Any] = [None] * len(items)
+
+        async def run(replica_id: str, idx: list[int]) -> None:
+            group = [items[i] for i in idx]
+            live = self.pool.live.get(replica_id)
+            try:
+                if live is None:
+                    raise _Retry("replica dropped meanwhile")
+                out = await send(live, group)
+            except (grpc.aio.AioRpcError, _Retry) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in RETRYABLE:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise NoReplicaError(f"{self.pool.name} call failed and the retry deadline passed: {exc}")
+                if live is not None:
+                    self.pool.drop(replica_id, _describe(exc))
+                self.retries += 1
+                out = await self._grouped(group, session_of, send, deadline)
+            for i, value in zip(idx, out):
+                results[i] = value
+
+        await asyncio.gather(*(run(rid, idx) for rid, idx in groups.items()))
+        return results
+
+    async def release_async(self, session_id: str) -> int:
+        """Drop the session on every live replica (a retry may have moved it); returns how many held it."""
+        replies = await self.pool.broadcast("Release", pb.ReleaseRequest(session_ids=[session_id]))
+        return sum(r.released for r in replies)
+
+    def release(self, session_id: str) -> bool:
+        return self._sync(self.release_async(session_id)) > 0
+
+
+class _Retry(Exception):
+    pass
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
+
+
+class RemoteTarget(_GroupedCaller):
+    """engine Target protocol over Target replicas."""
+
+    def __init__(self, pool: ReplicaPool, vocab_size: int, call_timeout_s: float = 120.0,
+                 retry_timeout_s: float = 120.0):
+        super().__init__(pool, call_timeout_s, retry_timeout_s)
+        self.vocab_size = vocab_size
+        self.last_score_ms = 0.0
+
+    async def score_async(self, requests: list[ScoreRequest]) -> list[TargetDists]:
+        async def send(live: _Live, group: list[ScoreRequest]) -> list[TargetDists]:
+            message = pb.ScoreRequest(items=[_score_item(r) for r in group])
+            reply = await live.stub.Score(message, timeout=self.call_timeout_s)
+            if len(reply.dists) != len(group):
+                raise _Retry(f"replica returned {len(reply.dists)} results for {len(group)} trees")
+            self.last_score_ms = reply.score_ms
+            return [wire.decode_dists(d) for d in reply.dists]
+
+        return await self._grouped(requests, lambda r: r.session_id, send)
+
+    def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
+        return self._sync(self.score_async(requests))
+
+    async def prefill_async(self, session_id: str, context: list[int]) -> int:
+        async def send(live: _Live, group: list[tuple[str, list[int]]]) -> list[int]:
+            reply = await live.stub.Prefill(pb.PrefillRequest(session_id=group[0][0], context=group[0][1]),
+                                            timeout=self.call_timeout_s)
+            return [reply.cached_tokens]
+
+        return (await self._grouped([(session_id, context)], lambda x: x[0], send))[0]
+
+
+def _score_item(r: ScoreRequest) -> pb.ScoreItem:
+    item = pb.ScoreItem(session_id=r.session_id, context=r.context, tree=wire.encode_tree(r.tree),
+                        sampling=wire.encode_sampling(r.sampling))
+    if r.accepted_nodes is not None:
+        item.has_accepted_nodes = True
+        item.accepted_nodes.extend(r.accepted_nodes)
+    return item
+
+
+class RemoteDrafter(_GroupedCaller):
+    """engine Drafter protocol over Drafter replicas. Without a live drafter the step degrades to a root-only
+    tree (one autoregressive step): it costs time, never tokens."""
+
+    wait_for_live = False  # a step without a drafter is still a step: never wait for one
+
+    def __init__(self, pool: ReplicaPool, call_timeout_s: float = 60.0, retry_timeout_s: float = 2.0):
+        super().__init__(pool, call_timeout_s, retry_timeout_s)
+        self._observations: list[pb.StepObservation] = []
+        self.fallbacks = 0
+        self.last_model_ms = 0.0  # drafter forward time of the last draft call (engine StepRecord)
+
+    async def draft_async(self, requests: list[DraftRequest]) -> list[TokenTree]:
+        observations, self._observations = self._observations[-64:], []
+
+        async def send(live: _Live, group: list[DraftRequest]) -> list[TokenTree]:
+            message = pb.DraftRequest(items=[_draft_item(r) for r in group], observations=observations)
+            reply = await live.stub.Draft(message, timeout=self.call_timeout_s)
+            if len(reply.trees) != len(group):
+                raise _Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")
+            self.last_model_ms = reply.draft_model_ms
+            return [wire.decode_tree(t) for t in reply.trees]
+
+        try:
+            return await self._grouped(requests, lambda r: r.session_id, send)
+        except NoReplicaError as exc:
+            self.fallbacks += 1
+            self.last_model_ms = 0.0
+            log.warning("drafting skipped for this step (%s): root-only trees", exc)
+            return [root_only(r.context) for r in requests]
+
+    def draft(self, requests: list[DraftRequest]) -> list[TokenTree]:
+        return self._sync(self.draft_async(requests))
+
+    def observe(self, record: StepRecord) -> None:
+        # Sent with the next Draft call (the budget chooser lives in the drafter replica).
+        if record.batch_size == 1 and record.tree_size:
+            self._observations.append(wire.encode_observation(record))
+
+
+def _draft_item(r: DraftRequest) -> pb.DraftItem:
+    item = pb.DraftItem(session_id=r.session_id, context=r.context, sampling=wire.encode_sampling(r.sampling),
+                        tree=wire.encode_tree_config(r.tree), seed=r.seed % (1 << 64))
+    if r.accepted_nodes is not None:
+        item.has_accepted_nodes = True
+        item.accepted_nodes.extend(r.accepted_nodes)
+    return item

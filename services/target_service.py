@@ -1,0 +1,123 @@
+"""The Target: a gRPC servicer over a `TargetRunner` (or the tensor-parallel target), and its Serve class.
+
+Score returns compact distributions (argmax at temperature 0, sparse rows under top-k/top-p, dense float32
+otherwise; services/wire.py). Prefill builds a session's cache from its prompt. Both carry the full context,
+so a replica that never saw the session (scaled out, restarted) rebuilds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from treeserve.engine.drafting import root_only
+from treeserve.engine.runners.target import ScoreRequest
+from treeserve.engine.sampling import SamplingParams
+from treeserve.services import wire
+from treeserve.services.drafter_service import GrpcReplica, limit_threads, session_ids_of
+from treeserve.services.grpc_clients import Worker
+from treeserve.v1 import internal_pb2 as pb
+from treeserve.v1 import internal_pb2_grpc as pb_grpc
+
+log = logging.getLogger("treeserve.target")
+
+
+class TargetServicer(pb_grpc.TargetServicer):
+    def __init__(self, runner: Any, replica_id: str = "local", dense_dtype: str = "float32"):
+        self.runner = runner  # TargetRunner or TensorParallelTarget: score(list[ScoreRequest]), release(id)
+        self.vocab_size = int(runner.vocab_size)
+        self.replica_id = replica_id
+        self.address = ""
+        self.dense_dtype = dense_dtype
+        self.worker = Worker()
+        self._seen: set[str] = set()  # for runners that do not expose their sessions (TP)
+
+    def _score(self, message: pb.ScoreRequest) -> pb.ScoreResponse:
+        started = time.perf_counter()
+        requests = []
+        for item in message.items:
+            if not item.context:
+                raise ValueError(f"session {item.session_id}: empty context")
+            requests.append(ScoreRequest(item.session_id, list(item.context), wire.decode_tree(item.tree),
+                                         wire.decode_sampling(item.sampling), wire.hint(item)))
+        dists = self.runner.score(requests)
+        self._seen.update(r.session_id for r in requests)
+        return pb.ScoreResponse(dists=[wire.encode_dists(d, self.dense_dtype) for d in dists],
+                                score_ms=(time.perf_counter() - started) * 1e3)
+
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        try:
+            return await self.worker.run(self._score, request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _prefill(self, message: pb.PrefillRequest) -> pb.PrefillResponse:
+        context = list(message.context)
+        if not context:
+            raise ValueError("empty context")
+        # Scoring the root alone feeds the prompt; the next Score compacts the root into the cache.
+        self.runner.score([ScoreRequest(message.session_id, context, root_only(context), SamplingParams())])
+        self._seen.add(message.session_id)
+        return pb.PrefillResponse(cached_tokens=len(context))
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        try:
+            return await self.worker.run(self._prefill, request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _release(self, ids: list[str]) -> int:
+        released = 0
+        for session_id in ids:
+            released += bool(self.runner.release(session_id))
+            self._seen.discard(session_id)
+        return released
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=await self.worker.run(self._release, list(request.session_ids)))
+
+    def session_ids(self) -> list[str]:
+        return session_ids_of(self.runner) if hasattr(self.runner, "lm") else sorted(self._seen)
+
+    async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
+        sessions = self.session_ids()
+        return pb.HealthResponse(replica_id=self.replica_id, address=self.address, active_sessions=len(sessions),
+                                 session_ids=sessions, vocab_size=self.vocab_size, calls=self.worker.calls)
+
+
+class TargetReplica(GrpcReplica):
+    """Serve deployment class (wrapped by services/app.py): loads the target from the app `args`."""
+
+    def __init__(self, args: dict | None = None, runner: Any = None):
+        limit_threads()
+        from treeserve.services.config import AppConfig
+
+        config = AppConfig.from_args(args)
+        self.runner = runner if runner is not None else load_target_from_config(config)
+        self.servicer = TargetServicer(self.runner)
+        self._start_server(pb_grpc.add_TargetServicer_to_server, config.grpc.max_message_bytes)
+
+    async def check_health(self) -> None:
+        await super().check_health()
+        health = getattr(self.runner, "health", None)
+        if callable(health):  # TensorParallelTarget: raises if a rank died
+            health()
+
+
+def load_target_from_config(config) -> Any:
+    """TargetRunner for tensor_parallel_size 1; the tensor-parallel target (services/tp_target.py) above."""
+    target = config.target
+    if target.tensor_parallel_size > 1:
+        from treeserve.services.tp_target import TensorParallelTarget  # lazy: needs Ray and torch.distributed
+
+        return TensorParallelTarget(target.path, target.tensor_parallel_size, target.device, target.dtype)
+    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.pipeline import parse_dtype
+    from treeserve.engine.runners.target import TargetRunner
+
+    dtype = parse_dtype(target.dtype)
+    loaded = load_causal_lm(target.path, target.device, dtype)
+    return TargetRunner(loaded.model, target.device, dtype)

@@ -1,0 +1,173 @@
+"""Engine objects <-> protobuf messages of the internal protocol (proto/treeserve/v1/internal.proto).
+
+Compact on the wire (DESIGN.md section 3):
+- at temperature 0 the target sends only the argmax per node;
+- probability rows whose warp (top-k / top-p) leaves them sparse go as (int32 index, float32 value) pairs;
+- everything else is dense little-endian bytes, float32 by default (exactly what the replica computed, so
+  verification stays lossless), float16 on request (half the bytes, rows renormalised on decode).
+The encoding is chosen per matrix by size, so the decoder never needs to know the sampling settings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.requests import StepRecord
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree import TokenTree
+from treeserve.engine.verify import TargetDists
+from treeserve.v1 import internal_pb2 as pb
+
+DENSE_DTYPES = {"float32": pb.PROB_ENCODING_DENSE_FLOAT32, "float16": pb.PROB_ENCODING_DENSE_FLOAT16}
+
+
+# ------------------------------------------------------------------------------------------ probabilities
+def encode_probs(probs: torch.Tensor, dense_dtype: str = "float32") -> pb.ProbMatrix:
+    """[R, V] float tensor -> ProbMatrix, sparse when that is smaller than the dense encoding."""
+    if dense_dtype not in DENSE_DTYPES:
+        raise ValueError(f"dense_dtype must be one of {sorted(DENSE_DTYPES)}, got {dense_dtype!r}")
+    array = probs.detach().to(torch.float32).cpu().numpy()
+    rows, cols = array.shape
+    out = pb.ProbMatrix(rows=rows, cols=cols)
+    if rows == 0:
+        return out
+    nonzero = array != 0
+    nnz = int(nonzero.sum())
+    dense_bytes = rows * cols * (2 if dense_dtype == "float16" else 4)
+    if nnz * 8 < dense_bytes:
+        row_idx, col_idx = np.nonzero(nonzero)  # row-major order: row after row, columns ascending
+        out.encoding = pb.PROB_ENCODING_SPARSE_FLOAT32
+        out.values = array[row_idx, col_idx].astype("<f4").tobytes()
+        out.indices = col_idx.astype("<i4").tobytes()
+        out.row_nnz.extend(nonzero.sum(axis=1).tolist())
+        return out
+    out.encoding = DENSE_DTYPES[dense_dtype]
+    out.values = array.astype("<f2" if dense_dtype == "float16" else "<f4").tobytes()
+    return out
+
+
+def decode_probs(message: pb.ProbMatrix) -> torch.Tensor | None:
+    """ProbMatrix -> [R, V] float32 tensor; None for an empty (unset) matrix."""
+    rows, cols, enc = message.rows, message.cols, message.encoding
+    if enc == pb.PROB_ENCODING_UNSPECIFIED:
+        return None
+    if enc == pb.PROB_ENCODING_DENSE_FLOAT32:
+        array = np.frombuffer(message.values, dtype="<f4")
+        _check_len(array, rows * cols)
+        return torch.from_numpy(array.reshape(rows, cols).copy())
+    if enc == pb.PROB_ENCODING_DENSE_FLOAT16:
+        array = np.frombuffer(message.values, dtype="<f2")
+        _check_len(array, rows * cols)
+        out = torch.from_numpy(array.reshape(rows, cols).astype(np.float32))
+        return out / out.sum(dim=1, keepdim=True).clamp(min=1e-30)
+    if enc == pb.PROB_ENCODING_SPARSE_FLOAT32:
+        values = np.frombuffer(message.values, dtype="<f4")
+        indices = np.frombuffer(message.indices, dtype="<i4")
+        counts = np.asarray(message.row_nnz, dtype=np.int64)
+        if len(counts) != rows or values.shape != indices.shape or int(counts.sum()) != values.shape[0]:
+            raise ValueError("sparse ProbMatrix: row_nnz, indices and values disagree")
+        if indices.size and (indices.min() < 0 or indices.max() >= cols):
+            raise ValueError(f"sparse ProbMatrix: column index outside [0, {cols})")
+        dense = np.zeros((rows, cols), dtype=np.float32)
+        dense[np.repeat(np.arange(rows), counts), indices] = values
+        return torch.from_numpy(dense)
+    raise ValueError(f"unknown ProbMatrix encoding {enc}")
+
+
+def _check_len(array: np.ndarray, want: int) -> None:
+    if array.shape[0] != want:
+        raise ValueError(f"ProbMatrix holds {array.shape[0]} values, expected {want}")
+
+
+# ------------------------------------------------------------------------------------------ trees
+def encode_tree(tree: TokenTree, dense_dtype: str = "float32") -> pb.TokenTree:
+    out = pb.TokenTree(tokens=tree.token_list, parents=tree.parents.tolist(),
+                       child_draw=[d + 1 for d in tree.child_draw_list], log_joint=tree.log_joint.tolist())
+    if tree.draft_probs is not None:
+        out.draft_probs.CopyFrom(encode_probs(tree.draft_probs, dense_dtype))
+        out.draft_rows.extend(tree.draft_rows.tolist())
+    return out
+
+
+def decode_tree(message: pb.TokenTree) -> TokenTree:
+    """Validating decode: a replica must never be able to hand the verifier a malformed tree."""
+    draws = [max(0, d - 1) for d in message.child_draw]
+    probs = decode_probs(message.draft_probs) if message.HasField("draft_probs") else None
+    rows = list(message.draft_rows) if probs is not None else None
+    return TokenTree.build(list(message.tokens), list(message.parents), draws or 0, list(message.log_joint) or None,
+                           probs, rows)
+
+
+# ------------------------------------------------------------------------------------------ target output
+def encode_dists(dists: TargetDists, dense_dtype: str = "float32") -> pb.TargetDists:
+    out = pb.TargetDists()
+    if dists.argmax is not None:
+        out.argmax.extend(dists.argmax.tolist())
+    if dists.probs is not None:
+        out.probs.CopyFrom(encode_probs(dists.probs, dense_dtype))
+    return out
+
+
+def decode_dists(message: pb.TargetDists) -> TargetDists:
+    argmax = torch.tensor(list(message.argmax), dtype=torch.long) if len(message.argmax) else None
+    probs = decode_probs(message.probs) if message.HasField("probs") else None
+    return TargetDists(argmax=argmax, probs=probs)
+
+
+# ------------------------------------------------------------------------------------------ parameters
+def encode_sampling(sampling: SamplingParams) -> pb.WarpParams:
+    return pb.WarpParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+
+
+def decode_sampling(message: pb.WarpParams) -> SamplingParams:
+    """ValueError (from SamplingParams) for out-of-range values."""
+    return SamplingParams(temperature=float(message.temperature), top_k=int(message.top_k),
+                          top_p=float(message.top_p) if message.top_p else 1.0)
+
+
+_TREE_FIELDS = ("depth", "top_k", "threshold", "delta", "beta")
+
+
+def encode_tree_config(config: TreeConfig) -> pb.TreeParams:
+    out = pb.TreeParams(method=config.method, budget_tokens=config.budget, depth=config.depth, top_k=config.top_k,
+                        threshold=config.threshold, delta=config.delta, beta=config.beta,
+                        max_depth=config.max_depth or 0)
+    return out
+
+
+def decode_tree_config(message: pb.TreeParams, base: TreeConfig | None = None) -> TreeConfig:
+    """TreeParams -> TreeConfig, unset (zero) fields taken from `base` (the replica's own config)."""
+    from dataclasses import replace
+
+    base = base or TreeConfig()
+    kw = {"method": message.method or base.method}
+    if message.budget_tokens:
+        kw["budget"] = int(message.budget_tokens)
+    for name in _TREE_FIELDS:
+        value = getattr(message, name)
+        if value:
+            kw[name] = value
+    if message.max_depth:
+        kw["max_depth"] = int(message.max_depth)
+    return replace(base, **kw)
+
+
+def encode_observation(record: StepRecord) -> pb.StepObservation:
+    return pb.StepObservation(tree_size_tokens=record.tree_size, accepted_tokens=record.accepted,
+                              emitted_tokens=record.emitted, batch_size=record.batch_size,
+                              draft_ms=record.draft_ms, score_ms=record.score_ms, verify_ms=record.verify_ms,
+                              draft_model_ms=record.draft_model_ms)
+
+
+def decode_observation(message: pb.StepObservation) -> StepRecord:
+    return StepRecord(tree_size=message.tree_size_tokens, accepted=message.accepted_tokens,
+                      emitted=message.emitted_tokens, batch_size=message.batch_size, draft_ms=message.draft_ms,
+                      draft_model_ms=message.draft_model_ms, score_ms=message.score_ms,
+                      verify_ms=message.verify_ms)
+
+
+def hint(message, has_field: str = "has_accepted_nodes", field: str = "accepted_nodes") -> list[int] | None:
+    """The optional accepted-nodes hint of a DraftItem / ScoreItem."""
+    return list(getattr(message, field)) if getattr(message, has_field) else None

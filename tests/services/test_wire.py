@@ -1,0 +1,93 @@
+"""services/wire.py: engine objects survive the protobuf round trip, in the compact encodings."""
+
+import pytest
+import torch
+
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.requests import StepRecord
+from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.tree import ChildDraw, TokenTree
+from treeserve.engine.verify import TargetDists
+from treeserve.services import wire
+from treeserve.v1 import internal_pb2 as pb
+
+V = 1024
+
+
+def _probs(rows, **warp):
+    torch.manual_seed(0)
+    return warp_probs(torch.randn(rows, V) * 3, SamplingParams(**warp))
+
+
+def test_dense_float32_is_exact():
+    probs = _probs(3, temperature=1.0)
+    message = wire.encode_probs(probs)
+    assert message.encoding == pb.PROB_ENCODING_DENSE_FLOAT32
+    assert torch.equal(wire.decode_probs(pb.ProbMatrix.FromString(message.SerializeToString())), probs)
+
+
+def test_top_k_rows_go_sparse_and_exact():
+    probs = _probs(4, temperature=0.8, top_k=20)
+    message = wire.encode_probs(probs)
+    assert message.encoding == pb.PROB_ENCODING_SPARSE_FLOAT32
+    assert list(message.row_nnz) == [20] * 4
+    assert len(message.SerializeToString()) < 4 * 20 * 8 + 200
+    assert torch.equal(wire.decode_probs(message), probs)
+
+
+def test_float16_renormalised():
+    probs = _probs(2, temperature=1.0)
+    out = wire.decode_probs(wire.encode_probs(probs, "float16"))
+    assert torch.allclose(out, probs, atol=1e-3)
+    assert torch.allclose(out.sum(1), torch.ones(2), atol=1e-5)
+    with pytest.raises(ValueError, match="dense_dtype"):
+        wire.encode_probs(probs, "int8")
+
+
+def test_sparse_rejects_bad_indices():
+    message = wire.encode_probs(_probs(1, temperature=1.0, top_k=3))
+    message.indices = (torch.tensor([0, 1, V + 5], dtype=torch.int32).numpy().tobytes())
+    with pytest.raises(ValueError, match="column index"):
+        wire.decode_probs(message)
+
+
+def test_tree_round_trip_with_draft_rows():
+    q = _probs(2, temperature=1.0)
+    a, b = int(q[0].argmax()), int(q[0].argsort()[-2])
+    tree = TokenTree.build([5, a, b, 7], [-1, 0, 0, 1],
+                           [ChildDraw.WITHOUT_REPLACEMENT, ChildDraw.TOP_K, ChildDraw.TOP_K, ChildDraw.TOP_K],
+                           [0.0, -0.5, -1.0, -2.0], q[:1], [0, -1, -1, -1])
+    back = wire.decode_tree(pb.TokenTree.FromString(wire.encode_tree(tree).SerializeToString()))
+    for name in ("tokens", "parents", "child_draw", "log_joint", "draft_probs", "draft_rows"):
+        assert torch.equal(getattr(back, name), getattr(tree, name)), name
+
+
+def test_tree_without_probs_and_bad_tree():
+    tree = TokenTree.build([3, 4, 5], [-1, 0, 1], ChildDraw.GREEDY)
+    back = wire.decode_tree(wire.encode_tree(tree))
+    assert back.draft_probs is None and back.child_draw.tolist() == [ChildDraw.GREEDY] * 3
+    bad = wire.encode_tree(tree)
+    bad.parents[1] = 2
+    with pytest.raises(ValueError, match="parents"):
+        wire.decode_tree(bad)
+
+
+def test_dists_argmax_and_probs():
+    argmax = TargetDists(argmax=torch.tensor([3, 1, 4]))
+    message = wire.encode_dists(argmax)
+    assert not message.HasField("probs")
+    assert torch.equal(wire.decode_dists(message).argmax, argmax.argmax)
+    probs = TargetDists(probs=_probs(3, temperature=0.7, top_p=0.5))
+    back = wire.decode_dists(pb.TargetDists.FromString(wire.encode_dists(probs).SerializeToString()))
+    assert back.argmax is None and torch.equal(back.probs, probs.probs)
+
+
+def test_params_round_trip():
+    s = SamplingParams(temperature=0.5, top_k=7, top_p=0.875)  # exact in float32, like the public API's floats
+    assert wire.decode_sampling(wire.encode_sampling(s)) == s
+    assert wire.decode_sampling(pb.WarpParams()) == SamplingParams()
+    config = TreeConfig(method="opt_tree", budget=12, delta=0.1, max_depth=5)
+    back = wire.decode_tree_config(wire.encode_tree_config(config))
+    assert (back.method, back.budget, back.max_depth) == ("opt_tree", 12, 5) and back.delta == pytest.approx(0.1)
+    record = StepRecord(3, 2, 3, 1, 1.5, 1.0, 2.5, 0.25)
+    assert wire.decode_observation(wire.encode_observation(record)) == record
