@@ -34,6 +34,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answers-dir", type=Path, default=None, help="write Spec-Bench answers here")
     parser.add_argument("--json-out", type=Path, default=None, help="write the summary table as JSON")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--check-greedy", action="store_true",
+                        help="compare every method's tokens with the target's own greedy `generate` (temperature 0)")
+
+
+TIE_GAP = 1e-4  # top-2 logit gap below which fp32 round-off may legitimately flip the argmax
+
+
+@dataclass
+class GreedyCheck:
+    """Token-for-token comparison with `model.generate`; divergence is allowed only at near-ties."""
+
+    compared: int = 0
+    mismatches: int = 0  # divergences NOT at a near-tie (must be 0)
+    tie_divergences: int = 0  # divergences at a near-tie position
+    tie_positions: int = 0  # reference positions whose top-2 logits are within TIE_GAP
+
+    def compare(self, reference: list[int], gaps: list[float], produced: list[int]) -> None:
+        self.compared += 1
+        for i, (want, got) in enumerate(zip(reference, produced)):
+            if want != got:
+                if gaps[i] < TIE_GAP:
+                    self.tie_divergences += 1
+                else:
+                    self.mismatches += 1
+                return
+
+
+def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """The target's own greedy continuation and, per position, the gap between its top-2 logits."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             top_p=None, top_k=None, temperature=None, output_logits=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    gaps = [float(t.topk(2, dim=-1).values[0].diff().abs()) for t in out.logits]
+    return tokens, gaps
 
 
 @dataclass
@@ -100,9 +138,16 @@ def run(args: argparse.Namespace) -> int:
     prompts = [engines[next(iter(engines))].encode_chat(r["turns"][0]) for r in rows]
     stats = {key: MethodStats(key.split(":")[0], key.split(":")[1]) for key in engines}
     answers: dict[str, list[dict]] = defaultdict(list)
+    checks = {key: GreedyCheck() for key in engines} if args.check_greedy else {}
+    if args.check_greedy and args.temperature != 0:
+        raise ValueError("--check-greedy needs --temperature 0")
+    tie_positions = 0
     # Interleave methods per prompt so slow drifts of the machine hit every method alike.
     with tqdm(total=len(rows) * len(engines), desc="bench") as bar:
         for row, prompt in zip(rows, prompts):
+            if checks:
+                reference, gaps = greedy_reference(target.model, prompt, args.max_new_tokens)
+                tie_positions += sum(g < TIE_GAP for g in gaps)
             for key, engine in engines.items():
                 request = GenerationRequest(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0)
                 result = engine.generate([request])[0]
@@ -117,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
                 cat[0] += len(result.token_ids)
                 cat[1] += result.wall_time_s
                 answers[key].append(spec_bench_answer(row, key.replace(":", "-"), result))
+                if checks:
+                    checks[key].compare(reference, gaps, result.token_ids)
                 bar.update(1)
     base = stats.get("autoregressive:auto")
     summary = []
@@ -136,6 +183,15 @@ def run(args: argparse.Namespace) -> int:
                       f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['worst_category_speedup']:.2f}x",
                       f"{s['overhead_pct']:.1f}")
     Console(width=160).print(table)
+    if checks:
+        for key, check in checks.items():
+            summary_row = next(s for s in summary if f"{s['method']}:{s['budget']}" == key)
+            summary_row["greedy_mismatches"] = check.mismatches
+            summary_row["greedy_tie_divergences"] = check.tie_divergences
+        bad = {k: c.mismatches for k, c in checks.items() if c.mismatches}
+        print(f"greedy check vs model.generate: {len(rows)} prompts x {len(checks)} methods; near-tie positions "
+              f"(top-2 logits within {TIE_GAP}) in the references: {tie_positions}; divergences at near-ties: "
+              f"{sum(c.tie_divergences for c in checks.values())}; other mismatches: {bad or 0}")
     if args.answers_dir:
         args.answers_dir.mkdir(parents=True, exist_ok=True)
         for key, rows_out in answers.items():
@@ -143,4 +199,4 @@ def run(args: argparse.Namespace) -> int:
             path.write_text("".join(json.dumps(a) + "\n" for a in rows_out))
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=1))
-    return 0
+    return 1 if any(c.mismatches for c in checks.values()) else 0
