@@ -78,5 +78,8 @@ def build_engine(target_path: str = "default", drafter_path: str = "default", me
     drafter = None
     if method != AUTOREGRESSIVE:
         drafter = build_local_drafter(drafter_path, target.model, device, torch_dtype, budget)
+    if drafter is not None and drafter.budget is not None and method == "opt_tree" and "delta" not in tree_overrides:
+        # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens.
+        tree_overrides["delta"] = drafter.budget.profile.opt_tree_delta()
     return SpeculativeEngine(TargetRunner(target.model, device, torch_dtype), drafter, target.tokenizer,
                              tree_config(method, budget, **tree_overrides), max_context_tokens)
