@@ -1,0 +1,150 @@
+"""The parallel drafter (ParallelSpec, section 4.1 / Figure 2): k+1 next-token distributions per forward.
+
+Architecture: a plain `LlamaModel` trunk initialised from a few target layers (the same code the target
+runs, so KV caches, 4D tree masks and position ids behave the same), the target's input embeddings
+(shared and frozen, not stored), k trainable [MASK] embeddings, and a head over a sub-vocabulary
+`vocab_ids` initialised from the target's (tied) LM head rows and trained (as for the autoregressive
+`RestrictedVocabDrafter`: 3x cheaper than the full 49k head, lossless because every other token has draft
+probability exactly 0 and verification of deterministic top-k children does not need q anyway).
+
+Inference: given a context x_0..x_t, feed [..., x_t, MASK_1, ..., MASK_k] with positions t+1..t+k for the
+masks and a causal mask; the output at x_t is q(x_{t+1} | x_<=t) and the output at MASK_j is
+q(x_{t+1+j} | x_<=t, MASK_1..MASK_j). All k+1 distributions come from ONE forward.
+
+Token ids: real tokens are >= 0; [MASK]_j (j = 1..k) is the id `-j` (`mask_ids(k)`). Negative ids never
+reach the embedding table. So the model runs unchanged through `CachedLM`: a step feeds the chain
+[root, -1, ..., -k]; at the next `begin` CachedLM keeps the root (the accepted path through a chain of
+negative ids is empty) and drops the masks' KV, so only real tokens ever stay in the cache.
+
+On disk (one directory): `config.json` (a Llama config plus `treeserve_parallel_drafter` fields) and
+`model.safetensors` (trunk layers, mask embeddings, head, vocab_ids; float16). The input embeddings are the
+target's: `load` takes them from the target, which also checks that the vocabularies match.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from treeserve.engine.models.drafter import DrafterOutput
+
+PARALLEL_KEY = "treeserve_parallel_drafter"
+_EMBED_KEY = "model.embed_tokens.weight"
+DEFAULT_NUM_MASKS = 4
+DEFAULT_PARALLEL_DRAFTER_DIR = Path(__file__).parent / "default_parallel_drafter"
+
+
+def mask_ids(num_masks: int) -> list[int]:
+    """Token ids of [MASK]_1 .. [MASK]_k."""
+    return [-j for j in range(1, num_masks + 1)]
+
+
+class ParallelDrafterModel(nn.Module):
+    """`LlamaModel` trunk + k [MASK] embeddings + a head over `vocab_ids` (sub-vocabulary of the target)."""
+
+    def __init__(self, config, vocab_ids: torch.Tensor, target_vocab_size: int, num_masks: int = DEFAULT_NUM_MASKS):
+        super().__init__()
+        from transformers import LlamaModel
+
+        if num_masks < 1:
+            raise ValueError(f"num_masks must be >= 1, got {num_masks}")
+        config.treeserve_parallel_masks = num_masks  # also keeps hardware-profile keys distinct
+        self.config = config
+        self.num_masks = num_masks
+        self.model = LlamaModel(config)
+        self.mask_embeddings = nn.Parameter(torch.zeros(num_masks, config.hidden_size))
+        self.head = nn.Linear(config.hidden_size, len(vocab_ids), bias=False)
+        self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=True)  # [V_draft]
+        self.target_vocab_size = target_vocab_size
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of real tokens (>= 0) and of [MASK]_j (id -j)."""
+        emb = self.model.embed_tokens(input_ids.clamp(min=0))
+        is_mask = input_ids < 0
+        if bool(is_mask.any()):
+            slot = (-input_ids - 1).clamp(0, self.num_masks - 1)
+            emb = torch.where(is_mask[..., None], self.mask_embeddings[slot].to(emb.dtype), emb)
+        return emb
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache: bool = False) -> DrafterOutput:
+        out = self.model(inputs_embeds=self.embed(input_ids), attention_mask=attention_mask,
+                         position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)
+        return DrafterOutput(logits=self.head(out.last_hidden_state), past_key_values=out.past_key_values)
+
+    @classmethod
+    def from_target(cls, target, layer_ids: list[int], vocab_ids: torch.Tensor,
+                    num_masks: int = DEFAULT_NUM_MASKS, seed: int = 0) -> "ParallelDrafterModel":
+        """Initialise from target layers `layer_ids`, the target's embeddings and (tied) LM head rows; the
+        [MASK] embeddings start at the mean token embedding plus small noise (one per slot)."""
+        config = copy.deepcopy(target.config)
+        config.num_hidden_layers = len(layer_ids)
+        config.layer_types = None
+        drafter = cls(config, vocab_ids, target.config.vocab_size, num_masks)
+        drafter.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
+        drafter.model.norm.load_state_dict(target.model.norm.state_dict())
+        for mine, theirs in zip(drafter.model.layers, layer_ids):
+            mine.load_state_dict(target.model.layers[theirs].state_dict())
+        with torch.no_grad():
+            drafter.head.weight.copy_(target.get_output_embeddings().weight[vocab_ids])
+            emb = target.get_input_embeddings().weight.float()
+            gen = torch.Generator().manual_seed(seed)
+            noise = torch.randn(num_masks, emb.shape[1], generator=gen) * emb.std() * 0.1
+            drafter.mask_embeddings.copy_(emb.mean(0, keepdim=True) + noise)
+        return drafter
+
+    def save(self, out_dir: Path, card: dict | None = None) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config = self.config.to_dict()
+        config.pop("treeserve_parallel_masks", None)
+        config[PARALLEL_KEY] = {"kind": "parallel", "num_masks": self.num_masks,
+                                "target_vocab_size": self.target_vocab_size,
+                                "draft_vocab_size": len(self.vocab_ids), **(card or {})}
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+        state = {k: (v if k == "vocab_ids" else v.to(torch.float16)).contiguous()
+                 for k, v in self.state_dict().items() if k != _EMBED_KEY}
+        save_file(state, str(out_dir / "model.safetensors"))
+
+    @classmethod
+    def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> "ParallelDrafterModel":
+        """Load a saved parallel drafter; `target_embeddings` [V_target, hidden] are the target's embeddings."""
+        from transformers import LlamaConfig
+
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        info = raw.pop(PARALLEL_KEY)
+        if info["target_vocab_size"] != target_embeddings.shape[0]:
+            raise ValueError(f"parallel drafter {model_dir} was made for a {info['target_vocab_size']}-token "
+                             f"vocabulary, the target has {target_embeddings.shape[0]}")
+        if raw["hidden_size"] != target_embeddings.shape[1]:
+            raise ValueError(f"parallel drafter {model_dir} has hidden size {raw['hidden_size']}, the target's "
+                             f"embeddings have {target_embeddings.shape[1]}")
+        state = load_file(str(Path(model_dir) / "model.safetensors"))
+        state[_EMBED_KEY] = target_embeddings.detach().to(torch.float32)
+        drafter = cls(LlamaConfig(**raw), state["vocab_ids"], info["target_vocab_size"], int(info["num_masks"]))
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return drafter.to(device=device, dtype=dtype).eval()
+
+
+def is_parallel_drafter(model_dir: Path) -> bool:
+    config = Path(model_dir) / "config.json"
+    return config.is_file() and PARALLEL_KEY in json.loads(config.read_text())
+
+
+def load_parallel_drafter(path: str, target: nn.Module, device: str = "cpu",
+                          dtype: torch.dtype = torch.float32) -> ParallelDrafterModel:
+    """Load a parallel drafter for `target`: "default" (the shipped one) or a directory."""
+    model_dir = DEFAULT_PARALLEL_DRAFTER_DIR if path == "default" else Path(path).expanduser()
+    if path == "default" and not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no default parallel drafter in {model_dir}; train one with "
+                                "`treeserve train-drafter --kind parallel`")
+    if not model_dir.exists():
+        raise FileNotFoundError(f"parallel drafter path {model_dir} does not exist")
+    if not is_parallel_drafter(model_dir):
+        raise ValueError(f"{model_dir} is not a parallel drafter (no {PARALLEL_KEY} in config.json)")
+    return ParallelDrafterModel.load(model_dir, target.get_input_embeddings().weight, device, dtype)
