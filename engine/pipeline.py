@@ -44,10 +44,30 @@ def load_classifier(path: str | None = "default") -> C2TClassifier:
     return C2TClassifier.load(path)
 
 
+DRAFTER_KINDS = ("autoregressive", "parallel")
+
+
 def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str = "cpu",
                         dtype: torch.dtype = torch.float32, budget: int | str = "auto",
-                        classifier_path: str | None = "default") -> LocalDrafter:
-    """A LocalDrafter for `target`; budget "auto" measures the hardware and chooses per step."""
+                        classifier_path: str | None = "default", drafter_kind: str = "autoregressive"):
+    """A LocalDrafter for `target`; budget "auto" measures the hardware and chooses per step.
+
+    drafter_kind "parallel": a ParallelTreeDrafter over a parallel drafter (k+1 positions per forward;
+    `drafter_path` "default" is then the shipped default parallel drafter)."""
+    if drafter_kind not in DRAFTER_KINDS:
+        raise ValueError(f"drafter_kind must be one of {DRAFTER_KINDS}, got {drafter_kind!r}")
+    if drafter_kind == "parallel":
+        from treeserve.engine.models.parallel_drafter import load_parallel_drafter
+        from treeserve.engine.parallel_drafting import ParallelTreeDrafter
+
+        model = load_parallel_drafter(drafter_path, target, device, dtype)
+        if budget == "auto":
+            chooser = BudgetChooser(measure_profile(target, model, device, dtype))
+        elif not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
+        else:
+            chooser = None
+        return ParallelTreeDrafter(model, target.config.vocab_size, device, dtype, budget=chooser)
     model = load_drafter(drafter_path, target, device, dtype)
     chooser = None
     if budget == "auto":
@@ -71,13 +91,15 @@ def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
 def build_engine(target_path: str = "default", drafter_path: str = "default", method: str = "dyspec",
                  budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
-                 **tree_overrides) -> SpeculativeEngine:
-    """An in-process engine over the target (and drafter unless method is autoregressive)."""
+                 drafter_kind: str = "autoregressive", **tree_overrides) -> SpeculativeEngine:
+    """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
+    "parallel" drafts each tree from one parallel-drafter forward (engine.parallel_drafting)."""
     torch_dtype = parse_dtype(dtype)
     target = target or load_causal_lm(target_path, device, torch_dtype)
     drafter = None
     if method != AUTOREGRESSIVE:
-        drafter = build_local_drafter(drafter_path, target.model, device, torch_dtype, budget)
+        drafter = build_local_drafter(drafter_path, target.model, device, torch_dtype, budget,
+                                      drafter_kind=drafter_kind)
     if drafter is not None and drafter.budget is not None and method == "opt_tree" and "delta" not in tree_overrides:
         # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens.
         tree_overrides["delta"] = drafter.budget.profile.opt_tree_delta()

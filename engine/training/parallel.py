@@ -223,7 +223,7 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
     start, step, tokens_seen, cursor = time.time(), 0, 0, 0
     budget = config.minutes * 60
     progress = tqdm(total=int(budget), desc="train parallel drafter", unit="s")
-    loss_value = float("nan")
+    loss_value = first_loss = float("nan")
     while (elapsed := time.time() - start) < budget:
         lr = config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget))))
         for g in opt.param_groups:
@@ -254,6 +254,8 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
         step += 1
         tokens_seen += sum(len(x.input_ids) for x in layouts)
         loss_value = loss.item()
+        if step == 1:
+            first_loss = loss_value
         progress.update(int(time.time() - start) - progress.n)
         progress.set_postfix(loss=f"{loss_value:.3f}", step=step)
         if step % 50 == 0:
@@ -262,7 +264,7 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
     progress.close()
     after = heldout_agreement(model, data, spans, label_pos, holdout_eval, target_to_draft, config.max_seq_len)
     stats = {"steps": step, "train_minutes": round((time.time() - start) / 60, 1), "layout_tokens_seen": tokens_seen,
-             "final_loss": round(loss_value, 4), "train_sequences": len(train), "holdout_sequences": len(holdout_eval),
+             "first_loss": round(first_loss, 4), "final_loss": round(loss_value, 4), "train_sequences": len(train), "holdout_sequences": len(holdout_eval),
              "labelled_positions": int(len(data["label_pos"])), "vocab_coverage_teacher_top1": round(coverage, 4),
              "heldout_top1_before_by_position": [round(a, 4) for a in before],
              "heldout_top1_by_position": [round(a, 4) for a in after],

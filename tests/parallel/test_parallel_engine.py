@@ -1,0 +1,87 @@
+"""The parallel drafter end to end on the tiny target: engine.generate through drafter kind "parallel"
+equals the target's own greedy decoding; sampling runs; group-wise training runs, improves its loss and
+saves a loadable drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_parallel_drafter
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.parallel_drafting import ParallelTreeDrafter
+from treeserve.engine.pipeline import build_engine
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.training.distill_data import teacher_labels
+from treeserve.engine.training.parallel import ParallelTrainConfig, train_parallel_drafter
+
+METHODS = [("chain", 5), ("static", 16), ("opt_tree", 12), ("dyspec", 24), ("eagle2", 8)]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, tiny_target):
+    out = tmp_path_factory.mktemp("parallel") / "pd"
+    # Same layers as the target: position 1 agrees always, the mask positions sometimes.
+    make_parallel_drafter(tiny_target.model, layers=(0, 1), vocab_size=tiny_target.model.config.vocab_size,
+                          noise=0.0).save(out)
+    return out
+
+
+@torch.inference_mode()
+def reference(model, prompt_ids, n):
+    out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize(("method", "budget"), METHODS)
+def test_greedy_equals_target_generate(tiny_target, drafter_dir, method, budget):
+    engine = build_engine(drafter_path=str(drafter_dir), method=method, budget=budget, target=tiny_target,
+                          drafter_kind="parallel", static_tree="eagle1_25")
+    assert isinstance(engine.drafter, ParallelTreeDrafter)
+    accepted = 0
+    for text in ["Tell me a story about a fox.", "2+2=?"]:
+        prompt = engine.encode_chat(text)
+        result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
+        assert result.token_ids == reference(tiny_target.model, prompt, 24)[:len(result.token_ids)]
+        assert all(s.tree_size <= max(budget, 25) for s in result.steps)
+        assert all(s.draft_model_ms > 0 for s in result.steps)
+        accepted += sum(s.accepted for s in result.steps)
+    assert accepted > 0
+    assert not engine.drafter.lm.sessions  # released
+
+
+def test_batch_and_sampling(tiny_target, drafter_dir):
+    engine = build_engine(drafter_path=str(drafter_dir), method="opt_tree", budget=8, target=tiny_target,
+                          drafter_kind="parallel")
+    prompts = [engine.encode_chat(p) for p in ["Hello there", "Write a poem about rain", "Why?"]]
+    results = engine.generate([GenerationRequest(p, max_new_tokens=n) for p, n in zip(prompts, [10, 14, 6])])
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference(tiny_target.model, p, len(r.token_ids))
+    assert results[1].steps[0].batch_size == 3
+    sampled = engine.generate([GenerationRequest(prompts[0], max_new_tokens=12, seed=1,
+                                                 sampling=SamplingParams(temperature=0.9, top_p=0.95),
+                                                 tree=TreeConfig(method="static", static_tree="binary", depth=3))])[0]
+    assert len(sampled.token_ids) == 12
+
+
+def test_bad_kind_rejected(tiny_target, drafter_dir):
+    with pytest.raises(ValueError, match="drafter_kind"):
+        build_engine(drafter_path=str(drafter_dir), method="chain", budget=4, target=tiny_target, drafter_kind="x")
+
+
+def test_training_runs_and_saves(tmp_path, tiny_target):
+    gen = torch.Generator().manual_seed(0)
+    vocab = tiny_target.model.config.vocab_size
+    sequences = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (40, 56, 33, 64, 48, 50)]
+    data = teacher_labels(tiny_target.model, sequences, [10, 20, 5, 30, 12, 8], top_k=8)
+    config = ParallelTrainConfig(layers=(0,), draft_vocab_size=1024, num_masks=3, minutes=0.15, lr=3e-3,
+                                 batch_tokens=120, max_seq_len=64, group_fraction=0.7, holdout_fraction=0.2)
+    model, stats = train_parallel_drafter(tiny_target.model, data, config, [0, 1, 2], log=lambda *_: None)
+    assert stats["steps"] >= 5 and len(stats["heldout_top1_by_position"]) == 4
+    assert stats["final_loss"] < stats["first_loss"]
+    assert not model.model.embed_tokens.weight.requires_grad
+    model.save(tmp_path / "trained", card={"training": stats})
+    drafter = ParallelTreeDrafter(model, vocab)
+    assert drafter.positions == 4
