@@ -131,7 +131,7 @@ def build_distill_data(model, tokenizer, config: DistillDataConfig, out: Path) -
     if responses_path.is_file():
         responses = json.loads(responses_path.read_text())
     else:
-        n_sampled = int(len(prompts) * config.sampled_fraction)
+        n_sampled = int(len(prompt_ids) * config.sampled_fraction)
         torch.manual_seed(config.seed + 1)
         responses = batched_generate(model, tokenizer, prompt_ids[:n_sampled], config.max_new_tokens,
                                      config.batch_size, temperature=0.7, desc="responses (sampled)")
