@@ -26,18 +26,25 @@ def _add_dataclass_options(parser: argparse.ArgumentParser, cls, title: str, ski
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+    from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
     from treeserve.engine.training.drafter import DrafterTrainConfig
+    from treeserve.engine.training.parallel import ParallelTrainConfig
 
-    parser.add_argument("--kind", choices=["autoregressive"], default="autoregressive",
-                        help="drafter kind: a few target layers with a restricted-vocabulary head")
+    parser.add_argument("--kind", choices=["autoregressive", "parallel"], default="autoregressive",
+                        help="drafter kind: 'autoregressive' (a few target layers with a restricted-vocabulary head) "
+                             "or 'parallel' (the same plus k [MASK] embeddings: k+1 tokens per forward, "
+                             "group-wise training as in ParallelSpec)")
     parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
-    parser.add_argument("--out", type=Path, default=DEFAULT_DRAFTER_DIR,
-                        help=f"where the drafter is written (default: the shipped default drafter, {DEFAULT_DRAFTER_DIR})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where the drafter is written (default: the shipped default drafter of the kind, "
+                             f"{DEFAULT_DRAFTER_DIR} or {DEFAULT_PARALLEL_DRAFTER_DIR})")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where generated training data is kept and resumed from (default: cache dir)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     _add_dataclass_options(parser, DistillDataConfig, "training data")
     _add_dataclass_options(parser, DrafterTrainConfig, "training", skip=("seed",))
+    shared = {f.name for f in dataclasses.fields(DrafterTrainConfig)}
+    _add_dataclass_options(parser, ParallelTrainConfig, "parallel drafter (--kind parallel)", skip=shared)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +54,12 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.engine.training.distill_data import build_distill_data, load_distill_data
     from treeserve.engine.training.drafter import DrafterTrainConfig, train_drafter
 
+    if args.kind == "parallel":
+        return run_parallel(args)
+    if args.out is None:
+        from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+
+        args.out = DEFAULT_DRAFTER_DIR
     torch.set_num_threads(args.threads)
     data_config = DistillDataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillDataConfig)})
     train_config = DrafterTrainConfig(**{f.name: (tuple(getattr(args, f.name)) if f.name == "layers" else getattr(args, f.name))
@@ -69,4 +82,43 @@ def run(args: argparse.Namespace) -> int:
     drafter.save(args.out, card=card)
     (args.out / "training.json").write_text(json.dumps(card, indent=2))
     print(f"drafter written to {args.out}; measure dev agreement with `treeserve agreement --drafter {args.out}`")
+    return 0
+
+
+def run_parallel(args: argparse.Namespace) -> int:
+    """`--kind parallel`: same cached self-distillation data, group-wise parallel training."""
+    import torch
+
+    from treeserve.engine.models.loading import cache_root, load_causal_lm
+    from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
+    from treeserve.engine.training.distill_data import build_distill_data, load_distill_data
+    from treeserve.engine.training.parallel import ParallelTrainConfig, train_parallel_drafter
+
+    torch.set_num_threads(args.threads)
+    out = args.out or DEFAULT_PARALLEL_DRAFTER_DIR
+    data_config = DistillDataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillDataConfig)})
+    train_config = ParallelTrainConfig(**{f.name: (tuple(getattr(args, f.name)) if f.name == "layers" else getattr(args, f.name))
+                                          for f in dataclasses.fields(ParallelTrainConfig)})
+    if train_config.num_masks < 1:
+        raise ValueError("--num-masks must be >= 1")
+    if not 0.0 < train_config.group_fraction <= 1.0:
+        raise ValueError("--group-fraction must lie in (0, 1]")
+    target = load_causal_lm(args.target)
+    target.tokenizer.padding_side = "left"
+    n_layers = target.model.config.num_hidden_layers
+    if any(not 0 <= i < n_layers for i in train_config.layers):
+        raise ValueError(f"--layers must be target layer indices in [0, {n_layers})")
+    data_dir = args.data_dir or cache_root() / "distill" / f"{target.path.name}-seed{args.seed}"
+    started = time.time()
+    data_path = build_distill_data(target.model, target.tokenizer, data_config, data_dir)
+    data_minutes = (time.time() - started) / 60
+    data = load_distill_data(data_path)
+    specials = sorted({target.tokenizer.eos_token_id, *target.tokenizer.all_special_ids})
+    drafter, stats = train_parallel_drafter(target.model, data, train_config, specials)
+    card = {"target": str(args.target), "data_path": str(data_path), "data": dataclasses.asdict(data_config),
+            "data_generation_minutes": round(data_minutes, 1), "training": stats}
+    drafter.save(out, card=card)
+    (out / "training.json").write_text(json.dumps(card, indent=2))
+    print(f"parallel drafter written to {out}; per-position dev agreement: "
+          f"`python -m treeserve.engine.training.parallel --drafter {out}`")
     return 0

@@ -85,3 +85,25 @@ def test_training_runs_and_saves(tmp_path, tiny_target):
     model.save(tmp_path / "trained", card={"training": stats})
     drafter = ParallelTreeDrafter(model, vocab)
     assert drafter.positions == 4
+
+
+def test_train_drafter_cli_kind_parallel(tmp_path, tiny_target, tiny_target_dir):
+    from safetensors.torch import save_file
+
+    from treeserve.engine.models.parallel_drafter import load_parallel_drafter
+    from treeserve.services.cli import main
+
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (30, 44, 38, 52)]
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    # Cached teacher labels: the command reuses them instead of generating data.
+    save_file(teacher_labels(tiny_target.model, sequences, [6, 9, 12, 15], top_k=8), str(data_dir / "teacher.safetensors"))
+    out = tmp_path / "pd"
+    code = main(["train-drafter", "--kind", "parallel", "--target", str(tiny_target_dir), "--data-dir", str(data_dir),
+                 "--out", str(out), "--layers", "1", "--draft-vocab-size", "512", "--num-masks", "2",
+                 "--minutes", "0.03", "--batch-tokens", "64", "--max-seq-len", "48", "--threads", "1",
+                 "--holdout-fraction", "0.25"])
+    assert code == 0
+    model = load_parallel_drafter(str(out), tiny_target.model)
+    assert model.num_masks == 2 and (out / "training.json").is_file()
