@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="target tokens generated per prompt")
     parser.add_argument("--top-k", type=int, default=4, help="also report top-k agreement")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--write-card", action="store_true",
+                        help="(re)write the drafter directory's README.md model card with this measurement")
 
 
 def load_prompts(path: Path, limit: int) -> list[dict]:
@@ -61,8 +63,14 @@ def run(args: argparse.Namespace) -> int:
             hit1 += int((top[:, 0] == answer).sum())
             hitk += int((top == answer[:, None]).any(-1).sum())
             total += len(answer)
-    result = {"prompts": args.num_prompts, "positions": total, "top1": round(hit1 / total, 4),
-              f"top{args.top_k}": round(hitk / total, 4)}
+    result = {"prompts": args.num_prompts, "positions": total, "max_new_tokens": args.max_new_tokens,
+              "top1": round(hit1 / total, 4), f"top{args.top_k}": round(hitk / total, 4)}
+    if args.write_card:
+        from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+        from treeserve.engine.training.model_card import write_drafter_card
+
+        directory = DEFAULT_DRAFTER_DIR if args.drafter == "default" else Path(args.drafter)
+        write_drafter_card(directory, result, args)
     print(json.dumps(result) if args.json else
           f"{total} positions over {args.num_prompts} prompts: top-1 agreement {hit1 / total:.1%}, "
           f"top-{args.top_k} {hitk / total:.1%}")
