@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = load_drafter(args.drafter, target.model)
     vocab_ids = getattr(drafter, "vocab_ids", None)
     hit1 = hitk = total = 0
+    per_category: dict[str, list[int]] = {}
     with torch.inference_mode():
         for row in load_prompts(args.prompts, args.num_prompts):
             ids = target.tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
@@ -60,11 +61,16 @@ def run(args: argparse.Namespace) -> int:
             top = logits.topk(args.top_k, dim=-1).indices
             if vocab_ids is not None:
                 top = vocab_ids[top]
-            hit1 += int((top[:, 0] == answer).sum())
+            hits = int((top[:, 0] == answer).sum())
+            hit1 += hits
             hitk += int((top == answer[:, None]).any(-1).sum())
             total += len(answer)
+            cat = per_category.setdefault(row.get("category", "all"), [0, 0])
+            cat[0] += hits
+            cat[1] += len(answer)
     result = {"prompts": args.num_prompts, "positions": total, "max_new_tokens": args.max_new_tokens,
-              "top1": round(hit1 / total, 4), f"top{args.top_k}": round(hitk / total, 4)}
+              "top1": round(hit1 / total, 4), f"top{args.top_k}": round(hitk / total, 4),
+              "top1_by_category": {k: round(h / n, 4) for k, (h, n) in sorted(per_category.items())}}
     if args.write_card:
         from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
         from treeserve.engine.training.model_card import write_drafter_card
@@ -73,5 +79,6 @@ def run(args: argparse.Namespace) -> int:
         write_drafter_card(directory, result, args)
     print(json.dumps(result) if args.json else
           f"{total} positions over {args.num_prompts} prompts: top-1 agreement {hit1 / total:.1%}, "
-          f"top-{args.top_k} {hitk / total:.1%}")
+          f"top-{args.top_k} {hitk / total:.1%}; top-1 by category: "
+          + ", ".join(f"{k} {v:.0%}" for k, v in result["top1_by_category"].items()))
     return 0

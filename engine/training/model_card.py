@@ -35,6 +35,9 @@ def write_drafter_card(directory: Path, agreement: dict, args) -> Path:
         f"--max-new-tokens {agreement['max_new_tokens']}",
         "```",
         "",
+        "Top-1 agreement by category: " + ", ".join(f"{k} {v:.0%}" for k, v in agreement["top1_by_category"].items())
+        + ".",
+        "",
         "## Training",
         "",
         f"- Data (never the dev prompts): {data.get('self_instruct_prompts', '?')} self-instruct meta prompts "
@@ -53,9 +56,9 @@ def write_drafter_card(directory: Path, agreement: dict, args) -> Path:
         "## What limits it",
         "",
         "Data, not model size: generating target answers on 2 CPU cores runs at tens of tokens per second, so the "
-        "drafter saw a small and narrow sample of the target's behaviour; prompts unlike the training sources "
-        "(role-play, multi-step math) agree least. More varied generated answers (or an EAGLE-style head fed with "
-        "the target's hidden states) are the next levers.",
+        "drafter saw a small sample of the target's behaviour (the categories above that are furthest from the "
+        "training sources agree least). More varied generated answers, longer training, or an EAGLE-style head "
+        "fed with the target's hidden states are the next levers.",
         "",
         "Reproduce: `treeserve train-drafter` (options in `treeserve train-drafter --help`).",
     ]
