@@ -4,7 +4,13 @@ Each method decodes the same Spec-Bench prompts (first turn, chat template) with
 same process; answers are written in Spec-Bench's jsonl format (`choices[0].turns / new_tokens /
 wall_time / accept_lengths`), and a table reports per method: budget, MAL (tokens per target forward,
 bonus included), candidate tokens per step, tokens/s, speedup over autoregressive, the worst
-per-category speedup, and the share of step time spent building trees and verifying them.
+per-category speedup, drafting time per step (and the drafter-forward part of it), and the share of step
+time spent building trees and verifying them.
+
+Drafter kinds: an entry `METHOD[:BUDGET]` drafts with the autoregressive drafter (`--drafter`);
+`METHOD[:BUDGET]@parallel` drafts the same tree method and budget from ONE forward of the parallel drafter
+(`--parallel-drafter`, engine.parallel_drafting). `--drafter-kind both` runs every speculative entry with
+both kinds, so one run compares them at the same tree budget.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="METHOD[:BUDGET] entries; BUDGET is an integer or 'auto' (hardware-aware)")
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
     parser.add_argument("--drafter", default="default", help="drafter ('default' or a directory)")
+    parser.add_argument("--parallel-drafter", default="default",
+                        help="parallel drafter for METHOD@parallel entries ('default' or a directory)")
+    parser.add_argument("--drafter-kind", choices=["autoregressive", "parallel", "both"], default=None,
+                        help="drafter kind of entries without '@KIND' ('both': run each with both kinds; "
+                             "default: autoregressive)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     parser.add_argument("--answers-dir", type=Path, default=None, help="write Spec-Bench answers here")
     parser.add_argument("--json-out", type=Path, default=None, help="write the summary table as JSON")
@@ -80,12 +91,15 @@ class MethodStats:
 
     name: str
     budget: str
+    kind: str = "autoregressive"
     tokens: int = 0
     steps: int = 0
     candidates: int = 0
     seconds: float = 0.0
     overhead_ms: float = 0.0  # tree construction + verification
     step_ms: float = 0.0
+    draft_ms: float = 0.0  # drafting wall time (drafter forwards + tree construction)
+    draft_model_ms: float = 0.0  # of which drafter forwards
     by_category: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
 
     @property
@@ -104,6 +118,22 @@ def parse_method(entry: str) -> tuple[str, int | str]:
     if not budget.isdigit() or int(budget) < 1:
         raise ValueError(f"budget of {entry!r} must be a positive integer or 'auto'")
     return name, int(budget)
+
+
+def parse_entry(entry: str, default_kind: str = "autoregressive") -> list[tuple[str, int | str, str]]:
+    """`METHOD[:BUDGET][@KIND]` -> [(method, budget, kind)]; default_kind 'both' gives one per kind."""
+    body, _, kind = entry.partition("@")
+    name, budget = parse_method(body)
+    if kind and kind not in ("autoregressive", "parallel"):
+        raise ValueError(f"drafter kind of {entry!r} must be 'autoregressive' or 'parallel'")
+    if name == "autoregressive":
+        return [(name, budget, "autoregressive")]
+    kinds = [kind] if kind else (["autoregressive", "parallel"] if default_kind == "both" else [default_kind])
+    return [(name, budget, k) for k in kinds]
+
+
+def entry_key(name: str, budget: int | str, kind: str) -> str:
+    return f"{name}:{budget}" + ("@parallel" if kind == "parallel" else "")
 
 
 def spec_bench_answer(row: dict, model_id: str, result) -> dict:
@@ -127,16 +157,19 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.engine.training.agreement_command import load_prompts
 
     torch.set_num_threads(args.threads)
-    methods = [parse_method(m) for m in args.methods]
+    default_kind = getattr(args, "drafter_kind", None) or "autoregressive"
+    methods = list(dict.fromkeys(e for m in args.methods for e in parse_entry(m, default_kind)))
     if args.max_new_tokens < 1 or args.num_prompts < 1:
         raise ValueError("--max-new-tokens and --num-prompts must be >= 1")
     sampling = SamplingParams(temperature=args.temperature)
     rows = load_prompts(args.prompts, args.num_prompts)
     target = load_causal_lm(args.target)
-    engines = {f"{m}:{b}": build_engine(drafter_path=args.drafter, method=m, budget=b, target=target)
-               for m, b in methods}
+    parallel_path = getattr(args, "parallel_drafter", "default")
+    engines = {entry_key(m, b, k): build_engine(drafter_path=parallel_path if k == "parallel" else args.drafter,
+                                                 method=m, budget=b, target=target, drafter_kind=k)
+               for m, b, k in methods}
     prompts = [engines[next(iter(engines))].encode_chat(r["turns"][0]) for r in rows]
-    stats = {key: MethodStats(key.split(":")[0], key.split(":")[1]) for key in engines}
+    stats = {entry_key(m, b, k): MethodStats(m, str(b), k) for m, b, k in methods}
     answers: dict[str, list[dict]] = defaultdict(list)
     checks = {key: GreedyCheck() for key in engines} if args.check_greedy else {}
     if args.check_greedy and args.temperature != 0:
@@ -158,10 +191,12 @@ def run(args: argparse.Namespace) -> int:
                 st.seconds += result.wall_time_s
                 st.overhead_ms += sum(s.draft_ms - s.draft_model_ms + s.verify_ms for s in result.steps)
                 st.step_ms += sum(s.draft_ms + s.score_ms + s.verify_ms for s in result.steps)
+                st.draft_ms += sum(s.draft_ms for s in result.steps)
+                st.draft_model_ms += sum(s.draft_model_ms for s in result.steps)
                 cat = st.by_category[row.get("category", "all")]
                 cat[0] += len(result.token_ids)
                 cat[1] += result.wall_time_s
-                answers[key].append(spec_bench_answer(row, key.replace(":", "-"), result))
+                answers[key].append(spec_bench_answer(row, key.replace(":", "-").replace("@", "-"), result))
                 if checks:
                     checks[key].compare(reference, gaps, result.token_ids)
                 bar.update(1)
@@ -171,21 +206,28 @@ def run(args: argparse.Namespace) -> int:
         speed = st.tokens_per_s / base.tokens_per_s if base else float("nan")
         worst = min(((c[0] / c[1]) / (base.by_category[k][0] / base.by_category[k][1]))
                     for k, c in st.by_category.items()) if base else float("nan")
-        summary.append({"method": st.name, "budget": st.budget, "mal": st.tokens / max(1, st.steps),
+        summary.append({"method": st.name, "budget": st.budget, "drafter": st.kind, "mal": st.tokens / max(1, st.steps),
                         "candidates_per_step": st.candidates / max(1, st.steps), "tokens_per_s": st.tokens_per_s,
                         "speedup": speed, "worst_category_speedup": worst,
-                        "overhead_pct": 100 * st.overhead_ms / max(st.step_ms, 1e-9)})
+                        "overhead_pct": 100 * st.overhead_ms / max(st.step_ms, 1e-9),
+                        "draft_ms_per_step": st.draft_ms / max(1, st.steps),
+                        "drafter_forward_ms_per_step": st.draft_model_ms / max(1, st.steps)})
     table = Table(title=f"{len(rows)} prompts x {args.max_new_tokens} tokens, temperature {args.temperature}")
-    for col in ("method", "budget", "MAL", "cand/step", "tok/s", "speedup", "worst cat.", "build+verify %"):
+    for col in ("method", "budget", "drafter", "MAL", "cand/step", "draft ms/step", "fwd ms/step", "tok/s", "speedup",
+                "worst cat.", "build+verify %"):
         table.add_column(col, justify="right")
     for s in summary:
-        table.add_row(s["method"], str(s["budget"]), f"{s['mal']:.2f}", f"{s['candidates_per_step']:.1f}",
+        spec = s["method"] != "autoregressive"
+        table.add_row(s["method"], str(s["budget"]), s["drafter"] if spec else "-", f"{s['mal']:.2f}",
+                      f"{s['candidates_per_step']:.1f}",
+                      f"{s['draft_ms_per_step']:.2f}" if spec else "-",
+                      f"{s['drafter_forward_ms_per_step']:.2f}" if spec else "-",
                       f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['worst_category_speedup']:.2f}x",
                       f"{s['overhead_pct']:.1f}")
     Console(width=160).print(table)
     if checks:
         for key, check in checks.items():
-            summary_row = next(s for s in summary if f"{s['method']}:{s['budget']}" == key)
+            summary_row = next(s for s in summary if entry_key(s["method"], s["budget"], s["drafter"]) == key)
             summary_row["greedy_mismatches"] = check.mismatches
             summary_row["greedy_tie_divergences"] = check.tie_divergences
         bad = {k: c.mismatches for k, c in checks.items() if c.mismatches}
@@ -195,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     if args.answers_dir:
         args.answers_dir.mkdir(parents=True, exist_ok=True)
         for key, rows_out in answers.items():
-            path = args.answers_dir / f"{key.replace(':', '-')}.jsonl"
+            path = args.answers_dir / f"{key.replace(':', '-').replace('@', '-')}.jsonl"
             path.write_text("".join(json.dumps(a) + "\n" for a in rows_out))
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,44 @@
+"""`treeserve bench` compares the autoregressive and the parallel drafter in one run (tiny models)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from conftest import make_parallel_drafter
+from treeserve.engine import bench
+
+
+def test_parse_entries():
+    assert bench.parse_entry("dyspec:32@parallel") == [("dyspec", 32, "parallel")]
+    assert bench.parse_entry("chain:4", "both") == [("chain", 4, "autoregressive"), ("chain", 4, "parallel")]
+    assert bench.parse_entry("autoregressive", "both") == [("autoregressive", "auto", "autoregressive")]
+    with pytest.raises(ValueError, match="drafter kind"):
+        bench.parse_entry("chain:4@medusa")
+
+
+def test_bench_reports_both_kinds(tmp_path, tiny_target, tiny_target_dir, tiny_drafter_dir):
+    pd = tmp_path / "pd"
+    make_parallel_drafter(tiny_target.model, layers=(0,), vocab_size=tiny_target.model.config.vocab_size).save(pd)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                               for i, (c, t) in enumerate([("qa", "Why is the sky blue?"), ("math", "2+2=?")])))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "summary.json"
+    args = parser.parse_args(["--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "10",
+                              "--target", str(tiny_target_dir), "--drafter", str(tiny_drafter_dir),
+                              "--parallel-drafter", str(pd), "--drafter-kind", "both", "--threads", "1",
+                              "--methods", "autoregressive", "chain:4", "opt_tree:8", "--check-greedy",
+                              "--json-out", str(out), "--answers-dir", str(tmp_path / "answers")])
+    assert bench.run(args) == 0
+    rows = {(r["method"], r["drafter"]): r for r in json.loads(out.read_text())}
+    assert set(rows) == {("autoregressive", "autoregressive"), ("chain", "autoregressive"), ("chain", "parallel"),
+                         ("opt_tree", "autoregressive"), ("opt_tree", "parallel")}
+    for key, row in rows.items():
+        assert row["greedy_mismatches"] == 0
+        if key[0] != "autoregressive":
+            assert row["draft_ms_per_step"] >= row["drafter_forward_ms_per_step"] > 0
+    assert (tmp_path / "answers" / "chain-4-parallel.jsonl").is_file()
