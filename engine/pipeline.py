@@ -53,9 +53,15 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     """A LocalDrafter for `target`; budget "auto" measures the hardware and chooses per step.
 
     drafter_kind "parallel": a ParallelTreeDrafter over a parallel drafter (k+1 positions per forward;
-    `drafter_path` "default" is then the shipped default parallel drafter)."""
+    `drafter_path` "default" is then the shipped default parallel drafter). A directory holding a parallel
+    drafter is recognised as such whatever the kind (so a service configured with its path uses it)."""
     if drafter_kind not in DRAFTER_KINDS:
         raise ValueError(f"drafter_kind must be one of {DRAFTER_KINDS}, got {drafter_kind!r}")
+    if drafter_path != "default":
+        from treeserve.engine.models.parallel_drafter import is_parallel_drafter
+
+        if is_parallel_drafter(Path(drafter_path).expanduser()):
+            drafter_kind = "parallel"
     if drafter_kind == "parallel":
         from treeserve.engine.models.parallel_drafter import load_parallel_drafter
         from treeserve.engine.parallel_drafting import ParallelTreeDrafter

@@ -107,3 +107,10 @@ def test_train_drafter_cli_kind_parallel(tmp_path, tiny_target, tiny_target_dir)
     assert code == 0
     model = load_parallel_drafter(str(out), tiny_target.model)
     assert model.num_masks == 2 and (out / "training.json").is_file()
+
+
+def test_parallel_directory_is_recognised(tiny_target, drafter_dir):
+    from treeserve.engine.pipeline import build_local_drafter
+
+    drafter = build_local_drafter(str(drafter_dir), tiny_target.model, budget=4)
+    assert isinstance(drafter, ParallelTreeDrafter)
