@@ -60,6 +60,9 @@ class RequestError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self):  # Serve pickles exceptions raised in a replica across processes
+        return RequestError, (self.code, self.message)
+
 
 @dataclass
 class _Job:

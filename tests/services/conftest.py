@@ -151,7 +151,7 @@ def serve_service(ray_session, tiny_target_dir, tiny_drafter_dir):
         "name": SERVE_APP, "args": args,
         "deployments": [{"name": name, "num_replicas": 1, "max_ongoing_requests": 32, "ray_actor_options": small}
                         for name in ("Router", "Drafter", "Target")]}]})
-    serve.run(build_app_from_config(config.app, args), name=SERVE_APP, route_prefix=None)
+    serve.run(build_app_from_config(config.app, args), name=SERVE_APP, route_prefix="/")
     service = ServeService(f"127.0.0.1:{grpc_port}", SERVE_APP, args)
     wait_ready(service)
     yield service
