@@ -1,0 +1,57 @@
+"""`treeserve demo` (what `make run` does): start the service from deploy/local-cpu.yaml, wait until it answers,
+stream one completion over gRPC with its statistics, and shut everything down again.
+
+If the default drafter has not been trained yet, the demo serves the embedded target with method
+autoregressive (and says so) instead of failing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from treeserve.services.serve_command import DEFAULT_CONFIG
+
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None,
+                        help="Serve config YAML (default: deploy/local-cpu.yaml)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--method", default=None, help="override the config's tree method")
+    parser.add_argument("--grpc-port", type=int, default=None, help="override the config's gRPC port")
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+    from treeserve.services.generate_command import format_stats, stream_completion
+    from treeserve.services.serve_command import load_config, start_service, stop_service
+    from treeserve.v1 import generation_pb2 as gen
+
+    method = args.method
+    if method is None:
+        probe = load_config(args.config, method="autoregressive")
+        if probe.app.args.drafter.path == "default" and not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
+            method = "autoregressive"
+            print("note: the default drafter is not installed (train it with `treeserve train-drafter`); "
+                  "serving the target autoregressively", file=sys.stderr)
+    config = load_config(args.config, method=method, grpc_port=args.grpc_port)
+    print(f"starting TreeServe from {args.config or 'built-in defaults'} "
+          f"(method {config.app.args.speculation.method}) ...", file=sys.stderr)
+    started = time.perf_counter()
+    service = start_service(config, quiet=True, ready_timeout_s=args.ready_timeout)
+    try:
+        print(f"ready on {service.address} after {time.perf_counter() - started:.0f} s\n", file=sys.stderr)
+        print(f">>> {args.prompt}")
+        request = gen.GenerateRequest(text=args.prompt, max_new_tokens=args.max_new_tokens)
+        final = stream_completion(service.address, request, service.app_name)
+        print()
+        if final is not None:
+            print(format_stats(final.stats, gen.FinishReason.Name(final.finish_reason)), file=sys.stderr)
+    finally:
+        stop_service(service)
+    return 0

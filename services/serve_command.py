@@ -1,0 +1,175 @@
+"""`treeserve serve --config deploy/local-cpu.yaml`: start Ray Serve with the config's gRPC options, run the
+TreeServe application built from it, wait until it answers, and block until Ctrl-C (then shut down).
+
+`start_service` / `stop_service` are shared with `treeserve demo` and benchmarks/service_bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO_ROOT / "deploy" / "local-cpu.yaml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None,
+                        help="Serve config YAML (default: deploy/local-cpu.yaml; built-in defaults if absent)")
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster (e.g. 'auto'); default: start a local Ray instance")
+    parser.add_argument("--grpc-port", type=int, default=None, help="override grpc_options.port")
+    parser.add_argument("--method", default=None, help="override args.speculation.method")
+    parser.add_argument("--budget", default=None, help="override args.speculation.budget ('auto' or an integer)")
+    parser.add_argument("--target", default=None, help="override args.target.path")
+    parser.add_argument("--drafter", default=None, help="override args.drafter.path")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for the service to answer (models load on first start)")
+    parser.add_argument("--no-block", action="store_true", help="return once the service answers")
+
+
+@dataclass
+class Service:
+    address: str  # host:port of the public gRPC API
+    app_name: str
+    config: object  # ServeConfigFile
+    started_ray: bool
+
+
+def load_config(path: str | None, method: str | None = None, budget: str | None = None, target: str | None = None,
+                drafter: str | None = None, grpc_port: int | None = None):
+    """The Serve config with command-line overrides applied and re-validated."""
+    from treeserve.services.app import config_to_args
+    from treeserve.services.config import AppConfig, load_serve_config
+
+    config = load_serve_config(path) if path else load_serve_config({})
+    args = config.app.args
+    if method is not None:
+        args.speculation.method = method
+    if budget is not None:
+        args.speculation.budget = budget if budget == "auto" else _int(budget, "--budget")
+    if target is not None:
+        args.target.path = target
+    if drafter is not None:
+        args.drafter.path = drafter
+    config.app.args = AppConfig.from_args(config_to_args(args))
+    if grpc_port is not None:
+        config.grpc_options.port = grpc_port
+    _check_models(config.app.args)
+    return config
+
+
+def _int(value: str, name: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected 'auto' or an integer, got {value!r}") from None
+
+
+def _check_models(args) -> None:
+    """Fail before starting Ray when a model the config names cannot exist (replicas would crash-loop)."""
+    from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+
+    if args.speculation.method != "autoregressive":
+        if args.drafter.path == "default" and not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
+            raise FileNotFoundError(f"the default drafter is not installed ({DEFAULT_DRAFTER_DIR}); train one with "
+                                    "`treeserve train-drafter`, pass --drafter PATH, or --method autoregressive")
+        if args.drafter.path != "default" and not Path(args.drafter.path).exists():
+            raise FileNotFoundError(f"drafter path {args.drafter.path} does not exist")
+    if args.target.path != "default" and not Path(args.target.path).exists():
+        raise FileNotFoundError(f"target path {args.target.path} does not exist")
+
+
+def start_service(config, ray_address: str | None = None, quiet: bool = False,
+                  ready_timeout_s: float = 600.0) -> Service:
+    """ray.init (unless already up), serve.start with the config's options, serve.run, wait until answering."""
+    import ray
+    from ray import serve
+
+    from treeserve.services.app import build_app_from_config, config_to_args
+
+    app = config.app
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if app.runtime_env is not None:
+        env.update(app.runtime_env.env_vars)
+    if "TREESERVE_CACHE" in os.environ:
+        env["TREESERVE_CACHE"] = os.environ["TREESERVE_CACHE"]
+    started = False
+    if not ray.is_initialized():
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=not quiet,
+                 configure_logging=not quiet, runtime_env={"env_vars": env})
+        started = True
+    grpc_options = {"port": config.grpc_options.port,
+                    "grpc_servicer_functions": list(config.grpc_options.grpc_servicer_functions)}
+    if config.grpc_options.request_timeout_s is not None:
+        grpc_options["request_timeout_s"] = config.grpc_options.request_timeout_s
+    serve.start(proxy_location=config.proxy_location,
+                http_options={"host": config.http_options.host, "port": config.http_options.port},
+                grpc_options=grpc_options,
+                logging_config={"enable_access_log": config.logging_config.enable_access_log,
+                                "log_level": config.logging_config.log_level,
+                                "encoding": config.logging_config.encoding})
+    serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name, route_prefix=app.route_prefix)
+    service = Service(f"127.0.0.1:{config.grpc_options.port}", app.name, config, started)
+    wait_until_ready(service.address, app.name, ready_timeout_s)
+    return service
+
+
+def wait_until_ready(address: str, app_name: str, timeout_s: float = 600.0) -> None:
+    """Until a one-token Generate succeeds (the proxy, the router and both model replicas are up)."""
+    import grpc
+
+    from treeserve.v1 import generation_pb2 as gen
+    from treeserve.v1 import generation_pb2_grpc as gen_grpc
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    with grpc.insecure_channel(address) as channel:
+        stub = gen_grpc.TreeServeStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                stub.Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1]), max_new_tokens=1),
+                              metadata=[("application", app_name)], timeout=min(60.0, timeout_s))
+                return
+            except grpc.RpcError as exc:
+                last = exc
+                time.sleep(0.5)
+    raise TimeoutError(f"TreeServe at {address} did not answer within {timeout_s:.0f} s: {last}")
+
+
+def stop_service(service: Service) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        if service.started_ray:
+            ray.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.method, args.budget, args.target, args.drafter, args.grpc_port)
+    print(f"starting TreeServe ({config.app.args.speculation.method}, target {config.app.args.target.path}) ...",
+          file=sys.stderr)
+    service = start_service(config, args.ray_address, ready_timeout_s=args.ready_timeout)
+    print(f"TreeServe is serving gRPC on {service.address} (application {service.app_name!r})", file=sys.stderr)
+    if args.no_block:
+        return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    print("shutting down", file=sys.stderr)
+    stop_service(service)
+    return 0
