@@ -77,6 +77,27 @@ class ParallelDrafterModel(nn.Module):
                          position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)
         return DrafterOutput(logits=self.head(out.last_hidden_state), past_key_values=out.past_key_values)
 
+    def hidden(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Last hidden states [B, T, hidden] without the head (training applies it to labelled rows only)."""
+        return self.model(inputs_embeds=self.embed(input_ids), attention_mask=attention_mask,
+                          position_ids=position_ids).last_hidden_state
+
+    @classmethod
+    def from_autoregressive(cls, drafter, num_masks: int = DEFAULT_NUM_MASKS, seed: int = 0) -> "ParallelDrafterModel":
+        """Start from a trained `RestrictedVocabDrafter` (same trunk, head and vocab_ids): the next-token
+        position starts as good as that drafter, training then adds the [MASK] positions."""
+        config = copy.deepcopy(drafter.config)
+        model = cls(config, drafter.vocab_ids.clone(), drafter.target_vocab_size, num_masks)
+        missing = model.load_state_dict(drafter.state_dict(), strict=False)
+        if missing.unexpected_keys or set(missing.missing_keys) != {"mask_embeddings"}:
+            raise ValueError(f"drafter does not match: {missing}")
+        with torch.no_grad():
+            emb = model.model.embed_tokens.weight.float()
+            gen = torch.Generator().manual_seed(seed)
+            noise = torch.randn(num_masks, emb.shape[1], generator=gen) * emb.std() * 0.1
+            model.mask_embeddings.copy_(emb.mean(0, keepdim=True) + noise)
+        return model
+
     @classmethod
     def from_target(cls, target, layer_ids: list[int], vocab_ids: torch.Tensor,
                     num_masks: int = DEFAULT_NUM_MASKS, seed: int = 0) -> "ParallelDrafterModel":

@@ -54,6 +54,7 @@ class ParallelTrainConfig:
     group_fraction: float = field(default=0.5, metadata={"help": "parallel: share of labelled positions that anchor a mask group"})
     slot_decay: float = field(default=0.8, metadata={"help": "parallel: loss weight of mask slot j is slot_decay**j"})
     holdout_fraction: float = field(default=0.05, metadata={"help": "sequences kept for held-out agreement"})
+    init_from: str = field(default="", metadata={"help": "parallel: start from this trained autoregressive (restricted-vocabulary) drafter directory instead of target layers (its layers/vocabulary win)"})
     seed: int = field(default=0, metadata={"help": "shuffle seed"})
 
 
@@ -200,11 +201,20 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
     torch.manual_seed(config.seed)
     gen = torch.Generator().manual_seed(config.seed)
     k = config.num_masks
-    vocab_ids = choose_vocab(data, config.draft_vocab_size, target.config.vocab_size, special_ids)
+    if config.init_from:
+        from pathlib import Path as _Path
+
+        from treeserve.engine.models.drafter import RestrictedVocabDrafter
+
+        base = RestrictedVocabDrafter.load(_Path(config.init_from), target.get_input_embeddings().weight)
+        model = ParallelDrafterModel.from_autoregressive(base, k, config.seed).train()
+        vocab_ids = model.vocab_ids
+    else:
+        vocab_ids = choose_vocab(data, config.draft_vocab_size, target.config.vocab_size, special_ids)
+        model = ParallelDrafterModel.from_target(target, list(config.layers), vocab_ids, k, config.seed).train()
     target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
     coverage = float((target_to_draft[data["topk_ids"][:, 0].long()] >= 0).float().mean())
-    model = ParallelDrafterModel.from_target(target, list(config.layers), vocab_ids, k, config.seed).train()
     model.model.embed_tokens.weight.requires_grad_(False)  # the target's own embeddings stay shared, frozen
 
     spans = _sequences(data)
@@ -241,7 +251,9 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
                                            config.group_fraction, gen)
         if not len(targets):
             continue
-        logits = group_logits(model, layouts)[targets[:, 0], targets[:, 1]]
+        ids, pos, mask = collate(layouts)
+        hidden = model.hidden(input_ids=ids, position_ids=pos, attention_mask=mask)
+        logits = model.head(hidden[targets[:, 0], targets[:, 1]])  # the head only where there is a label
         teacher = soft_targets(data["topk_ids"][targets[:, 2]], data["topk_probs"][targets[:, 2]],
                                target_to_draft, len(vocab_ids))
         per_row = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1)
@@ -268,7 +280,7 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
              "labelled_positions": int(len(data["label_pos"])), "vocab_coverage_teacher_top1": round(coverage, 4),
              "heldout_top1_before_by_position": [round(a, 4) for a in before],
              "heldout_top1_by_position": [round(a, 4) for a in after],
-             "layers_from_target": list(config.layers), "num_masks": k, "group_fraction": config.group_fraction,
+             "init": config.init_from or f"target layers {list(config.layers)}", "num_masks": k, "group_fraction": config.group_fraction,
              "slot_decay": config.slot_decay, "lr": config.lr, "batch_tokens": config.batch_tokens,
              "max_seq_len": config.max_seq_len}
     log(f"done: {stats}")

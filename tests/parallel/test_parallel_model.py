@@ -102,3 +102,17 @@ def test_load_rejects_wrong_directories(tmp_path, tiny_target, tiny_drafter_dir)
 
     with pytest.raises(ValueError, match="vocabulary"):
         load_parallel_drafter(str(tmp_path / "pd2"), Fake())
+
+
+def test_from_autoregressive_keeps_the_next_token_position(tmp_path, tiny_target):
+    from treeserve.engine.models.drafter import RestrictedVocabDrafter
+
+    ar = RestrictedVocabDrafter.from_target(tiny_target.model, [1], torch.arange(0, 3000)).eval()
+    ar.save(tmp_path / "ar")
+    ar = RestrictedVocabDrafter.load(tmp_path / "ar", tiny_target.model.get_input_embeddings().weight)
+    pd = ParallelDrafterModel.from_autoregressive(ar, num_masks=3).eval()
+    tokens = torch.randint(0, 3000, (20,))
+    with torch.no_grad():
+        want = ar(input_ids=tokens[None]).logits[0]
+        got = group_distributions(pd, tokens, list(range(20)))[:, 0]
+    assert (want - got).abs().max().item() < 1e-4
