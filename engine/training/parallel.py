@@ -231,6 +231,7 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
     log(f"vocab {len(vocab_ids)} covers {coverage:.1%} of teacher top-1; held-out agreement per position before "
         f"training: {[round(a, 3) for a in before]}")
     start, step, tokens_seen, cursor = time.time(), 0, 0, 0
+    last_eval = start
     budget = config.minutes * 60
     progress = tqdm(total=int(budget), desc="train parallel drafter", unit="s")
     loss_value = first_loss = float("nan")
@@ -270,7 +271,8 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
             first_loss = loss_value
         progress.update(int(time.time() - start) - progress.n)
         progress.set_postfix(loss=f"{loss_value:.3f}", step=step)
-        if step % 50 == 0:
+        if time.time() - last_eval > 300:  # held-out check every 5 minutes
+            last_eval = time.time()
             agree = heldout_agreement(model, data, spans, label_pos, holdout_eval, target_to_draft, config.max_seq_len)
             log(f"step {step} loss {loss_value:.3f} held-out top-1 per position {[round(a, 3) for a in agree]}")
     progress.close()
