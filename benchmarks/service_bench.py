@@ -1,0 +1,133 @@
+"""Tokens/s through gRPC + Ray Serve vs the in-process engine, same models, same machine, same run.
+
+    python benchmarks/service_bench.py                         # default target + default drafter (dyspec)
+    python benchmarks/service_bench.py --method autoregressive # when the default drafter is not trained yet
+    python benchmarks/service_bench.py --target DIR --drafter DIR --budget 8
+
+For 1 and for N (default 8) concurrent requests it measures
+- in-process: `SpeculativeEngine.generate` on the same requests (N at once = one batched generate call);
+- service: GenerateStream calls over plain grpcio through Serve's gRPC proxy, N client threads at once.
+tokens/s = generated tokens / wall time of the whole round (greedy, fixed max_new_tokens). The in-process
+rounds run first, before Ray starts, so they do not compete with idle replicas for the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+
+PROMPTS = ["Explain speculative decoding in simple terms.", "Write a short poem about the sea.",
+           "What are the three primary colors?", "Give me a recipe for pancakes.",
+           "Why do cats purr?", "Summarise the plot of Hamlet.", "How does a bicycle stay upright?",
+           "List five uses for a paperclip.", "What is the capital of Australia and why?",
+           "Describe a sunrise to someone who has never seen one.", "How do vaccines work?",
+           "What is recursion? Give an example."]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_process(args, concurrency_levels) -> dict[int, dict]:
+    from treeserve.engine.pipeline import build_engine
+    from treeserve.engine.requests import GenerationRequest
+
+    budget = args.budget if args.budget == "auto" else int(args.budget)
+    engine = build_engine(args.target, args.drafter, args.method, budget)
+    prompts = [engine.encode_chat(p) for p in PROMPTS]
+    engine.generate([GenerationRequest(prompts[0], max_new_tokens=8)])  # warm-up
+    out = {}
+    for n in concurrency_levels:
+        requests = [GenerationRequest(prompts[i % len(prompts)], max_new_tokens=args.max_new_tokens) for i in range(n)]
+        started = time.perf_counter()
+        results = engine.generate(requests)
+        wall = time.perf_counter() - started
+        tokens = sum(len(r.token_ids) for r in results)
+        steps = sum(len(r.steps) for r in results)
+        out[n] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                  "mal": sum(s.emitted for r in results for s in r.steps) / max(1, steps)}
+    return out
+
+
+def through_service(args, concurrency_levels) -> dict[int, dict]:
+    import grpc
+
+    from treeserve.services.grpc_clients import channel_options
+    from treeserve.services.serve_command import load_config, start_service, stop_service
+    from treeserve.v1 import generation_pb2 as gen
+    from treeserve.v1 import generation_pb2_grpc as gen_grpc
+
+    config = load_config(args.config, method=args.method, budget=str(args.budget), target=args.target,
+                         drafter=args.drafter, grpc_port=_free_port())
+    config.app.args.limits.max_batch_size = max(config.app.args.limits.max_batch_size, max(concurrency_levels))
+    config.app.args.limits.max_concurrent_requests = max(config.app.args.limits.max_concurrent_requests,
+                                                         max(concurrency_levels))
+    service = start_service(config, quiet=True)
+    out = {}
+    try:
+        metadata = [("application", service.app_name)]
+
+        def call(i, results):
+            request = gen.GenerateRequest(text=PROMPTS[i % len(PROMPTS)], max_new_tokens=args.max_new_tokens)
+            with grpc.insecure_channel(service.address, options=channel_options()) as channel:
+                messages = list(gen_grpc.TreeServeStub(channel).GenerateStream(request, metadata=metadata,
+                                                                              timeout=600))
+            results[i] = messages[-1].stats
+
+        warm: dict = {}
+        call(0, warm)
+        for n in concurrency_levels:
+            results: dict = {}
+            threads = [threading.Thread(target=call, args=(i, results)) for i in range(n)]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - started
+            tokens = sum(s.completion_tokens for s in results.values())
+            steps = sum(s.steps for s in results.values())
+            out[n] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                      "mal": sum(s.mean_accepted_length * s.steps for s in results.values()) / max(1, steps)}
+    finally:
+        stop_service(service)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from treeserve.services.serve_command import DEFAULT_CONFIG
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--drafter", default="default")
+    parser.add_argument("--method", default="dyspec")
+    parser.add_argument("--budget", default="auto")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    args = parser.parse_args(argv)
+    local = in_process(args, args.concurrency)
+    served = through_service(args, args.concurrency)
+    print(f"\nservice_bench: target={args.target} drafter={args.drafter} method={args.method} budget={args.budget} "
+          f"max_new_tokens={args.max_new_tokens}")
+    print(f"{'streams':>8} {'in-process tok/s':>17} {'service tok/s':>14} {'service/in-process':>19} "
+          f"{'MAL in-proc':>11} {'MAL service':>11}")
+    for n in args.concurrency:
+        a, b = local[n], served[n]
+        print(f"{n:>8} {a['tokens_per_s']:>17.1f} {b['tokens_per_s']:>14.1f} {b['tokens_per_s'] / a['tokens_per_s']:>19.2f} "
+              f"{a['mal']:>11.2f} {b['mal']:>11.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "in_process": local, "service": served}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

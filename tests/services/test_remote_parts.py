@@ -1,0 +1,131 @@
+"""Drafter / Target servicers on their own grpc.aio servers and the router's gRPC clients, without Ray:
+the same greedy output as the in-process engine, Prefill / Health / Release, and fail-over when a target
+replica disappears mid-generation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from treeserve.engine.drafting import LocalDrafter
+from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.pipeline import tree_config
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.services.drafter_service import DrafterServicer
+from treeserve.services.grpc_clients import (RemoteDrafter, RemoteTarget, ReplicaPool, ReplicaServer,
+                                             static_discovery)
+from treeserve.services.target_service import TargetServicer
+from treeserve.v1 import internal_pb2 as pb
+from treeserve.v1 import internal_pb2_grpc as pb_grpc
+
+
+class Replicas:
+    def __init__(self, parts, targets=2):
+        vocab = parts.target.model.config.vocab_size
+        self.targets = [TargetServicer(TargetRunner(parts.target.model)) for _ in range(targets)]
+        self.target_servers = [ReplicaServer(pb_grpc.add_TargetServicer_to_server, s, host="127.0.0.1").start()
+                               for s in self.targets]
+        self.drafter = DrafterServicer(LocalDrafter(DrafterRunner(parts.drafter_model, vocab)), vocab)
+        self.drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, self.drafter,
+                                            host="127.0.0.1").start()
+        self.vocab = vocab
+
+    def stop(self):
+        for server in self.target_servers + [self.drafter_server]:
+            server.stop(0.2)
+
+
+class Loop:
+    """An event loop on a thread: the router's loop, which the sync client methods bridge onto."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def remote(tiny_parts):
+    replicas = Replicas(tiny_parts)
+    loop = Loop()
+    target_pool = ReplicaPool("Target", pb_grpc.TargetStub,
+                              static_discovery([s.address for s in replicas.target_servers]), cooldown_s=60)
+    drafter_pool = ReplicaPool("Drafter", pb_grpc.DrafterStub, static_discovery([replicas.drafter_server.address]))
+    target = RemoteTarget(target_pool, replicas.vocab, retry_timeout_s=20)
+    drafter = RemoteDrafter(drafter_pool)
+    for client in (target, drafter):
+        loop.run(_bind(client))
+    engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 8), 2048)
+    yield engine, replicas, loop
+    loop.close()
+    replicas.stop()
+
+
+async def _bind(client):
+    client.bind_loop()
+
+
+def test_remote_engine_matches_in_process(remote, tiny_parts):
+    engine, replicas, loop = remote
+    local = tiny_parts.engine()
+    prompts = [local.encode_chat(p) for p in ("Tell me a story about a fox.", "2+2=?", "Why?")]
+    for n in (1, 3):  # batch 1: dynamic trees; 3: C2T chains in one drafter call
+        requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
+        got = [r.token_ids for r in engine.generate(requests)]
+        assert got == [r.token_ids for r in local.generate(requests)]
+    # generate() released every session on every replica.
+    assert all(not s.session_ids() for s in replicas.targets)
+    assert not replicas.drafter.drafter.runner.lm.sessions
+
+
+def test_health_prefill_release(remote):
+    engine, replicas, loop = remote
+    target = engine.target
+    assert loop.run(target.prefill_async("s-1", [1, 2, 3, 4])) == 4
+    health = loop.run(target.pool.broadcast("Health", pb.HealthRequest()))
+    assert sum(h.active_sessions for h in health) == 1
+    assert {h.vocab_size for h in health} == {replicas.vocab}
+    assert loop.run(target.release_async("s-1")) == 1
+    assert sum(h.active_sessions for h in loop.run(target.pool.broadcast("Health", pb.HealthRequest()))) == 0
+
+
+def test_target_replica_lost_mid_generation(remote, tiny_parts):
+    engine, replicas, loop = remote
+    local = tiny_parts.engine()
+    prompt = local.encode_chat("Tell me a story about a fox.")
+    expected = local.generate([GenerationRequest(prompt, max_new_tokens=40)])[0].token_ids
+    seq = engine._start(GenerationRequest(prompt, max_new_tokens=40))
+    engine.step([seq])
+    # Stop the replica that holds the session; the next step is retried on the other one (rebuilt from context).
+    holder = next(i for i, s in enumerate(replicas.targets) if seq.session_id in s.session_ids())
+    replicas.target_servers[holder].stop(0)
+    while seq.finish is None:
+        engine.step([seq])
+    assert seq.emitted == expected
+    assert engine.target.retries >= 1 and len(engine.target.pool.live) == 1
+
+
+def test_drafter_lost_degrades_to_autoregressive_steps(remote, tiny_parts):
+    engine, replicas, loop = remote
+    local = tiny_parts.engine()
+    prompt = local.encode_chat("2+2=?")
+    expected = local.generate([GenerationRequest(prompt, max_new_tokens=20)])[0].token_ids
+    seq = engine._start(GenerationRequest(prompt, max_new_tokens=20))
+    engine.step([seq])
+    replicas.drafter_server.stop(0)
+    while seq.finish is None:
+        engine.step([seq])
+    assert seq.emitted == expected
+    assert engine.drafter.fallbacks >= 1 and seq.steps[-1].tree_size == 0
