@@ -106,8 +106,10 @@ def run_parallel(args: argparse.Namespace) -> int:
     target = load_causal_lm(args.target)
     target.tokenizer.padding_side = "left"
     n_layers = target.model.config.num_hidden_layers
-    if any(not 0 <= i < n_layers for i in train_config.layers):
+    if not train_config.init_from and any(not 0 <= i < n_layers for i in train_config.layers):
         raise ValueError(f"--layers must be target layer indices in [0, {n_layers})")
+    if train_config.init_from and not (Path(train_config.init_from) / "config.json").is_file():
+        raise ValueError(f"--init-from {train_config.init_from} is not a drafter directory")
     data_dir = args.data_dir or cache_root() / "distill" / f"{target.path.name}-seed{args.seed}"
     started = time.time()
     data_path = build_distill_data(target.model, target.tokenizer, data_config, data_dir)

@@ -107,6 +107,16 @@ def test_train_drafter_cli_kind_parallel(tmp_path, tiny_target, tiny_target_dir)
     assert code == 0
     model = load_parallel_drafter(str(out), tiny_target.model)
     assert model.num_masks == 2 and (out / "training.json").is_file()
+    # Starting from a trained autoregressive drafter: its trunk, head and vocabulary are kept.
+    from treeserve.engine.models.drafter import RestrictedVocabDrafter
+
+    RestrictedVocabDrafter.from_target(tiny_target.model, [0], torch.arange(700)).save(tmp_path / "ar")
+    code = main(["train-drafter", "--kind", "parallel", "--target", str(tiny_target_dir), "--data-dir", str(data_dir),
+                 "--out", str(tmp_path / "pd_ar"), "--init-from", str(tmp_path / "ar"), "--minutes", "0.03",
+                 "--batch-tokens", "64", "--max-seq-len", "48", "--threads", "1", "--holdout-fraction", "0.25"])
+    assert code == 0
+    model = load_parallel_drafter(str(tmp_path / "pd_ar"), tiny_target.model)
+    assert len(model.vocab_ids) == 700 and model.num_masks == 4
 
 
 def test_parallel_directory_is_recognised(tiny_target, drafter_dir):
