@@ -124,3 +124,15 @@ def test_parallel_directory_is_recognised(tiny_target, drafter_dir):
 
     drafter = build_local_drafter(str(drafter_dir), tiny_target.model, budget=4)
     assert isinstance(drafter, ParallelTreeDrafter)
+
+
+def test_dev_agreement_per_position(tiny_target, drafter_dir):
+    from treeserve.engine.models.parallel_drafter import load_parallel_drafter
+    from treeserve.engine.training.parallel import dev_agreement
+
+    drafter = load_parallel_drafter(str(drafter_dir), tiny_target.model)
+    result = dev_agreement(tiny_target.model, tiny_target.tokenizer, drafter,
+                           [{"turns": ["Tell me a story."]}, {"turns": ["2+2=?"]}], max_new_tokens=10)
+    assert result["positions"] == [20, 18, 16, 14, 12]
+    assert result["top1_by_position"][0] >= 0.9  # same layers as the target (float16 storage)
+    assert all(a <= b for a, b in zip(result["top1_by_position"], result["top4_by_position"]))
