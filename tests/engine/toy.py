@@ -73,12 +73,14 @@ def node_contexts(prefix: tuple[int, ...], tokens: list[int], parents: list[int]
 
 @dataclass
 class ToyOracle:
-    """DraftOracle over ToyModels; `prefix` = the context before the root token."""
+    """DraftOracle over ToyModels; `prefix` = the context before the root token. Like a model
+    runner with a KV cache it only processes nodes it has not seen (the tree is append-only)."""
 
     models: ToyModels
     prefix: tuple[int, ...]
     sampling: SamplingParams
     calls: int = 0
+    contexts: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def vocab_size(self) -> int:
@@ -86,8 +88,11 @@ class ToyOracle:
 
     def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
         self.calls += 1
-        ctx = node_contexts(self.prefix, tokens.tolist(), parents.tolist())
-        return torch.stack([self.models.warped(ctx[i], self.sampling, 1) for i in node_ids.tolist()])
+        seen = len(self.contexts)
+        new_tokens, new_parents = tokens[seen:].tolist(), parents[seen:].tolist()
+        for tok, par in zip(new_tokens, new_parents):
+            self.contexts.append((self.prefix if par < 0 else self.contexts[par]) + (tok,))
+        return torch.stack([self.models.warped(self.contexts[i], self.sampling, 1) for i in node_ids.tolist()])
 
 
 def target_for(models: ToyModels, prefix: tuple[int, ...], tree: TokenTree, sampling: SamplingParams) -> TargetDists:
