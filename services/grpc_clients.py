@@ -40,7 +40,6 @@ from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists
 from treeserve.services import wire
 from treeserve.v1 import internal_pb2 as pb
-from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("treeserve.grpc")
 

@@ -93,6 +93,7 @@ class Router:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._retries_seen: dict[int, int] = {}
         self.steps = 0
 
     # ------------------------------------------------------------------ Serve gRPC ingress
@@ -304,9 +305,18 @@ class Router:
                 continue
             self.steps += 1
             self.metrics.record_step([s.steps[-1] for s in batch if s.steps], len(batch))
+            self._count_retries()
             for job in jobs:
                 if job in self._active:
                     self._publish(job)
+
+    def _count_retries(self) -> None:
+        for client in self.clients:
+            retries = getattr(client, "retries", 0)
+            seen = self._retries_seen.get(id(client), 0)
+            if retries > seen:
+                self.metrics.retries.inc(retries - seen, tags={"deployment": client.pool.name})
+                self._retries_seen[id(client)] = retries
 
     def _publish(self, job: _Job) -> None:
         s = job.seq

@@ -7,7 +7,6 @@ TreeServe application built from it, wait until it answers, and block until Ctrl
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import sys
@@ -85,6 +84,11 @@ def _check_models(args) -> None:
             raise FileNotFoundError(f"drafter path {args.drafter.path} does not exist")
     if args.target.path != "default" and not Path(args.target.path).exists():
         raise FileNotFoundError(f"target path {args.target.path} does not exist")
+    if args.target.path == "default":
+        from treeserve.engine.models.loading import resolve_model_dir
+
+        # Convert the embedded GGUF once here, not in three replicas racing on the same cache directory.
+        resolve_model_dir("default")
 
 
 def start_service(config, ray_address: str | None = None, quiet: bool = False,

@@ -13,7 +13,6 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest

@@ -1,0 +1,55 @@
+"""`treeserve generate` (through the service and in-process) and `treeserve serve`'s config handling."""
+
+from __future__ import annotations
+
+import pytest
+
+from treeserve.services.cli import main
+from treeserve.services.serve_command import DEFAULT_CONFIG, load_config
+
+
+def test_generate_streams_from_the_service(serve_service, capsys):
+    rc = main(["generate", "--address", serve_service.address, "--application", serve_service.app_name,
+               "--prompt", "Hello there", "--max-new-tokens", "8"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert out.out.strip()
+    assert "MAL" in out.err and "completion" in out.err
+
+
+def test_generate_reports_bad_input_in_one_line(serve_service, capsys):
+    rc = main(["generate", "--address", serve_service.address, "--prompt", "hi", "--max-new-tokens", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "INVALID_ARGUMENT" in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_in_process(tiny_target_dir, tiny_drafter_dir, capsys):
+    rc = main(["generate", "--in-process", "--target", str(tiny_target_dir), "--drafter", str(tiny_drafter_dir),
+               "--method", "chain", "--budget", "3", "--prompt", "Hi", "--max-new-tokens", "6"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "MAL" in out.err
+
+
+def test_serve_config_overrides(tiny_target_dir, tiny_drafter_dir):
+    config = load_config(str(DEFAULT_CONFIG), method="chain", budget="4", target=str(tiny_target_dir),
+                         drafter=str(tiny_drafter_dir), grpc_port=9123)
+    args = config.app.args
+    assert (args.speculation.method, args.speculation.budget, config.grpc_options.port) == ("chain", 4, 9123)
+    assert args.target.path == str(tiny_target_dir)
+    assert config.app.deployment("Target").autoscaling_config.max_replicas == 2
+    with pytest.raises(ValueError, match="budget"):
+        load_config(str(DEFAULT_CONFIG), method="autoregressive", budget="lots")
+    with pytest.raises(FileNotFoundError, match="drafter"):
+        load_config(str(DEFAULT_CONFIG), method="dyspec", drafter="/nowhere/drafter")
+
+
+def test_app_options_follow_the_yaml():
+    from treeserve.services.app import _deployment_options
+
+    config = load_config(str(DEFAULT_CONFIG), method="autoregressive")
+    options = _deployment_options(config.app.deployment("Target"), {"OMP_NUM_THREADS": "1"})
+    assert options["autoscaling_config"]["max_replicas"] == 2
+    assert options["ray_actor_options"]["num_cpus"] == 0.5
+    assert options["ray_actor_options"]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
+    assert options["max_ongoing_requests"] == 8
