@@ -13,6 +13,7 @@ traffic goes over direct channels (services/grpc_clients.py).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from treeserve.services.config import AppConfig, ApplicationConfig, DeploymentConfig
@@ -20,6 +21,23 @@ from treeserve.services.config import AppConfig, ApplicationConfig, DeploymentCo
 # Replicas are tiny on the default CPU layout: 1 CPU each would deadlock three deployments on 2 cores.
 DEFAULT_ACTOR_OPTIONS = {"num_cpus": 0.5, "num_gpus": 0}
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+SESSION_POLICY = "treeserve.services.app:session_autoscaling_policy"
+
+
+def session_autoscaling_policy(ctx) -> tuple[int, dict]:
+    """Serve autoscaling policy for Drafter and Target.
+
+    Their per-step traffic bypasses Serve (direct gRPC), so Serve's own ongoing-request count stays ~0. Each
+    replica reports its live sessions instead (`record_autoscaling_stats`, services/drafter_service.py); the
+    deployment wants ceil(total sessions / target_ongoing_requests) replicas within the configured bounds.
+    """
+    metrics = ctx.aggregated_metrics
+    metrics = metrics() if callable(metrics) else (metrics or {})
+    total = float(sum((metrics.get("active_sessions") or {}).values()))
+    target = float(getattr(ctx.config, "target_ongoing_requests", None) or 2.0)
+    desired = math.ceil(total / target) if total > 0 else 0
+    desired = max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, desired))
+    return desired, ctx.policy_state
 
 
 def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str]) -> dict[str, Any]:
@@ -35,6 +53,8 @@ def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str])
         if config.autoscaling_config is not None:
             auto = config.autoscaling_config
             options["autoscaling_config"] = {k: v for k, v in vars(auto).items() if v is not None}
+            if config.name in ("Drafter", "Target"):
+                options["autoscaling_config"]["policy"] = {"policy_function": SESSION_POLICY}
         if config.placement_group_bundles is not None:
             options["placement_group_bundles"] = config.placement_group_bundles
         if config.placement_group_strategy is not None:

@@ -91,8 +91,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=await self.worker.run(self._release, list(request.session_ids)))
 
+    def session_ids(self) -> list[str]:
+        return session_ids_of(self.drafter)
+
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
-        sessions = session_ids_of(self.drafter)
+        sessions = self.session_ids()
         return pb.HealthResponse(replica_id=self.replica_id, address=self.address, active_sessions=len(sessions),
                                  session_ids=sessions, vocab_size=self.vocab_size, calls=self.worker.calls)
 
@@ -121,6 +124,11 @@ class GrpcReplica:
     async def check_health(self) -> None:
         if not self.server.alive():
             raise RuntimeError("the replica's gRPC server is not running")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metric (services/app.py session_autoscaling_policy): the per-step calls bypass
+        Serve, so load is the number of sessions this replica is serving."""
+        return {"active_sessions": float(len(self.servicer.session_ids()))}
 
     def __del__(self) -> None:
         try:

@@ -53,3 +53,27 @@ def test_app_options_follow_the_yaml():
     assert options["ray_actor_options"]["num_cpus"] == 0.5
     assert options["ray_actor_options"]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
     assert options["max_ongoing_requests"] == 8
+
+
+def test_session_autoscaling_policy():
+    from types import SimpleNamespace
+
+    from ray.serve.config import AutoscalingConfig
+
+    from treeserve.services.app import SESSION_POLICY, session_autoscaling_policy
+
+    AutoscalingConfig(min_replicas=1, max_replicas=3, policy={"policy_function": SESSION_POLICY})  # importable
+
+    def ctx(sessions):
+        return SimpleNamespace(aggregated_metrics={"active_sessions": dict(enumerate(sessions))},
+                               config=SimpleNamespace(target_ongoing_requests=4), capacity_adjusted_min_replicas=1,
+                               capacity_adjusted_max_replicas=3, policy_state={})
+    assert session_autoscaling_policy(ctx([]))[0] == 1
+    assert session_autoscaling_policy(ctx([3, 2]))[0] == 2
+    assert session_autoscaling_policy(ctx([40]))[0] == 3
+    config = load_config(str(DEFAULT_CONFIG), method="autoregressive")
+    from treeserve.services.app import _deployment_options
+
+    assert _deployment_options(config.app.deployment("Drafter"), {})["autoscaling_config"]["policy"] == {
+        "policy_function": SESSION_POLICY}
+    assert "policy" not in _deployment_options(config.app.deployment("Router"), {})["autoscaling_config"]
