@@ -102,6 +102,25 @@ def topk_rows(rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values, tokens
 
 
+def topk_rows_lists(rows: Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """`topk_rows` as Python lists (values, tokens): the same selection ops, but the token ids are
+    computed in Python from the block and in-block positions, saving five small tensor ops."""
+    k = min(k, rows.shape[-1])
+    blocks = _blocked(rows)
+    if blocks is None or k * BLOCK >= rows.shape[-1] // 2:
+        values, tokens = torch.topk(rows, k, dim=-1)
+        return values.tolist(), tokens.tolist()
+    num_rows = rows.shape[0]
+    block_idx = blocks.amax(dim=2).topk(k, dim=1).indices  # [R, k]
+    gathered = blocks.gather(1, block_idx[:, :, None].expand(num_rows, k, BLOCK))
+    values, pos = gathered.reshape(num_rows, k * BLOCK).topk(k, dim=1)
+    tokens = [
+        [bidx[p // BLOCK] * BLOCK + p % BLOCK for p in row_pos]
+        for bidx, row_pos in zip(block_idx.tolist(), pos.tolist())
+    ]
+    return values.tolist(), tokens
+
+
 def global_topk(rows: Tensor, row_scale: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     """Top-n entries of row_scale[r] * rows[r, v] over all (r, v) of rows [R, V].
 
@@ -151,8 +170,8 @@ class ResidualRow:
         block sums computed by one batched op for all rows instead of one op per row."""
         out = [cls(row) for row in rows]
         if top:
-            values, tokens = topk_rows(rows, top)
-            for res, vals, toks in zip(out, values.tolist(), tokens.tolist()):
+            values, tokens = topk_rows_lists(rows, top)
+            for res, vals, toks in zip(out, values, tokens):
                 res._sorted = list(zip(vals, toks))
         if block_sums:
             blocks = _blocked(rows)
@@ -184,8 +203,8 @@ class ResidualRow:
                 if len(self._sorted) >= vocab:
                     return None
                 k = min(vocab, max(8, 4 * len(self._sorted)))
-                values, tokens = topk_rows(self.row[None], k)
-                self._sorted = list(zip(values[0].tolist(), tokens[0].tolist()))
+                values, tokens = topk_rows_lists(self.row[None], k)
+                self._sorted = list(zip(values[0], tokens[0]))
             prob, token = self._sorted[self._next_rank]
             if prob <= 0.0:
                 return None

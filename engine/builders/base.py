@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -67,10 +68,18 @@ class PartialTree:
         self.log_joint: list[float] = [0.0]
         self.draw: list[int] = [int(ChildDraw.TOP_K)]
         self.rows: dict[int, Tensor] = {}  # node -> draft row kept for verification
-        # Growing tensor copies of tokens/parents handed to the oracle; only new nodes are copied
-        # per call, so a budget-768 DySpec build does not re-convert the whole tree 768 times.
-        self._buffer = torch.empty(2, 64, dtype=torch.long)
+        # Growing copies of tokens/parents handed to the oracle; only new nodes are copied per call,
+        # so a budget-768 DySpec build does not re-convert the whole tree 768 times. They live in
+        # numpy arrays (list -> slice assignment costs ~1 us there, several torch ops otherwise)
+        # shared with tensor views made once per growth.
+        self._alloc(64)
         self._synced = 0
+
+    def _alloc(self, capacity: int) -> None:
+        self._np_tokens = np.empty(capacity, dtype=np.int64)
+        self._np_parents = np.empty(capacity, dtype=np.int64)
+        self._t_tokens = torch.from_numpy(self._np_tokens)
+        self._t_parents = torch.from_numpy(self._np_parents)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -83,6 +92,17 @@ class PartialTree:
         self.draw.append(int(ChildDraw.TOP_K))  # overwritten by set_draw if it gets children
         return len(self.tokens) - 1
 
+    def add_many(self, parent: int, tokens: Sequence[int], log_qs: Sequence[float]) -> int:
+        """Append children of `parent` in order (same as `add` for each); returns the first new
+        node index (the others follow consecutively)."""
+        first = len(self.tokens)
+        base = self.log_joint[parent]
+        self.tokens.extend(tokens)
+        self.parents.extend([parent] * len(tokens))
+        self.log_joint.extend([base + lq for lq in log_qs])
+        self.draw.extend([int(ChildDraw.TOP_K)] * len(tokens))
+        return first
+
     def depth_of(self, node: int) -> int:
         depth = 0
         while node > 0:
@@ -94,16 +114,19 @@ class PartialTree:
         """One oracle call for `node_ids` -> [k, V] draft probabilities. The oracle receives views
         of the partial tree, valid for the duration of the call."""
         vocab, num = self.oracle.vocab_size, len(self.tokens)
-        if num > self._buffer.shape[1]:
-            grown = torch.empty(2, max(num, 2 * self._buffer.shape[1]), dtype=torch.long)
-            grown[:, : self._synced] = self._buffer[:, : self._synced]
-            self._buffer = grown
+        synced = self._synced
+        if num > synced:
+            if num > self._np_tokens.shape[0]:
+                old_tokens, old_parents = self._np_tokens, self._np_parents
+                self._alloc(max(num, 2 * old_tokens.shape[0]))
+                self._np_tokens[:synced] = old_tokens[:synced]
+                self._np_parents[:synced] = old_parents[:synced]
+            self._np_tokens[synced:num] = self.tokens[synced:]
+            self._np_parents[synced:num] = self.parents[synced:]
+            self._synced = num
         ids = list(node_ids)
-        fresh = torch.tensor([self.tokens[self._synced :] + ids, self.parents[self._synced :] + ids], dtype=torch.long)
-        self._buffer[:, self._synced : num] = fresh[:, : num - self._synced]
-        self._synced = num
-        wanted = fresh[0, fresh.shape[1] - len(ids) :]  # the ids ride along in the same conversion
-        out = self.oracle.probs(self._buffer[0, :num], self._buffer[1, :num], wanted)
+        wanted = torch.tensor(ids, dtype=torch.long)
+        out = self.oracle.probs(self._t_tokens[:num], self._t_parents[:num], wanted)
         if out.dim() != 2 or out.shape != (len(ids), vocab):
             raise ValueError(f"oracle probs must have shape [{len(ids)}, {vocab}], got {tuple(out.shape)}")
         return out

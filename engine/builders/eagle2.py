@@ -12,12 +12,13 @@ Children are deterministic top-k picks of q: ChildDraw.TOP_K, point-mass verific
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive, safe_log
-from treeserve.engine.sampling import SamplingParams, topk_rows
+from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
+from treeserve.engine.sampling import SamplingParams, topk_rows_lists
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -38,13 +39,13 @@ class Eagle2Builder:
         expand = [0]
         for _ in range(self.depth):
             rows = tree.query(expand)
-            values, tokens = topk_rows(rows, self.top_k)
+            values, tokens = topk_rows_lists(rows, self.top_k)
             layer: list[int] = []
-            for parent, vals, toks in zip(expand, values.tolist(), tokens.tolist()):
+            for parent, vals, toks in zip(expand, values, tokens):
                 tree.set_draw(parent, ChildDraw.TOP_K)
-                for val, tok in zip(vals, toks):
-                    if val > 0.0:
-                        layer.append(tree.add(parent, tok, safe_log(val)))
+                kept = [(tok, val) for val, tok in zip(vals, toks) if val > 0.0]
+                first = tree.add_many(parent, [tok for tok, _ in kept], [math.log(val) for _, val in kept])
+                layer.extend(range(first, first + len(kept)))
             if not layer:
                 break
             layer.sort(key=lambda n: (-tree.log_joint[n], n))

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
-from treeserve.engine.sampling import SamplingParams, global_topk
+from treeserve.engine.sampling import BLOCK, SamplingParams, _blocked, global_topk
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -50,8 +50,7 @@ class OptTreeBuilder:
         for _ in range(max_depth):
             rows = tree.query(frontier)
             scale = [math.exp(tree.log_joint[f]) for f in frontier]
-            values, row_idx, tokens = self._layer_topk(rows, scale, n)
-            q = rows[torch.tensor(row_idx), torch.tensor(tokens)].tolist()
+            values, row_idx, tokens, q = self._layer_topk(rows, scale, n)
             order = sorted(range(len(values)), key=lambda i: (row_idx[i], -values[i]))
             new_layer = []
             for i in order:
@@ -71,11 +70,33 @@ class OptTreeBuilder:
         return tree.finish(keep=ranked[:n]), trace
 
     @staticmethod
-    def _layer_topk(rows: Tensor, scale: list[float], n: int) -> tuple[list[float], list[int], list[int]]:
-        """The n largest scale[r] * rows[r, v] as Python lists (values, row index, token).
+    def _layer_topk(rows: Tensor, scale: list[float], n: int) -> tuple[list[float], list[int], list[int], list[float]]:
+        """The n largest scale[r] * rows[r, v] as Python lists (values, row index, token, and the
+        unscaled q = rows[r, v]).
 
         One block-maximum pass over the layer's rows, no copy of them (`global_topk`). Skipping
         rows by a running bound does not pay: a layer of n nodes needs n children, which reach deep
-        into the rows' tails, so the bound stays too low to skip anything."""
-        values, row_idx, tokens = global_topk(rows, torch.tensor(scale, dtype=rows.dtype), n)
-        return values.tolist(), row_idx.tolist(), tokens.tolist()
+        into the rows' tails, so the bound stays too low to skip anything (measured: 35-47 of 64
+        rows contribute per layer)."""
+        row_scale = torch.tensor(scale, dtype=rows.dtype)
+        blocks = _blocked(rows)
+        if blocks is None:
+            values, row_t, token_t = global_topk(rows, row_scale, n)
+            row_idx, tokens = row_t.tolist(), token_t.tolist()
+            q = rows[row_t, token_t].tolist()
+            return values.tolist(), row_idx, tokens, q
+        # global_topk's blocked path, with the unscaled candidates kept to read q without
+        # indexing the rows again and the token ids computed in Python.
+        num_rows, nb = blocks.shape[0], blocks.shape[1]
+        n = min(n, num_rows * rows.shape[1])
+        block_max = blocks.amax(dim=2) * row_scale[:, None]  # [R, nb]
+        best = block_max.reshape(-1).topk(min(n, num_rows * nb)).indices  # flat (row, block)
+        row_of = best // nb
+        raw = blocks[row_of, best % nb]  # [n, BLOCK] unscaled
+        values, pos = (raw * row_scale[row_of, None]).reshape(-1).topk(n)
+        q = raw.reshape(-1)[pos].tolist()
+        best_l, pos_l = best.tolist(), pos.tolist()
+        cand = [best_l[p // BLOCK] for p in pos_l]
+        row_idx = [c // nb for c in cand]
+        tokens = [(c % nb) * BLOCK + p % BLOCK for c, p in zip(cand, pos_l)]
+        return values.tolist(), row_idx, tokens, q
