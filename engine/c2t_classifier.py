@@ -23,10 +23,32 @@ ENTROPY_TOP = 1000
 NUM_FEATURES = 3
 
 
+# Group width of the candidate pre-selection in `top_entropy` (vocab must be a multiple of it).
+_GROUP = 16
+
+
+def _top_values(probs: Tensor, top: int) -> Tensor:
+    """The `top` largest values of each row of probs [R, V] (unordered), as [R, top].
+
+    Exact, and cheaper than torch.topk(k=1000) over a 49k row: split the row into V / 16 strided
+    groups of 16 (group g = entries g, g + V/16, ...); every entry outside the `top` groups with
+    the largest maxima is <= the `top` maxima inside them, so those groups (16 * top entries) hold
+    a top set, found by one smaller topk. Tied values at the boundary are interchangeable for any
+    function of the values (the entropy)."""
+    num_rows, vocab = probs.shape
+    groups = vocab // _GROUP
+    if vocab % _GROUP or groups < 2 * top or not probs.is_contiguous():
+        return torch.topk(probs, top, dim=-1, sorted=False).values
+    strided = probs.view(num_rows, _GROUP, groups)
+    best = strided.amax(dim=1).topk(top, dim=1, sorted=False).indices  # [R, top]
+    cand = strided.gather(2, best[:, None, :].expand(num_rows, _GROUP, top))
+    return cand.reshape(num_rows, _GROUP * top).topk(top, dim=1, sorted=False).values
+
+
 def top_entropy(probs: Tensor, top: int = ENTROPY_TOP) -> Tensor:
     """probs [R, V] -> [R]: entropy over each row's `top` largest probabilities."""
     if probs.shape[-1] > top:
-        probs = torch.topk(probs, top, dim=-1, sorted=False).values
+        probs = _top_values(probs, top) if probs.dim() == 2 else torch.topk(probs, top, dim=-1, sorted=False).values
     return -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
 
 

@@ -201,3 +201,26 @@ def test_expected_accepted_length_counts_the_bonus(models):
     expected = q[0] + q[0] * q[1] + q[0] * q[1] * q[2]
     assert expected_accepted_drafts(tree) == pytest.approx(expected, rel=1e-5)
     assert expected_accepted_length(tree) == pytest.approx(1 + expected, rel=1e-5)
+
+
+def test_partial_tree_add_many_matches_add(models):
+    from treeserve.engine.builders.base import PartialTree
+
+    oracle = ToyOracle(models, (1,), GREEDY)
+    one, many = PartialTree(3, oracle), PartialTree(3, oracle)
+    for tree in (one, many):
+        tree.add(0, 5, -0.5)
+    for tok, lq in zip([7, 8, 9], [-0.1, -0.2, -0.3]):
+        one.add(1, tok, lq)
+    assert many.add_many(1, [7, 8, 9], [-0.1, -0.2, -0.3]) == 2
+    assert (one.tokens, one.parents, one.log_joint, one.draw) == (many.tokens, many.parents, many.log_joint, many.draw)
+    # the oracle inputs grow past the initial buffer and stay in sync with the lists
+    for i in range(100):
+        many.add(0, i % models.vocab, -1.0)
+        if i % 7 == 0:
+            many.query([len(many) - 1])
+    rows = many.query([0])
+    assert rows.shape == (1, models.vocab)
+    from toy import node_contexts
+
+    assert oracle.contexts[2:] == node_contexts((1,), many.tokens, many.parents)[2:]

@@ -84,3 +84,28 @@ def test_residual_row_top_order():
     taken = [res.take_top()[0] for _ in range(40)]
     assert taken == torch.topk(row, 40).indices.tolist()
     assert abs(res.remaining - (1 - float(torch.topk(row, 40).values.sum()))) < 1e-5
+
+
+def test_topk_rows_lists_equals_topk_rows():
+    from treeserve.engine.sampling import topk_rows, topk_rows_lists
+
+    gen = torch.Generator().manual_seed(5)
+    for vocab, k in ((49152, 8), (49152, 15), (1024, 3), (1000, 4), (24, 5)):
+        rows = torch.softmax(torch.randn(3, vocab, generator=gen) * 3, dim=-1)
+        values, tokens = topk_rows(rows, k)
+        lvalues, ltokens = topk_rows_lists(rows, k)
+        assert lvalues == values.tolist() and ltokens == tokens.tolist()
+
+
+def test_top_entropy_fast_path_selects_the_exact_top_set():
+    from treeserve.engine.c2t_classifier import _top_values, top_entropy
+
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.softmax(torch.randn(4, 49152, generator=gen) * 2, dim=-1)
+    rows[1, 100:140] = rows[1, 99]  # ties at arbitrary places
+    rows = rows / rows.sum(dim=1, keepdim=True)
+    ref = torch.topk(rows, 1000, dim=-1).values
+    fast = _top_values(rows, 1000).sort(dim=1, descending=True).values
+    assert torch.equal(fast, ref)
+    ref_entropy = -(ref * ref.clamp_min(1e-30).log()).sum(dim=-1)
+    assert torch.allclose(top_entropy(rows), ref_entropy, rtol=1e-5, atol=1e-6)
