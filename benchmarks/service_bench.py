@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import threading
 import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROMPTS = ["Explain speculative decoding in simple terms.", "Write a short poem about the sea.",
            "What are the three primary colors?", "Give me a recipe for pancakes.",
@@ -112,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the in-process engine (replicas use 1; DESIGN.md section 4)")
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
     local = in_process(args, args.concurrency)
     served = through_service(args, args.concurrency)
     print(f"\nservice_bench: target={args.target} drafter={args.drafter} method={args.method} budget={args.budget} "

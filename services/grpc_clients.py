@@ -241,6 +241,12 @@ def serve_discovery(app: str, deployment: str, handle: Any = None) -> Callable[[
                 log.warning("no %s replica reachable through its handle: %s", deployment, exc)
         return found
 
+    def forget(endpoint: Endpoint) -> None:
+        # A dead replica's entry; a live one re-publishes within its heartbeat period anyway.
+        if Registry.available():
+            registry.withdraw(endpoint.replica_id)
+
+    discover.forget = forget
     return discover
 
 
@@ -336,6 +342,9 @@ class ReplicaPool:
                     self._dropped.pop(endpoint.replica_id, None)
                 else:
                     self._dropped[endpoint.replica_id] = time.monotonic()
+                    forget = getattr(self.discover, "forget", None)
+                    if forget is not None:
+                        await asyncio.to_thread(forget, endpoint)
             self._rebuild_ring()
 
     async def _probe(self, endpoint: Endpoint) -> _Live | None:

@@ -275,7 +275,12 @@ class Router:
             elif now > job.deadline:
                 self._fail(job, RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                              f"request exceeded its deadline of {self.limits.request_timeout_s:g} s"))
-        self._waiting = [j for j in self._waiting if not j.cancelled]
+        for job in list(self._waiting):
+            if job.cancelled:
+                self._leave(job, "CANCELLED")
+            elif now > job.deadline:
+                self._fail(job, RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                             f"request waited past its deadline of {self.limits.request_timeout_s:g} s"))
         while self._waiting and len(self._active) < self.limits.max_batch_size:
             job = self._waiting.pop(0)
             job.seq = self.engine._start(job.request)
@@ -298,8 +303,10 @@ class Router:
             try:
                 await asyncio.to_thread(self.engine.step, batch)
             except Exception as exc:  # the engine already retried on other replicas: fail this batch
+                from treeserve.services.grpc_clients import NoReplicaError
+
                 log.exception("step failed for %d sequences", len(batch))
-                code = grpc.StatusCode.UNAVAILABLE if "replica" in str(exc) else grpc.StatusCode.INTERNAL
+                code = grpc.StatusCode.UNAVAILABLE if isinstance(exc, NoReplicaError) else grpc.StatusCode.INTERNAL
                 for job in jobs:
                     self._fail(job, RequestError(code, f"generation step failed: {exc}"))
                 continue

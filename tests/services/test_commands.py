@@ -13,8 +13,8 @@ def test_generate_streams_from_the_service(serve_service, capsys):
                "--prompt", "Hello there", "--max-new-tokens", "8"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert out.out.strip()
-    assert "MAL" in out.err and "completion" in out.err
+    assert out.out  # the tiny random model may well answer with whitespace only
+    assert "MAL" in out.err and "completion 8 tok" in out.err
 
 
 def test_generate_reports_bad_input_in_one_line(serve_service, capsys):
