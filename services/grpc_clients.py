@@ -534,7 +534,8 @@ class RemoteDrafter(_GroupedCaller):
         observations, self._observations = self._observations[-64:], []
 
         async def send(live: _Live, group: list[DraftRequest]) -> list[TokenTree]:
-            message = pb.DraftRequest(items=[_draft_item(r) for r in group], observations=observations)
+            message = pb.DraftRequest(items=[_draft_item(r) for r in group], observations=observations,
+                                      router_batch_size=len(requests))
             reply = await live.stub.Draft(message, timeout=self.call_timeout_s)
             if len(reply.trees) != len(group):
                 raise _Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")

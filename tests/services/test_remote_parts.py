@@ -128,3 +128,21 @@ def test_drafter_lost_degrades_to_autoregressive_steps(remote, tiny_parts):
         engine.step([seq])
     assert seq.emitted == expected
     assert engine.drafter.fallbacks >= 1 and seq.steps[-1].tree_size == 0
+
+
+def test_subbatch_of_one_drafts_a_chain(tiny_parts):
+    from treeserve.engine.sampling import SamplingParams
+    from treeserve.services import wire
+
+    vocab = tiny_parts.target.model.config.vocab_size
+    servicer = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab)), vocab)
+    prompt = tiny_parts.engine().encode_chat("Tell me a story about a fox.")
+    item = pb.DraftItem(session_id="s", context=prompt, sampling=wire.encode_sampling(SamplingParams()),
+                        tree=wire.encode_tree_config(tree_config("dyspec", 8)))
+    alone = wire.decode_tree(servicer._draft(pb.DraftRequest(items=[item], router_batch_size=1)).trees[0])
+    servicer.drafter.release("s")
+    in_batch = wire.decode_tree(servicer._draft(pb.DraftRequest(items=[item], router_batch_size=3)).trees[0])
+    # In a batched step the lone item is a chain (every node has at most one child), as LocalDrafter batches do.
+    assert all(len(in_batch.children(n)) <= 1 for n in range(in_batch.num_nodes))
+    assert in_batch.num_nodes <= servicer.drafter.batch_chain_depth + 1
+    assert alone.num_nodes >= 2
