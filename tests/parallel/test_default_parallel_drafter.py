@@ -1,0 +1,50 @@
+"""The shipped default parallel drafter (slow: loads the real target): card present, greedy output through
+parallel drafting is the target's own, and draft tokens are accepted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from treeserve.engine.bench import greedy_reference
+from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
+from treeserve.engine.pipeline import build_engine
+from treeserve.engine.requests import GenerationRequest
+
+DEV = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench_dev.jsonl"
+pytestmark = pytest.mark.slow
+shipped = pytest.mark.skipif(not (DEFAULT_PARALLEL_DRAFTER_DIR / "model.safetensors").is_file(),
+                             reason="no default parallel drafter shipped")
+
+
+@pytest.fixture(scope="module")
+def target():
+    from treeserve.engine.models.loading import load_causal_lm
+
+    return load_causal_lm("default")
+
+
+@shipped
+def test_card():
+    card = (DEFAULT_PARALLEL_DRAFTER_DIR / "README.md").read_text()
+    assert "python -m treeserve.engine.training.parallel" in card and "position" in card
+
+
+@shipped
+@pytest.mark.parametrize("method, budget", [("opt_tree", 16), ("chain", 4)])
+def test_greedy_output_is_the_targets(target, method, budget):
+    rows = [json.loads(line) for line in DEV.read_text().splitlines()][::60][:3]
+    engine = build_engine(method=method, budget=budget, target=target, drafter_kind="parallel")
+    accepted = 0
+    for row in rows:
+        prompt = engine.encode_chat(row["turns"][0])
+        reference, gaps = greedy_reference(target.model, prompt, 32)
+        result = engine.generate([GenerationRequest(prompt, max_new_tokens=32)])[0]
+        for i, (want, got) in enumerate(zip(reference, result.token_ids)):
+            if want != got:
+                assert gaps[i] < 1e-4, f"{method}: diverged at {i} where the target's top-2 gap is {gaps[i]}"
+                break
+        accepted += sum(s.accepted for s in result.steps)
+    assert accepted > 0
