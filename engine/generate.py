@@ -108,7 +108,7 @@ class SpeculativeEngine:
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         for r in requests:
             self.validate(r)
-        batch = [self._start(r) for r in requests]
+        batch = [self.start(r) for r in requests]
         try:
             active = list(batch)
             while active:
@@ -117,7 +117,7 @@ class SpeculativeEngine:
         finally:
             for s in batch:
                 self.release(s)
-        return [self._result(s) for s in batch]
+        return [self.result(s) for s in batch]
 
     def step(self, batch: list[Sequence]) -> None:
         t0 = time.perf_counter()
@@ -154,8 +154,9 @@ class SpeculativeEngine:
         if self.drafter is not None:
             self.drafter.release(s.session_id)
 
-    # ------------------------------------------------------------------ internals
-    def _start(self, request: GenerationRequest) -> Sequence:
+    # ------------------------------------------------------------------ one sequence
+    def start(self, request: GenerationRequest) -> Sequence:
+        """A new decoding state for a validated request (the router adds it to its running batch)."""
         seed = request.seed if request.seed is not None else int(torch.seed() % (2 ** 62))
         generator = torch.Generator().manual_seed(seed)
         return Sequence(request=request, session_id=f"local-{next(_session_ids)}", context=list(request.prompt_ids),
@@ -180,7 +181,8 @@ class SpeculativeEngine:
         tail = self.tokenizer.decode(s.emitted[-(longest + 2):])
         return any(x in tail for x in s.request.stop_strings)
 
-    def _result(self, s: Sequence) -> GenerationResult:
+    def result(self, s: Sequence) -> GenerationResult:
+        """The finished (or abandoned) sequence as a GenerationResult."""
         ids = [t for t in s.emitted if t not in self.eos_ids]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if s.finish == FinishReason.STOP_STRING:

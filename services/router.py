@@ -5,7 +5,7 @@ requests join and leave only at step boundaries, so the batch changes continuous
 drafter builds the configured dynamic tree, above 1 C2T chains (DESIGN.md section 6; the decision is the
 drafter's, per call). The engine is injected: in the Serve deployment (`RouterReplica`) its Target and
 Drafter are gRPC clients of the replicas (services/grpc_clients.py); in unit tests they are in-process
-runners. Verification, emission and stop conditions are the engine's own (`step`, `_emit`, `_result`);
+runners. Verification, emission and stop conditions are the engine's own (`start`, `step`, `result`);
 the router only turns what each step emitted into stream messages.
 
 Errors: bad input -> INVALID_ARGUMENT; over the configured limits or too many requests in flight ->
@@ -283,7 +283,7 @@ class Router:
                                              f"request waited past its deadline of {self.limits.request_timeout_s:g} s"))
         while self._waiting and len(self._active) < self.limits.max_batch_size:
             job = self._waiting.pop(0)
-            job.seq = self.engine._start(job.request)
+            job.seq = self.engine.start(job.request)
             # Unique across routers: the session id keys KV caches on shared replicas.
             job.seq.session_id = f"{self.router_id}-{uuid.uuid4().hex[:12]}"
             self._active.append(job)
@@ -337,7 +337,7 @@ class Router:
             if tokens or delta:
                 job.queue.put_nowait(("message", gen.GenerateStreamResponse(text_delta=delta, token_ids=tokens)))
             return
-        job.result = self.engine._result(s)
+        job.result = self.engine.result(s)
         text = job.result.text
         delta = text[len(job.sent_text):] if text.startswith(job.sent_text) else ""
         final = gen.GenerateStreamResponse(text_delta=delta, token_ids=tokens,

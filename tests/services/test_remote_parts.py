@@ -105,7 +105,7 @@ def test_target_replica_lost_mid_generation(remote, tiny_parts):
     local = tiny_parts.engine()
     prompt = local.encode_chat("Tell me a story about a fox.")
     expected = local.generate([GenerationRequest(prompt, max_new_tokens=40)])[0].token_ids
-    seq = engine._start(GenerationRequest(prompt, max_new_tokens=40))
+    seq = engine.start(GenerationRequest(prompt, max_new_tokens=40))
     engine.step([seq])
     # Stop the replica that holds the session; the next step is retried on the other one (rebuilt from context).
     holder = next(i for i, s in enumerate(replicas.targets) if seq.session_id in s.session_ids())
@@ -121,7 +121,7 @@ def test_drafter_lost_degrades_to_autoregressive_steps(remote, tiny_parts):
     local = tiny_parts.engine()
     prompt = local.encode_chat("2+2=?")
     expected = local.generate([GenerationRequest(prompt, max_new_tokens=20)])[0].token_ids
-    seq = engine._start(GenerationRequest(prompt, max_new_tokens=20))
+    seq = engine.start(GenerationRequest(prompt, max_new_tokens=20))
     engine.step([seq])
     replicas.drafter_server.stop(0)
     while seq.finish is None:
