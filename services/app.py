@@ -52,8 +52,8 @@ def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str])
             options["num_replicas"] = config.num_replicas
         if config.autoscaling_config is not None:
             auto = config.autoscaling_config
-            options["autoscaling_config"] = {k: v for k, v in vars(auto).items() if v is not None}
-            if config.name in ("Drafter", "Target"):
+            options["autoscaling_config"] = {k: v for k, v in dataclasses.asdict(auto).items() if v is not None}
+            if config.name in ("Drafter", "Target") and auto.policy is None:
                 options["autoscaling_config"]["policy"] = {"policy_function": SESSION_POLICY}
         if config.placement_group_bundles is not None:
             options["placement_group_bundles"] = config.placement_group_bundles

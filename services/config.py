@@ -216,6 +216,19 @@ class AppConfig:
 # The Ray Serve config file around it.
 # --------------------------------------------------------------------------------------------------
 @dataclass
+class AutoscalingPolicy:
+    policy_function: str = _help("import path 'module:function' of a custom Serve autoscaling policy; "
+                                 "TreeServe's Drafter/Target use treeserve.services.app:session_autoscaling_policy "
+                                 "(live sessions per replica: their per-step calls bypass Serve's request counts)")
+
+    def _check(self, path: str, base_dir: Optional[Path]) -> None:
+        module, _, function = self.policy_function.partition(":")
+        if not module or not function:
+            raise ValueError(f"{path}.policy_function: must look like 'package.module:function', "
+                             f"got {self.policy_function!r}")
+
+
+@dataclass
 class AutoscalingConfig:
     min_replicas: int = _help("replicas kept when idle", default=1)
     max_replicas: int = _help("upper bound when busy", default=1)
@@ -223,6 +236,8 @@ class AutoscalingConfig:
     initial_replicas: Optional[int] = _help("replicas at start (default min_replicas)", default=None)
     upscale_delay_s: Optional[float] = _help("load must persist this long before scaling up", default=None)
     downscale_delay_s: Optional[float] = _help("idle this long before scaling down", default=None)
+    policy: Optional[AutoscalingPolicy] = _help("custom autoscaling policy (default: Serve's request-based one)",
+                                                default=None)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         if self.min_replicas < 0:

@@ -99,6 +99,10 @@ kind: {{ .m.kind }}
     min_replicas: {{ int .d.minReplicas }}
     max_replicas: {{ int .d.maxReplicas }}
     target_ongoing_requests: {{ .d.targetOngoingRequests }}
+    {{- if .sessionPolicy }}
+    policy:
+      policy_function: treeserve.services.app:session_autoscaling_policy
+    {{- end }}
   ray_actor_options:
     num_cpus: {{ .d.numCpus }}
     num_gpus: {{ .gpus }}
@@ -152,8 +156,8 @@ applications:
         max_message_bytes: {{ int64 $v.internalGrpc.maxMessageBytes }}
     deployments:
       {{- include "treeserve.deployment" (dict "name" "Router" "d" $v.serve.router "gpus" 0) | nindent 6 }}
-      {{- include "treeserve.deployment" (dict "name" "Drafter" "d" $v.serve.drafter "gpus" $v.serve.drafter.numGpus) | nindent 6 }}
-      {{- include "treeserve.deployment" (dict "name" "Target" "d" $v.serve.target "gpus" 0) | nindent 6 }}
+      {{- include "treeserve.deployment" (dict "name" "Drafter" "d" $v.serve.drafter "gpus" $v.serve.drafter.numGpus "sessionPolicy" true) | nindent 6 }}
+      {{- include "treeserve.deployment" (dict "name" "Target" "d" $v.serve.target "gpus" 0 "sessionPolicy" true) | nindent 6 }}
       {{- if eq $v.target.device "cuda" }}
         # A coordinator bundle plus one GPU bundle per TP rank, packed on one node (NCCL over NVLink).
         placement_group_strategy: STRICT_PACK
