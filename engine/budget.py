@@ -32,7 +32,8 @@ from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-CANDIDATE_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# 0 = no drafting this step: when even one draft token does not pay for itself, plain decoding wins.
+CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 @dataclass
@@ -138,13 +139,14 @@ class BudgetChooser:
         self._rng = random.Random(self.seed)
         self.candidates = [b for b in CANDIDATE_BUDGETS if b <= self.max_budget]
         ranked = sorted(self.candidates, key=self.predicted_rate, reverse=True)
-        self._to_explore = ranked[:4]
+        # Always measure plain decoding too: it is the floor every speculative budget must beat.
+        self._to_explore = list(dict.fromkeys([0, *ranked[:4]]))
 
     def predicted_rate(self, budget: int) -> float:
         """Tokens/s of a chain-like tree of `budget` nodes under a geometric acceptance prior."""
         a = self.prior_acceptance
         tokens = sum(a ** d for d in range(budget + 1))
-        ms = self.profile.target_time_ms(budget + 1) + self.profile.drafter_step_ms * budget
+        ms = self.profile.target_time_ms(budget + 1) + self.profile.drafter_step_ms * (budget + (budget > 0))
         return 1e3 * tokens / ms
 
     def choose(self) -> int:
@@ -158,8 +160,11 @@ class BudgetChooser:
         return best
 
     def builder_for(self, builder):
-        """`builder` with this step's budget (a chain's length); builders without a budget are unchanged."""
+        """`builder` with this step's budget (a chain's length), or None for no drafting this step;
+        builders without a budget are unchanged."""
         self.current = self.choose()
+        if self.current == 0:
+            return None
         if hasattr(builder, "budget"):
             return dataclasses.replace(builder, budget=self.current)
         if hasattr(builder, "length"):

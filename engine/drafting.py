@@ -49,6 +49,7 @@ class LocalDrafter:
         self.batch_chain_beta = batch_chain_beta
         self._builders: dict[str, object] = {}
         self.last_model_ms = 0.0  # drafter forward time of the last draft() call; the rest is tree building
+        self._chosen = False  # the budget chooser picked this step's budget; its outcome is owed to it
 
     def builder(self, config: TreeConfig):
         """The (cached) builder for `config`; raises ValueError for invalid parameters."""
@@ -73,15 +74,18 @@ class LocalDrafter:
             builder = self.builder(r.tree)
             if self.budget is not None:
                 builder = self.budget.builder_for(builder)
-            generator = torch.Generator().manual_seed(r.seed)
-            trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
+                self._chosen = True
+            if builder is not None:  # None: the chooser found that no drafting pays this step
+                generator = torch.Generator().manual_seed(r.seed)
+                trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
         self.last_model_ms = (self.runner.lm.forward_seconds - model_seconds) * 1e3
         return [trees.get(id(r)) or root_only(r.context) for r in requests]
 
     def observe(self, record: StepRecord) -> None:
         """Feed a finished step's timing to the budget chooser (batch-1 dynamic trees only)."""
-        if self.budget is not None and record.batch_size == 1 and record.tree_size:
+        if self._chosen and record.batch_size == 1:
             self.budget.observe(record)
+        self._chosen = False
 
     def release(self, session_id: str) -> bool:
         return self.runner.release(session_id)
