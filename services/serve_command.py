@@ -105,24 +105,38 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
         env.update(app.runtime_env.env_vars)
     if "TREESERVE_CACHE" in os.environ:
         env["TREESERVE_CACHE"] = os.environ["TREESERVE_CACHE"]
+    from treeserve.services.cli import CliError
+
     started = False
-    if not ray.is_initialized():
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=not quiet,
-                 configure_logging=not quiet, runtime_env={"env_vars": env})
-        started = True
-    grpc_options = {"port": config.grpc_options.port,
-                    "grpc_servicer_functions": list(config.grpc_options.grpc_servicer_functions)}
-    if config.grpc_options.request_timeout_s is not None:
-        grpc_options["request_timeout_s"] = config.grpc_options.request_timeout_s
-    serve.start(proxy_location=config.proxy_location,
-                http_options={"host": config.http_options.host, "port": config.http_options.port},
-                grpc_options=grpc_options,
-                logging_config={"enable_access_log": config.logging_config.enable_access_log,
-                                "log_level": config.logging_config.log_level,
-                                "encoding": config.logging_config.encoding})
-    serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name, route_prefix=app.route_prefix)
-    service = Service(f"127.0.0.1:{config.grpc_options.port}", app.name, config, started)
-    wait_until_ready(service.address, app.name, ready_timeout_s)
+    try:
+        if not ray.is_initialized():
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=not quiet,
+                     configure_logging=not quiet, runtime_env={"env_vars": env})
+            started = True
+        grpc_options = {"port": config.grpc_options.port,
+                        "grpc_servicer_functions": list(config.grpc_options.grpc_servicer_functions)}
+        if config.grpc_options.request_timeout_s is not None:
+            grpc_options["request_timeout_s"] = config.grpc_options.request_timeout_s
+        serve.start(proxy_location=config.proxy_location,
+                    http_options={"host": config.http_options.host, "port": config.http_options.port},
+                    grpc_options=grpc_options,
+                    logging_config={"enable_access_log": config.logging_config.enable_access_log,
+                                    "log_level": config.logging_config.log_level,
+                                    "encoding": config.logging_config.encoding})
+        serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
+                  route_prefix=app.route_prefix)
+        service = Service(f"127.0.0.1:{config.grpc_options.port}", app.name, config, started)
+        wait_until_ready(service.address, app.name, ready_timeout_s)
+    except (ValueError, FileNotFoundError, CliError):
+        if started:
+            ray.shutdown()
+        raise
+    except Exception as exc:
+        # Ray start-up and replica failures arrive as long multi-line errors; the CLI shows one line.
+        if started:
+            ray.shutdown()
+        first_line = next((line for line in str(exc).splitlines() if line.strip()), "")
+        raise CliError(f"the service did not start ({type(exc).__name__}: {first_line})") from exc
     return service
 
 
