@@ -13,6 +13,7 @@ traffic goes over direct channels (services/grpc_clients.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping
 
@@ -103,6 +104,4 @@ def build_app_from_config(app: ApplicationConfig, args: Mapping[str, Any] | None
 
 def config_to_args(config: AppConfig) -> dict[str, Any]:
     """AppConfig -> the plain `args` mapping replicas receive (they re-parse it)."""
-    import dataclasses
-
     return dataclasses.asdict(config)

@@ -23,3 +23,11 @@ def test_bad_policy_path_is_rejected():
                                   "min_replicas": 1, "max_replicas": 2, "policy": {"policy_function": "nocolon"}}}]}]}
     with pytest.raises(ValueError, match="policy_function"):
         load_serve_config(data)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: p.stem)
+def test_app_builds_with_the_layouts_deployment_options(layout):
+    from treeserve.services.app import build_app_from_config, config_to_args
+
+    app = load_serve_config(layout).app
+    assert build_app_from_config(app, config_to_args(app.args)) is not None
