@@ -139,8 +139,8 @@ class BudgetChooser:
         self._rng = random.Random(self.seed)
         self.candidates = [b for b in CANDIDATE_BUDGETS if b <= self.max_budget]
         ranked = sorted(self.candidates, key=self.predicted_rate, reverse=True)
-        # Always measure plain decoding too: it is the floor every speculative budget must beat.
-        self._to_explore = list(dict.fromkeys([0, *ranked[:4]]))
+        # Always measure plain decoding too (last: a chooser that gets no feedback keeps the best prediction).
+        self._to_explore = list(dict.fromkeys([*ranked[:4], 0]))
 
     def predicted_rate(self, budget: int) -> float:
         """Tokens/s of a chain-like tree of `budget` nodes under a geometric acceptance prior."""
