@@ -130,9 +130,12 @@ def builder_for_config(config: TreeConfig, positions: int) -> ParallelTreeBuilde
         if not paths:
             raise ValueError("static tree has no path within the parallel drafter's positions")
         return ParallelTreeBuilder(budget=len(paths), max_depth=positions, paths=paths)
-    if config.method in ("chain", "c2t_chain"):
+    if config.method == "chain":
         length = min(config.depth, positions)
         return ParallelTreeBuilder(budget=length, max_depth=length, max_width=1)
+    if config.method == "c2t_chain":  # chain with early exit: stop where the joint probability falls below 0.1
+        length = min(config.depth, positions)
+        return ParallelTreeBuilder(budget=length, max_depth=length, max_width=1, min_prob=0.1)
     if config.method == "dyspec_threshold":
         return ParallelTreeBuilder(budget=config.budget, max_depth=cap, min_prob=config.threshold)
     return ParallelTreeBuilder(budget=config.budget, max_depth=cap)
@@ -145,7 +148,7 @@ class ParallelTreeDrafter:
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, budget=None, max_sessions: int = 256,
-                 batch_chain_min_joint: float = 0.1):
+                 batch_chain_min_joint: float = 0.1, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5):
         from treeserve.engine.models.parallel_drafter import mask_ids
 
         self.lm = CachedLM(model, device, dtype, max_sessions)
@@ -156,6 +159,10 @@ class ParallelTreeDrafter:
         self.vocab_ids = None if ids is None else ids.cpu()
         self.budget = budget  # optional BudgetChooser (batch-1 trees)
         self.batch_chain_min_joint = batch_chain_min_joint
+        # Read by the Drafter service when a lone item of a batched router step arrives (c2t_chain config).
+        self.batch_chain_depth = batch_chain_depth
+        self.batch_chain_beta = batch_chain_beta
+        self._chosen = False  # the budget chooser picked this step's budget (observe feeds it back)
         self._builders: dict[str, ParallelTreeBuilder] = {}
         self.last_model_ms = 0.0  # drafter forward time of the last draft() call
         self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
@@ -184,19 +191,21 @@ class ParallelTreeDrafter:
         started = self.lm.forward_seconds
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
-        self.last_positions = []
-        if speculative:
-            probs = self.position_probs(speculative)
-            self.last_positions = probs
-            for r, rows in zip(speculative, probs):
-                if len(speculative) > 1:
-                    builder = ParallelTreeBuilder(budget=self.positions, max_depth=min(r.tree.depth, self.positions),
-                                                  max_width=1, min_prob=self.batch_chain_min_joint)
-                else:
-                    builder = self.builder(r.tree)
-                    if self.budget is not None and builder.paths is None and builder.max_width > 1:
-                        builder = self.budget.builder_for(builder)
-                trees[id(r)] = self._build(r.context[-1], rows, builder)
+        plans: list[tuple[DraftRequest, ParallelTreeBuilder]] = []
+        for r in speculative:
+            if len(speculative) > 1:
+                builder = ParallelTreeBuilder(budget=self.positions, max_depth=min(r.tree.depth, self.positions),
+                                              max_width=1, min_prob=self.batch_chain_min_joint)
+            else:
+                builder = self.builder(r.tree)
+                if self.budget is not None and builder.paths is None and builder.max_width > 1:
+                    builder = self.budget.builder_for(builder)  # None: no drafting pays this step
+                    self._chosen = True
+            if builder is not None:
+                plans.append((r, builder))
+        self.last_positions = self.position_probs([r for r, _ in plans]) if plans else []
+        for (r, builder), rows in zip(plans, self.last_positions):
+            trees[id(r)] = self._build(r.context[-1], rows, builder)
         self.last_model_ms = (self.lm.forward_seconds - started) * 1e3
         return [trees.get(id(r)) or root_only(r.context) for r in requests]
 
@@ -207,8 +216,10 @@ class ParallelTreeDrafter:
         return builder.build(root, values.tolist(), tokens.tolist())
 
     def observe(self, record: StepRecord) -> None:
-        if self.budget is not None and record.batch_size == 1 and record.tree_size:
+        """Feed a finished step's timing to the budget chooser (batch-1 trees whose budget it chose)."""
+        if self._chosen and record.batch_size == 1:
             self.budget.observe(record)
+        self._chosen = False
 
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)

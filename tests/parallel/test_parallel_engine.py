@@ -136,3 +136,31 @@ def test_dev_agreement_per_position(tiny_target, drafter_dir):
     assert result["positions"] == [20, 18, 16, 14, 12]
     assert result["top1_by_position"][0] >= 0.9  # same layers as the target (float16 storage)
     assert all(a <= b for a, b in zip(result["top1_by_position"], result["top4_by_position"]))
+
+
+def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
+    from treeserve.engine.drafting import DraftRequest
+    from treeserve.engine.requests import StepRecord
+
+    class Chooser:
+        def __init__(self):
+            self.budgets, self.seen = [0, 6], []
+
+        def builder_for(self, builder):
+            budget = self.budgets.pop(0)
+            return None if budget == 0 else __import__("dataclasses").replace(builder, budget=budget)
+
+        def observe(self, record):
+            self.seen.append(record.tree_size)
+
+    chooser = Chooser()
+    drafter = ParallelTreeDrafter(parallel_drafter, tiny_target.model.config.vocab_size, budget=chooser)
+    request = DraftRequest("s", [5, 6, 7], SamplingParams(), TreeConfig(method="opt_tree", budget=16), seed=0)
+    tree = drafter.draft([request])[0]
+    assert tree.num_nodes == 1 and drafter.last_model_ms == 0.0  # no drafter forward at all
+    drafter.observe(StepRecord(0, 0, 1, 1, 0.1, 0.0, 5.0, 0.1))
+    tree = drafter.draft([DraftRequest("s", [5, 6, 7, 8], SamplingParams(), request.tree, seed=0)])[0]
+    assert tree.num_nodes == 7
+    drafter.observe(StepRecord(6, 0, 1, 1, 0.1, 0.0, 5.0, 0.1))
+    assert chooser.seen == [0, 6]
+    assert drafter.batch_chain_depth >= 1 and 0 < drafter.batch_chain_beta < 1
