@@ -164,3 +164,23 @@ def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
     drafter.observe(StepRecord(6, 0, 1, 1, 0.1, 0.0, 5.0, 0.1))
     assert chooser.seen == [0, 6]
     assert drafter.batch_chain_depth >= 1 and 0 < drafter.batch_chain_beta < 1
+
+
+def test_drafter_service_hosts_the_parallel_drafter(tiny_target, parallel_drafter):
+    pytest.importorskip("grpc")
+    from treeserve.engine.drafting import DraftRequest
+    from treeserve.services import wire
+    from treeserve.services.drafter_service import DrafterServicer, session_ids_of
+    from treeserve.services.grpc_clients import _draft_item
+    from treeserve.v1 import internal_pb2 as pb
+
+    vocab = tiny_target.model.config.vocab_size
+    servicer = DrafterServicer(ParallelTreeDrafter(parallel_drafter, vocab), vocab)
+    request = DraftRequest("s", [5, 6, 7], SamplingParams(), TreeConfig(method="opt_tree", budget=6), seed=0)
+    for batch in (1, 3):  # 3: a lone item of a batched router step becomes an early-exit chain
+        reply = servicer._draft(pb.DraftRequest(items=[_draft_item(request)], router_batch_size=batch))
+        tree = wire.decode_tree(reply.trees[0])
+        assert tree.num_nodes >= 2 and reply.draft_model_ms > 0
+        if batch > 1:
+            assert tree.parents.tolist() == list(range(-1, tree.num_nodes - 1))
+    assert session_ids_of(servicer.drafter) == ["s"]
