@@ -29,6 +29,12 @@ def prompts(target):
                                                  return_dict=True)["input_ids"] for r in rows]
 
 
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    """The target's own greedy continuations, computed once for every method."""
+    return [greedy_reference(target.model, prompt, 32) for prompt in prompts]
+
+
 def test_default_drafter_is_shipped_with_a_card():
     assert (DEFAULT_DRAFTER_DIR / "model.safetensors").is_file()
     card = (DEFAULT_DRAFTER_DIR / "README.md").read_text()
@@ -36,11 +42,10 @@ def test_default_drafter_is_shipped_with_a_card():
 
 
 @pytest.mark.parametrize("method, budget", [("dyspec", 8), ("opt_tree", 8), ("c2t", 8), ("chain", "auto")])
-def test_greedy_output_is_the_targets(target, prompts, method, budget):
+def test_greedy_output_is_the_targets(target, prompts, references, method, budget):
     engine = build_engine(method=method, budget=budget, target=target)
     accepted = 0
-    for prompt in prompts:
-        reference, gaps = greedy_reference(target.model, prompt, 32)
+    for prompt, (reference, gaps) in zip(prompts, references):
         result = engine.generate([GenerationRequest(prompt, max_new_tokens=32)])[0]
         for i, (want, got) in enumerate(zip(reference, result.token_ids)):
             if want != got:
