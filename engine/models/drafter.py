@@ -72,10 +72,7 @@ class RestrictedVocabDrafter(nn.Module):
         config = self.config.to_dict()
         config[DRAFTER_KEY] = {"kind": "restricted_vocab", "target_vocab_size": self.target_vocab_size,
                                "draft_vocab_size": len(self.vocab_ids), **(card or {})}
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-        state = {k: (v if k == "vocab_ids" else v.to(torch.float16)).contiguous()
-                 for k, v in self.state_dict().items() if k != _EMBED_KEY}
-        save_file(state, str(out_dir / "model.safetensors"))
+        save_without_embeddings(self, out_dir, config)
 
     @classmethod
     def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
@@ -101,6 +98,15 @@ class RestrictedVocabDrafter(nn.Module):
 def is_restricted_drafter(model_dir: Path) -> bool:
     config = model_dir / "config.json"
     return config.is_file() and DRAFTER_KEY in json.loads(config.read_text())
+
+
+def save_without_embeddings(module: nn.Module, out_dir: Path, config: dict) -> None:
+    """Write config.json and float16 weights, leaving out the target's shared input embeddings."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: (v if k == "vocab_ids" else v.to(torch.float16)).contiguous()
+             for k, v in module.state_dict().items() if k != _EMBED_KEY}
+    save_file(state, str(out_dir / "model.safetensors"))
 
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"

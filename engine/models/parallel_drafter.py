@@ -28,10 +28,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from treeserve.engine.models.drafter import DrafterOutput
+from treeserve.engine.models.drafter import DrafterOutput, save_without_embeddings
 
 PARALLEL_KEY = "treeserve_parallel_drafter"
 _EMBED_KEY = "model.embed_tokens.weight"
@@ -120,16 +120,12 @@ class ParallelDrafterModel(nn.Module):
         return drafter
 
     def save(self, out_dir: Path, card: dict | None = None) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
         config = self.config.to_dict()
         config.pop("treeserve_parallel_masks", None)
         config[PARALLEL_KEY] = {"kind": "parallel", "num_masks": self.num_masks,
                                 "target_vocab_size": self.target_vocab_size,
                                 "draft_vocab_size": len(self.vocab_ids), **(card or {})}
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-        state = {k: (v if k == "vocab_ids" else v.to(torch.float16)).contiguous()
-                 for k, v in self.state_dict().items() if k != _EMBED_KEY}
-        save_file(state, str(out_dir / "model.safetensors"))
+        save_without_embeddings(self, out_dir, config)
 
     @classmethod
     def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",

@@ -47,11 +47,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_dataclass_options(parser, ParallelTrainConfig, "parallel drafter (--kind parallel)", skip=shared)
 
 
+def _distill_data(args: argparse.Namespace, target, data_config: DistillDataConfig):
+    """The cached (or newly generated) self-distillation data, its path, generation minutes and special ids."""
+    from treeserve.engine.models.loading import cache_root
+    from treeserve.engine.training.distill_data import build_distill_data, load_distill_data
+
+    data_dir = args.data_dir or cache_root() / "distill" / f"{target.path.name}-seed{args.seed}"
+    started = time.time()
+    data_path = build_distill_data(target.model, target.tokenizer, data_config, data_dir)
+    data_minutes = (time.time() - started) / 60
+    specials = sorted({target.tokenizer.eos_token_id, *target.tokenizer.all_special_ids})
+    return load_distill_data(data_path), data_path, data_minutes, specials
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from treeserve.engine.models.loading import cache_root, load_causal_lm
-    from treeserve.engine.training.distill_data import build_distill_data, load_distill_data
+    from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.training.drafter import DrafterTrainConfig, train_drafter
 
     if args.kind == "parallel":
@@ -70,12 +82,7 @@ def run(args: argparse.Namespace) -> int:
     n_layers = target.model.config.num_hidden_layers
     if any(not 0 <= i < n_layers for i in train_config.layers):
         raise ValueError(f"--layers must be target layer indices in [0, {n_layers})")
-    data_dir = args.data_dir or cache_root() / "distill" / f"{target.path.name}-seed{args.seed}"
-    started = time.time()
-    data_path = build_distill_data(target.model, target.tokenizer, data_config, data_dir)
-    data_minutes = (time.time() - started) / 60
-    data = load_distill_data(data_path)
-    specials = sorted({target.tokenizer.eos_token_id, *target.tokenizer.all_special_ids})
+    data, data_path, data_minutes, specials = _distill_data(args, target, data_config)
     drafter, stats = train_drafter(target.model, data, train_config, specials)
     card = {"target": str(args.target), "data": dataclasses.asdict(data_config),
             "data_generation_minutes": round(data_minutes, 1), "training": stats}
@@ -89,9 +96,8 @@ def run_parallel(args: argparse.Namespace) -> int:
     """`--kind parallel`: same cached self-distillation data, group-wise parallel training."""
     import torch
 
-    from treeserve.engine.models.loading import cache_root, load_causal_lm
+    from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
-    from treeserve.engine.training.distill_data import build_distill_data, load_distill_data
     from treeserve.engine.training.parallel import ParallelTrainConfig, train_parallel_drafter
 
     torch.set_num_threads(args.threads)
@@ -110,12 +116,7 @@ def run_parallel(args: argparse.Namespace) -> int:
         raise ValueError(f"--layers must be target layer indices in [0, {n_layers})")
     if train_config.init_from and not (Path(train_config.init_from) / "config.json").is_file():
         raise ValueError(f"--init-from {train_config.init_from} is not a drafter directory")
-    data_dir = args.data_dir or cache_root() / "distill" / f"{target.path.name}-seed{args.seed}"
-    started = time.time()
-    data_path = build_distill_data(target.model, target.tokenizer, data_config, data_dir)
-    data_minutes = (time.time() - started) / 60
-    data = load_distill_data(data_path)
-    specials = sorted({target.tokenizer.eos_token_id, *target.tokenizer.all_special_ids})
+    data, data_path, data_minutes, specials = _distill_data(args, target, data_config)
     drafter, stats = train_parallel_drafter(target.model, data, train_config, specials)
     card = {"target": str(args.target), "data_path": str(data_path), "data": dataclasses.asdict(data_config),
             "data_generation_minutes": round(data_minutes, 1), "training": stats}
