@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from treeserve.engine.models.layout import use_input_major_weights
+
 
 @dataclass
 class SessionCache:
@@ -62,7 +64,7 @@ class CachedLM:
 
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256):
-        self.model = model
+        self.model = use_input_major_weights(model)  # small-M tree forwards are 2x faster on CPU
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_sessions = max_sessions
