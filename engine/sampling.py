@@ -151,23 +151,33 @@ class ResidualRow:
     replacement: the k-th draw comes from norm(q with the earlier draws removed), the residual of
     DySpec Algorithm 1 lines 7-11 (and Algorithm 2 lines 10-15).
 
-    Nothing is renormalised over the vocabulary: the removed tokens and their mass are kept aside,
-    and a draw walks precomputed block sums (sampling) or a lazily grown sorted prefix
-    (deterministic descending order), so each draw is O(V / BLOCK + BLOCK) instead of O(V).
+    Nothing is renormalised over the vocabulary: the residual is kept as a running subtraction on
+    per-block sums of the single original row (a removed token's mass is subtracted from its
+    block's sum, O(1)), and a draw walks those block sums and then one block (sampling), or a
+    lazily grown sorted prefix (deterministic descending order). A draw therefore costs
+    O(V / BLOCK + BLOCK) Python-level work however many tokens were removed before it, and one
+    vectorised pass over the row in all (block sums or block maxima, computed on first use).
     """
 
     def __init__(self, row: Tensor) -> None:
         self.row = row  # [V] float, the original (warped) draft distribution
         self.removed: dict[int, float] = {}  # drawn token -> q[token]
         self.removed_mass = 0.0
-        self._block_sums: list[float] | None = None
+        self._block_sums: list[float] | None = None  # residual block sums (removed mass subtracted)
+        self._width = 0  # tokens per entry of _block_sums (BLOCK, or 1 for unblocked rows)
+        self._removed_in: dict[int, list[int]] = {}  # block -> removed tokens in it
+        self._cum: list[float] | None = None  # prefix sums of _block_sums; None when stale
+        self.total: float | None = None  # sum of the original row, once the block sums exist
         self._sorted: list[tuple[float, int]] = []  # descending (prob, token) prefix
         self._next_rank = 0
+        self._block_max: Tensor | None = None  # [V // BLOCK] block maxima, kept to grow _sorted
 
     @classmethod
     def for_rows(cls, rows: Tensor, top: int = 0, block_sums: bool = False) -> list["ResidualRow"]:
         """ResidualRows for every row of rows [R, V], with the sorted prefix (`top` > 0) and/or the
-        block sums computed by one batched op for all rows instead of one op per row."""
+        block sums computed by one batched op for all rows instead of one op per row. Without
+        either, each row does its own pass lazily on first use (rows never drawn from cost
+        nothing)."""
         out = [cls(row) for row in rows]
         if top:
             values, tokens = topk_rows_lists(rows, top)
@@ -177,8 +187,34 @@ class ResidualRow:
             blocks = _blocked(rows)
             sums = (blocks.sum(dim=2) if blocks is not None else rows).tolist()
             for res, row_sums in zip(out, sums):
-                res._block_sums = row_sums
+                res._set_block_sums(row_sums)
         return out
+
+    def _set_block_sums(self, sums: list[float]) -> None:
+        self._width = BLOCK if len(sums) < self.row.shape[0] else 1
+        self.total = sum(sums)
+        self._block_sums = sums
+        for tok, prob in self.removed.items():
+            self._subtract(tok, prob)
+
+    def _ensure_block_sums(self) -> list[float]:
+        if self._block_sums is None:
+            blocks = _blocked(self.row[None])
+            sums = blocks[0].sum(dim=1) if blocks is not None else self.row
+            self._set_block_sums(sums.tolist())
+        return self._block_sums  # type: ignore[return-value]
+
+    def _subtract(self, token: int, prob: float) -> None:
+        sums, width = self._block_sums, self._width
+        assert sums is not None
+        block = token // width
+        if width == 1:
+            sums[block] = 0.0  # zeroed exactly so no float residue stays drawable
+        else:
+            gone = self._removed_in.setdefault(block, [])
+            gone.append(token)
+            sums[block] = 0.0 if len(gone) >= width else max(sums[block] - prob, 0.0)
+        self._cum = None
 
     @property
     def remaining(self) -> float:
@@ -194,17 +230,45 @@ class ResidualRow:
         if token not in self.removed:
             self.removed[token] = prob
             self.removed_mass += prob
+            if self._block_sums is not None:
+                self._subtract(token, prob)
+
+    def _grow_sorted(self) -> bool:
+        """Extend the sorted prefix (1 entry first: most rows only ever give their top token; then
+        8, then x4). Returns False when the whole vocabulary is already sorted."""
+        row = self.row
+        vocab = row.shape[0]
+        have = len(self._sorted)
+        if have >= vocab:
+            return False
+        k = 1 if have == 0 else min(vocab, max(8, 4 * have))
+        blocks = _blocked(row[None])
+        if blocks is None or k * BLOCK >= vocab // 2:
+            values, tokens = torch.topk(row, k)
+            self._sorted = list(zip(values.tolist(), tokens.tolist()))
+        else:
+            if self._block_max is None:
+                self._block_max = blocks[0].amax(dim=1)
+            if k == 1:
+                block = int(self._block_max.argmax())
+                inside = row[block * BLOCK : (block + 1) * BLOCK].tolist()
+                best = max(inside)
+                self._sorted = [(best, block * BLOCK + inside.index(best))]
+            else:
+                block_idx = self._block_max.topk(k).indices
+                values, pos = blocks[0].index_select(0, block_idx).reshape(-1).topk(k)
+                bidx = block_idx.tolist()
+                self._sorted = [(v, bidx[p // BLOCK] * BLOCK + p % BLOCK) for v, p in zip(values.tolist(), pos.tolist())]
+        # Rescan from the top: with ties a regrown prefix may order equal values differently, and
+        # removed tokens are skipped anyway, so no token is lost or repeated.
+        self._next_rank = 0
+        return True
 
     def peek_top(self) -> tuple[int, float] | None:
         """Most likely token not drawn yet, as (token, q[token]), or None if the support is used up."""
         while True:
-            if self._next_rank >= len(self._sorted):
-                vocab = self.row.shape[0]
-                if len(self._sorted) >= vocab:
-                    return None
-                k = min(vocab, max(8, 4 * len(self._sorted)))
-                values, tokens = topk_rows_lists(self.row[None], k)
-                self._sorted = list(zip(values[0], tokens[0]))
+            if self._next_rank >= len(self._sorted) and not self._grow_sorted():
+                return None
             prob, token = self._sorted[self._next_rank]
             if prob <= 0.0:
                 return None
@@ -223,40 +287,37 @@ class ResidualRow:
 
     def sample(self, uniform: float) -> tuple[int, float] | None:
         """Draw from norm(residual) by inversion with `uniform` in [0, 1); None if nothing is left."""
-        row = self.row
-        vocab = row.shape[0]
-        if self._block_sums is None:
-            blocks = _blocked(row[None])
-            sums = blocks[0].sum(dim=1) if blocks is not None else row
-            self._block_sums = sums.tolist()
-        width = BLOCK if len(self._block_sums) < vocab else 1
-        sums = self._block_sums
-        if self.removed:
-            sums = list(sums)
-            for tok, prob in self.removed.items():
-                # Per-token sums (width 1) are zeroed exactly so no float residue stays drawable.
-                sums[tok // width] = 0.0 if width == 1 else max(sums[tok // width] - prob, 0.0)
-        cum = list(itertools.accumulate(sums))
-        if not cum or cum[-1] <= 0.0:
-            return None
-        target = uniform * cum[-1]
-        block = min(bisect.bisect_right(cum, target), len(cum) - 1)
-        while sums[block] <= 0.0 and block > 0:  # float edge: landed on an empty block
-            block -= 1
-        if width == 1:
-            token, prob = block, self._block_sums[block]
-        else:
+        sums = self._ensure_block_sums()
+        width = self._width
+        while True:
+            cum = self._cum
+            if cum is None:
+                cum = self._cum = list(itertools.accumulate(sums))
+            if not cum or cum[-1] <= 0.0:
+                return None
+            target = uniform * cum[-1]
+            block = min(bisect.bisect_right(cum, target), len(cum) - 1)
+            while sums[block] <= 0.0 and block > 0:  # float edge: landed on an empty block
+                block -= 1
+            if width == 1:
+                token, prob = block, sums[block]
+                break
             start = block * width
-            inside = row[start : start + width].tolist()
-            for tok in self.removed:
-                if start <= tok < start + width:
-                    inside[tok - start] = 0.0
+            inside = self.row[start : start + width].tolist()
+            for tok in self._removed_in.get(block, ()):
+                inside[tok - start] = 0.0
             inner = list(itertools.accumulate(inside))
+            if inner[-1] <= 0.0:
+                # Float residue of a block whose mass is all drawn: drop it and draw again.
+                sums[block] = 0.0
+                self._cum = None
+                continue
             offset = target - (cum[block - 1] if block else 0.0)
             pos = min(bisect.bisect_right(inner, offset * inner[-1] / max(sums[block], 1e-300)), width - 1)
             while inside[pos] <= 0.0 and pos > 0:
                 pos -= 1
             token, prob = start + pos, inside[pos]
+            break
         if prob <= 0.0 or token in self.removed:
             return None
         return self._take(token, prob)

@@ -35,6 +35,27 @@ def _as_long(name: str, value: Tensor | Sequence[int]) -> Tensor:
     return tensor.to(torch.long)
 
 
+class _DraftProbs:
+    """Data descriptor behind `TokenTree.draft_probs` (a dataclass field with default None).
+
+    Builders may hand the rows over as a list of [V] tensors (`TokenTree._trusted`): they keep
+    references to the drafter's rows instead of copying them (a budget-64 sampled chain would copy
+    64 x 49,152 floats, ~2-4 ms on the CPU). The list is stacked into the documented [E, V] tensor
+    on the first read of `draft_probs` (e.g. by the wire encoder); verification reads single rows
+    through `TokenTree.draft_row` and never stacks."""
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Tensor | None:
+        if obj is None:
+            return None  # the dataclass default
+        value = obj.__dict__["_draft_probs"]
+        if isinstance(value, list):
+            value = obj.__dict__["_draft_probs"] = torch.stack(value)
+        return value
+
+    def __set__(self, obj: object, value: Tensor | list[Tensor] | None) -> None:
+        obj.__dict__["_draft_probs"] = value
+
+
 @dataclass(frozen=True, eq=False)
 class TokenTree:
     """A validated draft tree. Build with `TokenTree.build(...)` (accepts lists) or the constructor
@@ -44,7 +65,7 @@ class TokenTree:
     parents: Tensor  # LongTensor [N]; parents[0] == -1, 0 <= parents[i] < i
     child_draw: Tensor  # uint8 [N]; ChildDraw of each node's children
     log_joint: Tensor  # FloatTensor [N]; sum of log q along the root path, 0 at the root
-    draft_probs: Tensor | None = None  # FloatTensor [E, V]; q at each expanded node that needs it
+    draft_probs: Tensor | None = _DraftProbs()  # type: ignore[assignment]  # FloatTensor [E, V]; q at each expanded node that needs it
     draft_rows: Tensor | None = None  # LongTensor [N]; node -> row of draft_probs, or -1
 
     def __post_init__(self) -> None:
@@ -57,11 +78,12 @@ class TokenTree:
         parents: Tensor,
         child_draw: Tensor,
         log_joint: Tensor,
-        draft_probs: Tensor | None,
+        draft_probs: Tensor | list[Tensor] | None,
         draft_rows: Tensor | None,
     ) -> "TokenTree":
         """Skip validation for trees that are valid by construction (builders, re-indexing of a
-        validated tree): validation costs ~20 small tensor ops, more than building a small tree."""
+        validated tree): validation costs ~20 small tensor ops, more than building a small tree.
+        draft_probs may be a non-empty list of [V] rows, stacked lazily (see `_DraftProbs`)."""
         tree = object.__new__(cls)
         for name, value in (("tokens", tokens), ("parents", parents), ("child_draw", child_draw),
                             ("log_joint", log_joint), ("draft_probs", draft_probs), ("draft_rows", draft_rows)):
@@ -154,7 +176,17 @@ class TokenTree:
 
     @property
     def vocab_size(self) -> int | None:
-        return None if self.draft_probs is None else self.draft_probs.shape[1]
+        probs = self.__dict__["_draft_probs"]
+        if probs is None:
+            return None
+        return probs[0].shape[0] if isinstance(probs, list) else probs.shape[1]
+
+    def draft_row(self, node: int) -> Tensor:
+        """q [V] at `node` (a node with a draft row), without stacking a lazily kept row list."""
+        index = self.draft_row_list[node]  # type: ignore[index]
+        if index < 0:
+            raise ValueError(f"node {node} has no draft row")
+        return self.__dict__["_draft_probs"][index]
 
     @cached_property
     def _parent_list(self) -> list[int]:
@@ -271,12 +303,16 @@ class TokenTree:
         new_index[order] = torch.arange(order.shape[0])
         old_parents = self.parents[order]
         parents = torch.where(old_parents >= 0, new_index[old_parents.clamp(min=0)], old_parents)
-        probs, rows = self.draft_probs, self.draft_rows
+        probs, rows = self.__dict__["_draft_probs"], self.draft_rows
         if probs is not None and rows is not None:
             # Keep only the rows the kept nodes refer to, so the payload shrinks with the tree.
             old_rows = rows[order]
             used = old_rows >= 0
-            probs = probs[old_rows[used]]
+            if isinstance(probs, list):
+                kept = [probs[i] for i in old_rows[used].tolist()]
+                probs = kept if kept else torch.empty(0, probs[0].shape[0], dtype=probs[0].dtype)
+            else:
+                probs = probs[old_rows[used]]
             rows = torch.full_like(old_rows, -1)
             rows[used] = torch.arange(int(used.sum()))
         return TokenTree._trusted(self.tokens[order], parents, self.child_draw[order], self.log_joint[order], probs, rows)

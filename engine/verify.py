@@ -61,10 +61,10 @@ def _check_target(tree: TokenTree, target: TargetDists, sampling: SamplingParams
     probs = target.probs
     if probs is None or probs.dim() != 2 or probs.shape[0] != num:
         raise ValueError(f"probs must be a FloatTensor [{num}, V] at temperature > 0")
-    if tree.vocab_size is not None and probs.shape[1] != tree.vocab_size:
-        raise ValueError(f"probs vocab size {probs.shape[1]} != draft vocab size {tree.vocab_size}")
-    low = probs.amin()
-    if bool(torch.isnan(low)) or float(low) < 0:
+    vocab = tree.vocab_size
+    if vocab is not None and probs.shape[1] != vocab:
+        raise ValueError(f"probs vocab size {probs.shape[1]} != draft vocab size {vocab}")
+    if not float(probs.amin()) >= 0.0:  # amin propagates NaN, which fails the comparison
         raise ValueError("probs must be non-negative and free of NaN")
 
 
@@ -76,6 +76,14 @@ def _sample(dist: Tensor, uniform: float) -> int:
     while float(dist[idx]) <= 0.0 and idx > 0:  # float edge at the top of the CDF
         idx -= 1
     return idx
+
+
+def _draw(dist: Tensor, uniforms: list[float]) -> int:
+    """One token from norm(dist) (dist [V] non-negative, not all zero): a `ResidualRow` draw,
+    i.e. inverse CDF over block sums then inside one block (O(V) in one reduction, no cumsum
+    over the vocabulary); `_sample` if float error left no drawable mass."""
+    picked = ResidualRow(dist).sample(uniforms.pop())
+    return picked[0] if picked is not None else _sample(dist.double(), uniforms.pop())
 
 
 def _verify_greedy(tree: TokenTree, argmax: Tensor) -> VerifyResult:
@@ -92,11 +100,13 @@ def _verify_greedy(tree: TokenTree, argmax: Tensor) -> VerifyResult:
         node = nxt
 
 
-def _point_mass_step(p: Tensor, kids: list[int], kid_tokens: list[int], uniforms: list[float]) -> tuple[int | None, int]:
-    """Point-mass rule at one node; returns (accepted child or None, emitted token if none)."""
+def _point_mass_step(
+    p: Tensor, kids: list[int], kid_tokens: list[int], kid_p: list[float], uniforms: list[float]
+) -> tuple[int | None, int]:
+    """Point-mass rule at one node; kid_p[i] = p[kid_tokens[i]]. Returns (accepted child or None,
+    emitted token if none)."""
     target = ResidualRow(p)  # p' = p with rejected tokens removed, never materialised
-    vals = p[torch.tensor(kid_tokens)].tolist()
-    for kid, tok, val in zip(kids, kid_tokens, vals):
+    for kid, tok, val in zip(kids, kid_tokens, kid_p):
         if tok in target.removed:
             continue
         if uniforms.pop() * target.remaining < val:
@@ -109,27 +119,45 @@ def _point_mass_step(p: Tensor, kids: list[int], kid_tokens: list[int], uniforms
 
 
 def _residual_step(
-    p: Tensor, q: Tensor, kids: list[int], kid_tokens: list[int], uniforms: list[float]
+    p: Tensor, q: Tensor, kids: list[int], kid_tokens: list[int], kid_p: list[float], uniforms: list[float]
 ) -> tuple[int | None, int]:
-    """DySpec Algorithm 3 at one node; returns (accepted child or None, emitted token if none)."""
-    target = p.double()
-    resid = target.clone()
-    draft = q.double().clone()
-    for kid, tok in zip(kids, kid_tokens):
-        d = float(draft[tok])
-        if d <= 0.0:  # duplicate of a rejected sibling: it cannot have been drawn here
+    """DySpec Algorithm 3 at one node (SpecInfer's multi-round rule); kid_p[i] = p[kid_tokens[i]].
+    Returns (accepted child or None, emitted token if none).
+
+    Algorithm 3 renormalises R and D after every rejection. Here both stay unnormalised with
+    their sums kept as Python floats: with R = Rr / sR and D = Dr / sD,
+    norm(max(R - D, 0)) = norm(max(Rr - (sR / sD) Dr, 0)), one fused vector update per rejection;
+    D[x] for a sibling is q[x] / sD unless x was drawn before (then 0), a scalar. No vector work
+    happens before the first rejection, so an accepted first child costs no pass over V."""
+    kid_q = q[torch.tensor(kid_tokens)].tolist()
+    resid: Tensor | None = None  # Rr, float64; None while R is still p (sR = 1)
+    resid_sum = 1.0
+    draft: Tensor | None = None  # Dr = q with the rejected tokens zeroed, float64
+    draft_sum = 1.0
+    rejected: dict[int, float] = {}
+    for i, (kid, tok) in enumerate(zip(kids, kid_tokens)):
+        if tok in rejected:  # duplicate of a rejected sibling: D[tok] = 0, it cannot have been drawn
             continue
-        if uniforms.pop() * d < float(resid[tok]):
+        d = kid_q[i] / draft_sum
+        if d <= 0.0:
+            continue
+        r = kid_p[i] if resid is None else float(resid[tok]) / resid_sum
+        if uniforms.pop() * d < r:
             return kid, tok
-        resid = (resid - draft).clamp_(min=0.0)
-        total = float(resid.sum())
-        resid = resid / total if total > 0.0 else target.clone()
+        # Rejected: R <- norm(max(R - D, 0)); D[tok] <- 0, D <- norm(D).
+        if resid is None:  # first rejection: R = p, D = q (both taken as normalised, sums 1)
+            resid, draft = p.double(), q.double()
+        resid = torch.add(resid, draft, alpha=-resid_sum / draft_sum).clamp_(min=0.0)
+        resid_sum = float(resid.sum())
+        if resid_sum <= 0.0:  # only float error: fall back to the target distribution
+            resid = p.double()
+            resid_sum = float(resid.sum())
+        rejected[tok] = kid_q[i]
         draft[tok] = 0.0
-        remaining = float(draft.sum())
-        if remaining <= 0.0:
+        draft_sum -= kid_q[i]
+        if draft_sum <= 1e-12:  # D exhausted: no sibling can follow
             break
-        draft /= remaining
-    return None, _sample(resid, uniforms.pop())
+    return None, _draw(p if resid is None else resid, uniforms)
 
 
 def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, generator: torch.Generator) -> VerifyResult:
@@ -138,21 +166,24 @@ def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, 
     if sampling.is_greedy:
         return _verify_greedy(tree, target.argmax)
     probs = target.probs
-    tokens, draw, rows = tree.token_list, tree.child_draw_list, tree.draft_row_list
+    tokens, draw = tree.token_list, tree.child_draw_list
     # Enough uniforms for every child test plus the final draw (and one fallback), in one RNG call.
     uniforms = torch.rand(tree.num_nodes + 2, generator=generator, dtype=torch.float64).tolist()
+    # p at every draft node's token under its parent's target row, in one gather for the tree.
+    child_p = [0.0] + probs[tree.parents[1:], tree.tokens[1:]].tolist() if tree.num_nodes > 1 else [0.0]
     node, accepted, out = 0, [], []
     while True:
         kids = tree.children(node)
         p = probs[node]
         if not kids:
-            out.append(_sample(p.double(), uniforms.pop()))
+            out.append(_draw(p, uniforms))
             return VerifyResult(accepted, out)
         kid_tokens = [tokens[k] for k in kids]
+        kid_p = [child_p[k] for k in kids]
         if draw[node] == ChildDraw.WITHOUT_REPLACEMENT:
-            chosen, token = _residual_step(p, tree.draft_probs[rows[node]], kids, kid_tokens, uniforms)
+            chosen, token = _residual_step(p, tree.draft_row(node), kids, kid_tokens, kid_p, uniforms)
         else:
-            chosen, token = _point_mass_step(p, kids, kid_tokens, uniforms)
+            chosen, token = _point_mass_step(p, kids, kid_tokens, kid_p, uniforms)
         out.append(token)
         if chosen is None:
             return VerifyResult(accepted, out)

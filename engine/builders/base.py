@@ -38,6 +38,10 @@ class TreeBuilder(Protocol):
         ...
 
 
+# Kept draft rows must sum to 1 within this tolerance (float32 softmax output).
+_ROW_SUM_TOL = 1e-3
+
+
 def check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
     """ValueError naming `name` unless value is an int >= 1 (or None when allowed)."""
     if value is None and allow_none:
@@ -74,6 +78,9 @@ class PartialTree:
         # shared with tensor views made once per growth.
         self._alloc(64)
         self._synced = 0
+        self._np_ids = np.empty(16, dtype=np.int64)
+        self._t_ids = torch.from_numpy(self._np_ids)
+        self._unchecked: list[int] = []  # nodes whose kept row has not been checked to sum to 1
 
     def _alloc(self, capacity: int) -> None:
         self._np_tokens = np.empty(capacity, dtype=np.int64)
@@ -112,7 +119,7 @@ class PartialTree:
 
     def query(self, node_ids: Sequence[int]) -> Tensor:
         """One oracle call for `node_ids` -> [k, V] draft probabilities. The oracle receives views
-        of the partial tree, valid for the duration of the call."""
+        of the partial tree (and of a reused id buffer), valid for the duration of the call."""
         vocab, num = self.oracle.vocab_size, len(self.tokens)
         synced = self._synced
         if num > synced:
@@ -124,31 +131,47 @@ class PartialTree:
             self._np_tokens[synced:num] = self.tokens[synced:]
             self._np_parents[synced:num] = self.parents[synced:]
             self._synced = num
-        ids = list(node_ids)
-        wanted = torch.tensor(ids, dtype=torch.long)
-        out = self.oracle.probs(self._t_tokens[:num], self._t_parents[:num], wanted)
-        if out.dim() != 2 or out.shape != (len(ids), vocab):
-            raise ValueError(f"oracle probs must have shape [{len(ids)}, {vocab}], got {tuple(out.shape)}")
+        count = len(node_ids)
+        if count > self._np_ids.shape[0]:
+            self._np_ids = np.empty(max(count, 2 * self._np_ids.shape[0]), dtype=np.int64)
+            self._t_ids = torch.from_numpy(self._np_ids)
+        self._np_ids[:count] = node_ids  # ~1 us, where torch.tensor(list) costs several
+        out = self.oracle.probs(self._t_tokens[:num], self._t_parents[:num], self._t_ids[:count])
+        if out.dim() != 2 or out.shape != (count, vocab):
+            raise ValueError(f"oracle probs must have shape [{count}, {vocab}], got {tuple(out.shape)}")
         return out
 
-    def set_draw(self, node: int, draw: ChildDraw, row: Tensor | None = None) -> None:
+    def set_draw(self, node: int, draw: ChildDraw, row: Tensor | None = None, total: float | None = None) -> None:
         """Record how `node`'s children are drawn, and the distribution they came from if the
-        verification rule needs it (WITHOUT_REPLACEMENT)."""
+        verification rule needs it (WITHOUT_REPLACEMENT). Only a reference to `row` is kept (no
+        copy). `total`, if known (ResidualRow.total), is the row's sum: it is checked here in
+        Python instead of by a reduction over the row in `finish`."""
         self.draw[node] = int(draw)
-        if row is not None:
+        if row is not None and node not in self.rows:
             self.rows[node] = row
+            if total is None:
+                self._unchecked.append(node)
+            elif not abs(total - 1.0) <= _ROW_SUM_TOL:  # also catches NaN
+                raise ValueError("oracle probs: a draft row used for verification is NaN or does not sum to 1")
 
     def finish(self, keep: Sequence[int] | Tensor | None = None) -> TokenTree:
-        """Validate into a TokenTree; `keep` (optional) selects a sub-tree, re-indexed."""
+        """Validate into a TokenTree; `keep` (optional) selects a sub-tree, re-indexed.
+
+        Kept draft rows are handed to the tree as a list of references, stacked only if someone
+        reads `TokenTree.draft_probs` (verification reads single rows), so finishing costs no
+        copy of [E, V] floats."""
         num = len(self.tokens)
-        probs = None
+        probs: list[Tensor] | None = None
         row_of = [-1] * num
         if self.rows:
+            if self._unchecked:
+                sums = torch.stack([self.rows[n].sum() for n in self._unchecked])
+                # Only these rows feed verification; NaN fails the comparison too.
+                if not bool(((sums.double() - 1).abs() <= _ROW_SUM_TOL).all()):
+                    raise ValueError("oracle probs: a draft row used for verification is NaN or does not sum to 1")
+                self._unchecked = []
             nodes = sorted(self.rows)
-            probs = torch.stack([self.rows[n] for n in nodes]).float()
-            # Only these rows feed verification; one reduction catches NaN and unnormalised rows.
-            if not bool(((probs.sum(dim=1) - 1).abs() <= 1e-3).all()):
-                raise ValueError("oracle probs: a draft row used for verification is NaN or does not sum to 1")
+            probs = [self.rows[n] if self.rows[n].dtype == torch.float32 else self.rows[n].float() for n in nodes]
             for index, node in enumerate(nodes):
                 row_of[node] = index
         # Valid by construction (append-only, parents precede children): skip re-validation.

@@ -44,7 +44,7 @@ class ChainBuilder:
             picked = residual.sample(uniforms[step]) if sample else residual.take_top()
             if picked is None:
                 break
-            tree.set_draw(node, draw, row if sample else None)
+            tree.set_draw(node, draw, row if sample else None, residual.total)
             node = tree.add(node, picked[0], safe_log(picked[1]))
         return tree.finish()
 

@@ -76,8 +76,9 @@ class DySpecBuilder:
                     if len(wanted) == self.prefetch:
                         break
         rows = tree.query(wanted)
-        made = ResidualRow.for_rows(rows, top=8 if greedy else 0, block_sums=not greedy)
-        residual.update(zip(wanted, made))
+        # No batched pass here: a prefetched row may never be used, so each row computes its
+        # block sums (sampling) or its top entries (greedy) on first use, one pass over V.
+        residual.update(zip(wanted, ResidualRow.for_rows(rows)))
 
     def _grow_sampled(self, tree: PartialTree, uniforms: UniformStream) -> None:
         """Algorithm 1 at temperature > 0. Heap items: (-s, seq, node); rows are fetched lazily when
@@ -95,7 +96,7 @@ class DySpecBuilder:
             if picked is None:
                 continue
             token, prob = picked
-            tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row)
+            tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
             child = tree.add(node, token, safe_log(prob))
             depth[child] = depth[node] + 1
             value = math.exp(tree.log_joint[node])
@@ -167,7 +168,7 @@ class DySpecThresholdBuilder:
             frontier.sort(key=lambda n: (-tree.log_joint[n], n))
             rows = tree.query(frontier)
             nxt: list[int] = []
-            for node, row, res in zip(frontier, rows, ResidualRow.for_rows(rows, top=8 if greedy else 0, block_sums=not greedy)):
+            for node, res in zip(frontier, ResidualRow.for_rows(rows, top=8 if greedy else 0, block_sums=not greedy)):
                 value = math.exp(tree.log_joint[node])
                 reach = value
                 while reach > self.threshold and len(tree) - 1 < self.budget:
@@ -178,7 +179,7 @@ class DySpecThresholdBuilder:
                     if greedy:
                         tree.set_draw(node, ChildDraw.TOP_K)
                     else:
-                        tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, row)
+                        tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
                     child = tree.add(node, token, safe_log(prob))
                     if value * prob > self.threshold:  # below it the child would draw nothing
                         nxt.append(child)
