@@ -199,9 +199,12 @@ class ResidualRow:
 
     def _ensure_block_sums(self) -> list[float]:
         if self._block_sums is None:
-            blocks = _blocked(self.row[None])
-            sums = blocks[0].sum(dim=1) if blocks is not None else self.row
-            self._set_block_sums(sums.tolist())
+            row = self.row
+            vocab = row.shape[0]
+            if vocab < _MIN_BLOCKED or vocab % BLOCK or not row.is_contiguous():
+                self._set_block_sums(row.tolist())
+            else:
+                self._set_block_sums(row.view(vocab // BLOCK, BLOCK).sum(dim=1).tolist())
         return self._block_sums  # type: ignore[return-value]
 
     def _subtract(self, token: int, prob: float) -> None:

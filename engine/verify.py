@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -64,8 +65,15 @@ def _check_target(tree: TokenTree, target: TargetDists, sampling: SamplingParams
     vocab = tree.vocab_size
     if vocab is not None and probs.shape[1] != vocab:
         raise ValueError(f"probs vocab size {probs.shape[1]} != draft vocab size {vocab}")
-    if not float(probs.amin()) >= 0.0:  # amin propagates NaN, which fails the comparison
+    if not float(probs.min()) >= 0.0:  # min propagates NaN, which fails the comparison
         raise ValueError("probs must be non-negative and free of NaN")
+
+
+def _values_at(row: Tensor, tokens: list[int]) -> list[float]:
+    """row[tokens] as Python floats (torch.tensor(list) alone costs more than the gather)."""
+    if len(tokens) == 1:
+        return [float(row[tokens[0]])]
+    return row[torch.from_numpy(np.array(tokens, dtype=np.int64))].tolist()
 
 
 def _sample(dist: Tensor, uniform: float) -> int:
@@ -129,7 +137,7 @@ def _residual_step(
     norm(max(R - D, 0)) = norm(max(Rr - (sR / sD) Dr, 0)), one fused vector update per rejection;
     D[x] for a sibling is q[x] / sD unless x was drawn before (then 0), a scalar. No vector work
     happens before the first rejection, so an accepted first child costs no pass over V."""
-    kid_q = q[torch.tensor(kid_tokens)].tolist()
+    kid_q = _values_at(q, kid_tokens)
     resid: Tensor | None = None  # Rr, float64; None while R is still p (sR = 1)
     resid_sum = 1.0
     draft: Tensor | None = None  # Dr = q with the rejected tokens zeroed, float64
@@ -170,7 +178,10 @@ def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, 
     # Enough uniforms for every child test plus the final draw (and one fallback), in one RNG call.
     uniforms = torch.rand(tree.num_nodes + 2, generator=generator, dtype=torch.float64).tolist()
     # p at every draft node's token under its parent's target row, in one gather for the tree.
-    child_p = [0.0] + probs[tree.parents[1:], tree.tokens[1:]].tolist() if tree.num_nodes > 1 else [0.0]
+    child_p = [0.0]
+    if tree.num_nodes > 1:
+        flat = tree.parents.numpy()[1:] * probs.shape[1] + tree.tokens.numpy()[1:]
+        child_p += torch.take(probs, torch.from_numpy(flat)).tolist()
     node, accepted, out = 0, [], []
     while True:
         kids = tree.children(node)

@@ -89,10 +89,13 @@ class ToyOracle:
     def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
         self.calls += 1
         seen = len(self.contexts)
-        new_tokens, new_parents = tokens[seen:].tolist(), parents[seen:].tolist()
-        for tok, par in zip(new_tokens, new_parents):
-            self.contexts.append((self.prefix if par < 0 else self.contexts[par]) + (tok,))
-        return torch.stack([self.models.warped(self.contexts[i], self.sampling, 1) for i in node_ids.tolist()])
+        if tokens.shape[0] > seen:
+            for tok, par in zip(tokens[seen:].tolist(), parents[seen:].tolist()):
+                self.contexts.append((self.prefix if par < 0 else self.contexts[par]) + (tok,))
+        ids = node_ids.tolist()
+        if len(ids) == 1:
+            return self.models.warped(self.contexts[ids[0]], self.sampling, 1)[None]
+        return torch.stack([self.models.warped(self.contexts[i], self.sampling, 1) for i in ids])
 
 
 def target_for(models: ToyModels, prefix: tuple[int, ...], tree: TokenTree, sampling: SamplingParams) -> TargetDists:
