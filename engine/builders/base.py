@@ -74,19 +74,16 @@ class PartialTree:
         self.rows: dict[int, Tensor] = {}  # node -> draft row kept for verification
         # Growing copies of tokens/parents handed to the oracle; only new nodes are copied per call,
         # so a budget-768 DySpec build does not re-convert the whole tree 768 times. They live in
-        # numpy arrays (list -> slice assignment costs ~1 us there, several torch ops otherwise)
-        # shared with tensor views made once per growth.
+        # numpy arrays (list -> slice assignment costs ~1 us there, several torch ops otherwise),
+        # handed over as zero-copy tensor views.
         self._alloc(64)
         self._synced = 0
         self._np_ids = np.empty(16, dtype=np.int64)
-        self._t_ids = torch.from_numpy(self._np_ids)
         self._unchecked: list[int] = []  # nodes whose kept row has not been checked to sum to 1
 
     def _alloc(self, capacity: int) -> None:
         self._np_tokens = np.empty(capacity, dtype=np.int64)
         self._np_parents = np.empty(capacity, dtype=np.int64)
-        self._t_tokens = torch.from_numpy(self._np_tokens)
-        self._t_parents = torch.from_numpy(self._np_parents)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -134,9 +131,11 @@ class PartialTree:
         count = len(node_ids)
         if count > self._np_ids.shape[0]:
             self._np_ids = np.empty(max(count, 2 * self._np_ids.shape[0]), dtype=np.int64)
-            self._t_ids = torch.from_numpy(self._np_ids)
         self._np_ids[:count] = node_ids  # ~1 us, where torch.tensor(list) costs several
-        out = self.oracle.probs(self._t_tokens[:num], self._t_parents[:num], self._t_ids[:count])
+        from_numpy = torch.from_numpy
+        out = self.oracle.probs(
+            from_numpy(self._np_tokens[:num]), from_numpy(self._np_parents[:num]), from_numpy(self._np_ids[:count])
+        )
         if out.dim() != 2 or out.shape != (count, vocab):
             raise ValueError(f"oracle probs must have shape [{count}, {vocab}], got {tuple(out.shape)}")
         return out
@@ -175,15 +174,14 @@ class PartialTree:
             for index, node in enumerate(nodes):
                 row_of[node] = index
         # Valid by construction (append-only, parents precede children): skip re-validation.
-        # numpy packs the lists several times faster than torch.tensor(list).
-        packed = torch.from_numpy(np.array([self.tokens, self.parents, self.draw, row_of], dtype=np.int64))
+        # numpy converts the lists several times faster than torch.tensor(list).
         tree = TokenTree._trusted(
-            packed[0],
-            packed[1],
-            packed[2].to(torch.uint8),
+            torch.from_numpy(np.array(self.tokens, dtype=np.int64)),
+            torch.from_numpy(np.array(self.parents, dtype=np.int64)),
+            torch.from_numpy(np.array(self.draw, dtype=np.uint8)),
             torch.from_numpy(np.array(self.log_joint, dtype=np.float32)),
             probs,
-            packed[3] if probs is not None else None,
+            torch.from_numpy(np.array(row_of, dtype=np.int64)) if probs is not None else None,
         )
         return tree if keep is None else tree.select(keep)
 
