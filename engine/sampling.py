@@ -25,6 +25,8 @@ from torch import Tensor
 BLOCK = 128
 # Below this many entries per row the blocked path is not worth its extra ops.
 _MIN_BLOCKED = 4 * BLOCK
+# Rows of the strided [GROUP, V // GROUP] view used by ResidualRow's top-k (columns = groups).
+GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ class ResidualRow:
         self.total: float | None = None  # sum of the original row, once the block sums exist
         self._sorted: list[tuple[float, int]] = []  # descending (prob, token) prefix
         self._next_rank = 0
-        self._block_max: Tensor | None = None  # [V // BLOCK] block maxima, kept to grow _sorted
+        self._block_max: Tensor | None = None  # [V // GROUP] column maxima, kept to grow _sorted
 
     @classmethod
     def for_rows(cls, rows: Tensor, top: int = 0, block_sums: bool = False) -> list["ResidualRow"]:
@@ -237,31 +239,33 @@ class ResidualRow:
                 self._subtract(token, prob)
 
     def _grow_sorted(self) -> bool:
-        """Extend the sorted prefix (1 entry first: most rows only ever give their top token; then
-        8, then x4). Returns False when the whole vocabulary is already sorted."""
+        """Extend the sorted prefix (8 entries, then x4). Returns False when the whole vocabulary is
+        already sorted.
+
+        Exact two-level selection over strided groups: the row viewed as [GROUP, V // GROUP], each
+        column is a group of GROUP tokens. The k columns with the largest maxima contain a top-k
+        set (any other column's entries are dominated by k distinct column maxima), so after one
+        vectorised column-maximum pass (kept for later growth) only GROUP * k entries are
+        examined. Columns rather than contiguous blocks because the column-wise maximum is a plain
+        elementwise max over rows, the cheapest full pass torch offers on one core."""
         row = self.row
         vocab = row.shape[0]
         have = len(self._sorted)
         if have >= vocab:
             return False
-        k = 1 if have == 0 else min(vocab, max(8, 4 * have))
-        blocks = _blocked(row[None])
-        if blocks is None or k * BLOCK >= vocab // 2:
+        k = min(vocab, max(8, 4 * have))
+        width = vocab // GROUP
+        if vocab < _MIN_BLOCKED or vocab % GROUP or not row.is_contiguous() or k >= width // 2:
             values, tokens = torch.topk(row, k)
             self._sorted = list(zip(values.tolist(), tokens.tolist()))
         else:
+            grid = row.view(GROUP, width)
             if self._block_max is None:
-                self._block_max = blocks[0].amax(dim=1)
-            if k == 1:
-                block = int(self._block_max.argmax())
-                inside = row[block * BLOCK : (block + 1) * BLOCK].tolist()
-                best = max(inside)
-                self._sorted = [(best, block * BLOCK + inside.index(best))]
-            else:
-                block_idx = self._block_max.topk(k).indices
-                values, pos = blocks[0].index_select(0, block_idx).reshape(-1).topk(k)
-                bidx = block_idx.tolist()
-                self._sorted = [(v, bidx[p // BLOCK] * BLOCK + p % BLOCK) for v, p in zip(values.tolist(), pos.tolist())]
+                self._block_max = grid.amax(dim=0)
+            cols = self._block_max.topk(k).indices
+            values, pos = grid.index_select(1, cols).reshape(-1).topk(k)
+            col_list = cols.tolist()
+            self._sorted = [(v, (p // k) * width + col_list[p % k]) for v, p in zip(values.tolist(), pos.tolist())]
         # Rescan from the top: with ties a regrown prefix may order equal values differently, and
         # removed tokens are skipped anyway, so no token is lost or repeated.
         self._next_rank = 0
