@@ -36,7 +36,10 @@ def make_rows(num: int, vocab: int, seed: int = 0) -> Tensor:
     for i in range(num):
         k = int(torch.randint(1, 5, (1,), generator=gen))
         heads = torch.randperm(vocab, generator=gen)[:k]
-        split = torch.distributions.Dirichlet(torch.ones(k)).sample() if k > 1 else torch.ones(1)
+        # Dirichlet(1, ..., 1) as normalised exponentials, drawn from `gen` so the rows are the same
+        # on every run (torch.distributions would use the global RNG).
+        expo = -torch.rand(k, generator=gen, dtype=torch.float64).log()
+        split = (expo / expo.sum()).float()
         rows[i, heads] += (1 - tail[i]) * split
     return rows / rows.sum(dim=1, keepdim=True)
 

@@ -5,9 +5,13 @@ to the draft distributions, so that verification compares like with like (DESIGN
 
 The selection helpers (`topk_rows`, `global_topk`, `ResidualRow`) exist because tree builders run
 on the CPU between drafter forwards: a plain `torch.topk` over a 49k-token row costs ~0.1-0.2 ms
-here and a builder needs dozens of them. They split a row into fixed-size blocks, reduce each block
-to its maximum or sum (a fast vectorised reduction), and only look inside the few blocks that can
-matter. All of them are exact, never approximate.
+here and a builder needs dozens of them. They split a row into groups, reduce each group to its
+maximum or sum in one vectorised pass, and only look inside the few groups that can matter: top-k
+uses strided column groups (`GROUP` rows of a [GROUP, V / GROUP] view, whose column maximum is a
+plain elementwise max), sampling uses contiguous blocks of `BLOCK` tokens (whose sums give an
+inverse-CDF order). All of them are exact, never approximate. After the one pass per row, work is
+on small tensors and Python floats, so a builder's cost is one pass per expanded node plus a few
+small ops, not a Python loop over the vocabulary.
 """
 
 from __future__ import annotations
@@ -86,40 +90,52 @@ def _blocked(rows: Tensor) -> Tensor | None:
     return rows.view(rows.shape[0], vocab // BLOCK, BLOCK)
 
 
-def topk_rows(rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Exact per-row top-k of rows [R, V] -> (values [R, k], indices [R, k]), sorted descending.
+def _grid(rows: Tensor, k: int) -> Tensor | None:
+    """rows [R, V] viewed as [R, GROUP, V // GROUP] without copying (column c of a row = tokens
+    c, c + V/GROUP, ...), or None where the strided two-level top-k does not apply or pay."""
+    vocab = rows.shape[-1]
+    if vocab < _MIN_BLOCKED or vocab % GROUP or not rows.is_contiguous() or k >= vocab // GROUP // 2:
+        return None
+    return rows.view(rows.shape[0], GROUP, vocab // GROUP)
 
-    Two-level: the k blocks with the largest maxima contain a top-k set of the row (any block
-    outside them is dominated by k block maxima), so only k * BLOCK entries are sorted.
-    """
+
+def _grid_topk(grid: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(values [R, k], positions [R, k] in the gathered [GROUP, k] candidates, columns [R, k]).
+
+    The k columns with the largest maxima contain a top-k set of the row (any entry of another
+    column is dominated by k distinct column maxima), so only GROUP * k entries are ranked. The
+    column maximum is an elementwise max over the GROUP slices of the row: the cheapest full pass
+    on one core (~30% cheaper than maxima of contiguous blocks)."""
+    num_rows = grid.shape[0]
+    cols = grid.amax(dim=1).topk(k, dim=1).indices  # [R, k]
+    cand = grid.gather(2, cols[:, None, :].expand(num_rows, GROUP, k))  # [R, GROUP, k]
+    values, pos = cand.reshape(num_rows, GROUP * k).topk(k, dim=1)
+    return values, pos, cols
+
+
+def topk_rows(rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Exact per-row top-k of rows [R, V] -> (values [R, k], indices [R, k]), sorted descending,
+    by a two-level selection over strided column groups (`_grid_topk`)."""
     k = min(k, rows.shape[-1])
-    blocks = _blocked(rows)
-    if blocks is None or k * BLOCK >= rows.shape[-1] // 2:
+    grid = _grid(rows, k)
+    if grid is None:
         return torch.topk(rows, k, dim=-1)
-    num_rows = rows.shape[0]
-    block_idx = blocks.amax(dim=2).topk(k, dim=1).indices  # [R, k]
-    gathered = blocks.gather(1, block_idx[:, :, None].expand(num_rows, k, BLOCK))
-    values, pos = gathered.reshape(num_rows, k * BLOCK).topk(k, dim=1)
-    tokens = block_idx.gather(1, pos // BLOCK) * BLOCK + pos % BLOCK
+    values, pos, cols = _grid_topk(grid, k)
+    tokens = (pos // k) * grid.shape[2] + cols.gather(1, pos % k)
     return values, tokens
 
 
 def topk_rows_lists(rows: Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
     """`topk_rows` as Python lists (values, tokens): the same selection ops, but the token ids are
-    computed in Python from the block and in-block positions, saving five small tensor ops."""
+    computed in Python from the column and in-column positions, saving three small tensor ops."""
     k = min(k, rows.shape[-1])
-    blocks = _blocked(rows)
-    if blocks is None or k * BLOCK >= rows.shape[-1] // 2:
+    grid = _grid(rows, k)
+    if grid is None:
         values, tokens = torch.topk(rows, k, dim=-1)
         return values.tolist(), tokens.tolist()
-    num_rows = rows.shape[0]
-    block_idx = blocks.amax(dim=2).topk(k, dim=1).indices  # [R, k]
-    gathered = blocks.gather(1, block_idx[:, :, None].expand(num_rows, k, BLOCK))
-    values, pos = gathered.reshape(num_rows, k * BLOCK).topk(k, dim=1)
-    tokens = [
-        [bidx[p // BLOCK] * BLOCK + p % BLOCK for p in row_pos]
-        for bidx, row_pos in zip(block_idx.tolist(), pos.tolist())
-    ]
+    values, pos, cols = _grid_topk(grid, k)
+    width = grid.shape[2]
+    tokens = [[(p // k) * width + c[p % k] for p in row_pos] for c, row_pos in zip(cols.tolist(), pos.tolist())]
     return values.tolist(), tokens
 
 
@@ -180,7 +196,7 @@ class ResidualRow:
         block sums computed by one batched op for all rows instead of one op per row. Without
         either, each row does its own pass lazily on first use (rows never drawn from cost
         nothing)."""
-        out = [cls(row) for row in rows]
+        out = [cls(row) for row in rows.unbind(0)]
         if top:
             values, tokens = topk_rows_lists(rows, top)
             for res, vals, toks in zip(out, values, tokens):
@@ -263,7 +279,7 @@ class ResidualRow:
             if self._block_max is None:
                 self._block_max = grid.amax(dim=0)
             cols = self._block_max.topk(k).indices
-            values, pos = grid.index_select(1, cols).reshape(-1).topk(k)
+            values, pos = grid.index_select(1, cols).view(-1).topk(k)
             col_list = cols.tolist()
             self._sorted = [(v, (p // k) * width + col_list[p % k]) for v, p in zip(values.tolist(), pos.tolist())]
         # Rescan from the top: with ties a regrown prefix may order equal values differently, and

@@ -77,7 +77,10 @@ class OptTreeBuilder:
         One block-maximum pass over the layer's rows, no copy of them (`global_topk`). Skipping
         rows by a running bound does not pay: a layer of n nodes needs n children, which reach deep
         into the rows' tails, so the bound stays too low to skip anything (measured: 35-47 of 64
-        rows contribute per layer)."""
+        rows contribute per layer; on the benchmark rows 400 of the 449 rows of a budget-64,
+        depth-8 build have a scale >= the layer's final n-th value, so exactness requires reading
+        them). This one pass is therefore the floor of OPT-Tree's CPU cost: ~25-35 us per
+        49k-token row on one core, memory-bound (a strided column maximum measured the same)."""
         row_scale = torch.tensor(scale, dtype=rows.dtype)
         blocks = _blocked(rows)
         if blocks is None:
