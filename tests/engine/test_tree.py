@@ -131,3 +131,23 @@ def test_verify_rejects_bad_target():
         verify_tree(tree, TargetDists(probs=torch.tensor([[0.5, float("nan"), 0.5]] * 2)), sampling, gen)
     with pytest.raises(ValueError, match="argmax"):
         verify_tree(tree, TargetDists(probs=torch.full((2, 3), 1 / 3)), SamplingParams(), gen)
+
+
+def test_lazily_stacked_draft_rows():
+    """Builders hand draft rows over as a list of references; draft_probs stacks them on first
+    read, draft_row reads one without stacking, and select keeps the referenced rows."""
+    rows = [torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.2, 0.3, 0.5])]
+    tree = TokenTree._trusted(
+        torch.tensor([0, 1, 2, 2]), torch.tensor([-1, 0, 1, 0]),
+        torch.tensor([ChildDraw.WITHOUT_REPLACEMENT, ChildDraw.WITHOUT_REPLACEMENT, 0, 0], dtype=torch.uint8),
+        torch.zeros(4), list(rows), torch.tensor([0, 1, -1, -1]),
+    )
+    assert tree.vocab_size == 3
+    assert tree.draft_row(1) is rows[1]
+    sub = tree.select(torch.empty(0, dtype=torch.long))  # the root alone keeps row 0 only
+    assert sub.draft_row_list == [0] and torch.equal(sub.draft_probs, rows[0][None])
+    assert tree.select([1]).draft_row_list == [0, 1]
+    assert torch.equal(tree.draft_probs, torch.stack(rows))  # stacked on first read, then cached
+    assert tree.draft_probs is tree.draft_probs
+    with pytest.raises(ValueError, match="no draft row"):
+        tree.draft_row(2)
