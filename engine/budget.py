@@ -114,7 +114,7 @@ def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, de
 class _Arm:
     tokens: int = 0
     seconds: float = 0.0
-    steps: int = 0
+    steps: float = 0.0  # a batched step counts 1/B per sequence record
 
     @property
     def rate(self) -> float:
@@ -160,11 +160,15 @@ class BudgetChooser:
             return self.candidates[min(len(self.candidates) - 1, max(0, i + self._rng.choice((-1, 1))))]
         return best
 
+    def next_budget(self) -> int:
+        """Choose this step's budget; the next `observe`d records are credited to it."""
+        self.current = self.choose()
+        return self.current
+
     def builder_for(self, builder):
         """`builder` with this step's budget (a chain's length), or None for no drafting this step;
         builders without a budget are unchanged."""
-        self.current = self.choose()
-        if self.current == 0:
+        if self.next_budget() == 0:
             return None
         if hasattr(builder, "budget"):
             return dataclasses.replace(builder, budget=self.current)
@@ -173,10 +177,14 @@ class BudgetChooser:
         return builder
 
     def observe(self, record: StepRecord) -> None:
+        """Credit one sequence's record to the current budget. Draft and score times cover the whole
+        batched step, so a record of a B-sequence step carries 1/B of them: the arm's rate is then the
+        step's total emitted tokens over its wall time."""
+        share = 1.0 / max(1, record.batch_size)
         arm = self.arms.setdefault(self.current, _Arm())
         arm.tokens += record.emitted
-        arm.seconds += (record.draft_ms + record.score_ms + record.verify_ms) / 1e3
-        arm.steps += 1
+        arm.seconds += ((record.draft_ms + record.score_ms) * share + record.verify_ms) / 1e3
+        arm.steps += share
 
     def summary(self) -> dict[int, float]:
         return {b: round(a.rate, 2) for b, a in sorted(self.arms.items()) if a.steps}

@@ -50,6 +50,11 @@ class LocalDrafter:
         self._builders: dict[str, object] = {}
         self.last_model_ms = 0.0  # drafter forward time of the last draft() call; the rest is tree building
         self._chosen = False  # the budget chooser picked this step's budget; its outcome is owed to it
+        # Batched steps get their own choosers of the chain depth (0 = plain batched decoding), one per
+        # batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
+        self.batch_budgets: dict[int, BudgetChooser] = {}
+        self._batch_chooser: BudgetChooser | None = None
+        self._batch_owed = 0  # records of the last batched step still owed to _batch_chooser
 
     def builder(self, config: TreeConfig):
         """The (cached) builder for `config`; raises ValueError for invalid parameters."""
@@ -64,10 +69,12 @@ class LocalDrafter:
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
         if len(speculative) > 1:
+            depth = self._batch_depth(len(requests))
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes) for r in speculative]
-            chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in speculative], self.classifier,
-                                      self.batch_chain_beta, self.batch_chain_depth)
-            trees = {id(r): t for r, t in zip(speculative, chains)}
+            if depth > 0:
+                chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in speculative],
+                                          self.classifier, self.batch_chain_beta, depth)
+                trees = {id(r): t for r, t in zip(speculative, chains)}
         elif speculative:
             r = speculative[0]
             oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes)
@@ -81,9 +88,28 @@ class LocalDrafter:
         self.last_model_ms = (self.runner.lm.forward_seconds - model_seconds) * 1e3
         return [trees.get(id(r)) or root_only(r.context) for r in requests]
 
+    def _batch_depth(self, batch_size: int) -> int:
+        """Chain depth for a batched step: chosen per batch-size bucket when budgets are hardware-aware."""
+        if self.budget is None:
+            return self.batch_chain_depth
+        bucket = 1 << (batch_size - 1).bit_length()
+        if bucket not in self.batch_budgets:
+            b = self.budget
+            self.batch_budgets[bucket] = BudgetChooser(b.profile, max_budget=self.batch_chain_depth,
+                                                       prior_acceptance=b.prior_acceptance,
+                                                       explore_steps=b.explore_steps, revisit=b.revisit, seed=b.seed)
+        self._batch_chooser, self._batch_owed = self.batch_budgets[bucket], batch_size
+        return self._batch_chooser.next_budget()
+
     def observe(self, record: StepRecord) -> None:
-        """Feed a finished step's timing to the budget chooser (batch-1 dynamic trees only)."""
-        if self._chosen and record.batch_size == 1:
+        """Feed a finished step's records to the chooser that picked its budget: the batch-1 tree budget,
+        or the batched chain depth (one record per sequence of the batch)."""
+        if record.batch_size > 1:
+            if self._batch_owed > 0:
+                self._batch_chooser.observe(record)
+                self._batch_owed -= 1
+            return
+        if self._chosen:
             self.budget.observe(record)
         self._chosen = False
 

@@ -554,9 +554,9 @@ class RemoteDrafter(_GroupedCaller):
         return self._sync(self.draft_async(requests))
 
     def observe(self, record: StepRecord) -> None:
-        # Sent with the next Draft call (the budget chooser lives in the drafter replica).
-        if record.batch_size == 1 and record.tree_size:
-            self._observations.append(wire.encode_observation(record))
+        # Sent with the next Draft call (the budget choosers live in the drafter replica). Steps without
+        # a draft count too: they measure plain decoding, the budget-0 arm.
+        self._observations.append(wire.encode_observation(record))
 
 
 def _draft_item(r: DraftRequest) -> pb.DraftItem:

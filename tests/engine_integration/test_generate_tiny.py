@@ -97,3 +97,27 @@ def test_stop_string(pair):
     assert cut.finish_reason == FinishReason.STOP_STRING
     assert stop not in cut.text
     assert full.text.startswith(cut.text)
+
+
+def test_batched_chain_depth_is_chosen_per_batch_size_and_stays_lossless(pair):
+    """With hardware-aware budgets, batched steps explore chain depths (0 = plain batched decoding) in
+    their own chooser per batch-size bucket, fed one record per sequence; output stays the target's."""
+    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+
+    target, drafter = pair
+    profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0}, 5.0, 128)
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size),
+                         budget=BudgetChooser(profile, max_budget=8, explore_steps=1), batch_chain_depth=4)
+    engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
+                               TreeConfig(method="dyspec", budget=8), max_context_tokens=2048)
+    prompts = [engine.encode_chat(p) for p in ["Hello there", "Write a poem about rain", "Why?", "Count to ten"]]
+    results = engine.generate([GenerationRequest(p, max_new_tokens=24) for p in prompts])
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference(target.model, p, 24)[:len(r.token_ids)]
+    chooser = local.batch_budgets[4]
+    assert set(local.batch_budgets) <= {2, 4}
+    assert chooser.candidates == [0, 1, 2, 3, 4]
+    measured = {b for b, arm in chooser.arms.items() if arm.steps >= 1}
+    assert 0 in measured and len(measured) >= 2  # plain batched decoding and some chain depth were timed
+    batched_steps = len([s for s in results[0].steps if s.batch_size == 4])
+    assert abs(sum(arm.steps for arm in chooser.arms.values()) - batched_steps) < 1e-6
