@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -26,6 +25,27 @@ class ChildDraw(enum.IntEnum):
     TOP_K = 0  # deterministic top-k of q: point-mass rule (accept x w.p. p'(x), zero it, renormalise)
     WITHOUT_REPLACEMENT = 1  # sampled from residual q, earlier siblings removed: DySpec Algorithm 3
     GREEDY = 2  # argmax chain at temperature 0 (deterministic, so point-mass rule at T > 0)
+
+
+class cached_property:  # noqa: N801 - same role and name as functools.cached_property
+    """functools.cached_property without its per-instance lock (Python 3.11 takes an RLock on every
+    first access; a tree's five cached views cost more in locking than in computing them, and
+    verification creates them for every tree). Not thread-safe on first access, like the rest of
+    a tree's lazily built state; the value is stored in the instance __dict__."""
+
+    def __init__(self, func) -> None:  # type: ignore[no-untyped-def]
+        self.func = func
+        self.name = func.__name__
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, objtype=None):  # type: ignore[no-untyped-def]
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)
+        return value
 
 
 def _as_long(name: str, value: Tensor | Sequence[int]) -> Tensor:
@@ -189,7 +209,8 @@ class TokenTree:
         return self.__dict__["_draft_probs"][index]
 
     @cached_property
-    def _parent_list(self) -> list[int]:
+    def parent_list(self) -> list[int]:
+        """parents as a Python list (cached)."""
         return self.parents.tolist()
 
     @cached_property
@@ -209,14 +230,14 @@ class TokenTree:
     def depth(self) -> Tensor:
         """LongTensor [N]: root 0, its children 1, ..."""
         out = [0] * self.num_nodes
-        for i, p in enumerate(self._parent_list[1:], start=1):
+        for i, p in enumerate(self.parent_list[1:], start=1):
             out[i] = out[p] + 1
         return torch.tensor(out, dtype=torch.long)
 
     @cached_property
     def _children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
-        for i, p in enumerate(self._parent_list[1:], start=1):
+        for i, p in enumerate(self.parent_list[1:], start=1):
             kids[p].append(i)
         return kids
 
@@ -251,7 +272,7 @@ class TokenTree:
     def paths(self) -> list[list[int]]:
         """Root-to-node index lists, one per node (paths()[0] == [0])."""
         out: list[list[int]] = [[0]]
-        for i, p in enumerate(self._parent_list[1:], start=1):
+        for i, p in enumerate(self.parent_list[1:], start=1):
             out.append(out[p] + [i])
         return out
 

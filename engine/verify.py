@@ -179,9 +179,10 @@ def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, 
     uniforms = torch.rand(tree.num_nodes + 2, generator=generator, dtype=torch.float64).tolist()
     # p at every draft node's token under its parent's target row, in one gather for the tree.
     child_p = [0.0]
-    if tree.num_nodes > 1:
-        flat = tree.parents.numpy()[1:] * probs.shape[1] + tree.tokens.numpy()[1:]
-        child_p += torch.take(probs, torch.from_numpy(flat)).tolist()
+    if len(tokens) > 1:
+        vocab = probs.shape[1]
+        flat = [parent * vocab + tok for parent, tok in zip(tree.parent_list[1:], tokens[1:])]
+        child_p += torch.take(probs, torch.from_numpy(np.array(flat, dtype=np.int64))).tolist()
     node, accepted, out = 0, [], []
     while True:
         kids = tree.children(node)

@@ -83,7 +83,7 @@ def emitted_counts(models: ToyModels, builder, deterministic: bool, sampling: Sa
                 if hit is None:
                     prefix = ctx[:-1]
                     tree = builder.build(ctx[-1], ToyOracle(models, prefix, sampling), sampling, gen)
-                    key = (prefix, tuple(tree.token_list), tuple(tree.parents.tolist()))
+                    key = (prefix, tuple(tree.token_list), tuple(tree.parent_list))
                     target = targets.get(key)
                     if target is None:
                         target = targets[key] = target_for(models, prefix, tree, sampling)

@@ -90,7 +90,7 @@ class ToyOracle:
         self.calls += 1
         seen = len(self.contexts)
         if tokens.shape[0] > seen:
-            for tok, par in zip(tokens.numpy()[seen:].tolist(), parents.numpy()[seen:].tolist()):
+            for tok, par in zip(tokens.tolist()[seen:], parents.tolist()[seen:]):
                 self.contexts.append((self.prefix if par < 0 else self.contexts[par]) + (tok,))
         ids = node_ids.tolist()
         if len(ids) == 1:
