@@ -22,12 +22,13 @@ def draft_c2t_chains(drafter: DrafterRunner, oracles: list[SessionOracle], roots
     chains: list[list[int]] = [[r] for r in roots]
     log_joint: list[list[float]] = [[0.0] for _ in roots]
     growing = list(range(len(roots)))
-    to_feed = {i: ([roots[i]], [-1]) for i in growing}
+    to_feed = {i: ([0], [roots[i]], [-1]) for i in growing}  # tree node ids, tokens, parents
     for depth in range(1, max_length + 1):
         if not growing:
             break
-        probs = drafter.extend_many([oracles[i] for i in growing], [to_feed[i][0] for i in growing],
-                                    [to_feed[i][1] for i in growing])
+        feeds = [to_feed[i] for i in growing]
+        probs = drafter.extend_many([oracles[i] for i in growing], [f[0] for f in feeds], [f[1] for f in feeds],
+                                    [f[2] for f in feeds])
         rows = torch.stack([p[-1] for p in probs])  # [G, V] distribution after each chain's last token
         top_p, top_tok = rows.max(dim=-1)
         joint = torch.tensor([math.exp(log_joint[i][-1]) for i in growing]) * top_p
@@ -40,7 +41,7 @@ def draft_c2t_chains(drafter: DrafterRunner, oracles: list[SessionOracle], roots
             token = int(top_tok[g])
             chains[i].append(token)
             log_joint[i].append(log_joint[i][-1] + math.log(max(float(top_p[g]), 1e-30)))
-            to_feed[i] = ([token], [len(chains[i]) - 2])
+            to_feed[i] = ([len(chains[i]) - 1], [token], [len(chains[i]) - 2])
             still.append(i)
         growing = still
     trees = []

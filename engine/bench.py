@@ -5,7 +5,8 @@ same process; answers are written in Spec-Bench's jsonl format (`choices[0].turn
 wall_time / accept_lengths`), and a table reports per method: budget, MAL (tokens per target forward,
 bonus included), candidate tokens per step, tokens/s, speedup over autoregressive, the worst
 per-category speedup, drafting time per step (and the drafter-forward part of it), and the share of step
-time spent building trees and verifying them.
+time spent building trees and verifying them. `--warmup-prompts` untimed prompts (not from the dev set) run
+through every method first, so hardware-aware budgets have finished exploring when timing starts.
 
 Drafter kinds: an entry `METHOD[:BUDGET]` drafts with the autoregressive drafter (`--drafter`);
 `METHOD[:BUDGET]@parallel` drafts the same tree method and budget from ONE forward of the parallel drafter
@@ -22,6 +23,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Not from the dev set: they only let each engine's budget chooser finish exploring before timing starts.
+WARMUP_PROMPTS = ["Describe how a bicycle works.", "Write a short letter thanking a friend for a gift.",
+                  "What causes the seasons on Earth?", "List some tips for learning a new language."]
 DEFAULT_METHODS = ["autoregressive", "chain:4", "static:60", "eagle2:32", "dyspec:32", "dyspec_threshold:32",
                    "opt_tree:32", "c2t:32", "dyspec:auto", "chain:auto"]
 
@@ -45,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answers-dir", type=Path, default=None, help="write Spec-Bench answers here")
     parser.add_argument("--json-out", type=Path, default=None, help="write the summary table as JSON")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--warmup-prompts", type=int, default=2,
+                        help="untimed prompts per method first (lets hardware-aware budgets finish exploring)")
     parser.add_argument("--check-greedy", action="store_true",
                         help="compare every method's tokens with the target's own greedy `generate` (temperature 0)")
 
@@ -175,6 +181,11 @@ def run(args: argparse.Namespace) -> int:
     if args.check_greedy and args.temperature != 0:
         raise ValueError("--check-greedy needs --temperature 0")
     tie_positions = 0
+    warmup = [engines[next(iter(engines))].encode_chat(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)])
+              for i in range(max(0, args.warmup_prompts))]
+    for engine in tqdm(engines.values(), desc="warm-up", disable=not warmup):
+        for p in warmup:
+            engine.generate([GenerationRequest(p, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0)])
     # Interleave methods per prompt so slow drifts of the machine hit every method alike.
     with tqdm(total=len(rows) * len(engines), desc="bench") as bar:
         for row, prompt in zip(rows, prompts):

@@ -1,9 +1,12 @@
 """The drafter side of a step: a per-session `DraftOracle` over a cached model.
 
 Tree builders only append nodes and ask for the next-token distributions of some of them; the oracle
-feeds every node not yet in the drafter's cache (all of a layer in one forward) and keeps the warped
-distributions of fed nodes, so asking again costs nothing. A drafter whose head covers only part of the
-vocabulary (`vocab_ids`) gets probability exactly 0 elsewhere, which keeps verification lossless.
+feeds exactly the asked nodes not yet in the drafter's cache, plus any unfed ancestors (all in one
+forward), and keeps their warped distributions, so asking again costs nothing. Nodes nobody asks about
+(EAGLE-2's k^2 - k unexpanded candidates per layer, OPT-Tree's pruned ones) are never fed: the cache
+holds the fed nodes in feed order, and `slot` maps tree node ids to those cache positions. A drafter
+whose head covers only part of the vocabulary (`vocab_ids`) gets probability exactly 0 elsewhere,
+which keeps verification lossless.
 """
 
 from __future__ import annotations
@@ -38,14 +41,23 @@ class DrafterRunner:
         out = probs.new_zeros(probs.shape[0], self.vocab_size)
         return out.index_copy_(1, self.vocab_ids, probs)
 
-    def extend_many(self, oracles: list["SessionOracle"], tokens: list[list[int]],
+    def extend_many(self, oracles: list["SessionOracle"], nodes: list[list[int]], tokens: list[list[int]],
                     parents: list[list[int]]) -> list[Tensor]:
-        """Feed new nodes for several sessions in one forward; returns warped [M_i, V] per session."""
-        logits = self.lm.extend([ExtendRequest(o.session_id, t, p) for o, t, p in zip(oracles, tokens, parents)])
+        """Feed new tree nodes for several sessions in one forward: per session their tree node ids, tokens
+        and parents (tree node ids, -1 for the root; ancestors first, parents fed before or in the same
+        call). Returns the warped [M_i, V] rows per session, also kept by each oracle."""
+        requests = []
+        for oracle, ids, toks, pars in zip(oracles, nodes, tokens, parents):
+            slots = []
+            for node, parent in zip(ids, pars):
+                slots.append(-1 if parent < 0 else oracle.slot[parent])
+                oracle.slot[node] = len(oracle.slot)
+            requests.append(ExtendRequest(oracle.session_id, toks, slots))
+        logits = self.lm.extend(requests)
         out = []
-        for oracle, rows in zip(oracles, logits):
+        for oracle, ids, rows in zip(oracles, nodes, logits):
             probs = self.full_vocab(warp_probs(rows, oracle.sampling))
-            oracle.fed_probs.extend(probs.unbind(0))
+            oracle.rows.update(zip(ids, probs.unbind(0)))
             out.append(probs)
         return out
 
@@ -58,13 +70,21 @@ class SessionOracle:
         self.session_id = session_id
         self.sampling = sampling
         self.vocab_size = runner.vocab_size
-        self.fed_probs: list[Tensor] = []  # [V] warped draft distribution after each fed node
+        self.rows: dict[int, Tensor] = {}  # tree node id -> [V] warped draft distribution after the node
+        self.slot: dict[int, int] = {}  # tree node id -> position among this step's fed nodes
 
     def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
-        """Draft distributions [k, V] after each of `node_ids` (feeding the nodes not yet fed)."""
+        """Draft distributions [k, V] after each of `node_ids`, feeding those (and unfed ancestors) first."""
         wanted = node_ids.tolist()
-        fed = len(self.fed_probs)
-        upto = max(wanted) + 1
-        if upto > fed:
-            self.runner.extend_many([self], [tokens[fed:upto].tolist()], [parents[fed:upto].tolist()])
-        return torch.stack([self.fed_probs[i] for i in wanted])
+        if any(n not in self.slot for n in wanted):
+            parent_of = parents.tolist()
+            feed, seen = [], set(self.slot)
+            for node in wanted:
+                while node >= 0 and node not in seen:
+                    seen.add(node)
+                    feed.append(node)
+                    node = parent_of[node]
+            feed.sort()  # builders append a parent before its children: ascending ids put ancestors first
+            token_of = tokens.tolist()
+            self.runner.extend_many([self], [feed], [[token_of[n] for n in feed]], [[parent_of[n] for n in feed]])
+        return torch.stack([self.rows[i] for i in wanted])

@@ -57,7 +57,7 @@ def collect(target: TargetRunner, drafter: DrafterRunner, prompts: list[list[int
             result = verify_tree(tree, dists, greedy, torch.Generator())
             nodes = torch.arange(1, tree.num_nodes)
             parents = tree.parents[1:]
-            parent_rows = torch.stack([oracle.fed_probs[int(i)] for i in parents])
+            parent_rows = torch.stack([oracle.rows[int(i)] for i in parents])
             feats.append(c2t_features(tree.log_joint[1:].exp(), top_entropy(parent_rows), tree.depth[1:].float()))
             positive = torch.zeros(tree.num_nodes, dtype=torch.bool)
             positive[result.accepted_nodes] = True
