@@ -210,8 +210,9 @@ class ResidualRow:
 
     def _set_block_sums(self, sums: list[float]) -> None:
         self._width = BLOCK if len(sums) < self.row.shape[0] else 1
-        self.total = sum(sums)
         self._block_sums = sums
+        self._cum = list(itertools.accumulate(sums))  # the first draw's CDF; its end is the row sum
+        self.total = self._cum[-1] if self._cum else 0.0
         for tok, prob in self.removed.items():
             self._subtract(tok, prob)
 
