@@ -28,7 +28,11 @@ class DraftOracle(Protocol):
     def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
         """tokens/parents: [n_so_far], the append-only partial tree (node 0 = root);
         node_ids: [k] nodes whose next-token distributions are wanted (one drafter forward);
-        returns [k, vocab] warped draft probabilities (warp_probs with the request's SamplingParams)."""
+        returns [k, vocab] warped draft probabilities (warp_probs with the request's SamplingParams).
+
+        The three inputs are views valid for the duration of the call only. The returned tensor
+        must not be overwritten afterwards: builders keep references to its rows (no copy) in the
+        finished TokenTree for verification (`PartialTree.finish`)."""
         ...
 
 
