@@ -8,7 +8,9 @@ For 1 and for N (default 8) concurrent requests it measures
 - in-process: `SpeculativeEngine.generate` on the same requests (N at once = one batched generate call);
 - service: GenerateStream calls over plain grpcio through Serve's gRPC proxy, N client threads at once.
 tokens/s = generated tokens / wall time of the whole round (greedy, fixed max_new_tokens). The in-process
-rounds run first, before Ray starts, so they do not compete with idle replicas for the CPU.
+rounds run first, before Ray starts, so they do not compete with idle replicas for the CPU. Each timed round
+follows an untimed warm-up round at the same concurrency (prompts from the end of the list), on both sides, so the hardware-aware
+budget choosers (batch-1 and per batch size) have finished exploring.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ def in_process(args, concurrency_levels) -> dict[int, dict]:
     budget = args.budget if args.budget == "auto" else int(args.budget)
     engine = build_engine(args.target, args.drafter, args.method, budget)
     prompts = [engine.encode_chat(p) for p in PROMPTS]
-    engine.generate([GenerationRequest(prompts[0], max_new_tokens=8)])  # warm-up
     out = {}
     for n in concurrency_levels:
         requests = [GenerationRequest(prompts[i % len(prompts)], max_new_tokens=args.max_new_tokens) for i in range(n)]
+        engine.generate([GenerationRequest(prompts[-1 - i], max_new_tokens=args.max_new_tokens) for i in range(n)])
         started = time.perf_counter()
         results = engine.generate(requests)
         wall = time.perf_counter() - started
@@ -84,17 +86,19 @@ def through_service(args, concurrency_levels) -> dict[int, dict]:
                                                                               timeout=600))
             results[i] = messages[-1].stats
 
-        warm: dict = {}
-        call(0, warm)
-        for n in concurrency_levels:
+        def round_of(first: int, n: int) -> tuple[dict, float]:
             results: dict = {}
-            threads = [threading.Thread(target=call, args=(i, results)) for i in range(n)]
+            threads = [threading.Thread(target=call, args=(first + i, results)) for i in range(n)]
             started = time.perf_counter()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-            wall = time.perf_counter() - started
+            return results, time.perf_counter() - started
+
+        for n in concurrency_levels:
+            round_of(len(PROMPTS) - n, n)  # untimed warm-up round at this concurrency (prompts from the end)
+            results, wall = round_of(0, n)
             tokens = sum(s.completion_tokens for s in results.values())
             steps = sum(s.steps for s in results.values())
             out[n] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
