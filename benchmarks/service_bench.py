@@ -8,9 +8,9 @@ For 1 and for N (default 8) concurrent requests it measures
 - in-process: `SpeculativeEngine.generate` on the same requests (N at once = one batched generate call);
 - service: GenerateStream calls over plain grpcio through Serve's gRPC proxy, N client threads at once.
 tokens/s = generated tokens / wall time of the whole round (greedy, fixed max_new_tokens). The in-process
-rounds run first, before Ray starts, so they do not compete with idle replicas for the CPU. Each timed round
-follows an untimed warm-up round at the same concurrency (prompts from the end of the list), on both sides, so the hardware-aware
-budget choosers (batch-1 and per batch size) have finished exploring.
+rounds run first, before Ray starts, so they do not compete with idle replicas for the CPU. Each timed
+round follows an untimed warm-up round at the same concurrency (prompts from the end of the list), on both
+sides, so the hardware-aware budget choosers (batch-1 and per batch size) have finished exploring.
 """
 
 from __future__ import annotations
