@@ -203,7 +203,8 @@ class ResidualRow:
                 res._sorted = list(zip(vals, toks))
         if block_sums:
             blocks = _blocked(rows)
-            sums = (blocks.sum(dim=2) if blocks is not None else rows).tolist()
+            acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+            sums = (blocks.sum(dim=2, dtype=acc) if blocks is not None else rows).tolist()
             for res, row_sums in zip(out, sums):
                 res._set_block_sums(row_sums)
         return out
@@ -223,7 +224,9 @@ class ResidualRow:
             if vocab < _MIN_BLOCKED or vocab % BLOCK or not row.is_contiguous():
                 self._set_block_sums(row.tolist())
             else:
-                self._set_block_sums(row.view(vocab // BLOCK, BLOCK).sum(dim=1).tolist())
+                # float64 rows keep their precision; half-precision rows are summed in float32.
+                acc = torch.float64 if row.dtype == torch.float64 else torch.float32
+                self._set_block_sums(row.view(vocab // BLOCK, BLOCK).sum(dim=1, dtype=acc).tolist())
         return self._block_sums  # type: ignore[return-value]
 
     def _subtract(self, token: int, prob: float) -> None:
