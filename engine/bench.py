@@ -215,11 +215,12 @@ def run(args: argparse.Namespace) -> int:
     summary = []
     for key, st in stats.items():
         speed = st.tokens_per_s / base.tokens_per_s if base else float("nan")
-        worst = min(((c[0] / c[1]) / (base.by_category[k][0] / base.by_category[k][1]))
-                    for k, c in st.by_category.items()) if base else float("nan")
+        per_category = {k: (c[0] / c[1]) / (base.by_category[k][0] / base.by_category[k][1])
+                        for k, c in st.by_category.items()} if base else {}
+        worst = min(per_category.values(), default=float("nan"))
         summary.append({"method": st.name, "budget": st.budget, "drafter": st.kind, "mal": st.tokens / max(1, st.steps),
                         "candidates_per_step": st.candidates / max(1, st.steps), "tokens_per_s": st.tokens_per_s,
-                        "speedup": speed, "worst_category_speedup": worst,
+                        "speedup": speed, "worst_category_speedup": worst, "category_speedups": per_category,
                         "overhead_pct": 100 * st.overhead_ms / max(st.step_ms, 1e-9),
                         "draft_ms_per_step": st.draft_ms / max(1, st.steps),
                         "drafter_forward_ms_per_step": st.draft_model_ms / max(1, st.steps)})
