@@ -32,7 +32,7 @@ from treeserve.engine.builders.base import (
     check_positive,
     safe_log,
 )
-from treeserve.engine.sampling import ResidualRow, SamplingParams
+from treeserve.engine.sampling import ResidualRow, SamplingParams, topk_rows_lists
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -52,9 +52,8 @@ class DySpecBuilder:
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
         tree = PartialTree(root_token, oracle)
         if sampling.is_greedy:
-            self._grow_greedy(tree)
-        else:
-            self._grow_sampled(tree, UniformStream(generator, chunk=self.budget + 8))
+            return self._grow_greedy(tree)
+        self._grow_sampled(tree, UniformStream(generator, chunk=self.budget + 8))
         return tree.finish()
 
     def _depth_ok(self, depth: int) -> bool:
@@ -107,40 +106,85 @@ class DySpecBuilder:
                 heapq.heappush(heap, (-value * prob, seq + 1, child))  # v0 = v * R[y], line 8
             seq += 2
 
-    def _grow_greedy(self, tree: PartialTree) -> None:
-        """Appendix D.1 greedy at temperature 0. Heap items: (-priority, seq, node, resolved); an
-        unresolved item carries the upper bound v_node (its row is not fetched yet), a resolved one
-        the exact value of its next child, v_node * q(next best token). Popping a resolved item
-        therefore always yields the best candidate (lazy evaluation of the heap keys)."""
-        residual: dict[int, ResidualRow] = {}
-        depth = {0: 0}
-        heap = [(-1.0, 0, 0, False)]
-        seq = 1
-        while heap and len(tree) - 1 < self.budget:
-            _, _, node, resolved = heapq.heappop(heap)
-            value = math.exp(tree.log_joint[node])
-            if not resolved:
-                if node not in residual:
-                    self._fetch(tree, residual, heap, node, greedy=True)
-                top = residual[node].peek_top()
-                if top is not None:
-                    heapq.heappush(heap, (-value * top[1], seq, node, True))
-                    seq += 1
+    def _grow_greedy(self, tree: PartialTree) -> TokenTree:
+        """Appendix D.1 greedy at temperature 0, evaluated in value-ordered batches.
+
+        The greedy adds, one at a time, the candidate child with the largest value v = v_parent *
+        q(token) (eq. 10); values never grow along a path, so its result is the set of the
+        `budget` highest-valued nodes of the (infinite) draft tree, ancestor-closed with ties
+        broken parents first (Theorem (B): optimal). Finding that set needs the rows of exactly
+        the nodes whose value exceeds the budget-th value theta (their children may qualify) and
+        no others. This loop computes the same set without a heap pop per node: it fetches the
+        best unfetched candidates `prefetch` rows per drafter call, in descending value, lists
+        each fetched row's top children whose value exceeds the running theta (the budget-th
+        largest value listed so far, a lower bound of the final one: a child at or below it can
+        never qualify), and stops when no unfetched candidate and no unlisted child can exceed
+        theta. One batched top-k per call replaces one top-k per node (the per-node torch op
+        overhead dominated the build), and the drafter runs budget / prefetch forwards instead of
+        one per node. Nodes fetched and then overtaken are dropped by `finish(keep=...)`; siblings
+        stay in descending q, the order the greedy would have drawn them (TOP_K)."""
+        budget, max_depth = self.budget, self.max_depth
+        vocab = tree.oracle.vocab_size
+        width = min(8, vocab)  # children listed per fetched row (more only if they could qualify)
+        cand: list[tuple[float, int, int, int, float, int]] = []  # max-heap (-v, seq, parent, token, q, depth)
+        best: list[tuple[float, int, int, int, int, float]] = []  # min-heap of the budget best (v, -seq, seq, parent, token, q)
+        node_of: dict[int, int] = {}  # seq -> appended node
+        partial: list[list] = []  # [node, row, value, depth, listed tokens, next rank, bound]
+        theta = 0.0
+        seq = 0
+
+        def offer(node: int, value: float, depth: int, pairs) -> float:  # type: ignore[no-untyped-def]
+            """List children (q, token) of `node` in descending q while their value beats theta;
+            returns the value bound of the first one not listed (0.0 if none is left)."""
+            nonlocal theta, seq
+            for q, tok in pairs:
+                v = value * q
+                if v <= theta or q <= 0.0:
+                    return 0.0
+                seq += 1
+                heapq.heappush(best, (v, -seq, seq, node, tok, q))
+                if len(best) > budget:
+                    heapq.heappop(best)
+                if len(best) == budget:
+                    theta = best[0][0]
+                heapq.heappush(cand, (-v, seq, node, tok, q, depth))
+            return -1.0  # all offered pairs listed: the caller bounds the rest
+
+        fetch = [(0, 1.0, 0)]  # (node, value, depth) appended and due for their rows
+        while True:
+            if fetch:
+                rows = tree.query([node for node, _, _ in fetch])
+                values, tokens = topk_rows_lists(rows, width)
+                for (node, value, depth), vals, toks, row in zip(fetch, values, tokens, rows.unbind(0)):
+                    if max_depth is not None and depth + 1 > max_depth:
+                        continue
+                    if offer(node, value, depth + 1, zip(vals, toks)) < 0.0 and width < vocab:
+                        partial.append([node, row, value, depth + 1, set(toks), width, value * vals[-1]])
+                fetch = []
+            while cand and len(fetch) < self.prefetch and -cand[0][0] > theta:
+                neg_v, key, parent, tok, q, depth = heapq.heappop(cand)
+                node_of[key] = tree.add(parent, tok, safe_log(q))
+                fetch.append((node_of[key], -neg_v, depth))
+            if fetch:
                 continue
-            res = residual[node]
-            picked = res.take_top()
-            if picked is None:
-                continue
-            token, prob = picked
-            tree.set_draw(node, ChildDraw.TOP_K)
-            child = tree.add(node, token, safe_log(prob))
-            depth[child] = depth[node] + 1
-            nxt = res.peek_top()
-            if nxt is not None:
-                heapq.heappush(heap, (-value * nxt[1], seq, node, True))
-            if self._depth_ok(depth[child] + 1):
-                heapq.heappush(heap, (-value * prob, seq + 1, child, False))
-            seq += 2
+            # No candidate beats theta; list more children of rows cut at `width` that still could.
+            grow = [entry for entry in partial if entry[6] > theta]
+            if not grow:
+                break
+            for entry in grow:
+                node, row, value, depth, seen, rank, _ = entry
+                k = min(vocab, 4 * rank)
+                vals, toks = topk_rows_lists(row[None], k)
+                fresh = [(q, t) for q, t in zip(vals[0], toks[0]) if t not in seen]
+                seen.update(t for _, t in fresh)
+                entry[5], entry[6] = k, (value * vals[0][-1] if k < vocab else 0.0)
+                if offer(node, value, depth, fresh) >= 0.0:
+                    entry[6] = 0.0
+        # The selected set: fetched ones are appended; append the others, siblings by descending q.
+        rest = sorted((parent, -q, key, tok, q) for _, _, key, parent, tok, q in best if key not in node_of)
+        for parent, _, key, tok, q in rest:
+            node_of[key] = tree.add(parent, tok, safe_log(q))
+        return tree.finish(keep=sorted(node_of[key] for _, _, key, _, _, _ in best))
 
 
 @dataclass

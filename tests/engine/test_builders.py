@@ -224,3 +224,37 @@ def test_partial_tree_add_many_matches_add(models):
     from toy import node_contexts
 
     assert oracle.contexts[2:] == node_contexts((1,), many.tokens, many.parents)[2:]
+
+
+@pytest.mark.parametrize("budget,max_depth,prefetch", [(60, None, 1), (60, None, 4), (120, 3, 16), (25, 2, 4)])
+def test_dyspec_greedy_selects_the_budget_best_nodes(budget, max_depth, prefetch):
+    """DySpec at T=0 (appendix D.1) = the `budget` highest-valued nodes of the draft tree. A plain
+    best-first search over contexts (every child of every popped node pushed) is the reference; the
+    builder's batched, theta-pruned search must select the same token paths, including rows whose
+    children go past the first 8 listed (vocab 24, large budgets)."""
+    import heapq
+
+    models = ToyModels(vocab=24, seed=5, scale=1.0)
+    prefix, root = (1, 2), 3
+
+    def children(path):
+        q = models.warped(prefix + (root,) + path, GREEDY, 1).tolist()
+        return [(tok, p) for tok, p in enumerate(q) if p > 0]
+
+    heap = [(-p, (tok,)) for tok, p in children(())]
+    heapq.heapify(heap)
+    chosen = set()
+    while heap and len(chosen) < budget:
+        neg, path = heapq.heappop(heap)
+        chosen.add(path)
+        if max_depth is None or len(path) < max_depth:
+            for tok, p in children(path):
+                heapq.heappush(heap, (neg * p, path + (tok,)))
+    tree = build(DySpecBuilder(budget=budget, max_depth=max_depth, prefetch=prefetch), models, prefix=prefix, root=root)
+    got = {tuple(tree.tokens[p[1:]].tolist()) for p in tree.paths()[1:]}
+    assert got == chosen
+    assert set(tree.child_draw[tree.has_children_mask].tolist()) <= {int(ChildDraw.TOP_K)}
+    for node in range(tree.num_nodes):  # siblings in descending q, the order the greedy draws them
+        kids = tree.children(node)
+        joint = tree.log_joint[kids].tolist()
+        assert joint == sorted(joint, reverse=True)
