@@ -107,6 +107,7 @@ def main() -> None:
         ("opt_tree n=64 d<=8", TreeConfig(method="opt_tree", budget=64, delta=0.0, max_depth=8), hot),
         ("c2t K=15 d=6", TreeConfig(method="c2t", budget=64, depth=6, top_k=15, beta=0.5), hot),
         ("dyspec 768 T=0", TreeConfig(method="dyspec", budget=768), greedy),
+        ("dyspec 768 T=0 prefetch=16", TreeConfig(method="dyspec", budget=768, prefetch=16), greedy),
         ("dyspec 768 T=1", TreeConfig(method="dyspec", budget=768), hot),
         ("dyspec_threshold 768 T=1", TreeConfig(method="dyspec_threshold", budget=768, threshold=1e-4), hot),
     ]

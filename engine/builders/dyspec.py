@@ -42,7 +42,7 @@ class DySpecBuilder:
 
     budget: int = 64  # draft nodes
     max_depth: int | None = None  # optional guard; the paper has none
-    prefetch: int = 4  # rows fetched per oracle call: the popped node + the best unfetched heap nodes
+    prefetch: int = 4  # rows per oracle call: T > 0 the popped node + best unfetched heap nodes; T = 0 the best candidates
 
     def __post_init__(self) -> None:
         check_positive("budget", self.budget)
