@@ -56,6 +56,10 @@ class LocalDrafter:
         self._batch_chooser: BudgetChooser | None = None
         self._batch_owed = 0  # records of the last batched step still owed to _batch_chooser
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.lm.model
+
     def builder(self, config: TreeConfig):
         """The (cached) builder for `config`; raises ValueError for invalid parameters."""
         key = repr(config)

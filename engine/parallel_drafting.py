@@ -168,6 +168,10 @@ class ParallelTreeDrafter:
         self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
 
     @property
+    def model(self) -> torch.nn.Module:
+        return self.lm.model
+
+    @property
     def positions(self) -> int:
         return self.num_masks + 1
 

@@ -106,8 +106,11 @@ def build_engine(target_path: str = "default", drafter_path: str = "default", me
     if method != AUTOREGRESSIVE:
         drafter = build_local_drafter(drafter_path, target.model, device, torch_dtype, budget,
                                       drafter_kind=drafter_kind)
-    if drafter is not None and drafter.budget is not None and method == "opt_tree" and "delta" not in tree_overrides:
-        # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens.
-        tree_overrides["delta"] = drafter.budget.profile.opt_tree_delta()
+    if drafter is not None and method == "opt_tree" and "delta" not in tree_overrides:
+        # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens, whatever
+        # the node budget (the profile is measured once per machine and cached).
+        profile = drafter.budget.profile if drafter.budget is not None else \
+            measure_profile(target.model, drafter.model, device, torch_dtype)
+        tree_overrides["delta"] = profile.opt_tree_delta()
     return SpeculativeEngine(TargetRunner(target.model, device, torch_dtype), drafter, target.tokenizer,
                              tree_config(method, budget, **tree_overrides), max_context_tokens)
