@@ -7,7 +7,7 @@
 For 1 and for N (default 8) concurrent requests it measures
 - in-process: `SpeculativeEngine.generate` on the same requests (N at once = one batched generate call);
 - service: GenerateStream calls over plain grpcio through Serve's gRPC proxy, N client threads at once.
-tokens/s = generated tokens / wall time of the whole round (greedy, fixed max_new_tokens). The in-process
+tokens/s = generated tokens / wall time of `--rounds` rounds (greedy, fixed max_new_tokens). The in-process
 rounds run first, before Ray starts, so they do not compete with idle replicas for the CPU. Each timed
 round follows an untimed warm-up round at the same concurrency (prompts from the end of the list), on both
 sides, so the hardware-aware budget choosers (batch-1 and per batch size) have finished exploring.
@@ -49,11 +49,14 @@ def in_process(args, concurrency_levels) -> dict[int, dict]:
     prompts = [engine.encode_chat(p) for p in PROMPTS]
     out = {}
     for n in concurrency_levels:
-        requests = [GenerationRequest(prompts[i % len(prompts)], max_new_tokens=args.max_new_tokens) for i in range(n)]
         engine.generate([GenerationRequest(prompts[-1 - i], max_new_tokens=args.max_new_tokens) for i in range(n)])
-        started = time.perf_counter()
-        results = engine.generate(requests)
-        wall = time.perf_counter() - started
+        results, wall = [], 0.0
+        for r in range(args.rounds):
+            requests = [GenerationRequest(prompts[(r * n + i) % len(prompts)], max_new_tokens=args.max_new_tokens)
+                        for i in range(n)]
+            started = time.perf_counter()
+            results += engine.generate(requests)
+            wall += time.perf_counter() - started
         tokens = sum(len(r.token_ids) for r in results)
         steps = sum(len(r.steps) for r in results)
         out[n] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
@@ -98,7 +101,11 @@ def through_service(args, concurrency_levels) -> dict[int, dict]:
 
         for n in concurrency_levels:
             round_of(len(PROMPTS) - n, n)  # untimed warm-up round at this concurrency (prompts from the end)
-            results, wall = round_of(0, n)
+            results, wall = {}, 0.0
+            for r in range(args.rounds):
+                got, seconds = round_of(r * n, n)
+                results.update(got)
+                wall += seconds
             tokens = sum(s.completion_tokens for s in results.values())
             steps = sum(s.steps for s in results.values())
             out[n] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
@@ -119,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed rounds per concurrency (different prompts), summed: one 64-token request alone "
+                             "varies by +-20%% on a shared VM")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the in-process engine (replicas use 1; DESIGN.md section 4)")
