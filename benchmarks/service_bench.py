@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the in-process engine (replicas use 1; DESIGN.md section 4)")
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.max_new_tokens < 1 or min(args.concurrency) < 1:
+        parser.error("--rounds, --max-new-tokens and --concurrency must be >= 1")
     import torch
 
     torch.set_num_threads(args.threads)

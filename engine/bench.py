@@ -167,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     methods = list(dict.fromkeys(e for m in args.methods for e in parse_entry(m, default_kind)))
     if args.max_new_tokens < 1 or args.num_prompts < 1:
         raise ValueError("--max-new-tokens and --num-prompts must be >= 1")
+    if args.warmup_prompts < 0:
+        raise ValueError("--warmup-prompts must be >= 0")
     sampling = SamplingParams(temperature=args.temperature)
     rows = load_prompts(args.prompts, args.num_prompts)
     target = load_causal_lm(args.target)
@@ -174,15 +176,15 @@ def run(args: argparse.Namespace) -> int:
     engines = {entry_key(m, b, k): build_engine(drafter_path=parallel_path if k == "parallel" else args.drafter,
                                                  method=m, budget=b, target=target, drafter_kind=k)
                for m, b, k in methods}
-    prompts = [engines[next(iter(engines))].encode_chat(r["turns"][0]) for r in rows]
+    first = next(iter(engines.values()))
+    prompts = [first.encode_chat(r["turns"][0]) for r in rows]
     stats = {entry_key(m, b, k): MethodStats(m, str(b), k) for m, b, k in methods}
     answers: dict[str, list[dict]] = defaultdict(list)
     checks = {key: GreedyCheck() for key in engines} if args.check_greedy else {}
     if args.check_greedy and args.temperature != 0:
         raise ValueError("--check-greedy needs --temperature 0")
     tie_positions = 0
-    warmup = [engines[next(iter(engines))].encode_chat(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)])
-              for i in range(max(0, args.warmup_prompts))]
+    warmup = [first.encode_chat(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)]) for i in range(args.warmup_prompts)]
     for engine in tqdm(engines.values(), desc="warm-up", disable=not warmup):
         for p in warmup:
             engine.generate([GenerationRequest(p, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=0)])
