@@ -4,7 +4,12 @@ counts before/after the DFS reorder of DySpec appendix C.
 The oracle returns precomputed random probability rows over a 49,152-token vocabulary (SmolLM2's),
 shaped like a language model's: a few dominant tokens over a log-normal tail (mean top-1
 probability printed below). Times are CPU time of the building thread (time.thread_time), so
-waiting for a core on a shared machine is not counted; time inside `oracle.probs` is subtracted.
+waiting for a core on a shared machine is not counted; time inside the oracle is subtracted.
+
+Every case runs twice: with an oracle that only returns full rows (the builder takes top-k itself),
+and with one that also answers `summarize` (top-k and C2T entropy computed oracle-side, as the model
+drafter does on its head next to the forward: on the default drafter's 16,384-token head, not the
+49,152-token rows used here). The oracle-side summary time is printed in its own column.
 
     python benchmarks/tree_build.py [--repeats 15] [--vocab 49152]
 """
@@ -14,14 +19,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from treeserve.engine.acceptance import expected_accepted_length
 from treeserve.engine.builders import TreeConfig, make_builder
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.builders.base import RowSummary
+from treeserve.engine.c2t_classifier import top_entropy
+from treeserve.engine.sampling import SamplingParams, topk_rows
 from treeserve.engine.tree import TokenTree
 
 
@@ -49,6 +56,9 @@ class TimedOracle:
     rows: Tensor  # [R, V] precomputed rows, handed out by node id
     seconds: float = 0.0
     calls: int = 0
+    # Returned rows stay referenced until the build is over, as a model oracle keeps its rows for the
+    # step: otherwise freeing them (megabytes, returned to the OS) would be timed as builder work.
+    kept: list[Tensor] = field(default_factory=list)
 
     @property
     def vocab_size(self) -> int:
@@ -57,18 +67,36 @@ class TimedOracle:
     def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
         start = time.thread_time()
         out = self.rows[node_ids % self.rows.shape[0]]
+        self.kept.append(out)
         self.seconds += time.thread_time() - start
         self.calls += 1
         return out
 
 
-def time_build(config: TreeConfig, sampling: SamplingParams, rows: Tensor, repeats: int) -> tuple[float, float, TokenTree, int]:
-    """(median builder CPU ms excluding oracle, median total CPU ms, last tree, oracle calls per build)."""
+@dataclass
+class TimedSummarizingOracle(TimedOracle):
+    summary_seconds: float = 0.0
+
+    def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
+        rows = self.probs(tokens, parents, node_ids)
+        start = time.thread_time()
+        values, top_tokens = topk_rows(rows, k)
+        out = RowSummary(values, top_tokens, top_entropy(rows) if entropy else None)
+        spent = time.thread_time() - start
+        self.seconds += spent
+        self.summary_seconds += spent
+        return out
+
+
+def time_build(config: TreeConfig, sampling: SamplingParams, rows: Tensor, repeats: int,
+               oracle_type: type[TimedOracle] = TimedOracle) -> tuple[float, float, TokenTree, int, float]:
+    """(median builder CPU ms excluding oracle, median total CPU ms, last tree, oracle calls per build,
+    median oracle-side summary ms)."""
     builder = make_builder(config)
-    own, total = [], []
+    own, total, summary = [], [], []
     tree, calls = None, 0
     for rep in range(repeats + 1):
-        oracle = TimedOracle(rows)
+        oracle = oracle_type(rows)
         gen = torch.Generator().manual_seed(rep)
         start = time.thread_time()
         tree = builder.build(0, oracle, sampling, gen)
@@ -76,8 +104,9 @@ def time_build(config: TreeConfig, sampling: SamplingParams, rows: Tensor, repea
         if rep:  # the first run warms caches and allocators
             own.append((elapsed - oracle.seconds) * 1e3)
             total.append(elapsed * 1e3)
+            summary.append(getattr(oracle, "summary_seconds", 0.0) * 1e3)
         calls = oracle.calls
-    return statistics.median(own), statistics.median(total), tree, calls
+    return statistics.median(own), statistics.median(total), tree, calls, statistics.median(summary)
 
 
 def random_tree(num: int, seed: int) -> TokenTree:
@@ -111,12 +140,19 @@ def main() -> None:
         ("dyspec 768 T=1", TreeConfig(method="dyspec", budget=768), hot),
         ("dyspec_threshold 768 T=1", TreeConfig(method="dyspec_threshold", budget=768, threshold=1e-4), hot),
     ]
-    print(f"{'builder':28s} {'nodes':>5s} {'calls':>5s} {'E(A)':>6s} {'build ms':>9s} {'+oracle ms':>10s} {'blocks32':>8s} {'dfs':>5s}")
+    print("build ms = builder CPU excluding the oracle; rows / summaries = oracle without / with `summarize`")
+    print(f"{'builder':28s} {'nodes':>5s} {'calls':>5s} {'E(A)':>6s} {'build ms':>9s} {'+oracle ms':>10s} "
+          f"{'build ms':>9s} {'summary ms':>10s} {'blocks32':>8s} {'dfs':>5s}")
+    print(f"{'':28s} {'':>5s} {'':>5s} {'':>6s} {'(rows)':>9s} {'(rows)':>10s} {'(summ.)':>9s} {'(oracle)':>10s}")
     for name, config, sampling in cases:
-        own, total, tree, calls = time_build(config, sampling, rows, args.repeats if "768" not in name else max(3, args.repeats // 3))
+        repeats = args.repeats if "768" not in name else max(3, args.repeats // 3)
+        own, total, tree, calls, _ = time_build(config, sampling, rows, repeats)
+        fast, _, fast_tree, _, summary = time_build(config, sampling, rows, repeats, TimedSummarizingOracle)
+        if not (torch.equal(tree.tokens, fast_tree.tokens) and torch.equal(tree.parents, fast_tree.parents)):
+            raise SystemExit(f"{name}: the summarizing oracle changed the tree")
         before, after = tree.block_count(32), tree.reorder(tree.dfs_order()).block_count(32)
         print(f"{name:28s} {tree.num_nodes - 1:5d} {calls:5d} {expected_accepted_length(tree):6.2f} "
-              f"{own:9.2f} {total:10.2f} {before:8d} {after:5d}")
+              f"{own:9.2f} {total:10.2f} {fast:9.2f} {summary:10.2f} {before:8d} {after:5d}")
 
     print("\nblock counts of random trees (32x32 blocks, DySpec appendix C / Table 5)")
     print(f"{'size':>6s} {'original':>9s} {'dfs':>6s}")

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
+from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
 from treeserve.engine.runners.drafter import DrafterRunner, SessionOracle
 from treeserve.engine.tree import ChildDraw, TokenTree
 
@@ -27,12 +27,13 @@ def draft_c2t_chains(drafter: DrafterRunner, oracles: list[SessionOracle], roots
         if not growing:
             break
         feeds = [to_feed[i] for i in growing]
-        probs = drafter.extend_many([oracles[i] for i in growing], [f[0] for f in feeds], [f[1] for f in feeds],
-                                    [f[2] for f in feeds])
-        rows = torch.stack([p[-1] for p in probs])  # [G, V] distribution after each chain's last token
-        top_p, top_tok = rows.max(dim=-1)
+        head = drafter.extend_many([oracles[i] for i in growing], [f[0] for f in feeds], [f[1] for f in feeds],
+                                   [f[2] for f in feeds])
+        # [G, V_draft] distribution after each chain's last token, over the drafter's head
+        top = drafter.summarize(torch.stack([p[-1] for p in head]), 1, entropy=True)
+        top_p, top_tok = top.values[:, 0], top.tokens[:, 0]
         joint = torch.tensor([math.exp(log_joint[i][-1]) for i in growing]) * top_p
-        feats = c2t_features(joint, top_entropy(rows), torch.full((len(growing),), float(depth)))
+        feats = c2t_features(joint, top.entropy, torch.full((len(growing),), float(depth)))
         keep = classifier.confidence(feats) >= beta
         still = []
         for g, i in enumerate(growing):

@@ -3,7 +3,7 @@
 The same warp (temperature, then top-k, then top-p, renormalised) is applied to the target and
 to the draft distributions, so that verification compares like with like (DESIGN.md section 5).
 
-The selection helpers (`topk_rows`, `global_topk`, `ResidualRow`) exist because tree builders run
+The selection helpers (`topk_rows`, `ResidualRow`) exist because tree builders run
 on the CPU between drafter forwards: a plain `torch.topk` over a 49k-token row costs ~0.1-0.2 ms
 here and a builder needs dozens of them. They split a row into groups, reduce each group to its
 maximum or sum in one vectorised pass, and only look inside the few groups that can matter: top-k
@@ -20,6 +20,7 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -139,31 +140,6 @@ def topk_rows_lists(rows: Tensor, k: int) -> tuple[list[list[float]], list[list[
     return values.tolist(), tokens
 
 
-def global_topk(rows: Tensor, row_scale: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Top-n entries of row_scale[r] * rows[r, v] over all (r, v) of rows [R, V].
-
-    Returns (values [m], row_index [m], token [m]) sorted descending, m = min(n, R * V). Used by
-    OPT-Tree, whose next layer is the n best children of the whole layer. Same block argument as
-    `topk_rows`, applied to the scaled block maxima of all rows at once.
-    """
-    num_rows, vocab = rows.shape
-    n = min(n, num_rows * vocab)
-    blocks = _blocked(rows)
-    if blocks is None:
-        flat = (rows * row_scale[:, None]).reshape(-1)
-        values, pos = flat.topk(n)
-        return values, pos // vocab, pos % vocab
-    nb = vocab // BLOCK
-    block_max = blocks.amax(dim=2) * row_scale[:, None]  # [R, nb]
-    best = block_max.reshape(-1).topk(min(n, num_rows * nb)).indices  # flat (row, block)
-    row_of = best // nb
-    gathered = blocks[row_of, best % nb] * row_scale[row_of, None]  # [n, BLOCK]
-    values, pos = gathered.reshape(-1).topk(n)
-    cand = pos // BLOCK
-    tokens = (best[cand] % nb) * BLOCK + pos % BLOCK
-    return values, row_of[cand], tokens
-
-
 class ResidualRow:
     """One draft distribution q [V] from which children are drawn one at a time, without
     replacement: the k-th draw comes from norm(q with the earlier draws removed), the residual of
@@ -177,8 +153,9 @@ class ResidualRow:
     vectorised pass over the row in all (block sums or block maxima, computed on first use).
     """
 
-    def __init__(self, row: Tensor) -> None:
-        self.row = row  # [V] float, the original (warped) draft distribution
+    def __init__(self, row: Tensor | None, fetch_row: Callable[[], Tensor] | None = None) -> None:
+        self._row = row  # [V] float, the original (warped) draft distribution; None until fetched
+        self._fetch_row = fetch_row  # gives the row when it is first needed (see `from_top`)
         self.removed: dict[int, float] = {}  # drawn token -> q[token]
         self.removed_mass = 0.0
         self._block_sums: list[float] | None = None  # residual block sums (removed mass subtracted)
@@ -189,6 +166,21 @@ class ResidualRow:
         self._sorted: list[tuple[float, int]] = []  # descending (prob, token) prefix
         self._next_rank = 0
         self._block_max: Tensor | None = None  # [V // GROUP] column maxima, kept to grow _sorted
+
+    @property
+    def row(self) -> Tensor:
+        if self._row is None:
+            assert self._fetch_row is not None
+            self._row = self._fetch_row()
+        return self._row
+
+    @classmethod
+    def from_top(cls, values: list[float], tokens: list[int], fetch_row: Callable[[], Tensor]) -> "ResidualRow":
+        """A row known by its largest entries (descending), for deterministic draws (`take_top`):
+        the full row is fetched only if the draws go past them."""
+        res = cls(None, fetch_row)
+        res._sorted = list(zip(values, tokens))
+        return res
 
     @classmethod
     def for_rows(cls, rows: Tensor, top: int = 0, block_sums: bool = False) -> list["ResidualRow"]:

@@ -9,13 +9,15 @@ allows it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.c2t_classifier import top_entropy
+from treeserve.engine.sampling import SamplingParams, topk_rows
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -33,6 +35,28 @@ class DraftOracle(Protocol):
         The three inputs are views valid for the duration of the call only. The returned tensor
         must not be overwritten afterwards: builders keep references to its rows (no copy) in the
         finished TokenTree for verification (`PartialTree.finish`)."""
+        ...
+
+
+@dataclass
+class RowSummary:
+    """The part of a batch of draft rows that top-k builders read: their largest entries, and the
+    C2T entropy feature when asked. An oracle that can compute it next to its forward (on the
+    drafter's own head, before any scatter to the full vocabulary: `DraftOracle.summarize`) saves
+    the builder a pass over every full row; `PartialTree.top` computes it from the rows otherwise."""
+
+    values: Tensor  # [n, k] the k largest draft probabilities of each row, descending
+    tokens: Tensor  # [n, k] their token ids (ties in any order)
+    entropy: Tensor | None = None  # [n] entropy of each row's top-1000 probabilities (C2T eq. 2-3)
+
+
+@runtime_checkable
+class SummarizingOracle(DraftOracle, Protocol):
+    """A DraftOracle that also returns row summaries directly (optional fast path)."""
+
+    def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
+        """Same inputs as `probs` plus k; must equal summarising the rows `probs` would return:
+        values/tokens = their top-k (values exact and descending), entropy = `top_entropy` of them."""
         ...
 
 
@@ -71,6 +95,7 @@ class PartialTree:
         if not isinstance(root_token, int) or root_token < 0 or root_token >= oracle.vocab_size:
             raise ValueError(f"root_token must lie in [0, {oracle.vocab_size}), got {root_token!r}")
         self.oracle = oracle
+        self._summarize = getattr(oracle, "summarize", None)  # SummarizingOracle's fast path, if any
         self.tokens: list[int] = [root_token]
         self.parents: list[int] = [-1]
         self.log_joint: list[float] = [0.0]
@@ -111,6 +136,17 @@ class PartialTree:
         self.draw.extend([int(ChildDraw.TOP_K)] * len(tokens))
         return first
 
+    def extend(self, parents: Sequence[int], tokens: Sequence[int], log_qs: Sequence[float]) -> int:
+        """Append nodes with the given parents (existing nodes) in order; returns the first new node
+        index. A whole layer in one call: list extends instead of one `add` per node."""
+        first = len(self.tokens)
+        joint = self.log_joint
+        self.tokens.extend(tokens)
+        self.parents.extend(parents)
+        joint.extend([joint[p] + lq for p, lq in zip(parents, log_qs)])
+        self.draw.extend([int(ChildDraw.TOP_K)] * len(tokens))
+        return first
+
     def depth_of(self, node: int) -> int:
         depth = 0
         while node > 0:
@@ -118,10 +154,9 @@ class PartialTree:
             depth += 1
         return depth
 
-    def query(self, node_ids: Sequence[int]) -> Tensor:
-        """One oracle call for `node_ids` -> [k, V] draft probabilities. The oracle receives views
-        of the partial tree (and of a reused id buffer), valid for the duration of the call."""
-        vocab, num = self.oracle.vocab_size, len(self.tokens)
+    def _views(self, node_ids: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """Zero-copy views (tokens, parents, node ids) of the partial tree for one oracle call."""
+        num = len(self.tokens)
         synced = self._synced
         if num > synced:
             if num > self._np_tokens.shape[0]:
@@ -137,11 +172,33 @@ class PartialTree:
             self._np_ids = np.empty(max(count, 2 * self._np_ids.shape[0]), dtype=np.int64)
         self._np_ids[:count] = node_ids  # ~1 us, where torch.tensor(list) costs several
         from_numpy = torch.from_numpy
-        out = self.oracle.probs(
-            from_numpy(self._np_tokens[:num]), from_numpy(self._np_parents[:num]), from_numpy(self._np_ids[:count])
-        )
+        return from_numpy(self._np_tokens[:num]), from_numpy(self._np_parents[:num]), from_numpy(self._np_ids[:count])
+
+    def query(self, node_ids: Sequence[int]) -> Tensor:
+        """One oracle call for `node_ids` -> [k, V] draft probabilities. The oracle receives views
+        of the partial tree (and of a reused id buffer), valid for the duration of the call."""
+        out = self.oracle.probs(*self._views(node_ids))
+        count, vocab = len(node_ids), self.oracle.vocab_size
         if out.dim() != 2 or out.shape != (count, vocab):
             raise ValueError(f"oracle probs must have shape [{count}, {vocab}], got {tuple(out.shape)}")
+        return out
+
+    def top(self, node_ids: Sequence[int], k: int, entropy: bool = False) -> RowSummary:
+        """The top-k (and optionally the C2T entropy) of `node_ids`' draft rows, in one oracle call:
+        from the oracle's own `summarize` where it has one, else from the full rows."""
+        count, k = len(node_ids), min(k, self.oracle.vocab_size)
+        if self._summarize is None:
+            rows = self.query(node_ids)
+            values, tokens = topk_rows(rows, k)
+            return RowSummary(values, tokens, top_entropy(rows) if entropy else None)
+        out = self._summarize(*self._views(node_ids), k, entropy)
+        if out.values.shape != (count, k) or out.tokens.shape != (count, k):
+            raise ValueError(f"oracle summary must hold [{count}, {k}] values and tokens, got "
+                             f"{tuple(out.values.shape)} and {tuple(out.tokens.shape)}")
+        if entropy and (out.entropy is None or out.entropy.shape != (count,)):
+            raise ValueError(f"oracle summary must hold a [{count}] entropy")
+        if not math.isfinite(float(out.values.sum())):  # topk ranks NaN first: a NaN row shows here
+            raise ValueError("oracle probs: a draft row is NaN or infinite")
         return out
 
     def set_draw(self, node: int, draw: ChildDraw, row: Tensor | None = None, total: float | None = None) -> None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive
-from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
-from treeserve.engine.sampling import SamplingParams, topk_rows
+from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
+from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -45,11 +45,11 @@ class C2TBuilder:
             room = self.budget - (len(tree) - 1)
             if not frontier or room <= 0:
                 break
-            rows = tree.query(frontier)
-            probs, tokens = topk_rows(rows, self.top_k)  # [F, K]
+            top = tree.top(frontier, self.top_k, entropy=True)
+            probs, tokens = top.values, top.tokens  # [F, K]
             parent_joint = torch.tensor([math.exp(tree.log_joint[f]) for f in frontier], dtype=probs.dtype)
             joint = parent_joint[:, None] * probs
-            entropy = top_entropy(rows)[:, None].expand_as(joint)
+            entropy = top.entropy[:, None].expand_as(joint)
             feats = c2t_features(joint.reshape(-1), entropy.reshape(-1), torch.full((joint.numel(),), float(depth)))
             conf = self.classifier.confidence(feats)
             conf = torch.where(probs.reshape(-1) > 0, conf, torch.zeros_like(conf))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
-from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
+from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
 from treeserve.engine.sampling import ResidualRow, SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
@@ -39,13 +39,21 @@ class ChainBuilder:
         uniforms = torch.rand(self.length, generator=generator, dtype=torch.float64).tolist() if sample else []
         node = 0
         for step in range(self.length):
-            row = tree.query([node])[0]
-            residual = ResidualRow(row)
-            picked = residual.sample(uniforms[step]) if sample else residual.take_top()
-            if picked is None:
-                break
-            tree.set_draw(node, draw, row if sample else None, residual.total)
-            node = tree.add(node, picked[0], safe_log(picked[1]))
+            if sample:
+                row = tree.query([node])[0]
+                residual = ResidualRow(row)
+                picked = residual.sample(uniforms[step])
+                if picked is None:
+                    break
+                tree.set_draw(node, draw, row, residual.total)
+                token, prob = picked
+            else:
+                top = tree.top([node], 1)
+                token, prob = int(top.tokens[0, 0]), float(top.values[0, 0])
+                if prob <= 0.0:
+                    break
+                tree.set_draw(node, draw)
+            node = tree.add(node, token, safe_log(prob))
         return tree.finish()
 
 
@@ -66,10 +74,10 @@ class C2TChainBuilder:
         draw = ChildDraw.GREEDY if sampling.is_greedy else ChildDraw.TOP_K
         node = 0
         for depth in range(1, self.max_length + 1):
-            row = tree.query([node])
-            prob, token = row[0].max(dim=0)
+            top = tree.top([node], 1, entropy=True)
+            prob, token = top.values[0, 0], top.tokens[0, 0]
             joint = torch.tensor([tree.log_joint[node]]).exp() * prob
-            feats = c2t_features(joint, top_entropy(row), torch.tensor([float(depth)]))
+            feats = c2t_features(joint, top.entropy, torch.tensor([float(depth)]))
             if float(self.classifier.confidence(feats)[0]) < self.beta:
                 break
             tree.set_draw(node, draw)

@@ -129,7 +129,7 @@ class DySpecBuilder:
         cand: list[tuple[float, int, int, int, float, int]] = []  # max-heap (-v, seq, parent, token, q, depth)
         best: list[tuple[float, int, int, int, int, float]] = []  # min-heap of the budget best (v, -seq, seq, parent, token, q)
         node_of: dict[int, int] = {}  # seq -> appended node
-        partial: list[list] = []  # [node, row, value, depth, listed tokens, next rank, bound]
+        partial: list[list] = []  # [node, value, depth, listed tokens, listed count, bound]
         theta = 0.0
         seq = 0
 
@@ -153,13 +153,12 @@ class DySpecBuilder:
         fetch = [(0, 1.0, 0)]  # (node, value, depth) appended and due for their rows
         while True:
             if fetch:
-                rows = tree.query([node for node, _, _ in fetch])
-                values, tokens = topk_rows_lists(rows, width)
-                for (node, value, depth), vals, toks, row in zip(fetch, values, tokens, rows.unbind(0)):
+                top = tree.top([node for node, _, _ in fetch], width)
+                for (node, value, depth), vals, toks in zip(fetch, top.values.tolist(), top.tokens.tolist()):
                     if max_depth is not None and depth + 1 > max_depth:
                         continue
                     if offer(node, value, depth + 1, zip(vals, toks)) < 0.0 and width < vocab:
-                        partial.append([node, row, value, depth + 1, set(toks), width, value * vals[-1]])
+                        partial.append([node, value, depth + 1, set(toks), width, value * vals[-1]])
                 fetch = []
             while cand and len(fetch) < self.prefetch and -cand[0][0] > theta:
                 neg_v, key, parent, tok, q, depth = heapq.heappop(cand)
@@ -168,18 +167,18 @@ class DySpecBuilder:
             if fetch:
                 continue
             # No candidate beats theta; list more children of rows cut at `width` that still could.
-            grow = [entry for entry in partial if entry[6] > theta]
+            grow = [entry for entry in partial if entry[5] > theta]
             if not grow:
                 break
             for entry in grow:
-                node, row, value, depth, seen, rank, _ = entry
+                node, value, depth, seen, rank, _ = entry
                 k = min(vocab, 4 * rank)
-                vals, toks = topk_rows_lists(row[None], k)
+                vals, toks = topk_rows_lists(tree.query([node]), k)  # rare: the full row, cached by the oracle
                 fresh = [(q, t) for q, t in zip(vals[0], toks[0]) if t not in seen]
                 seen.update(t for _, t in fresh)
-                entry[5], entry[6] = k, (value * vals[0][-1] if k < vocab else 0.0)
+                entry[4], entry[5] = k, (value * vals[0][-1] if k < vocab else 0.0)
                 if offer(node, value, depth, fresh) >= 0.0:
-                    entry[6] = 0.0
+                    entry[5] = 0.0
         # The selected set: fetched ones are appended; append the others, siblings by descending q.
         rest = sorted((parent, -q, key, tok, q) for _, _, key, parent, tok, q in best if key not in node_of)
         for parent, _, key, tok, q in rest:
@@ -210,9 +209,8 @@ class DySpecThresholdBuilder:
         frontier, depth = [0], 0
         while frontier and len(tree) - 1 < self.budget and (self.max_depth is None or depth < self.max_depth):
             frontier.sort(key=lambda n: (-tree.log_joint[n], n))
-            rows = tree.query(frontier)
             nxt: list[int] = []
-            for node, res in zip(frontier, ResidualRow.for_rows(rows, top=8 if greedy else 0, block_sums=not greedy)):
+            for node, res in zip(frontier, self._residuals(tree, frontier, greedy)):
                 value = math.exp(tree.log_joint[node])
                 reach = value
                 while reach > self.threshold and len(tree) - 1 < self.budget:
@@ -230,3 +228,14 @@ class DySpecThresholdBuilder:
                     reach = value * res.remaining
             frontier, depth = nxt, depth + 1
         return tree.finish()
+
+    @staticmethod
+    def _residuals(tree: PartialTree, frontier: list[int], greedy: bool) -> list[ResidualRow]:
+        """One oracle call for the layer. Sampling needs every row's block sums; deterministic
+        draws need only each row's first few entries (the full row is fetched, from the oracle's
+        cache, for a node that draws past them)."""
+        if not greedy:
+            return ResidualRow.for_rows(tree.query(frontier), block_sums=True)
+        top = tree.top(frontier, 8)
+        return [ResidualRow.from_top(vals, toks, lambda node=node: tree.query([node])[0])
+                for node, vals, toks in zip(frontier, top.values.tolist(), top.tokens.tolist())]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
-from treeserve.engine.sampling import SamplingParams, topk_rows_lists
+from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -38,8 +38,8 @@ class Eagle2Builder:
         tree = PartialTree(root_token, oracle)
         expand = [0]
         for _ in range(self.depth):
-            rows = tree.query(expand)
-            values, tokens = topk_rows_lists(rows, self.top_k)
+            top = tree.top(expand, self.top_k)
+            values, tokens = top.values.tolist(), top.tokens.tolist()
             layer: list[int] = []
             for parent, vals, toks in zip(expand, values, tokens):
                 tree.set_draw(parent, ChildDraw.TOP_K)

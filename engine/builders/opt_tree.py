@@ -12,6 +12,7 @@ Children are deterministic top picks of q: ChildDraw.TOP_K (point-mass verificat
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
-from treeserve.engine.sampling import BLOCK, SamplingParams, _blocked, global_topk
+from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -45,61 +46,66 @@ class OptTreeBuilder:
         n = self.budget
         max_depth = n if self.max_depth is None else min(self.max_depth, n)
         tree = PartialTree(root_token, oracle)
-        p_hat: list[float] = []  # p-hat of every draft node, to evaluate E_sub
+        best: list[float] = []  # min-heap of the n largest p-hat of all draft nodes: E_sub = their sum
         frontier, e_prev, trace = [0], 0.0, []
         for _ in range(max_depth):
-            rows = tree.query(frontier)
             scale = [math.exp(tree.log_joint[f]) for f in frontier]
-            values, row_idx, tokens, q = self._layer_topk(rows, scale, n)
-            order = sorted(range(len(values)), key=lambda i: (row_idx[i], -values[i]))
-            new_layer = []
-            for i in order:
-                if q[i] <= 0.0:
-                    continue
-                parent = frontier[row_idx[i]]
+            values, row_idx, tokens, q = self._layer_topk(tree, frontier, scale, n)
+            # Siblings consecutive, by descending q; children with q = 0 are not drafts.
+            order = sorted((i for i in range(len(values)) if q[i] > 0.0), key=lambda i: (row_idx[i], -values[i]))
+            parents = [frontier[row_idx[i]] for i in order]
+            for parent in set(parents):
                 tree.set_draw(parent, ChildDraw.TOP_K)
-                child = tree.add(parent, tokens[i], math.log(q[i]))
-                new_layer.append(child)
-                p_hat.append(math.exp(tree.log_joint[child]))
-            e_sub = sum(sorted(p_hat, reverse=True)[:n])
+            first = tree.extend(parents, [tokens[i] for i in order], [math.log(q[i]) for i in order])
+            new_layer = list(range(first, len(tree)))
+            for i in order:  # the child's p-hat is its scaled value
+                if len(best) < n:
+                    heapq.heappush(best, values[i])
+                elif values[i] > best[0]:
+                    heapq.heapreplace(best, values[i])
+            e_sub = sum(best)
             trace.append(e_sub)
             if not new_layer or e_sub - e_prev <= self.delta:
                 break
             e_prev, frontier = e_sub, new_layer
-        ranked = sorted(range(1, len(tree)), key=lambda i: (-tree.log_joint[i], i))
+        joint = tree.log_joint
+        ranked = sorted(range(1, len(tree)), key=lambda i: (-joint[i], i))
         return tree.finish(keep=ranked[:n]), trace
 
     @staticmethod
-    def _layer_topk(rows: Tensor, scale: list[float], n: int) -> tuple[list[float], list[int], list[int], list[float]]:
-        """The n largest scale[r] * rows[r, v] as Python lists (values, row index, token, and the
-        unscaled q = rows[r, v]).
+    def _layer_topk(tree: PartialTree, frontier: list[int], scale: list[float],
+                    n: int) -> tuple[list[float], list[int], list[int], list[float]]:
+        """The n largest p-hat = scale[r] * q_r[v] over the layer's rows (values descending, row
+        index, token, unscaled q), exactly, from top-k summaries instead of the rows themselves.
 
-        One block-maximum pass over the layer's rows, no copy of them (`global_topk`). Skipping
-        rows by a running bound does not pay: a layer of n nodes needs n children, which reach deep
-        into the rows' tails, so the bound stays too low to skip anything (measured: 35-47 of 64
-        rows contribute per layer; on the benchmark rows 400 of the 449 rows of a budget-64,
-        depth-8 build have a scale >= the layer's final n-th value, so exactness requires reading
-        them). This one pass is therefore the floor of OPT-Tree's CPU cost: ~25-35 us per
-        49k-token row on one core, memory-bound (a strided column maximum measured the same)."""
-        row_scale = torch.tensor(scale, dtype=rows.dtype)
-        blocks = _blocked(rows)
-        if blocks is None:
-            values, row_t, token_t = global_topk(rows, row_scale, n)
-            row_idx, tokens = row_t.tolist(), token_t.tolist()
-            q = rows[row_t, token_t].tolist()
-            return values.tolist(), row_idx, tokens, q
-        # global_topk's blocked path, with the unscaled candidates kept to read q without
-        # indexing the rows again and the token ids computed in Python.
-        num_rows, nb = blocks.shape[0], blocks.shape[1]
-        n = min(n, num_rows * rows.shape[1])
-        block_max = blocks.amax(dim=2) * row_scale[:, None]  # [R, nb]
-        best = block_max.reshape(-1).topk(min(n, num_rows * nb)).indices  # flat (row, block)
-        row_of = best // nb
-        raw = blocks[row_of, best % nb]  # [n, BLOCK] unscaled
-        values, pos = (raw * row_scale[row_of, None]).reshape(-1).topk(n)
-        q = raw.reshape(-1)[pos].tolist()
-        best_l, pos_l = best.tolist(), pos.tolist()
-        cand = [best_l[p // BLOCK] for p in pos_l]
-        row_idx = [c // nb for c in cand]
-        tokens = [(c % nb) * BLOCK + p % BLOCK for c, p in zip(cand, pos_l)]
-        return values.tolist(), row_idx, tokens, q
+        Each summary row is sorted, so the layer's top n is a k-way merge of the rows: a heap holds
+        each row's next entry, the largest is taken n times. A row whose listed entries run out
+        while it is still the best is summarised again, 4x wider (the oracle keeps its row: no new
+        drafter forward). Most rows of a layer give a child or two; a few high-p-hat rows give
+        many. Plain Python: on [R, 16] lists it is cheaper than the dozen small tensor ops of a
+        vectorised selection."""
+        vocab = tree.oracle.vocab_size
+        top = tree.top(frontier, min(16, n, vocab))
+        vals, toks = top.values.tolist(), top.tokens.tolist()
+        heap = [(-scale[r] * row[0], r, 0) for r, row in enumerate(vals) if row[0] > 0.0]
+        heapq.heapify(heap)
+        values, row_idx, tokens, q = [], [], [], []
+        taken: dict[int, set[int]] = {}  # tokens taken per widened row: ties may reorder in a wider summary
+        while heap and len(values) < n:
+            neg, r, j = heapq.heappop(heap)
+            token = toks[r][j]
+            if r not in taken or token not in taken[r]:
+                values.append(-neg)
+                row_idx.append(r)
+                tokens.append(token)
+                q.append(vals[r][j])
+                if r in taken:
+                    taken[r].add(token)
+            j += 1
+            if j == len(vals[r]) and j < vocab:
+                taken.setdefault(r, set()).update(toks[r][:j])
+                wider = tree.top([frontier[r]], min(vocab, 4 * j))
+                vals[r], toks[r] = wider.values[0].tolist(), wider.tokens[0].tolist()
+            if j < len(vals[r]) and vals[r][j] > 0.0:
+                heapq.heappush(heap, (-scale[r] * vals[r][j], r, j))
+        return values, row_idx, tokens, q

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive, safe_log
-from treeserve.engine.sampling import SamplingParams, topk_rows_lists
+from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 Path = tuple[int, ...]
@@ -143,9 +143,8 @@ class StaticTreeBuilder:
         for depth in range(1, max_len + 1):
             layer = [p for p in self.paths if len(p) == depth]
             parents = sorted({p[:-1] for p in layer}, key=lambda p: node_of[p])
-            rows = tree.query([node_of[p] for p in parents])
-            width = max(p[-1] for p in layer) + 1
-            values, tokens = topk_rows_lists(rows, width)
+            top = tree.top([node_of[p] for p in parents], max(p[-1] for p in layer) + 1)
+            values, tokens = top.values.tolist(), top.tokens.tolist()
             slot = {p: i for i, p in enumerate(parents)}
             for path in layer:
                 parent = node_of[path[:-1]]

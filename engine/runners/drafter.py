@@ -7,6 +7,11 @@ forward), and keeps their warped distributions, so asking again costs nothing. N
 holds the fed nodes in feed order, and `slot` maps tree node ids to those cache positions. A drafter
 whose head covers only part of the vocabulary (`vocab_ids`) gets probability exactly 0 elsewhere,
 which keeps verification lossless.
+
+Distributions are kept over the drafter's own head and warped there (softmax, top-k and top-p over the
+head equal those over the full vocabulary with zeros outside it). Top-k builders read only summaries
+(`summarize`: top-k and entropy on the head rows), so a full-vocabulary row is materialised only for
+nodes whose row a builder asks for (sampling builders, whose verification needs q).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
-from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.builders.base import RowSummary
+from treeserve.engine.c2t_classifier import top_entropy
+from treeserve.engine.sampling import SamplingParams, topk_rows, warp_probs
 
 
 class DrafterRunner:
@@ -41,11 +48,23 @@ class DrafterRunner:
         out = probs.new_zeros(probs.shape[0], self.vocab_size)
         return out.index_copy_(1, self.vocab_ids, probs)
 
+    def summarize(self, head_rows: Tensor, k: int, entropy: bool) -> RowSummary:
+        """Top-k (target token ids) and optionally the C2T entropy of head rows [n, V_draft]: the same
+        as summarising `full_vocab(head_rows)`, without building it."""
+        values, index = topk_rows(head_rows, min(k, head_rows.shape[1]))
+        if k > values.shape[1]:  # a head smaller than k: the rest of the vocabulary has probability 0
+            pad = k - values.shape[1]
+            values = torch.cat([values, values.new_zeros(values.shape[0], pad)], dim=1)
+            index = torch.cat([index, index.new_zeros(index.shape[0], pad)], dim=1)
+        tokens = index if self.vocab_ids is None else self.vocab_ids[index]
+        return RowSummary(values, tokens, top_entropy(head_rows) if entropy else None)
+
     def extend_many(self, oracles: list["SessionOracle"], nodes: list[list[int]], tokens: list[list[int]],
                     parents: list[list[int]]) -> list[Tensor]:
         """Feed new tree nodes for several sessions in one forward: per session their tree node ids, tokens
         and parents (tree node ids, -1 for the root; ancestors first, parents fed before or in the same
-        call). Returns the warped [M_i, V] rows per session, also kept by each oracle."""
+        call). Returns the warped rows over the drafter's head, [M_i, V_draft] per session, also kept by
+        each oracle."""
         requests = []
         for oracle, ids, toks, pars in zip(oracles, nodes, tokens, parents):
             slots = []
@@ -56,7 +75,7 @@ class DrafterRunner:
         logits = self.lm.extend(requests)
         out = []
         for oracle, ids, rows in zip(oracles, nodes, logits):
-            probs = self.full_vocab(warp_probs(rows, oracle.sampling))
+            probs = warp_probs(rows, oracle.sampling)
             oracle.rows.update(zip(ids, probs.unbind(0)))
             out.append(probs)
         return out
@@ -70,11 +89,26 @@ class SessionOracle:
         self.session_id = session_id
         self.sampling = sampling
         self.vocab_size = runner.vocab_size
-        self.rows: dict[int, Tensor] = {}  # tree node id -> [V] warped draft distribution after the node
+        self.rows: dict[int, Tensor] = {}  # tree node id -> [V_draft] warped draft distribution over the head
+        self.full: dict[int, Tensor] = {}  # tree node id -> [V] the same over the full vocabulary, once asked
         self.slot: dict[int, int] = {}  # tree node id -> position among this step's fed nodes
 
     def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
         """Draft distributions [k, V] after each of `node_ids`, feeding those (and unfed ancestors) first."""
+        wanted = self._feed(tokens, parents, node_ids)
+        missing = [n for n in wanted if n not in self.full]
+        if missing:
+            rows = self.runner.full_vocab(torch.stack([self.rows[n] for n in missing]))
+            self.full.update(zip(missing, rows.unbind(0)))
+        return torch.stack([self.full[n] for n in wanted])
+
+    def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
+        """`SummarizingOracle.summarize`: top-k and entropy computed on the head rows."""
+        wanted = self._feed(tokens, parents, node_ids)
+        return self.runner.summarize(torch.stack([self.rows[n] for n in wanted]), k, entropy)
+
+    def _feed(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> list[int]:
+        """Feed the asked nodes not yet in the drafter's cache (and their unfed ancestors) in one forward."""
         wanted = node_ids.tolist()
         if any(n not in self.slot for n in wanted):
             parent_of = parents.tolist()
@@ -87,4 +121,4 @@ class SessionOracle:
             feed.sort()  # builders append a parent before its children: ascending ids put ancestors first
             token_of = tokens.tolist()
             self.runner.extend_many([self], [feed], [[token_of[n] for n in feed]], [[parent_of[n] for n in feed]])
-        return torch.stack([self.rows[i] for i in wanted])
+        return wanted

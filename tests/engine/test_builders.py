@@ -94,6 +94,42 @@ def test_opt_tree_selection_and_monotone_e_sub(seed):
         assert p_hat[node] <= p_hat[int(tree.parents[node])] + 1e-7
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_opt_tree_layers_are_the_exact_top_n(seed):
+    """Each layer is the n best children of the whole previous layer (Algorithm 1), also when a
+    row holds more than its first 8 summary entries' worth of them: checked against every child
+    of every frontier node, computed from full rows."""
+    models = ToyModels(vocab=64, seed=seed, scale=0.5)  # flat rows: the best rows give many children
+    n, prefix = 20, (seed,)
+    oracle = ToyOracle(models, prefix, GREEDY)
+    tree, trace = OptTreeBuilder(budget=n, delta=0.0, max_depth=4).build_with_trace(3, oracle, GREEDY, torch.Generator())
+    assert oracle.calls > len(trace)  # some rows were summarised past their first 8 entries
+    layers = _all_layers(models, prefix, n, len(trace))
+    assert trace[-1] == pytest.approx(sum(sorted((p for _, p in layers), reverse=True)[:n]), rel=1e-5)
+    assert set(node_paths(tree)) == {path for path, _ in sorted(layers, key=lambda c: -c[1])[:n]}
+
+
+def _all_layers(models, prefix, n, layers):
+    """OPT-Tree's layers by brute force: (token path, p-hat) of the n best children of each layer."""
+    frontier, out = [((), 1.0)], []
+    for _ in range(layers):
+        children = []
+        for path, p in frontier:
+            q = models.warped(prefix + (3,) + path, GREEDY, 1)
+            children += [(path + (v,), p * float(q[v])) for v in range(models.vocab) if q[v] > 0]
+        frontier = sorted(children, key=lambda c: -c[1])[:n]
+        out += frontier
+    return out
+
+
+def node_paths(tree):
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths = [()]
+    for i in range(1, len(tokens)):
+        paths.append(paths[parents[i]] + (tokens[i],))
+    return paths[1:]
+
+
 def test_opt_tree_delta_stops_early(models):
     _, trace_small = OptTreeBuilder(budget=8, delta=0.0, max_depth=6).build_with_trace(3, ToyOracle(models, (1,), GREEDY), GREEDY, torch.Generator())
     _, trace_big = OptTreeBuilder(budget=8, delta=0.9).build_with_trace(3, ToyOracle(models, (1,), GREEDY), GREEDY, torch.Generator())
@@ -224,6 +260,36 @@ def test_partial_tree_add_many_matches_add(models):
     from toy import node_contexts
 
     assert oracle.contexts[2:] == node_contexts((1,), many.tokens, many.parents)[2:]
+
+
+class SummarizingToyOracle(ToyOracle):
+    """ToyOracle that also answers `summarize` (from its own rows, as a drafter does on its head)."""
+
+    def summarize(self, tokens, parents, node_ids, k, entropy):
+        from treeserve.engine.builders.base import RowSummary
+
+        rows = self.probs(tokens, parents, node_ids)
+        top = torch.topk(rows, k)
+        return RowSummary(top.values, top.indices, top_entropy(rows) if entropy else None)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, HOT, SamplingParams(temperature=0.7, top_p=0.9)], ids=["greedy", "hot", "top_p"])
+@pytest.mark.parametrize("method", ["chain", "static", "eagle2", "dyspec", "dyspec_threshold", "opt_tree", "c2t", "c2t_chain"])
+def test_oracle_summaries_give_the_same_trees(method, sampling):
+    """An oracle's own top-k summaries (the fast path) must not change any tree: same tokens, shape,
+    draw rules and joint probabilities as summarising the full rows in the builder."""
+    models = ToyModels(vocab=64, seed=7, scale=2.0)
+    config = TreeConfig(method=method, budget=24, depth=4, top_k=4, threshold=0.02, chain_sampled=False,
+                        static_tree="eagle1_25")
+    trees = []
+    for oracle_type in (ToyOracle, SummarizingToyOracle):
+        oracle = oracle_type(models, (1, 2), sampling)
+        trees.append(make_builder(config).build(3, oracle, sampling, torch.Generator().manual_seed(0)))
+    plain, fast = trees
+    assert plain.num_nodes > 2
+    assert torch.equal(plain.tokens, fast.tokens) and torch.equal(plain.parents, fast.parents)
+    assert torch.equal(plain.child_draw, fast.child_draw)
+    assert torch.allclose(plain.log_joint, fast.log_joint)
 
 
 @pytest.mark.parametrize("budget,max_depth,prefetch", [(60, None, 1), (60, None, 4), (120, 3, 16), (25, 2, 4)])
