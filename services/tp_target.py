@@ -139,7 +139,10 @@ class _Rank:
 
     def kv_heads(self, session_id: str) -> int:
         """KV heads this rank caches for a session (num_key_value_heads / tp when sharded by head)."""
-        return int(self.runner.lm.sessions[session_id].keys[0].shape[1])
+        lm = self.runner.lm
+        if session_id not in lm.sessions:
+            raise KeyError(session_id)
+        return lm.kv_heads
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:

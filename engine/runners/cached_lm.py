@@ -3,16 +3,19 @@
 Both the target and the drafter run through this class; only how they use the logits differs.
 
 Per session the cache holds the KV of `committed` context tokens followed by the `pending` nodes of the
-current tree (node 0, the root, first). A step goes:
+current tree (node 0, the root, first), left-aligned in the session's row of a shared `KVPool`
+(engine/runners/kv_pool.py, which also says how much memory it holds). A step goes:
 
-1. `begin(session, context, accepted_nodes)`: the previous tree is compacted to its accepted path
-   (`index_select` on the sequence axis), then the cache is reconciled with `context[:-1]` (everything but
-   the root): the longest common prefix is kept and the rest becomes a chain of "extension" tokens that the
-   next forward feeds. So a replica that never saw the session, or saw an older state, rebuilds it from the
-   request alone: replicas hold caches, never truth.
+1. `begin(session, context, accepted_nodes)`: the previous tree is compacted to its accepted path in place
+   (only the accepted nodes' slots move, to follow the committed prefix), then the cache is reconciled with
+   `context[:-1]` (everything but the root): the longest common prefix is kept (the slot count is cut to
+   it) and the rest becomes a chain of "extension" tokens that the next forward feeds. So a replica that
+   never saw the session, or saw an older state, rebuilds it from the request alone: replicas hold caches,
+   never truth.
 2. `extend([...])`: feeds, for many sessions in one forward, any extension tokens plus new tree nodes,
    with a per-row additive 4D mask (causal for the extension, ancestor mask for the tree) and
-   position ids `past + depth`, and returns the logits of the new nodes.
+   position ids `past + depth`, and returns the logits of the new nodes. Each row's new KV is written
+   straight into its pool row by `PoolCache`; nothing else is copied back.
 
 The model is called as a plain transformers causal LM, so it stays tensor-parallel agnostic.
 """
@@ -30,24 +33,15 @@ from treeserve.engine.models.layout import use_input_major_weights
 
 @dataclass
 class SessionCache:
-    """KV state of one session. Slots: committed context tokens, then the pending tree nodes."""
+    """State of one session: token bookkeeping plus where its KV lies in the pool."""
 
-    keys: list[Tensor] = field(default_factory=list)  # per layer [1, kv_heads, slots, head_dim]
-    values: list[Tensor] = field(default_factory=list)
+    row: int  # pool row holding this session's KV
+    slots: int = 0  # valid KV slots, [0, slots) of the row: committed context tokens, then pending nodes
     committed: list[int] = field(default_factory=list)  # context tokens whose KV occupy the first slots
     extension: list[int] = field(default_factory=list)  # context tokens still to feed before the tree
     pending_tokens: list[int] = field(default_factory=list)  # tree nodes fed so far (node 0 = root)
     pending_parents: list[int] = field(default_factory=list)
     pending_depth: list[int] = field(default_factory=list)
-
-    @property
-    def slots(self) -> int:
-        return self.keys[0].shape[-2] if self.keys else 0
-
-    def keep(self, index: Tensor) -> None:
-        """Keep only the KV slots in `index` (sorted), on every layer."""
-        self.keys = [k.index_select(-2, index) for k in self.keys]
-        self.values = [v.index_select(-2, index) for v in self.values]
 
 
 @dataclass
@@ -64,12 +58,20 @@ class CachedLM:
 
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256):
+        from treeserve.engine.runners.kv_pool import KVPool  # imports transformers: only where a model runs
+
         self.model = use_input_major_weights(model)  # small-M tree forwards are 2x faster on CPU
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_sessions = max_sessions
         self.sessions: dict[str, SessionCache] = {}
+        self.pool = KVPool(max_rows=max_sessions)
         self.forward_seconds = 0.0  # total time inside model forwards (lets callers separate overheads)
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads cached per layer (num_key_value_heads / tp under tensor parallelism; 0 before any forward)."""
+        return self.pool.kv_heads
 
     # ------------------------------------------------------------------ session state
     def begin(self, session_id: str, context: list[int], accepted_nodes: list[int] | None = None) -> None:
@@ -86,13 +88,18 @@ class CachedLM:
             if len(self.sessions) >= self.max_sessions:
                 # Evict the oldest session: its owner will rebuild it from the next request's context.
                 self.sessions.pop(next(iter(self.sessions)))
-            cache = self.sessions[session_id] = SessionCache()
+            used = {c.row for c in self.sessions.values()}
+            cache = self.sessions[session_id] = SessionCache(row=min(set(range(len(used) + 1)) - used))
         if cache.pending_tokens:
             self._compact(cache, self._accepted_path(cache, context, accepted_nodes))
         self._reconcile(cache, context[:-1])
 
     def release(self, session_id: str) -> bool:
-        return self.sessions.pop(session_id, None) is not None
+        """Forget a session; its pool row goes to the next new session (the pool is freed with the last)."""
+        released = self.sessions.pop(session_id, None) is not None
+        if not self.sessions:
+            self.pool.clear()
+        return released
 
     @staticmethod
     def _accepted_path(cache: SessionCache, context: list[int], hint: list[int] | None) -> list[int]:
@@ -116,19 +123,21 @@ class CachedLM:
         return path
 
     def _compact(self, cache: SessionCache, path: list[int]) -> None:
+        """Keep the root and `path` right after the committed prefix, which stays where it is."""
         fed = len(cache.committed)
         keep = [0] + path
-        cache.keep(torch.tensor(list(range(fed)) + [fed + a for a in keep], device=self.device))
+        self.pool.move(cache.row, [fed + a for a in keep], fed)
+        cache.slots = fed + len(keep)
         cache.committed = cache.committed + [cache.pending_tokens[a] for a in keep]
         cache.pending_tokens, cache.pending_parents, cache.pending_depth = [], [], []
 
-    def _reconcile(self, cache: SessionCache, prefix: list[int]) -> None:
+    @staticmethod
+    def _reconcile(cache: SessionCache, prefix: list[int]) -> None:
         common = 0
         limit = min(len(cache.committed), len(prefix))
         while common < limit and cache.committed[common] == prefix[common]:
             common += 1
-        if common < cache.slots:
-            cache.keep(torch.arange(common, device=self.device))
+        cache.slots = common
         cache.committed = cache.committed[:common]
         cache.extension = list(prefix[common:])
 
@@ -137,37 +146,44 @@ class CachedLM:
     def extend(self, requests: list[ExtendRequest]) -> list[Tensor]:
         """Feed pending extensions plus new nodes for every request in one forward; return the logits of the
         new nodes per request ([M_i, V] float32, in request order)."""
-        caches = [self.sessions[r.session_id] for r in requests]
-        rows = [self._row_inputs(c, r) for c, r in zip(caches, requests)]
-        width = max(len(tokens) for tokens, _, _ in rows)
-        past = max(c.slots for c in caches)
+        from treeserve.engine.runners.kv_pool import PoolCache
+
+        if len({r.session_id for r in requests}) != len(requests):
+            raise ValueError("extend takes each session at most once per call")
+        # Batch rows follow pool rows, so consecutive sessions read their KV as a view of the pool.
+        order = sorted(range(len(requests)), key=lambda i: self.sessions[requests[i].session_id].row)
+        caches = [self.sessions[requests[i].session_id] for i in order]
+        offsets = [c.slots for c in caches]
+        inputs = [self._row_inputs(caches[b], requests[i]) for b, i in enumerate(order)]
+        width = max(len(tokens) for tokens, _, _ in inputs)
+        past = max(offsets)
         batch = len(requests)
         min_value = torch.finfo(self.dtype).min
         input_ids = torch.zeros(batch, width, dtype=torch.long)
         position_ids = torch.zeros(batch, width, dtype=torch.long)
         mask = torch.full((batch, 1, width, past + width), min_value, dtype=self.dtype)
-        for b, (cache, (tokens, positions, attend)) in enumerate(zip(caches, rows)):
+        for b, (slots, (tokens, positions, attend)) in enumerate(zip(offsets, inputs)):
             n = len(tokens)
             input_ids[b, :n] = torch.tensor(tokens)
             position_ids[b, :n] = positions
-            mask[b, 0, :n, past - cache.slots:past].masked_fill_(attend[:, :cache.slots], 0.0)
-            mask[b, 0, :n, past:past + n].masked_fill_(attend[:, cache.slots:], 0.0)
+            mask[b, 0, :n, :slots + n].masked_fill_(attend, 0.0)
             # Padding queries attend to themselves only, so their softmax stays finite.
             pad = torch.arange(n, width)
-            mask[b, 0, pad, past + pad] = 0.0
-        pkv = self._merged_cache(caches, past)
+            mask[b, 0, pad, slots + pad] = 0.0
+        self.pool.reserve(max(c.row for c in caches) + 1, past + width)
+        pkv = PoolCache(self.pool, [c.row for c in caches], offsets, width)
         started = time.perf_counter()
         out = self.model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
                          attention_mask=mask.to(self.device), past_key_values=pkv, use_cache=True)
         logits = out.logits.float()
         self.forward_seconds += time.perf_counter() - started
-        results = []
-        for b, (cache, request, (tokens, _, _)) in enumerate(zip(caches, requests, rows)):
-            n, m = len(tokens), len(request.tokens)
-            self._store(cache, out.past_key_values, b, past, n, batch)
+        results: list[Tensor | None] = [None] * batch
+        for b, (i, cache, (tokens, _, _)) in enumerate(zip(order, caches, inputs)):
+            n, m = len(tokens), len(requests[i].tokens)
+            cache.slots += n  # what padding queries wrote past n is masked and overwritten later
             cache.committed += cache.extension
             cache.extension = []
-            results.append(logits[b, n - m:n])
+            results[i] = logits[b, n - m:n]
         return results
 
     def _row_inputs(self, cache: SessionCache, request: ExtendRequest) -> tuple[list[int], Tensor, Tensor]:
@@ -202,34 +218,3 @@ class CachedLM:
         cache.pending_parents = tree_parents
         cache.pending_depth = depth
         return tokens, positions, attend
-
-    def _merged_cache(self, caches: list[SessionCache], past: int):
-        """One DynamicCache for the batch: each row's slots left-padded to `past` (padding is masked)."""
-        from transformers import DynamicCache
-
-        if past == 0:
-            return DynamicCache(config=self.model.config)
-        if len(caches) == 1:
-            return DynamicCache(ddp_cache_data=list(zip(caches[0].keys, caches[0].values)))
-        like = next(c for c in caches if c.keys)
-        data = []
-        for layer, (k_like, _) in enumerate(zip(like.keys, like.values)):
-            empty = k_like.new_zeros(1, k_like.shape[1], 0, k_like.shape[3])
-            ks = [c.keys[layer] if c.keys else empty for c in caches]
-            vs = [c.values[layer] if c.values else empty for c in caches]
-            data.append((torch.cat([_left_pad(k, past) for k in ks]), torch.cat([_left_pad(v, past) for v in vs])))
-        return DynamicCache(ddp_cache_data=data)
-
-    def _store(self, cache: SessionCache, pkv, row: int, past: int, fed: int, batch: int) -> None:
-        layers = [(layer.keys, layer.values) for layer in pkv.layers]
-        if batch == 1:
-            cache.keys = [k for k, _ in layers]
-            cache.values = [v for _, v in layers]
-            return
-        index = torch.cat([torch.arange(past - cache.slots, past), torch.arange(past, past + fed)]).to(self.device)
-        cache.keys = [k[row:row + 1].index_select(-2, index) for k, _ in layers]
-        cache.values = [v[row:row + 1].index_select(-2, index) for _, v in layers]
-
-
-def _left_pad(kv: Tensor, width: int) -> Tensor:
-    return torch.nn.functional.pad(kv, (0, 0, width - kv.shape[-2], 0))

@@ -102,3 +102,123 @@ def test_incremental_extension_and_wrong_hint(tiny):
     assert lm.sessions["b"].extension == []
     out = lm.extend([ExtendRequest("b", [99, 7], [-1, 0])])[0]
     check_tree_logits(tiny, context2, [99, 7], [-1, 0], out)
+
+
+def next_step(rng: random.Random, context: list[int], tokens: list[int], parents: list[int], vocab: int
+              ) -> tuple[list[int], list[int]]:
+    """Accept the path to a random node of the tree: the next context and the accepted non-root nodes."""
+    accepted = path_to(parents, rng.randrange(len(tokens)))[1:]
+    return context + [tokens[i] for i in accepted] + [rng.randrange(vocab)], accepted
+
+
+def test_batch_over_scattered_pool_rows_matches_each_session_alone(tiny):
+    """Sessions of different lengths on non-consecutive pool rows, batched in an order unlike their rows,
+    score like each session alone, step after step with compaction; a new session takes the lowest free row."""
+    rng = random.Random(3)
+    vocab = tiny.config.vocab_size
+    lm = CachedLM(tiny)
+    contexts = {f"s{i}": [rng.randrange(vocab) for _ in range(n)] for i, n in enumerate([6, 14, 3, 9, 20])}
+    for sid, context in contexts.items():
+        lm.begin(sid, context)
+        lm.extend([ExtendRequest(sid, [context[-1]], [-1])])
+    lm.release("s1")
+    lm.release("s3")
+    live = ["s4", "s0", "s2"]
+    assert [lm.sessions[s].row for s in live] == [4, 0, 2]
+    alone = {sid: CachedLM(tiny) for sid in contexts}
+    accepted: dict[str, list[int] | None] = {sid: None for sid in contexts}
+    for step in range(4):
+        if step == 2:
+            live.append("s5")
+            contexts["s5"] = [rng.randrange(vocab) for _ in range(11)]
+            alone["s5"], accepted["s5"] = CachedLM(tiny), None
+        trees = {}
+        for sid in live:
+            tokens, parents = random_tree(rng, rng.randrange(1, 8), vocab)
+            tokens[0] = contexts[sid][-1]
+            trees[sid] = (tokens, parents)
+            lm.begin(sid, contexts[sid], accepted[sid])
+            alone[sid].begin(sid, contexts[sid], accepted[sid])
+        if step == 2:
+            assert lm.sessions["s5"].row == 1
+        out = lm.extend([ExtendRequest(sid, *trees[sid]) for sid in live])
+        for sid, logits in zip(live, out):
+            ref = alone[sid].extend([ExtendRequest(sid, *trees[sid])])[0]
+            assert (logits - ref).abs().max().item() < 1e-4, f"step {step} {sid}"
+            check_tree_logits(tiny, contexts[sid], *trees[sid], logits)
+            contexts[sid], accepted[sid] = next_step(rng, contexts[sid], *trees[sid], vocab)
+
+
+def test_pool_growth_mid_session_keeps_logits(tiny):
+    """Rows and capacity double while sessions are live; their KV survives the copy."""
+    rng = random.Random(4)
+    vocab = tiny.config.vocab_size
+    lm = CachedLM(tiny)
+    contexts = {"a": [rng.randrange(vocab) for _ in range(5)]}
+    accepted: dict[str, list[int] | None] = {"a": None}
+    grown = set()
+    for step in range(6):
+        if step in (2, 3, 4):
+            sid = f"n{step}"
+            contexts[sid], accepted[sid] = [rng.randrange(vocab) for _ in range(3)], None
+        # Session "a" gets 8 more context tokens every step: its span outgrows the capacity.
+        contexts["a"] += [rng.randrange(vocab) for _ in range(8)]
+        trees = {}
+        for sid, context in contexts.items():
+            tokens, parents = random_tree(rng, 4, vocab)
+            tokens[0] = context[-1]
+            trees[sid] = (tokens, parents)
+            lm.begin(sid, context, accepted[sid])
+        before = (lm.pool.rows, lm.pool.capacity)
+        out = lm.extend([ExtendRequest(sid, *trees[sid]) for sid in contexts])
+        after = (lm.pool.rows, lm.pool.capacity)
+        grown.update(name for name, old, new in zip(("rows", "capacity"), before, after) if new > old and old)
+        for (sid, context), logits in zip(contexts.items(), out):
+            check_tree_logits(tiny, context, *trees[sid], logits)
+            contexts[sid], accepted[sid] = next_step(rng, context, *trees[sid], vocab)
+    assert grown == {"rows", "capacity"}
+    assert lm.pool.rows == 4
+
+
+def test_compaction_moves_only_the_accepted_nodes(tiny):
+    """A step that does not grow the pool writes into the same tensors, leaves the committed prefix's KV
+    untouched and moves the accepted nodes' KV right behind it."""
+    rng = random.Random(5)
+    vocab = tiny.config.vocab_size
+    lm = CachedLM(tiny)
+    context = [rng.randrange(vocab) for _ in range(30)]
+    lm.begin("a", context)
+    lm.begin("b", context[:10])
+    tokens, parents = [context[-1], 5, 6, 7, 8, 9], [-1, 0, 0, 1, 3, 2]
+    lm.extend([ExtendRequest("a", tokens, parents), ExtendRequest("b", [context[9]], [-1])])
+    cache = lm.sessions["a"]
+    fed = len(cache.committed)
+    pointers = [t.data_ptr() for t in lm.pool.keys + lm.pool.values]
+    layer_keys = lm.pool.keys[-1]
+    prefix = layer_keys[cache.row, :, :fed].clone()
+    nodes = layer_keys[cache.row, :, [fed + i for i in (0, 1, 3, 4)]].clone()
+    context2 = context + [5, 7, 8, 42]
+    lm.begin("a", context2, [1, 3, 4])
+    assert cache.slots == fed + 4
+    assert torch.equal(layer_keys[cache.row, :, :fed], prefix)
+    assert torch.equal(layer_keys[cache.row, :, fed:fed + 4], nodes)
+    logits = lm.extend([ExtendRequest("a", [42, 3], [-1, 0])])[0]
+    check_tree_logits(tiny, context2, [42, 3], [-1, 0], logits)
+    assert [t.data_ptr() for t in lm.pool.keys + lm.pool.values] == pointers
+    assert torch.equal(layer_keys[cache.row, :, :fed], prefix)
+
+
+def test_release_frees_the_row_and_the_last_release_the_pool(tiny):
+    lm = CachedLM(tiny, max_sessions=2)
+    for sid in ("a", "b"):
+        lm.begin(sid, [1, 2, 3])
+        lm.extend([ExtendRequest(sid, [3], [-1])])
+    assert lm.kv_heads == tiny.config.num_key_value_heads
+    lm.begin("c", [4, 5])  # evicts "a", the oldest, and takes its row
+    assert set(lm.sessions) == {"b", "c"} and lm.sessions["c"].row == 0
+    lm.release("b")
+    lm.release("c")
+    assert (lm.pool.rows, lm.pool.capacity, lm.kv_heads) == (0, 0, 0)
+    lm.begin("d", [6, 7])
+    logits = lm.extend([ExtendRequest("d", [7], [-1])])[0]
+    check_tree_logits(tiny, [6, 7], [7], [-1], logits)
