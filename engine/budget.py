@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from treeserve.engine.models.attention import GROUPED_ATTENTION
 from treeserve.engine.models.layout import LAYOUT_VERSION
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
@@ -83,7 +84,7 @@ def _time_extend(lm: CachedLM, context: list[int], nodes: int, repeats: int) -> 
 def _profile_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str, dtype) -> str:
     parts = [target.config.to_json_string(), "" if drafter is None else drafter.config.to_json_string(),
              str(sum(p.numel() for p in target.parameters())), device, str(dtype), platform.machine(),
-             platform.processor(), str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, LAYOUT_VERSION]
+             platform.processor(), str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, LAYOUT_VERSION, GROUPED_ATTENTION]
     if device.startswith("cuda"):
         parts.append(torch.cuda.get_device_name(torch.device(device)))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

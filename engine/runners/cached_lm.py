@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from treeserve.engine.models.attention import use_grouped_attention
 from treeserve.engine.models.layout import use_input_major_weights
 
 
@@ -60,7 +61,8 @@ class CachedLM:
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256):
         from treeserve.engine.runners.kv_pool import KVPool  # imports transformers: only where a model runs
 
-        self.model = use_input_major_weights(model)  # small-M tree forwards are 2x faster on CPU
+        # Same function, faster on CPU: input-major weights for small-M matmuls, attention without repeat_kv.
+        self.model = use_grouped_attention(use_input_major_weights(model))
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_sessions = max_sessions
