@@ -10,9 +10,10 @@ layer for `DTensor` shards with `torch.distributed.tensor.parallel.parallelize_m
 
 Colwise/Rowwise return plain local tensors (`use_local_output=True`), and transformers 5 attention reshapes
 with `view(*input_shape, -1, head_dim)`, so each rank's attention sees its own heads only and its KV cache
-holds `kv_heads / tp` heads: **the KV cache is sharded by KV head** with no change to `CachedLM` (its
-compaction `index_select`s the sequence axis, which every shard has in full). GQA grouping
-(`num_key_value_groups = heads / kv_heads`) is unchanged by the split, because both counts are divided by tp.
+holds `kv_heads / tp` heads: **the KV cache is sharded by KV head** with no change to `CachedLM` (its KV
+pool takes its head count from the states the model hands it, and compaction moves slots along the sequence
+axis, which every shard has in full). GQA grouping (`num_key_value_groups = heads / kv_heads`, and the grouped
+attention of engine/models/attention.py) is unchanged by the split, because both counts are divided by tp.
 
 Embeddings and LM head stay **replicated**: they are a small share of a large model's weights
 (Llama-2-70B: 2 x 32000 x 8192 x 2 B = 1 GB of ~140 GB), replication needs no communication, and rank 0 gets
