@@ -92,11 +92,12 @@ def test_topk_rows_lists_equals_topk_rows():
         assert lvalues == values.tolist() and ltokens == tokens.tolist()
 
 
-def test_top_entropy_fast_path_selects_the_exact_top_set():
+@pytest.mark.parametrize("vocab", [49152, 16384, 6000])  # target vocabulary, drafter head, group size 2
+def test_top_entropy_fast_path_selects_the_exact_top_set(vocab):
     from treeserve.engine.c2t_classifier import _top_values, top_entropy
 
     gen = torch.Generator().manual_seed(6)
-    rows = torch.softmax(torch.randn(4, 49152, generator=gen) * 2, dim=-1)
+    rows = torch.softmax(torch.randn(4, vocab, generator=gen) * 2, dim=-1)
     rows[1, 100:140] = rows[1, 99]  # ties at arbitrary places
     rows = rows / rows.sum(dim=1, keepdim=True)
     ref = torch.topk(rows, 1000, dim=-1).values
