@@ -183,16 +183,12 @@ class ResidualRow:
         return res
 
     @classmethod
-    def for_rows(cls, rows: Tensor, top: int = 0, block_sums: bool = False) -> list["ResidualRow"]:
-        """ResidualRows for every row of rows [R, V], with the sorted prefix (`top` > 0) and/or the
-        block sums computed by one batched op for all rows instead of one op per row. Without
-        either, each row does its own pass lazily on first use (rows never drawn from cost
-        nothing)."""
+    def for_rows(cls, rows: Tensor, block_sums: bool = False) -> list["ResidualRow"]:
+        """ResidualRows for every row of rows [R, V], with the block sums computed by one batched op
+        for all rows instead of one op per row when asked. Otherwise each row does its own pass
+        lazily on first use (rows never drawn from cost nothing); rows known by their top entries
+        are built with `from_top`."""
         out = [cls(row) for row in rows.unbind(0)]
-        if top:
-            values, tokens = topk_rows_lists(rows, top)
-            for res, vals, toks in zip(out, values, tokens):
-                res._sorted = list(zip(vals, toks))
         if block_sums:
             blocks = _blocked(rows)
             acc = torch.float64 if rows.dtype == torch.float64 else torch.float32

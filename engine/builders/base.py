@@ -50,7 +50,6 @@ class RowSummary:
     entropy: Tensor | None = None  # [n] entropy of each row's top-1000 probabilities (C2T eq. 2-3)
 
 
-@runtime_checkable
 class SummarizingOracle(DraftOracle, Protocol):
     """A DraftOracle that also returns row summaries directly (optional fast path)."""
 
@@ -128,13 +127,7 @@ class PartialTree:
     def add_many(self, parent: int, tokens: Sequence[int], log_qs: Sequence[float]) -> int:
         """Append children of `parent` in order (same as `add` for each); returns the first new
         node index (the others follow consecutively)."""
-        first = len(self.tokens)
-        base = self.log_joint[parent]
-        self.tokens.extend(tokens)
-        self.parents.extend([parent] * len(tokens))
-        self.log_joint.extend([base + lq for lq in log_qs])
-        self.draw.extend([int(ChildDraw.TOP_K)] * len(tokens))
-        return first
+        return self.extend([parent] * len(tokens), tokens, log_qs)
 
     def extend(self, parents: Sequence[int], tokens: Sequence[int], log_qs: Sequence[float]) -> int:
         """Append nodes with the given parents (existing nodes) in order; returns the first new node

@@ -59,7 +59,7 @@ class DySpecBuilder:
     def _depth_ok(self, depth: int) -> bool:
         return self.max_depth is None or depth <= self.max_depth
 
-    def _fetch(self, tree: PartialTree, residual: dict[int, ResidualRow], heap: list, node: int, greedy: bool) -> None:
+    def _fetch(self, tree: PartialTree, residual: dict[int, ResidualRow], heap: list, node: int) -> None:
         """Fetch `node`'s row in one oracle call together with the rows of the (prefetch - 1) best
         heap entries whose rows are still missing. Prefetching never changes the tree (rows do not
         depend on when they are fetched); it trades drafter work on rows that may go unused for
@@ -89,7 +89,7 @@ class DySpecBuilder:
         while heap and len(tree) - 1 < self.budget:
             _, _, node = heapq.heappop(heap)
             if node not in residual:
-                self._fetch(tree, residual, heap, node, greedy=False)
+                self._fetch(tree, residual, heap, node)
             res = residual[node]
             picked = res.sample(uniforms.next())
             if picked is None:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
 from treeserve.engine.sampling import SamplingParams

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from treeserve.engine.models.parallel_drafter import ParallelDrafterModel, mask_ids
+from treeserve.engine.models.parallel_drafter import ParallelDrafterModel
 from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions, soft_targets
 
 
