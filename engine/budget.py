@@ -10,7 +10,9 @@ price of one) and on the drafter (how many extra tokens a bigger tree buys). So:
    marginal gain worth drafting (`opt_tree_delta`).
 2. `BudgetChooser` predicts tokens/s per candidate budget from the profile and a geometric acceptance
    prior, tries the promising candidates, then keeps choosing the budget with the best *measured*
-   tokens/s (emitted tokens over draft + score + verify time), re-checking neighbours now and then.
+   tokens/s (emitted tokens over draft + score + verify time), now and then re-measuring the
+   least-measured rival (its neighbours and every budget measured before). Once it picks plain decoding
+   it keeps it for `plain_hold_steps` more steps, which callers may run without calling the drafter.
    Output is unaffected: verification is lossless for every budget.
 """
 
@@ -131,9 +133,14 @@ class BudgetChooser:
     prior_acceptance: float = field(default=0.6, metadata={"help": "per-token acceptance assumed before measuring"})
     explore_steps: int = field(default=3, metadata={"help": "steps to measure each promising budget"})
     revisit: float = field(default=0.05, metadata={"help": "chance of re-measuring a neighbouring budget"})
+    plain_hold_steps: int = field(default=4, metadata={
+        "help": "further steps kept on plain decoding once budget 0 is chosen: the caller may skip the drafter "
+                "for them (a remote drafter saves its round trip), their records are credited to budget 0"})
     seed: int = 0
     arms: dict[int, _Arm] = field(default_factory=dict)
     current: int = 1
+    held: int = 0  # steps after the current one that are plain decoding by this decision
+    owed: float = 0.0  # steps whose records are still to be credited to `current`
 
     def __post_init__(self) -> None:
         if self.max_budget < 1:
@@ -155,15 +162,24 @@ class BudgetChooser:
         for budget in self._to_explore:
             if self.arms.get(budget, _Arm()).steps < self.explore_steps:
                 return budget
-        best = max((b for b in self.arms if self.arms[b].steps), key=lambda b: self.arms[b].rate)
+        measured = [b for b in self.arms if self.arms[b].steps]
+        best = max(measured, key=lambda b: self.arms[b].rate)
         if self._rng.random() < self.revisit:
+            # Re-measure the least-measured rival (every measured budget and the best's neighbours): a
+            # rival whose few early steps were unlucky is not locked out by the greedy choice.
             i = self.candidates.index(best)
-            return self.candidates[min(len(self.candidates) - 1, max(0, i + self._rng.choice((-1, 1))))]
+            rivals = set(measured) | {self.candidates[max(0, i - 1)], self.candidates[min(len(self.candidates) - 1, i + 1)]}
+            rivals.discard(best)
+            if rivals:
+                return min(rivals, key=lambda b: (self.arms[b].steps if b in self.arms else 0.0, b))
         return best
 
     def next_budget(self) -> int:
-        """Choose this step's budget; the next `observe`d records are credited to it."""
+        """Choose this step's budget; the records of this step (and of the `held` plain steps after it,
+        when the budget is 0) are credited to it."""
         self.current = self.choose()
+        self.held = self.plain_hold_steps if self.current == 0 else 0
+        self.owed = 1.0 + self.held
         return self.current
 
     def builder_for(self, builder):
@@ -178,10 +194,14 @@ class BudgetChooser:
         return builder
 
     def observe(self, record: StepRecord) -> None:
-        """Credit one sequence's record to the current budget. Draft and score times cover the whole
+        """Credit one sequence's record to the current budget (records of steps it did not decide are
+        ignored). Draft and score times cover the whole
         batched step, so a record of a B-sequence step carries 1/B of them: the arm's rate is then the
         step's total emitted tokens over its wall time."""
         share = 1.0 / max(1, record.batch_size)
+        if self.owed < share / 2:  # not a step this chooser decided
+            return
+        self.owed -= share
         arm = self.arms.setdefault(self.current, _Arm())
         arm.tokens += record.emitted
         arm.seconds += ((record.draft_ms + record.score_ms) * share + record.verify_ms) / 1e3

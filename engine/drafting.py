@@ -49,12 +49,13 @@ class LocalDrafter:
         self.batch_chain_beta = batch_chain_beta
         self._builders: dict[str, object] = {}
         self.last_model_ms = 0.0  # drafter forward time of the last draft() call; the rest is tree building
-        self._chosen = False  # the budget chooser picked this step's budget; its outcome is owed to it
+        # Steps after the last draft() call that its budget chooser already decided are plain decoding: the
+        # engine may skip calling draft() for them (same batch size) and only report their records.
+        self.hold_steps = 0
         # Batched steps get their own choosers of the chain depth (0 = plain batched decoding), one per
         # batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
         self.batch_budgets: dict[int, BudgetChooser] = {}
         self._batch_chooser: BudgetChooser | None = None
-        self._batch_owed = 0  # records of the last batched step still owed to _batch_chooser
 
     @property
     def model(self) -> torch.nn.Module:
@@ -72,6 +73,7 @@ class LocalDrafter:
         model_seconds = self.runner.lm.forward_seconds
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
+        self.hold_steps = 0
         if len(speculative) > 1:
             depth = self._batch_depth(len(requests))
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes) for r in speculative]
@@ -85,7 +87,7 @@ class LocalDrafter:
             builder = self.builder(r.tree)
             if self.budget is not None:
                 builder = self.budget.builder_for(builder)
-                self._chosen = True
+                self.hold_steps = self.budget.held
             if builder is not None:  # None: the chooser found that no drafting pays this step
                 generator = torch.Generator().manual_seed(r.seed)
                 trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
@@ -102,20 +104,18 @@ class LocalDrafter:
             self.batch_budgets[bucket] = BudgetChooser(b.profile, max_budget=self.batch_chain_depth,
                                                        prior_acceptance=b.prior_acceptance,
                                                        explore_steps=b.explore_steps, revisit=b.revisit, seed=b.seed)
-        self._batch_chooser, self._batch_owed = self.batch_budgets[bucket], batch_size
-        return self._batch_chooser.next_budget()
+        self._batch_chooser = self.batch_budgets[bucket]
+        depth = self._batch_chooser.next_budget()
+        self.hold_steps = self._batch_chooser.held
+        return depth
 
     def observe(self, record: StepRecord) -> None:
         """Feed a finished step's records to the chooser that picked its budget: the batch-1 tree budget,
-        or the batched chain depth (one record per sequence of the batch)."""
-        if record.batch_size > 1:
-            if self._batch_owed > 0:
-                self._batch_chooser.observe(record)
-                self._batch_owed -= 1
-            return
-        if self._chosen:
-            self.budget.observe(record)
-        self._chosen = False
+        or the batched chain depth (one record per sequence of the batch); each ignores steps it did not
+        decide."""
+        chooser = self._batch_chooser if record.batch_size > 1 else self.budget
+        if chooser is not None:
+            chooser.observe(record)
 
     def release(self, session_id: str) -> bool:
         return self.runner.release(session_id)

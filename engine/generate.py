@@ -78,6 +78,10 @@ class SpeculativeEngine:
         self.tree = tree
         self.max_context_tokens = max_context_tokens
         self.eos_ids = set(_eos_ids(tokenizer))
+        # (batch size, steps): steps the drafter's budget chooser already decided are plain decoding at
+        # that batch size; they skip the drafter call (for a remote drafter, its round trip).
+        self._plain_hold = (0, 0)
+        self._drafter_called = False  # the last draft() called the drafter
 
     # ------------------------------------------------------------------ public API
     def encode_chat(self, text_or_messages: str | list[dict]) -> list[int]:
@@ -120,6 +124,9 @@ class SpeculativeEngine:
         return [self.result(s) for s in batch]
 
     def step(self, batch: list[Sequence]) -> None:
+        # A step that prefills a new sequence's prompt costs far more than decoding: the budget chooser
+        # would blame whatever budget it tried then, so such steps are not reported to it.
+        prefill = any(not s.steps for s in batch)
         t0 = time.perf_counter()
         trees = self.draft(batch)
         t1 = time.perf_counter()
@@ -127,7 +134,7 @@ class SpeculativeEngine:
                                    for s, tree in zip(batch, trees)])
         t2 = time.perf_counter()
         # A remote drafter does not report its forward time; then all drafting counts as model time.
-        draft_model_ms = getattr(self.drafter, "last_model_ms", (t1 - t0) * 1e3)
+        draft_model_ms = getattr(self.drafter, "last_model_ms", (t1 - t0) * 1e3) if self._drafter_called else 0.0
         for s, tree, dist in zip(batch, trees, dists):
             result = verify_tree(tree, dist, s.request.sampling, s.generator)
             s.accepted_hint = result.accepted_nodes
@@ -139,15 +146,23 @@ class SpeculativeEngine:
         verify_ms = (time.perf_counter() - t2) * 1e3 / len(batch)
         for s in batch:
             s.steps[-1].verify_ms = verify_ms
-            if self.drafter is not None:
+            if self.drafter is not None and not prefill:
                 self.drafter.observe(s.steps[-1])
 
     def draft(self, batch: list[Sequence]) -> list[TokenTree]:
         """One TokenTree per sequence (the root alone for autoregressive decoding)."""
+        self._drafter_called = False
         if self.drafter is None or all(s.tree.method == AUTOREGRESSIVE for s in batch):
             return [root_only(s.context) for s in batch]
-        return self.drafter.draft([DraftRequest(s.session_id, s.context, s.request.sampling, s.tree,
-                                                s.seed + len(s.steps), s.accepted_hint) for s in batch])
+        size, held = self._plain_hold
+        if held > 0 and size == len(batch):
+            self._plain_hold = (size, held - 1)
+            return [root_only(s.context) for s in batch]
+        trees = self.drafter.draft([DraftRequest(s.session_id, s.context, s.request.sampling, s.tree,
+                                                 s.seed + len(s.steps), s.accepted_hint) for s in batch])
+        self._plain_hold = (len(batch), int(getattr(self.drafter, "hold_steps", 0)))
+        self._drafter_called = True
+        return trees
 
     def release(self, s: Sequence) -> None:
         self.target.release(s.session_id)

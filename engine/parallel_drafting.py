@@ -162,7 +162,7 @@ class ParallelTreeDrafter:
         # Read by the Drafter service when a lone item of a batched router step arrives (c2t_chain config).
         self.batch_chain_depth = batch_chain_depth
         self.batch_chain_beta = batch_chain_beta
-        self._chosen = False  # the budget chooser picked this step's budget (observe feeds it back)
+        self.hold_steps = 0  # further steps the chooser decided are plain decoding (see LocalDrafter)
         self._builders: dict[str, ParallelTreeBuilder] = {}
         self.last_model_ms = 0.0  # drafter forward time of the last draft() call
         self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
@@ -196,6 +196,7 @@ class ParallelTreeDrafter:
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
         plans: list[tuple[DraftRequest, ParallelTreeBuilder]] = []
+        self.hold_steps = 0
         for r in speculative:
             if len(speculative) > 1:
                 builder = ParallelTreeBuilder(budget=self.positions, max_depth=min(r.tree.depth, self.positions),
@@ -204,7 +205,7 @@ class ParallelTreeDrafter:
                 builder = self.builder(r.tree)
                 if self.budget is not None and builder.paths is None and builder.max_width > 1:
                     builder = self.budget.builder_for(builder)  # None: no drafting pays this step
-                    self._chosen = True
+                    self.hold_steps = self.budget.held
             if builder is not None:
                 plans.append((r, builder))
         self.last_positions = self.position_probs([r for r, _ in plans]) if plans else []
@@ -220,10 +221,9 @@ class ParallelTreeDrafter:
         return builder.build(root, values.tolist(), tokens.tolist())
 
     def observe(self, record: StepRecord) -> None:
-        """Feed a finished step's timing to the budget chooser (batch-1 trees whose budget it chose)."""
-        if self._chosen and record.batch_size == 1:
+        """Feed a finished step's timing to the budget chooser (it ignores steps it did not decide)."""
+        if self.budget is not None and record.batch_size == 1:
             self.budget.observe(record)
-        self._chosen = False
 
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)

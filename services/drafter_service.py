@@ -82,7 +82,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         trees = self.drafter.draft(self._requests(message))
         return pb.DraftResponse(trees=[wire.encode_tree(t) for t in trees],
                                 draft_ms=(time.perf_counter() - started) * 1e3,
-                                draft_model_ms=getattr(self.drafter, "last_model_ms", 0.0))
+                                draft_model_ms=getattr(self.drafter, "last_model_ms", 0.0),
+                                plain_steps_held=int(getattr(self.drafter, "hold_steps", 0)))
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:
         try:

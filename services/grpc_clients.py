@@ -529,9 +529,11 @@ class RemoteDrafter(_GroupedCaller):
         self._observations: list[pb.StepObservation] = []
         self.fallbacks = 0
         self.last_model_ms = 0.0  # drafter forward time of the last draft call (engine StepRecord)
+        self.hold_steps = 0  # further steps the replica's chooser decided are plain decoding (engine skips them)
 
     async def draft_async(self, requests: list[DraftRequest]) -> list[TokenTree]:
         observations, self._observations = self._observations[-64:], []
+        holds: list[int] = []
 
         async def send(live: _Live, group: list[DraftRequest]) -> list[TokenTree]:
             message = pb.DraftRequest(items=[_draft_item(r) for r in group], observations=observations,
@@ -540,12 +542,16 @@ class RemoteDrafter(_GroupedCaller):
             if len(reply.trees) != len(group):
                 raise _Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")
             self.last_model_ms = reply.draft_model_ms
+            holds.append(reply.plain_steps_held)
             return [wire.decode_tree(t) for t in reply.trees]
 
         try:
-            return await self._grouped(requests, lambda r: r.session_id, send)
+            trees = await self._grouped(requests, lambda r: r.session_id, send)
+            self.hold_steps = min(holds, default=0)  # several replicas: skip only what all of them decided
+            return trees
         except NoReplicaError as exc:
             self.fallbacks += 1
+            self.hold_steps = 0
             self.last_model_ms = 0.0
             log.warning("drafting skipped for this step (%s): root-only trees", exc)
             return [root_only(r.context) for r in requests]

@@ -8,6 +8,7 @@ renormalised. Training positions are the response tokens the target generated fo
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class DrafterTrainConfig:
     batch_tokens: int = field(default=4096, metadata={"help": "tokens per optimisation step"})
     max_seq_len: int = field(default=512, metadata={"help": "longest training sequence (truncated on the left)"})
     holdout_fraction: float = field(default=0.05, metadata={"help": "sequences kept for held-out agreement"})
+    init_from: str = field(default="", metadata={"help": "start from this trained restricted-vocabulary drafter directory instead of target layers (its layers and vocabulary win)"})
     seed: int = field(default=0, metadata={"help": "shuffle seed"})
 
 
@@ -108,12 +110,20 @@ def heldout_agreement(drafter, data, spans, label_pos, seq_ids, target_to_draft,
 def train_drafter(target, data: dict[str, torch.Tensor], config: DrafterTrainConfig, special_ids: list[int],
                   log=print) -> tuple[RestrictedVocabDrafter, dict]:
     torch.manual_seed(config.seed)
-    vocab_ids = choose_vocab(data, config.draft_vocab_size, target.config.vocab_size, special_ids)
+    if config.init_from:
+        from pathlib import Path
+
+        drafter = RestrictedVocabDrafter.load(Path(config.init_from), target.get_input_embeddings().weight).train()
+        vocab_ids = drafter.vocab_ids
+        card = Path(config.init_from) / "training.json"
+        previous = json.loads(card.read_text()).get("training", {}) if card.is_file() else {}
+    else:
+        vocab_ids = choose_vocab(data, config.draft_vocab_size, target.config.vocab_size, special_ids)
+        drafter = RestrictedVocabDrafter.from_target(target, list(config.layers), vocab_ids).train()
     target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
     teacher_top1 = data["topk_ids"][:, 0].long()
     coverage = float((target_to_draft[teacher_top1] >= 0).float().mean())
-    drafter = RestrictedVocabDrafter.from_target(target, list(config.layers), vocab_ids).train()
     drafter.model.embed_tokens.weight.requires_grad_(False)  # the target's own embeddings stay shared
 
     spans = _sequences(data)
@@ -166,5 +176,9 @@ def train_drafter(target, data: dict[str, torch.Tensor], config: DrafterTrainCon
              "vocab_coverage_teacher_top1": round(coverage, 4),
              "heldout_top1_before": round(before[0], 4), "heldout_top1": round(after[0], 4),
              "heldout_top4": round(after[1], 4), "layers_from_target": list(config.layers)}
+    if config.init_from:
+        stats["layers_from_target"] = previous.get("layers_from_target", "?")
+        stats["continued_from"] = {"path": config.init_from, "steps": previous.get("steps", "?"),
+                                   "train_minutes": previous.get("train_minutes", "?")}
     log(f"done: {stats}")
     return drafter.eval(), stats

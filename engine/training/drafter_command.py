@@ -60,6 +60,14 @@ def _distill_data(args: argparse.Namespace, target, data_config: DistillDataConf
     return load_distill_data(data_path), data_path, data_minutes, specials
 
 
+def _check_init(train_config, n_layers: int) -> None:
+    """--init-from must name a drafter directory; otherwise --layers must be target layer indices."""
+    if train_config.init_from and not (Path(train_config.init_from) / "config.json").is_file():
+        raise ValueError(f"--init-from {train_config.init_from} is not a drafter directory")
+    if not train_config.init_from and any(not 0 <= i < n_layers for i in train_config.layers):
+        raise ValueError(f"--layers must be target layer indices in [0, {n_layers})")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -79,9 +87,7 @@ def run(args: argparse.Namespace) -> int:
                                       seed=args.seed)
     target = load_causal_lm(args.target)
     target.tokenizer.padding_side = "left"
-    n_layers = target.model.config.num_hidden_layers
-    if any(not 0 <= i < n_layers for i in train_config.layers):
-        raise ValueError(f"--layers must be target layer indices in [0, {n_layers})")
+    _check_init(train_config, target.model.config.num_hidden_layers)
     data, data_path, data_minutes, specials = _distill_data(args, target, data_config)
     drafter, stats = train_drafter(target.model, data, train_config, specials)
     card = {"target": str(args.target), "data": dataclasses.asdict(data_config),
@@ -111,11 +117,7 @@ def run_parallel(args: argparse.Namespace) -> int:
         raise ValueError("--group-fraction must lie in (0, 1]")
     target = load_causal_lm(args.target)
     target.tokenizer.padding_side = "left"
-    n_layers = target.model.config.num_hidden_layers
-    if not train_config.init_from and any(not 0 <= i < n_layers for i in train_config.layers):
-        raise ValueError(f"--layers must be target layer indices in [0, {n_layers})")
-    if train_config.init_from and not (Path(train_config.init_from) / "config.json").is_file():
-        raise ValueError(f"--init-from {train_config.init_from} is not a drafter directory")
+    _check_init(train_config, target.model.config.num_hidden_layers)
     data, data_path, data_minutes, specials = _distill_data(args, target, data_config)
     drafter, stats = train_parallel_drafter(target.model, data, train_config, specials)
     card = {"target": str(args.target), "data_path": str(data_path), "data": dataclasses.asdict(data_config),

@@ -8,6 +8,13 @@ import json
 from pathlib import Path
 
 
+def _continued(previous: dict | None) -> str:
+    if not previous:
+        return ""
+    return (f", continuing a drafter trained for {previous.get('train_minutes', '?')} min / "
+            f"{previous.get('steps', '?')} steps on earlier data")
+
+
 def write_drafter_card(directory: Path, agreement: dict, args) -> Path:
     training = json.loads((directory / "training.json").read_text()) if (directory / "training.json").is_file() else {}
     config = json.loads((directory / "config.json").read_text())
@@ -48,7 +55,7 @@ def write_drafter_card(directory: Path, agreement: dict, args) -> Path:
         "solutions) teacher-forced as assistant answers. Labels: the target's top-32 next-token probabilities.",
         f"- Data generation: {training.get('data_generation_minutes', '?')} min; training: "
         f"{stats.get('train_minutes', '?')} min, {stats.get('steps', '?')} steps, {stats.get('tokens_seen', '?')} "
-        "tokens seen, on 2 shared CPU cores.",
+        "tokens seen, on 2 shared CPU cores" + _continued(stats.get("continued_from")) + ".",
         f"- Held-out (training-distribution) top-1 agreement: {stats.get('heldout_top1_before', 0):.1%} at "
         f"initialisation, {stats.get('heldout_top1', 0):.1%} after training; the draft vocabulary covers "
         f"{stats.get('vocab_coverage_teacher_top1', 0):.1%} of the target's top-1 tokens in the training data.",

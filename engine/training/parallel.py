@@ -54,7 +54,7 @@ class ParallelTrainConfig:
     group_fraction: float = field(default=0.5, metadata={"help": "parallel: share of labelled positions that anchor a mask group"})
     slot_decay: float = field(default=0.8, metadata={"help": "parallel: loss weight of mask slot j is slot_decay**j"})
     holdout_fraction: float = field(default=0.05, metadata={"help": "sequences kept for held-out agreement"})
-    init_from: str = field(default="", metadata={"help": "parallel: start from this trained autoregressive (restricted-vocabulary) drafter directory instead of target layers (its layers/vocabulary win)"})
+    init_from: str = field(default="", metadata={"help": "start from this trained restricted-vocabulary drafter directory instead of target layers (its layers and vocabulary win)"})
     seed: int = field(default=0, metadata={"help": "shuffle seed"})
 
 

@@ -38,3 +38,37 @@ def test_falls_back_to_plain_decoding_when_drafting_never_pays():
         builder = chooser.builder_for(ChainBuilder(length=4))
         chooser.observe(record(1, 40.0) if builder is None else record(1, 60.0))
     assert chooser.choose() == 0
+
+
+def test_plain_decoding_is_held_and_its_records_credited():
+    """Choosing budget 0 holds plain decoding for `plain_hold_steps` more steps (no decision, no drafter
+    call); every held step's record goes to budget 0, a record of a step it did not decide to nothing."""
+    chooser = BudgetChooser(PROFILE, max_budget=8, revisit=0.0, plain_hold_steps=3)
+    chooser.arms = {0: _arm(10, 400.0, steps=10), 2: _arm(10, 600.0, steps=5)}  # plain decoding wins
+    chooser._to_explore = []
+    assert chooser.builder_for(ChainBuilder(length=4)) is None and chooser.held == 3
+    for _ in range(4):  # the decided step and the 3 held ones
+        chooser.observe(record(1, 40.0))
+    chooser.observe(record(1, 1000.0))  # not decided by the chooser: ignored
+    assert chooser.arms[0].steps == 14 and abs(chooser.arms[0].seconds - 0.56) < 1e-9
+    chooser.arms[2] = _arm(30, 600.0, steps=15)  # drafting now measured faster: no hold once it is chosen
+    assert chooser.builder_for(ChainBuilder(length=4)) is not None and chooser.current == 2 and chooser.held == 0
+
+
+def test_revisits_an_unlucky_rival_not_only_neighbours():
+    """Budget 0 measured slow on a few unlucky steps is still re-measured while budget 4 leads (it is
+    not a neighbour of 4), and wins once its true rate shows."""
+    chooser = BudgetChooser(PROFILE, max_budget=8, revisit=0.2, seed=1)
+    chooser._to_explore = []
+    chooser.arms = {0: _arm(3, 300.0, steps=3), 4: _arm(15, 600.0, steps=6)}  # 10 vs 25 tok/s measured
+    for _ in range(600):
+        budget = chooser.next_budget()
+        chooser.observe(record(2, 100.0) if budget else record(1, 33.0))  # truly: drafting 20 tok/s, plain 30
+    assert max(chooser.summary().items(), key=lambda kv: kv[1])[0] == 0
+    assert chooser.arms[0].steps > 20
+
+
+def _arm(tokens: int, ms: float, steps: int):
+    from treeserve.engine.budget import _Arm
+
+    return _Arm(tokens=tokens, seconds=ms / 1e3, steps=float(steps))

@@ -120,4 +120,33 @@ def test_batched_chain_depth_is_chosen_per_batch_size_and_stays_lossless(pair):
     measured = {b for b, arm in chooser.arms.items() if arm.steps >= 1}
     assert 0 in measured and len(measured) >= 2  # plain batched decoding and some chain depth were timed
     batched_steps = len([s for s in results[0].steps if s.batch_size == 4])
-    assert abs(sum(arm.steps for arm in chooser.arms.values()) - batched_steps) < 1e-6
+    # Every batched step is credited once, except the first: it prefilled the prompts.
+    assert abs(sum(arm.steps for arm in chooser.arms.values()) - (batched_steps - 1)) < 1e-6
+
+
+def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
+    """When the budget chooser picks plain decoding it holds it: the engine does not call the drafter for
+    the held steps, the held steps' records reach budget 0, and the drafter catches up its cache from the
+    context at the next drafted step (output = the target's greedy decoding)."""
+    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+
+    target, drafter = pair
+    # Explore budget 0 first and hold it 3 steps, then a budget that drafts, then exploit.
+    chooser = BudgetChooser(HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0}, 5.0, 128), max_budget=4,
+                            explore_steps=2, plain_hold_steps=3)
+    chooser._to_explore = [0, 2]
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=chooser)
+    calls = []
+    draft = local.draft
+    local.draft = lambda requests: calls.append(len(requests)) or draft(requests)
+    engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
+                               TreeConfig(method="dyspec", budget=4), max_context_tokens=2048)
+    prompt = engine.encode_chat("Tell me about the weather")
+    result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
+    assert result.token_ids == reference(target.model, prompt, 24)[:len(result.token_ids)]
+    assert len(calls) < len(result.steps)  # held steps never called the drafter
+    drafted = [s for s in result.steps if s.tree_size > 0]
+    assert drafted, "budget 2 was explored: some steps drafted"
+    # Step 1 (prefill) is not reported; after it every step is credited to the budget that decided it.
+    assert abs(sum(a.steps for a in chooser.arms.values()) - (len(result.steps) - 1)) < 1e-6
+    assert chooser.arms[0].steps >= 2 + 3 - 1

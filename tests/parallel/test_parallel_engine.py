@@ -143,6 +143,8 @@ def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
     from treeserve.engine.requests import StepRecord
 
     class Chooser:
+        held = 0  # plain steps kept after choosing budget 0 (BudgetChooser.held)
+
         def __init__(self):
             self.budgets, self.seen = [0, 6], []
 

@@ -146,3 +146,38 @@ def test_subbatch_of_one_drafts_a_chain(tiny_parts):
     assert all(len(in_batch.children(n)) <= 1 for n in range(in_batch.num_nodes))
     assert in_batch.num_nodes <= servicer.drafter.batch_chain_depth + 1
     assert alone.num_nodes >= 2
+
+
+def test_held_plain_decoding_skips_the_draft_rpc(tiny_parts):
+    """A drafter replica whose budget chooser holds plain decoding says so in DraftResponse.plain_steps_held:
+    the router's engine sends no Draft for the held steps, reports their observations with the next Draft
+    (credited to budget 0 there), and the output stays the in-process engine's."""
+    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+
+    vocab = tiny_parts.target.model.config.vocab_size
+    chooser = BudgetChooser(HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0}, 5.0, 128), max_budget=4,
+                            explore_steps=2, plain_hold_steps=3)
+    chooser._to_explore = [0, 2]
+    servicer = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab), budget=chooser), vocab)
+    target_server = ReplicaServer(pb_grpc.add_TargetServicer_to_server,
+                                  TargetServicer(TargetRunner(tiny_parts.target.model)), host="127.0.0.1").start()
+    drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, servicer, host="127.0.0.1").start()
+    loop = Loop()
+    try:
+        target = RemoteTarget(ReplicaPool("Target", pb_grpc.TargetStub, static_discovery([target_server.address])),
+                              vocab)
+        drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub,
+                                            static_discovery([drafter_server.address])))
+        for client in (target, drafter):
+            loop.run(_bind(client))
+        engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 4), 2048)
+        prompt = engine.encode_chat("Tell me a story about a fox.")
+        result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
+        expected = tiny_parts.engine().generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
+        assert result.token_ids == expected.token_ids
+        assert servicer.worker.calls < len(result.steps)  # Draft + Release calls: held steps sent none
+        assert chooser.arms[0].steps >= 2 + 3 - 1  # held steps' observations arrived and were credited
+    finally:
+        loop.close()
+        target_server.stop(0.2)
+        drafter_server.stop(0.2)
