@@ -77,7 +77,7 @@ def through_service(args, concurrency_levels) -> dict[int, dict]:
     config.app.args.limits.max_batch_size = max(config.app.args.limits.max_batch_size, max(concurrency_levels))
     config.app.args.limits.max_concurrent_requests = max(config.app.args.limits.max_concurrent_requests,
                                                          max(concurrency_levels))
-    service = start_service(config, quiet=True)
+    service = start_service(config, quiet=True, control_plane_nice=args.control_plane_nice)
     out = {}
     try:
         metadata = [("application", service.app_name)]
@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed rounds per concurrency (different prompts), summed: one 64-token request alone "
                              "varies by +-20%% on a shared VM")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument("--control-plane-nice", type=int, default=10,
+                        help="niceness of Ray's control plane (as `treeserve serve`; 0 = unchanged)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the in-process engine (replicas use 1; DESIGN.md section 4)")
     args = parser.parse_args(argv)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "local-cpu.yaml"
+DEFAULT_CONTROL_PLANE_NICE = 10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait for the service to answer (models load on first start)")
     parser.add_argument("--no-block", action="store_true", help="return once the service answers")
+    parser.add_argument("--control-plane-nice", type=int, default=DEFAULT_CONTROL_PLANE_NICE,
+                        help="niceness given to Ray's control-plane processes when this command starts Ray "
+                             "(they yield the cores to the model replicas; 0 = leave them alone; Linux only)")
 
 
 @dataclass
@@ -92,8 +96,9 @@ def _check_models(args) -> None:
 
 
 def start_service(config, ray_address: str | None = None, quiet: bool = False,
-                  ready_timeout_s: float = 600.0) -> Service:
-    """ray.init (unless already up), serve.start with the config's options, serve.run, wait until answering."""
+                  ready_timeout_s: float = 600.0, control_plane_nice: int = DEFAULT_CONTROL_PLANE_NICE) -> Service:
+    """ray.init (unless already up), serve.start with the config's options, serve.run, wait until answering.
+    A Ray instance started here gets its control plane re-niced (services/host_priority.py)."""
     import ray
     from ray import serve
 
@@ -125,6 +130,10 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
                                     "encoding": config.logging_config.encoding})
         serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
                   route_prefix=app.route_prefix)
+        if started:
+            from treeserve.services.host_priority import deprioritise_control_plane
+
+            deprioritise_control_plane(control_plane_nice)
         service = Service(f"127.0.0.1:{config.grpc_options.port}", app.name, config, started)
         wait_until_ready(service.address, app.name, ready_timeout_s)
     except (ValueError, FileNotFoundError, CliError):
@@ -177,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.method, args.budget, args.target, args.drafter, args.grpc_port)
     print(f"starting TreeServe ({config.app.args.speculation.method}, target {config.app.args.target.path}) ...",
           file=sys.stderr)
-    service = start_service(config, args.ray_address, ready_timeout_s=args.ready_timeout)
+    service = start_service(config, args.ray_address, ready_timeout_s=args.ready_timeout,
+                            control_plane_nice=args.control_plane_nice)
     print(f"TreeServe is serving gRPC on {service.address} (application {service.app_name!r})", file=sys.stderr)
     if args.no_block:
         return 0

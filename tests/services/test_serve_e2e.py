@@ -161,3 +161,30 @@ def test_replica_killed_mid_stream_does_not_fail_the_request(serve_service, tiny
     while time.monotonic() < deadline and not _live(serve_service, deployment, getattr(pb_grpc, f"{deployment}Stub")):
         time.sleep(0.5)
     assert _live(serve_service, deployment, getattr(pb_grpc, f"{deployment}Stub"))
+
+
+def test_control_plane_is_found_and_reniced(serve_service):
+    """`treeserve serve` re-nices the control plane of the Ray it started: found among this process's
+    descendants (GCS, raylet, Serve controller), every thread raised to the niceness; replicas untouched."""
+    import os
+    from pathlib import Path
+
+    from treeserve.services.host_priority import control_plane_pids, lower_priority
+
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc")
+    pids = control_plane_pids()
+    commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in pids}
+    for fragment in ("gcs_server", "raylet", "ray::ServeController"):
+        assert any(fragment in c for c in commands.values()), f"{fragment} not found among {commands}"
+    assert not any("ServeReplica" in c or "ProxyActor" in c for c in commands.values())
+    lower_priority(pids, 5)
+    niceness = []
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                niceness.append(os.getpriority(os.PRIO_PROCESS, int(task.name)))
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+    assert niceness and min(niceness) >= 5
+    assert control_plane_pids(root_pid=2 ** 22 + 1) == []  # no such process: nothing outside its tree
