@@ -12,7 +12,6 @@ Children are deterministic top picks of q: ChildDraw.TOP_K (point-mass verificat
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -46,35 +45,38 @@ class OptTreeBuilder:
         n = self.budget
         max_depth = n if self.max_depth is None else min(self.max_depth, n)
         tree = PartialTree(root_token, oracle)
-        best: list[float] = []  # min-heap of the n largest p-hat of all draft nodes: E_sub = their sum
-        frontier, e_prev, trace = [0], 0.0, []
+        # Per layer in numpy (a layer is up to n children; per-child Python work would dominate).
+        phat = np.empty(0)  # p-hat of every draft node, in node order (node i + 1)
+        frontier, scale = np.zeros(1, dtype=np.int64), np.ones(1)  # the last layer and its p-hat
+        e_prev, trace = 0.0, []
         for _ in range(max_depth):
-            scale = [math.exp(tree.log_joint[f]) for f in frontier]
-            values, row_idx, tokens, q = self._layer_topk(tree, frontier, scale, n)
-            # Siblings consecutive, by descending q; children with q = 0 are not drafts.
-            order = sorted((i for i in range(len(values)) if q[i] > 0.0), key=lambda i: (row_idx[i], -values[i]))
-            parents = [frontier[row_idx[i]] for i in order]
-            for parent in set(parents):
-                tree.set_draw(parent, ChildDraw.TOP_K)
-            first = tree.extend(parents, [tokens[i] for i in order], [math.log(q[i]) for i in order])
-            new_layer = list(range(first, len(tree)))
-            for i in order:  # the child's p-hat is its scaled value
-                if len(best) < n:
-                    heapq.heappush(best, values[i])
-                elif values[i] > best[0]:
-                    heapq.heapreplace(best, values[i])
-            e_sub = sum(best)
-            trace.append(e_sub)
-            if not new_layer or e_sub - e_prev <= self.delta:
+            values, rows, tokens, q = self._layer_topk(tree, frontier.tolist(), scale, n)
+            # Children with q = 0 are not drafts. Siblings consecutive (by parent order), each family by
+            # descending q: a stable sort by row of the value-descending list.
+            keep = np.nonzero(q > 0.0)[0]
+            order = keep[np.argsort(rows[keep], kind="stable")]
+            if not len(order):
+                trace.append(e_prev)
                 break
-            e_prev, frontier = e_sub, new_layer
+            parents = frontier[rows[order]]
+            for parent in np.unique(parents).tolist():
+                tree.set_draw(parent, ChildDraw.TOP_K)
+            first = tree.extend(parents.tolist(), tokens[order].tolist(), np.log(q[order]).tolist())
+            scale = values[order]  # the new layer's p-hat
+            phat = np.concatenate([phat, scale])
+            # E_sub: the n largest p-hat so far (summed in sorted order: the same set gives the same sum).
+            e_sub = float(np.sort(np.partition(phat, len(phat) - n)[-n:] if len(phat) > n else phat).sum())
+            trace.append(e_sub)
+            if e_sub - e_prev <= self.delta:
+                break
+            e_prev, frontier = e_sub, np.arange(first, len(tree))
         # The n best by p-hat, ties to the earlier node (a parent before its children): a stable sort.
-        ranked = (np.argsort(-np.array(tree.log_joint[1:]), kind="stable") + 1).tolist()
+        ranked = (np.argsort(-phat, kind="stable") + 1).tolist()
         return tree.finish(keep=ranked[:n]), trace
 
     @staticmethod
-    def _layer_topk(tree: PartialTree, frontier: list[int], scale: list[float],
-                    n: int) -> tuple[list[float], list[int], list[int], list[float]]:
+    def _layer_topk(tree: PartialTree, frontier: list[int], scale: np.ndarray,
+                    n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The n largest p-hat = scale[r] * q_r[v] over the layer's rows (values descending, row
         index, token, unscaled q), exactly, from top-k summaries instead of the rows themselves.
 
@@ -87,7 +89,7 @@ class OptTreeBuilder:
         vocab = tree.oracle.vocab_size
         top = tree.top(frontier, min(16, n, vocab))
         vals, toks = top.values.numpy(), top.tokens.numpy()  # [R, k], each row descending
-        row_scale = np.asarray(scale)[:, None]
+        row_scale = scale[:, None]
         while True:
             scaled = (vals * row_scale).ravel()
             m = min(n, scaled.size)
@@ -103,5 +105,4 @@ class OptTreeBuilder:
             vals = np.pad(vals, ((0, 0), (0, grow)))  # zeros: never a child (q > 0 is required)
             toks = np.pad(toks, ((0, 0), (0, grow)))
             vals[need], toks[need] = wider.values.numpy(), wider.tokens.numpy()
-        return (scaled[best].tolist(), (best // width).tolist(), toks.ravel()[best].tolist(),
-                vals.ravel()[best].tolist())
+        return scaled[best], best // width, toks.ravel()[best], vals.ravel()[best]
