@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -147,10 +148,11 @@ class ResidualRow:
 
     Nothing is renormalised over the vocabulary: the residual is kept as a running subtraction on
     per-block sums of the single original row (a removed token's mass is subtracted from its
-    block's sum, O(1)), and a draw walks those block sums and then one block (sampling), or a
-    lazily grown sorted prefix (deterministic descending order). A draw therefore costs
-    O(V / BLOCK + BLOCK) Python-level work however many tokens were removed before it, and one
-    vectorised pass over the row in all (block sums or block maxima, computed on first use).
+    block's sum, and its group of ~sqrt(V / BLOCK) blocks re-added), and a draw walks the group
+    sums, one group's block sums, then one block (sampling), or a lazily grown sorted prefix
+    (deterministic descending order). A draw therefore costs O(sqrt(V / BLOCK) + BLOCK)
+    Python-level work however many tokens were removed before it, and one vectorised pass over
+    the row in all (block sums or block maxima, computed on first use).
     """
 
     def __init__(self, row: Tensor | None, fetch_row: Callable[[], Tensor] | None = None) -> None:
@@ -161,7 +163,12 @@ class ResidualRow:
         self._block_sums: list[float] | None = None  # residual block sums (removed mass subtracted)
         self._width = 0  # tokens per entry of _block_sums (BLOCK, or 1 for unblocked rows)
         self._removed_in: dict[int, list[int]] = {}  # block -> removed tokens in it
-        self._cum: list[float] | None = None  # prefix sums of _block_sums; None when stale
+        # Blocks grouped by ~sqrt(#blocks): a draw walks the group sums, then one group's blocks, then
+        # one block, so no pass over all block sums follows each removal (384 blocks at V = 49,152).
+        self._group = 1  # blocks per group
+        self._group_sums: list[float] = []  # each group's block sums, re-added after a removal
+        self._cum: list[float] | None = None  # prefix sums of _group_sums; None when stale
+        self._flat: np.ndarray | None = None  # the row as a numpy view (CPU), for cheap block slices
         self.total: float | None = None  # sum of the original row, once the block sums exist
         self._sorted: list[tuple[float, int]] = []  # descending (prob, token) prefix
         self._next_rank = 0
@@ -198,10 +205,15 @@ class ResidualRow:
         return out
 
     def _set_block_sums(self, sums: list[float]) -> None:
-        self._width = BLOCK if len(sums) < self.row.shape[0] else 1
+        row = self.row
+        self._width = BLOCK if len(sums) < row.shape[0] else 1
         self._block_sums = sums
-        self._cum = list(itertools.accumulate(sums))  # the first draw's CDF; its end is the row sum
-        self.total = self._cum[-1] if self._cum else 0.0
+        self.total = math.fsum(sums) if len(sums) > 1 else (sums[0] if sums else 0.0)
+        group = self._group = max(1, math.isqrt(len(sums)))
+        self._group_sums = [sum(sums[i:i + group]) for i in range(0, len(sums), group)]
+        self._cum = None
+        if row.device.type == "cpu" and row.is_contiguous():
+            self._flat = row.numpy()
         for tok, prob in self.removed.items():
             self._subtract(tok, prob)
 
@@ -227,6 +239,9 @@ class ResidualRow:
             gone = self._removed_in.setdefault(block, [])
             gone.append(token)
             sums[block] = 0.0 if len(gone) >= width else max(sums[block] - prob, 0.0)
+        group = block // self._group
+        start = group * self._group
+        self._group_sums[group] = sum(sums[start:start + self._group])  # re-added: no drift
         self._cum = None
 
     @property
@@ -303,31 +318,46 @@ class ResidualRow:
     def sample(self, uniform: float) -> tuple[int, float] | None:
         """Draw from norm(residual) by inversion with `uniform` in [0, 1); None if nothing is left."""
         sums = self._ensure_block_sums()
-        width = self._width
+        width, group_size, groups = self._width, self._group, self._group_sums
         while True:
             cum = self._cum
             if cum is None:
-                cum = self._cum = list(itertools.accumulate(sums))
+                cum = self._cum = list(itertools.accumulate(groups))
             if not cum or cum[-1] <= 0.0:
                 return None
             target = uniform * cum[-1]
-            block = min(bisect.bisect_right(cum, target), len(cum) - 1)
-            while sums[block] <= 0.0 and block > 0:  # float edge: landed on an empty block
-                block -= 1
+            group = min(bisect.bisect_right(cum, target), len(cum) - 1)
+            while groups[group] <= 0.0 and group > 0:  # float edge: landed on an empty group
+                group -= 1
+            # The group's blocks, then the block's tokens: offsets rescaled to the sums actually
+            # walked (a group sum is the sum of its blocks, a block's sum a running subtraction).
+            first = group * group_size
+            in_group = list(itertools.accumulate(sums[first:first + group_size]))
+            offset = (target - (cum[group - 1] if group else 0.0)) * in_group[-1] / max(groups[group], 1e-300)
+            pos = min(bisect.bisect_right(in_group, offset), len(in_group) - 1)
+            while sums[first + pos] <= 0.0 and pos > 0:
+                pos -= 1
+            block = first + pos
+            if sums[block] <= 0.0:  # float residue of a group whose mass is all drawn
+                groups[group] = 0.0
+                self._cum = None
+                continue
             if width == 1:
                 token, prob = block, sums[block]
                 break
+            offset -= in_group[pos - 1] if pos else 0.0
             start = block * width
-            inside = self.row[start : start + width].tolist()
+            flat = self._flat
+            inside = (flat[start : start + width] if flat is not None else self.row[start : start + width]).tolist()
             for tok in self._removed_in.get(block, ()):
                 inside[tok - start] = 0.0
             inner = list(itertools.accumulate(inside))
             if inner[-1] <= 0.0:
                 # Float residue of a block whose mass is all drawn: drop it and draw again.
                 sums[block] = 0.0
+                groups[group] = sum(sums[first:first + group_size])
                 self._cum = None
                 continue
-            offset = target - (cum[block - 1] if block else 0.0)
             pos = min(bisect.bisect_right(inner, offset * inner[-1] / max(sums[block], 1e-300)), width - 1)
             while inside[pos] <= 0.0 and pos > 0:
                 pos -= 1
