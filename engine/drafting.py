@@ -85,7 +85,7 @@ class LocalDrafter:
             r = speculative[0]
             oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes)
             builder = self.builder(r.tree)
-            if self.budget is not None:
+            if self.budget is not None and r.tree.budget_auto:
                 builder = self.budget.builder_for(builder)
                 self.hold_steps = self.budget.held
             if builder is not None:  # None: the chooser found that no drafting pays this step

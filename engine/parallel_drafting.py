@@ -203,7 +203,7 @@ class ParallelTreeDrafter:
                                               max_width=1, min_prob=self.batch_chain_min_joint)
             else:
                 builder = self.builder(r.tree)
-                if self.budget is not None and builder.paths is None and builder.max_width > 1:
+                if self.budget is not None and r.tree.budget_auto and builder.paths is None and builder.max_width > 1:
                     builder = self.budget.builder_for(builder)  # None: no drafting pays this step
                     self.hold_steps = self.budget.held
             if builder is not None:

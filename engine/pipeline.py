@@ -91,12 +91,15 @@ C2T_DEFAULTS = {"depth": 10, "top_k": 15, "beta": 0.3}
 
 
 def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
-    """TreeConfig for `method`; an integer budget is fixed (for a chain: its length)."""
+    """TreeConfig for `method`; an integer budget is fixed (for a chain: its length), "auto" leaves it
+    to the drafter's hardware-aware chooser."""
     if method == "c2t":
         overrides = {**C2T_DEFAULTS, **overrides}
     config = TreeConfig(method=method, **overrides)
     if isinstance(budget, int):
         config = replace(config, budget=budget, depth=budget if method == "chain" else config.depth)
+    else:
+        config = replace(config, budget_auto=True)
     if method in ("c2t", "c2t_chain") and config.c2t_classifier_path is None and DEFAULT_C2T_CLASSIFIER.is_file():
         config = replace(config, c2t_classifier_path=str(DEFAULT_C2T_CLASSIFIER))
     return config

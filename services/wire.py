@@ -131,7 +131,9 @@ _TREE_FIELDS = ("depth", "top_k", "threshold", "delta", "beta")
 
 
 def encode_tree_config(config: TreeConfig) -> pb.TreeParams:
-    out = pb.TreeParams(method=config.method, budget_tokens=config.budget, depth=config.depth, top_k=config.top_k,
+    # budget_tokens 0: the drafter replica's chooser picks the budget (TreeConfig.budget_auto).
+    out = pb.TreeParams(method=config.method, budget_tokens=0 if config.budget_auto else config.budget,
+                        depth=config.depth, top_k=config.top_k,
                         threshold=config.threshold, delta=config.delta, beta=config.beta,
                         max_depth=config.max_depth or 0)
     return out
@@ -144,7 +146,7 @@ def decode_tree_config(message: pb.TreeParams, base: TreeConfig | None = None) -
     base = base or TreeConfig()
     kw = {"method": message.method or base.method}
     if message.budget_tokens:
-        kw["budget"] = int(message.budget_tokens)
+        kw["budget"], kw["budget_auto"] = int(message.budget_tokens), False
     for name in _TREE_FIELDS:
         value = getattr(message, name)
         if value:

@@ -25,6 +25,7 @@ class TreeConfig:
 
     method: str = field(default="dyspec", metadata={"help": f"tree builder, one of {', '.join(METHODS)}"})
     budget: int = field(default=64, metadata={"help": "draft nodes per tree (root excluded); cap for threshold methods"})
+    budget_auto: bool = field(default=False, metadata={"help": "the drafter's hardware-aware chooser picks each step's budget (if it has one); False: `budget` is fixed"})
     depth: int = field(default=6, metadata={"help": "chain length / EAGLE-2 expansion rounds / max depth for c2t(_chain), binary static tree"})
     top_k: int = field(default=10, metadata={"help": "EAGLE-2 K (children per node, nodes expanded per layer); C2T K for both Top-K uses"})
     threshold: float = field(default=0.05, metadata={"help": "dyspec_threshold: expand while a position's reach probability exceeds this, in (0, 1)"})

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"classifier file (default: the shipped one, {DEFAULT_C2T_CLASSIFIER})")
     parser.add_argument("--num-prompts", type=int, default=60,
                         help="training prompts (Python docs, HumanEval, Debian text; never the dev set)")
+    parser.add_argument("--prompts-file", type=Path, default=None,
+                        help="JSON list of prompt texts to label instead of the built-in sources (e.g. the "
+                             "prompts.json of a `train-drafter` data directory; never the dev set)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     _add_dataclass_options(parser, C2TTrainConfig, "classifier")
 
@@ -42,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
     target = load_causal_lm(args.target)
     drafter = load_drafter(args.drafter, target.model)
     rng = random.Random(config.seed + 7)
-    texts = sources.pydoc_passages(rng, 1000) + sources.humaneval_prompts(1000) + sources.debian_text_prompts(rng, 1000)
+    if args.prompts_file is not None:
+        texts = _prompt_texts(args.prompts_file)
+    else:
+        texts = sources.pydoc_passages(rng, 1000) + sources.humaneval_prompts(1000) + sources.debian_text_prompts(rng, 1000)
     rng.shuffle(texts)
     prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                     tokenize=True, return_dict=True)["input_ids"][-384:]
@@ -53,7 +59,19 @@ def run(args: argparse.Namespace) -> int:
     model, stats = train_classifier(features, labels, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)
-    card = {"prompts": args.num_prompts, "config": dataclasses.asdict(config), **stats}
+    card = {"prompts": min(args.num_prompts, len(texts)), "prompt_source": str(args.prompts_file or "built-in"),
+            "drafter": str(args.drafter), "config": dataclasses.asdict(config), **stats}
     args.out.with_suffix(".json").write_text(json.dumps(card, indent=2))
     print(f"classifier written to {args.out}")
     return 0
+
+
+def _prompt_texts(path: Path) -> list[str]:
+    """A JSON list of non-empty prompt strings (ValueError naming the file otherwise)."""
+    try:
+        texts = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--prompts-file {path}: {exc}") from None
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+        raise ValueError(f"--prompts-file {path}: must hold a non-empty JSON list of non-empty strings")
+    return list(texts)

@@ -140,7 +140,7 @@ def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
     draft = local.draft
     local.draft = lambda requests: calls.append(len(requests)) or draft(requests)
     engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
-                               TreeConfig(method="dyspec", budget=4), max_context_tokens=2048)
+                               TreeConfig(method="dyspec", budget=4, budget_auto=True), max_context_tokens=2048)
     prompt = engine.encode_chat("Tell me about the weather")
     result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
     assert result.token_ids == reference(target.model, prompt, 24)[:len(result.token_ids)]
@@ -149,4 +149,22 @@ def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
     assert drafted, "budget 2 was explored: some steps drafted"
     # Step 1 (prefill) is not reported; after it every step is credited to the budget that decided it.
     assert abs(sum(a.steps for a in chooser.arms.values()) - (len(result.steps) - 1)) < 1e-6
-    assert chooser.arms[0].steps >= 2 + 3 - 1
+    assert chooser.arms[0].steps >= 3  # at least the 3 steps held after the first (prefill) decision
+
+
+def test_a_fixed_budget_is_not_overridden_by_the_chooser(pair):
+    """Only budget_auto trees are sized by the hardware-aware chooser: a request's explicit budget stands
+    (the chooser, which would pick plain decoding here, is neither asked nor credited)."""
+    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+    from treeserve.engine.drafting import DraftRequest
+
+    target, drafter = pair
+    chooser = BudgetChooser(HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0}, 5.0, 128), max_budget=4)
+    chooser._to_explore = [0]
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=chooser)
+    context = [5, 6, 7, 8]
+    fixed = local.draft([DraftRequest("s", context, SamplingParams(), TreeConfig(method="dyspec", budget=12), 0)])[0]
+    assert fixed.num_nodes - 1 == 12 and local.hold_steps == 0 and chooser.owed == 0
+    auto = TreeConfig(method="dyspec", budget=12, budget_auto=True)
+    chosen = local.draft([DraftRequest("s", context, SamplingParams(), auto, 0)])[0]
+    assert chosen.num_nodes == 1 and chooser.current == 0 and local.hold_steps == chooser.plain_hold_steps

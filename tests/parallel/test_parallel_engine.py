@@ -157,7 +157,7 @@ def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
 
     chooser = Chooser()
     drafter = ParallelTreeDrafter(parallel_drafter, tiny_target.model.config.vocab_size, budget=chooser)
-    request = DraftRequest("s", [5, 6, 7], SamplingParams(), TreeConfig(method="opt_tree", budget=16), seed=0)
+    request = DraftRequest("s", [5, 6, 7], SamplingParams(), TreeConfig(method="opt_tree", budget=16, budget_auto=True), seed=0)
     tree = drafter.draft([request])[0]
     assert tree.num_nodes == 1 and drafter.last_model_ms == 0.0  # no drafter forward at all
     drafter.observe(StepRecord(0, 0, 1, 1, 0.1, 0.0, 5.0, 0.1))

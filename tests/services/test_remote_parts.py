@@ -170,13 +170,13 @@ def test_held_plain_decoding_skips_the_draft_rpc(tiny_parts):
                                             static_discovery([drafter_server.address])))
         for client in (target, drafter):
             loop.run(_bind(client))
-        engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 4), 2048)
+        engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", "auto"), 2048)
         prompt = engine.encode_chat("Tell me a story about a fox.")
         result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
         expected = tiny_parts.engine().generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
         assert result.token_ids == expected.token_ids
         assert servicer.worker.calls < len(result.steps)  # Draft + Release calls: held steps sent none
-        assert chooser.arms[0].steps >= 2 + 3 - 1  # held steps' observations arrived and were credited
+        assert chooser.arms[0].steps >= 3  # the held steps' observations arrived and were credited
     finally:
         loop.close()
         target_server.stop(0.2)

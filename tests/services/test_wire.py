@@ -89,5 +89,12 @@ def test_params_round_trip():
     config = TreeConfig(method="opt_tree", budget=12, delta=0.1, max_depth=5)
     back = wire.decode_tree_config(wire.encode_tree_config(config))
     assert (back.method, back.budget, back.max_depth) == ("opt_tree", 12, 5) and back.delta == pytest.approx(0.1)
+    assert not back.budget_auto
+    # An auto budget travels as 0 and stays the replica's choice; a fixed one overrides an auto base.
+    auto = TreeConfig(method="dyspec", budget=64, budget_auto=True)
+    assert wire.encode_tree_config(auto).budget_tokens == 0
+    assert wire.decode_tree_config(wire.encode_tree_config(auto), auto).budget_auto
+    pinned = wire.decode_tree_config(wire.encode_tree_config(TreeConfig(method="dyspec", budget=8)), auto)
+    assert (pinned.budget, pinned.budget_auto) == (8, False)
     record = StepRecord(3, 2, 3, 1, 1.5, 1.0, 2.5, 0.25)
     assert wire.decode_observation(wire.encode_observation(record)) == record
