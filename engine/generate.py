@@ -1,10 +1,10 @@
 """In-process speculative generation: the reference decoding loop the services distribute.
 
-One step for the active batch reads like the protocol (DESIGN.md section 3):
+One step for the active batch (`step`) reads like the protocol (DESIGN.md section 3):
 
-    trees = self.draft(batch)          # drafter: TokenTree per sequence
-    dists = self.score(batch, trees)   # target: one forward over all trees
-    self.accept(batch, trees, dists)   # verification, emission, stop conditions
+    trees = self.draft(batch)                      # drafter: TokenTree per sequence
+    dists = self.target.score(requests(trees))     # target: one forward over all trees
+    verify_tree(tree, dist, ...) per sequence      # accepted tokens + bonus, emission, stop conditions
 
 Batch size 1 uses the configured (dynamic) tree method; above 1, C2T chain mode with early exit, all
 chains scored in one padded target forward (DESIGN.md section 6). Method "autoregressive" drafts
