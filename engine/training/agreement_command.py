@@ -16,14 +16,16 @@ DEV_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
-    parser.add_argument("--drafter", default="default", help="drafter ('default' or a directory)")
+    parser.add_argument("--drafter", nargs="+", default=["default"],
+                        help="drafter(s) ('default' or a directory); several are compared on the same target answers")
     parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS, help="Spec-Bench-format jsonl")
     parser.add_argument("--num-prompts", type=int, default=80, help="prompts used (spread over categories)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="target tokens generated per prompt")
     parser.add_argument("--top-k", type=int, default=4, help="also report top-k agreement")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--write-card", action="store_true",
-                        help="(re)write the drafter directory's README.md model card with this measurement")
+                        help="(re)write the drafter directory's README.md model card with this measurement "
+                             "(one drafter only)")
 
 
 def load_prompts(path: Path, limit: int) -> list[dict]:
@@ -44,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top_k < 1:
         raise ValueError("--num-prompts, --max-new-tokens and --top-k must be >= 1")
+    if args.write_card and len(args.drafter) != 1:
+        raise ValueError("--write-card takes exactly one --drafter")
     target = load_causal_lm(args.target)
-    drafter = load_drafter(args.drafter, target.model)
-    vocab_ids = getattr(drafter, "vocab_ids", None)
-    hit1 = hitk = total = 0
-    per_category: dict[str, list[int]] = {}
+    drafters = {name: load_drafter(name, target.model) for name in args.drafter}
+    counts = {name: Counts() for name in drafters}
     with torch.inference_mode():
         for row in load_prompts(args.prompts, args.num_prompts):
             ids = target.tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
@@ -56,29 +58,47 @@ def run(args: argparse.Namespace) -> int:
                                                        return_dict=True)["input_ids"]
             out = target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                                         do_sample=False, top_p=None, top_k=None, temperature=None)[0]
-            answer = out[len(ids):]
-            logits = drafter(input_ids=out[None, :-1]).logits[0, len(ids) - 1:]
-            top = logits.topk(args.top_k, dim=-1).indices
-            if vocab_ids is not None:
-                top = vocab_ids[top]
-            hits = int((top[:, 0] == answer).sum())
-            hit1 += hits
-            hitk += int((top == answer[:, None]).any(-1).sum())
-            total += len(answer)
-            cat = per_category.setdefault(row.get("category", "all"), [0, 0])
-            cat[0] += hits
-            cat[1] += len(answer)
-    result = {"prompts": args.num_prompts, "positions": total, "max_new_tokens": args.max_new_tokens,
-              "top1": round(hit1 / total, 4), f"top{args.top_k}": round(hitk / total, 4),
-              "top1_by_category": {k: round(h / n, 4) for k, (h, n) in sorted(per_category.items())}}
-    if args.write_card:
-        from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
-        from treeserve.engine.training.model_card import write_drafter_card
+            for name, drafter in drafters.items():
+                counts[name].add(drafter, out, len(ids), args.top_k, row.get("category", "all"))
+    for name, c in counts.items():
+        result = c.result(args)
+        if args.write_card:
+            from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+            from treeserve.engine.training.model_card import write_drafter_card
 
-        directory = DEFAULT_DRAFTER_DIR if args.drafter == "default" else Path(args.drafter)
-        write_drafter_card(directory, result, args)
-    print(json.dumps(result) if args.json else
-          f"{total} positions over {args.num_prompts} prompts: top-1 agreement {hit1 / total:.1%}, "
-          f"top-{args.top_k} {hitk / total:.1%}; top-1 by category: "
-          + ", ".join(f"{k} {v:.0%}" for k, v in result["top1_by_category"].items()))
+            write_drafter_card(DEFAULT_DRAFTER_DIR if name == "default" else Path(name), result, args)
+        label = f"{name}: " if len(counts) > 1 else ""
+        print(json.dumps({"drafter": name, **result}) if args.json else
+              f"{label}{c.total} positions over {args.num_prompts} prompts: top-1 agreement "
+              f"{c.hit1 / c.total:.1%}, top-{args.top_k} {c.hitk / c.total:.1%}; top-1 by category: "
+              + ", ".join(f"{k} {v:.0%}" for k, v in result["top1_by_category"].items()))
     return 0
+
+
+class Counts:
+    """Top-1 / top-k hits of one drafter over the target's answer positions."""
+
+    def __init__(self) -> None:
+        self.hit1 = self.hitk = self.total = 0
+        self.per_category: dict[str, list[int]] = {}
+
+    def add(self, drafter, sequence, prompt_len: int, top_k: int, category: str) -> None:
+        """Teacher-force `drafter` on prompt + target answer `sequence` [T] and count its hits."""
+        answer = sequence[prompt_len:]
+        logits = drafter(input_ids=sequence[None, :-1]).logits[0, prompt_len - 1:]
+        top = logits.topk(top_k, dim=-1).indices
+        vocab_ids = getattr(drafter, "vocab_ids", None)
+        if vocab_ids is not None:
+            top = vocab_ids[top]
+        hits = int((top[:, 0] == answer).sum())
+        self.hit1 += hits
+        self.hitk += int((top == answer[:, None]).any(-1).sum())
+        self.total += len(answer)
+        cat = self.per_category.setdefault(category, [0, 0])
+        cat[0] += hits
+        cat[1] += len(answer)
+
+    def result(self, args) -> dict:
+        return {"prompts": args.num_prompts, "positions": self.total, "max_new_tokens": args.max_new_tokens,
+                "top1": round(self.hit1 / self.total, 4), f"top{args.top_k}": round(self.hitk / self.total, 4),
+                "top1_by_category": {k: round(h / n, 4) for k, (h, n) in sorted(self.per_category.items())}}
