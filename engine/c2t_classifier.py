@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
@@ -85,6 +86,16 @@ class C2TClassifier(nn.Module):
     def confidence(self, features: Tensor) -> Tensor:
         """features [M, 3] -> confidence in (0, 1) [M]."""
         return torch.sigmoid(self.forward(features.float()))
+
+    def confidence_numpy(self, joint_prob: np.ndarray, parent_entropy: np.ndarray, depth: float) -> np.ndarray:
+        """`confidence` of the features of M nodes at one depth, computed in float32 numpy: a builder's
+        layer holds a few dozen candidates, where each torch op costs more than the arithmetic."""
+        x = np.stack([joint_prob.astype(np.float32), parent_entropy.astype(np.float32),
+                      np.full(len(joint_prob), depth, dtype=np.float32)], axis=1)  # [M, 3]
+        w1, b1 = self.fc1.weight.detach().numpy(), self.fc1.bias.detach().numpy()
+        w2, b2 = self.fc2.weight.detach().numpy()[0], self.fc2.bias.detach().numpy()[0]
+        logits = np.maximum(x @ w1.T + b1, 0.0) @ w2 + b2
+        return 1.0 / (1.0 + np.exp(-logits))
 
     @classmethod
     def joint_prob_prior(cls, hidden: int = 48, center: float = 0.05, scale: float = 60.0) -> "C2TClassifier":

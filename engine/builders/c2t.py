@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive
-from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
+from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
@@ -46,21 +47,20 @@ class C2TBuilder:
             if not frontier or room <= 0:
                 break
             top = tree.top(frontier, self.top_k, entropy=True)
-            probs, tokens = top.values, top.tokens  # [F, K]
-            parent_joint = torch.tensor([math.exp(tree.log_joint[f]) for f in frontier], dtype=probs.dtype)
-            joint = parent_joint[:, None] * probs
-            entropy = top.entropy[:, None].expand_as(joint)
-            feats = c2t_features(joint.reshape(-1), entropy.reshape(-1), torch.full((joint.numel(),), float(depth)))
-            conf = self.classifier.confidence(feats)
-            conf = torch.where(probs.reshape(-1) > 0, conf, torch.zeros_like(conf))
-            passing = torch.nonzero(conf >= self.beta).flatten()
-            if passing.numel() == 0:
-                break
-            keep = min(self.top_k, room, passing.numel())
-            chosen = passing[conf[passing].topk(keep).indices].tolist()
-            chosen.sort()  # flat index = frontier slot * K + rank: parents in order, siblings by rank
+            probs, tokens = top.values.numpy(), top.tokens.numpy()  # [F, K]
             width = probs.shape[1]
-            flat_probs, flat_tokens = probs.reshape(-1).tolist(), tokens.reshape(-1).tolist()
+            # numpy for the layer's few dozen candidates (features as `c2t_features`: float32).
+            parent_joint = np.exp(np.array([tree.log_joint[f] for f in frontier])).astype(np.float32)
+            joint = (parent_joint[:, None] * probs).ravel()
+            conf = self.classifier.confidence_numpy(joint, np.repeat(top.entropy.numpy(), width), float(depth))
+            conf[probs.ravel() <= 0] = 0.0
+            passing = np.nonzero(conf >= self.beta)[0]
+            if not len(passing):
+                break
+            keep = min(self.top_k, room, len(passing))
+            chosen = sorted(passing[np.argsort(-conf[passing], kind="stable")[:keep]].tolist())
+            # flat index = frontier slot * K + rank: parents in order, siblings by rank
+            flat_probs, flat_tokens = probs.ravel().tolist(), tokens.ravel().tolist()
             new_frontier = []
             for idx in chosen:
                 parent = frontier[idx // width]

@@ -180,6 +180,13 @@ def test_c2t_classifier_roundtrip(tmp_path):
     model.save(path)
     loaded = C2TClassifier.load(path)
     assert loaded.hidden == 12 and torch.allclose(loaded.confidence(feats), model.confidence(feats))
+    # The builder's numpy path computes the same confidence as the module.
+    torch.manual_seed(0)
+    joint, entropy = torch.rand(40) ** 3, torch.rand(40) * 5
+    for depth in (1.0, 6.0):
+        want = model.confidence(c2t_features(joint, entropy, torch.full((40,), depth)))
+        got = model.confidence_numpy(joint.numpy(), entropy.numpy(), depth)
+        assert got.shape == (40,) and torch.allclose(torch.from_numpy(got).float(), want, atol=1e-6)
     prior = C2TClassifier.joint_prob_prior(center=0.1)
     conf = prior.confidence(c2t_features(torch.tensor([0.5, 0.01]), torch.zeros(2), torch.ones(2)))
     assert conf[0] > 0.5 > conf[1]
