@@ -132,7 +132,12 @@ class BudgetChooser:
     max_budget: int = 64
     prior_acceptance: float = field(default=0.6, metadata={"help": "per-token acceptance assumed before measuring"})
     explore_steps: int = field(default=3, metadata={"help": "steps to measure each promising budget"})
-    revisit: float = field(default=0.05, metadata={"help": "chance of re-measuring a neighbouring budget"})
+    revisit: float = field(default=0.05, metadata={"help": "chance of re-measuring a rival budget"})
+    revisit_min_steps: int = field(default=10, metadata={
+        "help": "a measured budget stays a revisit candidate until it has this many steps ..."})
+    revisit_within: float = field(default=0.7, metadata={
+        "help": "... and after that only while its rate is at least this fraction of the best's (a big tree "
+                "measured clearly slower stops costing re-measurements)"})
     plain_hold_steps: int = field(default=4, metadata={
         "help": "further steps kept on plain decoding once budget 0 is chosen: the caller may skip the drafter "
                 "for them (a remote drafter saves its round trip), their records are credited to budget 0"})
@@ -165,10 +170,13 @@ class BudgetChooser:
         measured = [b for b in self.arms if self.arms[b].steps]
         best = max(measured, key=lambda b: self.arms[b].rate)
         if self._rng.random() < self.revisit:
-            # Re-measure the least-measured rival (every measured budget and the best's neighbours): a
-            # rival whose few early steps were unlucky is not locked out by the greedy choice.
+            # Re-measure the least-measured rival (the best's neighbours and every measured budget not yet
+            # clearly worse): a rival whose few early steps were unlucky is not locked out by the greedy
+            # choice, and one measured well and clearly slower is not re-measured forever.
             i = self.candidates.index(best)
-            rivals = set(measured) | {self.candidates[max(0, i - 1)], self.candidates[min(len(self.candidates) - 1, i + 1)]}
+            floor = self.revisit_within * self.arms[best].rate
+            rivals = {b for b in measured if self.arms[b].steps < self.revisit_min_steps or self.arms[b].rate >= floor}
+            rivals |= {self.candidates[max(0, i - 1)], self.candidates[min(len(self.candidates) - 1, i + 1)]}
             rivals.discard(best)
             if rivals:
                 return min(rivals, key=lambda b: (self.arms[b].steps if b in self.arms else 0.0, b))

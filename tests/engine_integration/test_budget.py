@@ -72,3 +72,20 @@ def _arm(tokens: int, ms: float, steps: int):
     from treeserve.engine.budget import _Arm
 
     return _Arm(tokens=tokens, seconds=ms / 1e3, steps=float(steps))
+
+
+def test_a_well_measured_clearly_slower_budget_is_not_revisited():
+    """Budget 8 with many steps at half the best rate stops being re-measured; an arm within the margin
+    (budget 2, not a neighbour of 0) still is."""
+    chooser = BudgetChooser(PROFILE, max_budget=8, revisit=1.0, seed=0)
+    chooser._to_explore = []
+    chooser.arms = {0: _arm(30, 1000.0, steps=30), 8: _arm(60, 4000.0, steps=20), 2: _arm(28, 1000.0, steps=20),
+                    6: _arm(3, 400.0, steps=3)}
+    picked = set()
+    for _ in range(200):
+        budget = chooser.next_budget()
+        picked.add(budget)
+        rate = chooser.arms[budget].rate if budget in chooser.arms else 20.0
+        chooser.observe(record(1, 1e3 / rate))  # each arm keeps its measured rate
+    assert 8 not in picked  # 15 tok/s vs 30, 20 steps: clearly worse and well measured
+    assert {1, 2, 6} <= picked  # the neighbour, a close rival, an under-measured one
