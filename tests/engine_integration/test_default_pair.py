@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from treeserve.engine.bench import greedy_reference
 from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
