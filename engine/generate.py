@@ -2,7 +2,7 @@
 
 One step for the active batch (`step`) reads like the protocol (DESIGN.md section 3):
 
-    trees = self.draft(batch)                      # drafter: TokenTree per sequence
+    trees, _ = self.draft(batch)                   # drafter: TokenTree per sequence
     dists = self.target.score(requests(trees))     # target: one forward over all trees
     verify_tree(tree, dist, ...) per sequence      # accepted tokens + bonus, emission, stop conditions
 
@@ -81,7 +81,6 @@ class SpeculativeEngine:
         # (batch size, steps): steps the drafter's budget chooser already decided are plain decoding at
         # that batch size; they skip the drafter call (for a remote drafter, its round trip).
         self._plain_hold = (0, 0)
-        self._drafter_called = False  # the last draft() called the drafter
 
     # ------------------------------------------------------------------ public API
     def encode_chat(self, text_or_messages: str | list[dict]) -> list[int]:
@@ -128,13 +127,13 @@ class SpeculativeEngine:
         # would blame whatever budget it tried then, so such steps are not reported to it.
         prefill = any(not s.steps for s in batch)
         t0 = time.perf_counter()
-        trees = self.draft(batch)
+        trees, drafted = self.draft(batch)
         t1 = time.perf_counter()
         dists = self.target.score([ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint)
                                    for s, tree in zip(batch, trees)])
         t2 = time.perf_counter()
         # A remote drafter does not report its forward time; then all drafting counts as model time.
-        draft_model_ms = getattr(self.drafter, "last_model_ms", (t1 - t0) * 1e3) if self._drafter_called else 0.0
+        draft_model_ms = getattr(self.drafter, "last_model_ms", (t1 - t0) * 1e3) if drafted else 0.0
         for s, tree, dist in zip(batch, trees, dists):
             result = verify_tree(tree, dist, s.request.sampling, s.generator)
             s.accepted_hint = result.accepted_nodes
@@ -149,20 +148,20 @@ class SpeculativeEngine:
             if self.drafter is not None and not prefill:
                 self.drafter.observe(s.steps[-1])
 
-    def draft(self, batch: list[Sequence]) -> list[TokenTree]:
-        """One TokenTree per sequence (the root alone for autoregressive decoding)."""
-        self._drafter_called = False
+    def draft(self, batch: list[Sequence]) -> tuple[list[TokenTree], bool]:
+        """One TokenTree per sequence (the root alone for autoregressive decoding or a held plain step),
+        and whether the drafter was called."""
+        plain = [root_only(s.context) for s in batch]
         if self.drafter is None or all(s.tree.method == AUTOREGRESSIVE for s in batch):
-            return [root_only(s.context) for s in batch]
+            return plain, False
         size, held = self._plain_hold
         if held > 0 and size == len(batch):
             self._plain_hold = (size, held - 1)
-            return [root_only(s.context) for s in batch]
+            return plain, False
         trees = self.drafter.draft([DraftRequest(s.session_id, s.context, s.request.sampling, s.tree,
                                                  s.seed + len(s.steps), s.accepted_hint) for s in batch])
         self._plain_hold = (len(batch), int(getattr(self.drafter, "hold_steps", 0)))
-        self._drafter_called = True
-        return trees
+        return trees, True
 
     def release(self, s: Sequence) -> None:
         self.target.release(s.session_id)

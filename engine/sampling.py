@@ -239,9 +239,12 @@ class ResidualRow:
             gone = self._removed_in.setdefault(block, [])
             gone.append(token)
             sums[block] = 0.0 if len(gone) >= width else max(sums[block] - prob, 0.0)
-        group = block // self._group
+        self._readd_group(block // self._group)
+
+    def _readd_group(self, group: int) -> None:
+        """Recompute a group's sum from its blocks (re-added, not decremented: no float drift)."""
         start = group * self._group
-        self._group_sums[group] = sum(sums[start:start + self._group])  # re-added: no drift
+        self._group_sums[group] = sum(self._block_sums[start:start + self._group])  # type: ignore[index]
         self._cum = None
 
     @property
@@ -355,8 +358,7 @@ class ResidualRow:
             if inner[-1] <= 0.0:
                 # Float residue of a block whose mass is all drawn: drop it and draw again.
                 sums[block] = 0.0
-                groups[group] = sum(sums[first:first + group_size])
-                self._cum = None
+                self._readd_group(group)
                 continue
             pos = min(bisect.bisect_right(inner, offset * inner[-1] / max(sums[block], 1e-300)), width - 1)
             while inside[pos] <= 0.0 and pos > 0:

@@ -40,13 +40,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    given = _prompt_texts(args.prompts_file) if args.prompts_file is not None else None  # before model loading
     torch.set_num_threads(args.threads)
     config = C2TTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(C2TTrainConfig)})
     target = load_causal_lm(args.target)
     drafter = load_drafter(args.drafter, target.model)
     rng = random.Random(config.seed + 7)
-    if args.prompts_file is not None:
-        texts = _prompt_texts(args.prompts_file)
+    if given is not None:
+        texts = given
     else:
         texts = sources.pydoc_passages(rng, 1000) + sources.humaneval_prompts(1000) + sources.debian_text_prompts(rng, 1000)
     rng.shuffle(texts)

@@ -1,4 +1,5 @@
-"""`treeserve agreement` on the tiny pair: several drafters compared on the same target answers."""
+"""CLI commands on the tiny pair: `treeserve agreement` (several drafters compared on the same target
+answers) and `train-c2t`'s input checks."""
 
 import json
 import subprocess
@@ -23,3 +24,13 @@ def test_write_card_needs_one_drafter(tiny_target_dir, tiny_drafter_dir):
                           "--drafter", str(tiny_drafter_dir), str(tiny_drafter_dir), "--write-card"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "exactly one --drafter" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_train_c2t_rejects_a_bad_prompts_file(tmp_path):
+    """A bad --prompts-file is a CLI message naming the file, before any model is loaded."""
+    bad = tmp_path / "prompts.json"
+    bad.write_text('{"not": "a list"}')
+    for path in (bad, tmp_path / "missing.json"):
+        out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "train-c2t", "--prompts-file", str(path),
+                              "--target", str(tmp_path / "no-model")], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "--prompts-file" in out.stderr and "Traceback" not in out.stderr
