@@ -12,9 +12,13 @@ drafter does on its head next to the forward: on the default drafter's 16,384-to
 49,152-token rows used here). The oracle-side summary time is printed in its own column. A third run
 hands out summaries precomputed for all rows ("cached"): the builder's CPU without the cache pollution
 of the 12 MB of fresh rows per call, which a summarising model drafter (16k-wide head rows, top-k
-taken next to the forward) largely avoids.
+taken next to the forward) largely avoids. With `--drafter` (default: the shipped default drafter), the
+64-node cases also run against the real thing: the drafter's own oracle (engine.runners.drafter) on a
+chat-templated dev prompt, its forwards, KV upkeep, warping and summaries excluded as oracle time, the
+builder's CPU measured between them ("drafter" column; 768-node builds are skipped there: one forward
+per node).
 
-    python benchmarks/tree_build.py [--repeats 15] [--vocab 49152]
+    python benchmarks/tree_build.py [--repeats 15] [--vocab 49152] [--drafter default|none|DIR]
 """
 
 from __future__ import annotations
@@ -112,15 +116,66 @@ class CachedSummaryOracle(TimedSummarizingOracle):
         return out
 
 
+@dataclass
+class TimedDrafterOracle:
+    """A model drafter's oracle for one step (a fresh `DrafterRunner.begin` per build), timed."""
+
+    inner: object  # engine.runners.drafter.SessionOracle
+    seconds: float = 0.0
+    calls: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
+        start = time.thread_time()
+        out = self.inner.probs(tokens, parents, node_ids)
+        self.seconds += time.thread_time() - start
+        self.calls += 1
+        return out
+
+    def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
+        start = time.thread_time()
+        out = self.inner.summarize(tokens, parents, node_ids, k, entropy)
+        self.seconds += time.thread_time() - start
+        self.calls += 1
+        return out
+
+
+def drafter_oracles(drafter_path: str):
+    """A factory of timed drafter oracles: each starts a new step of one session whose context is the
+    first dev prompt (chat template) plus the start of a greedy answer."""
+    import json
+    from pathlib import Path
+
+    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.pipeline import build_local_drafter
+
+    target = load_causal_lm("default")
+    runner = build_local_drafter(drafter_path, target.model, budget=32).runner
+    dev = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
+    row = json.loads(dev.read_text().splitlines()[0])
+    prompt = list(target.tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
+                                                       add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+    with torch.inference_mode():
+        context = target.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
+
+    def make(sampling: SamplingParams) -> TimedDrafterOracle:
+        return TimedDrafterOracle(runner.begin("bench", context, sampling))
+    return make
+
+
 def time_build(config: TreeConfig, sampling: SamplingParams, rows: Tensor, repeats: int,
-               oracle_type: type[TimedOracle] = TimedOracle) -> tuple[float, float, TokenTree, int, float]:
+               oracle_type=TimedOracle) -> tuple[float, float, TokenTree, int, float]:
     """(median builder CPU ms excluding oracle, median total CPU ms, last tree, oracle calls per build,
     median oracle-side summary ms)."""
     builder = make_builder(config)
     own, total, summary = [], [], []
     tree, calls = None, 0
     for rep in range(repeats + 1):
-        oracle = oracle_type(rows)
+        oracle = oracle_type(rows) if rows is not None else oracle_type(sampling)
         gen = torch.Generator().manual_seed(rep)
         start = time.thread_time()
         tree = builder.build(0, oracle, sampling, gen)
@@ -144,9 +199,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--drafter", default="default", help="model drafter for the 'drafter' column; 'none' skips it")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = make_rows(96, args.vocab)
+    model_oracle = drafter_oracles(args.drafter) if args.drafter != "none" else None
     print(f"vocab {args.vocab}, mean top-1 draft prob {float(rows.max(dim=1).values.mean()):.2f}, torch threads 1\n")
 
     greedy, hot = SamplingParams(), SamplingParams(temperature=1.0)
@@ -160,16 +217,18 @@ def main() -> None:
         ("opt_tree n=64 d<=8", TreeConfig(method="opt_tree", budget=64, delta=0.0, max_depth=8), hot),
         ("c2t K=15 d=6", TreeConfig(method="c2t", budget=64, depth=6, top_k=15, beta=0.5), hot),
         ("dyspec 768 T=0", TreeConfig(method="dyspec", budget=768), greedy),
-        ("dyspec 768 T=0 prefetch=16", TreeConfig(method="dyspec", budget=768, prefetch=16), greedy),
+        ("dyspec 768 T=0 prefetch=4", TreeConfig(method="dyspec", budget=768, prefetch=4), greedy),
         ("dyspec 768 T=1", TreeConfig(method="dyspec", budget=768), hot),
         ("dyspec_threshold 768 T=1", TreeConfig(method="dyspec_threshold", budget=768, threshold=1e-4), hot),
     ]
     print("build ms = builder CPU excluding the oracle; rows / summ. = oracle without / with `summarize`; "
-          "cached = summaries precomputed (no row traffic between builder steps)")
+          "cached = summaries precomputed (no row traffic between builder steps); drafter = the model drafter's "
+          "oracle (its nodes / calls in brackets)")
     print(f"{'builder':28s} {'nodes':>5s} {'calls':>5s} {'E(A)':>6s} {'build ms':>9s} {'+oracle ms':>10s} "
-          f"{'build ms':>9s} {'summary ms':>10s} {'build ms':>9s} {'blocks32':>8s} {'dfs':>5s}")
+          f"{'build ms':>9s} {'summary ms':>10s} {'build ms':>9s} {'build ms':>9s} {'nodes/calls':>11s} "
+          f"{'blocks32':>8s} {'dfs':>5s}")
     print(f"{'':28s} {'':>5s} {'':>5s} {'':>6s} {'(rows)':>9s} {'(rows)':>10s} {'(summ.)':>9s} {'(oracle)':>10s} "
-          f"{'(cached)':>9s}")
+          f"{'(cached)':>9s} {'(drafter)':>9s}")
     for name, config, sampling in cases:
         repeats = args.repeats if "768" not in name else max(3, args.repeats // 3)
         own, total, tree, calls, _ = time_build(config, sampling, rows, repeats)
@@ -179,9 +238,14 @@ def main() -> None:
         for other in (fast_tree, cached_tree):
             if not (torch.equal(tree.tokens, other.tokens) and torch.equal(tree.parents, other.parents)):
                 raise SystemExit(f"{name}: the summarizing oracle changed the tree")
+        drafter_ms, drafter_shape = "-", "-"
+        if model_oracle is not None and "768" not in name:
+            mine, _, model_tree, model_calls, _ = time_build(config, sampling, None, repeats, model_oracle)
+            drafter_ms, drafter_shape = f"{mine:.2f}", f"{model_tree.num_nodes - 1}/{model_calls}"
         before, after = tree.block_count(32), tree.reorder(tree.dfs_order()).block_count(32)
         print(f"{name:28s} {tree.num_nodes - 1:5d} {calls:5d} {expected_accepted_length(tree):6.2f} "
-              f"{own:9.2f} {total:10.2f} {fast:9.2f} {summary:10.2f} {cached:9.2f} {before:8d} {after:5d}")
+              f"{own:9.2f} {total:10.2f} {fast:9.2f} {summary:10.2f} {cached:9.2f} {drafter_ms:>9s} "
+              f"{drafter_shape:>11s} {before:8d} {after:5d}")
 
     print("\nblock counts of random trees (32x32 blocks, DySpec appendix C / Table 5)")
     print(f"{'size':>6s} {'original':>9s} {'dfs':>6s}")

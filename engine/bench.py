@@ -4,8 +4,9 @@ Each method decodes the same Spec-Bench prompts (first turn, chat template) with
 same process; answers are written in Spec-Bench's jsonl format (`choices[0].turns / new_tokens /
 wall_time / accept_lengths`), and a table reports per method: budget, MAL (tokens per target forward,
 bonus included), candidate tokens per step, tokens/s, speedup over autoregressive, the worst
-per-category speedup, drafting time per step (and the drafter-forward part of it), and the share of step
-time spent building trees and verifying them. `--warmup-prompts` untimed prompts (not from the dev set) run
+per-category speedup, drafting time per step (and the drafter-runner part of it: forwards, their KV cache
+upkeep, warping and row summaries), and the shares of step time spent building trees and verifying them
+(the rest of drafting) and in the drafter runner outside its model forwards. `--warmup-prompts` untimed prompts (not from the dev set) run
 through every method first, so hardware-aware budgets have finished exploring when timing starts.
 
 Drafter kinds: an entry `METHOD[:BUDGET]` drafts with the autoregressive drafter (`--drafter`);
@@ -105,7 +106,8 @@ class MethodStats:
     overhead_ms: float = 0.0  # tree construction + verification
     step_ms: float = 0.0
     draft_ms: float = 0.0  # drafting wall time (drafter forwards + tree construction)
-    draft_model_ms: float = 0.0  # of which drafter forwards
+    draft_model_ms: float = 0.0  # of which the drafter runner (forwards, KV upkeep, warping, summaries)
+    draft_forward_ms: float = 0.0  # of which model forwards
     by_category: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
 
     @property
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
                 st.step_ms += sum(s.draft_ms + s.score_ms + s.verify_ms for s in result.steps)
                 st.draft_ms += sum(s.draft_ms for s in result.steps)
                 st.draft_model_ms += sum(s.draft_model_ms for s in result.steps)
+                st.draft_forward_ms += sum(s.draft_forward_ms for s in result.steps)
                 cat = st.by_category[row.get("category", "all")]
                 cat[0] += len(result.token_ids)
                 cat[1] += result.wall_time_s
@@ -224,20 +227,23 @@ def run(args: argparse.Namespace) -> int:
                         "candidates_per_step": st.candidates / max(1, st.steps), "tokens_per_s": st.tokens_per_s,
                         "speedup": speed, "worst_category_speedup": worst, "category_speedups": per_category,
                         "overhead_pct": 100 * st.overhead_ms / max(st.step_ms, 1e-9),
+                        "runner_pct": 100 * (st.draft_model_ms - st.draft_forward_ms) / max(st.step_ms, 1e-9),
                         "draft_ms_per_step": st.draft_ms / max(1, st.steps),
-                        "drafter_forward_ms_per_step": st.draft_model_ms / max(1, st.steps)})
+                        "drafter_runner_ms_per_step": st.draft_model_ms / max(1, st.steps),
+                        "drafter_forward_ms_per_step": st.draft_forward_ms / max(1, st.steps)})
     table = Table(title=f"{len(rows)} prompts x {args.max_new_tokens} tokens, temperature {args.temperature}")
-    for col in ("method", "budget", "drafter", "MAL", "cand/step", "draft ms/step", "fwd ms/step", "tok/s", "speedup",
-                "worst cat.", "build+verify %"):
+    for col in ("method", "budget", "drafter", "MAL", "cand/step", "draft ms/step", "runner ms", "fwd ms", "tok/s",
+                "speedup", "worst cat.", "build+verify %", "runner-fwd %"):
         table.add_column(col, justify="right")
     for s in summary:
         spec = s["method"] != "autoregressive"
         table.add_row(s["method"], str(s["budget"]), s["drafter"] if spec else "-", f"{s['mal']:.2f}",
                       f"{s['candidates_per_step']:.1f}",
                       f"{s['draft_ms_per_step']:.2f}" if spec else "-",
+                      f"{s['drafter_runner_ms_per_step']:.2f}" if spec else "-",
                       f"{s['drafter_forward_ms_per_step']:.2f}" if spec else "-",
                       f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['worst_category_speedup']:.2f}x",
-                      f"{s['overhead_pct']:.1f}")
+                      f"{s['overhead_pct']:.1f}", f"{s['runner_pct']:.1f}" if spec else "-")
     Console(width=160).print(table)
     if checks:
         for key, check in checks.items():

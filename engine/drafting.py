@@ -48,7 +48,10 @@ class LocalDrafter:
         self.batch_chain_depth = batch_chain_depth
         self.batch_chain_beta = batch_chain_beta
         self._builders: dict[str, object] = {}
-        self.last_model_ms = 0.0  # drafter forward time of the last draft() call; the rest is tree building
+        # Drafter runner time of the last draft() call (forwards, KV upkeep, warping, summaries: DrafterRunner.seconds);
+        # the rest of the call is tree construction.
+        self.last_model_ms = 0.0
+        self.last_forward_ms = 0.0  # of which model forwards
         # Steps after the last draft() call that its budget chooser already decided are plain decoding: the
         # engine may skip calling draft() for them (same batch size) and only report their records.
         self.hold_steps = 0
@@ -70,7 +73,7 @@ class LocalDrafter:
 
     def draft(self, requests: list[DraftRequest]) -> list[TokenTree]:
         """One tree per request: the configured method alone, C2T chains in one batch above one."""
-        model_seconds = self.runner.lm.forward_seconds
+        runner_seconds, forward_seconds = self.runner.seconds, self.runner.lm.forward_seconds
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
         self.hold_steps = 0
@@ -91,7 +94,8 @@ class LocalDrafter:
             if builder is not None:  # None: the chooser found that no drafting pays this step
                 generator = torch.Generator().manual_seed(r.seed)
                 trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
-        self.last_model_ms = (self.runner.lm.forward_seconds - model_seconds) * 1e3
+        self.last_model_ms = (self.runner.seconds - runner_seconds) * 1e3
+        self.last_forward_ms = (self.runner.lm.forward_seconds - forward_seconds) * 1e3
         return [trees.get(id(r)) or root_only(r.context) for r in requests]
 
     def _batch_depth(self, batch_size: int) -> int:

@@ -132,8 +132,9 @@ class SpeculativeEngine:
         dists = self.target.score([ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint)
                                    for s, tree in zip(batch, trees)])
         t2 = time.perf_counter()
-        # A remote drafter does not report its forward time; then all drafting counts as model time.
+        # A drafter that does not report its runner time: all drafting counts as runner time.
         draft_model_ms = getattr(self.drafter, "last_model_ms", (t1 - t0) * 1e3) if drafted else 0.0
+        draft_forward_ms = getattr(self.drafter, "last_forward_ms", draft_model_ms) if drafted else 0.0
         for s, tree, dist in zip(batch, trees, dists):
             result = verify_tree(tree, dist, s.request.sampling, s.generator)
             s.accepted_hint = result.accepted_nodes
@@ -141,7 +142,7 @@ class SpeculativeEngine:
             s.steps.append(StepRecord(tree_size=tree.num_nodes - 1, accepted=result.num_accepted,
                                       emitted=len(result.tokens), batch_size=len(batch),
                                       draft_ms=(t1 - t0) * 1e3, draft_model_ms=draft_model_ms,
-                                      score_ms=(t2 - t1) * 1e3, verify_ms=0.0))
+                                      score_ms=(t2 - t1) * 1e3, verify_ms=0.0, draft_forward_ms=draft_forward_ms))
         verify_ms = (time.perf_counter() - t2) * 1e3 / len(batch)
         for s in batch:
             s.steps[-1].verify_ms = verify_ms

@@ -27,6 +27,7 @@ its joint probability drops below `batch_chain_min_joint`, all from the same sin
 
 from __future__ import annotations
 
+import time
 import heapq
 import math
 from dataclasses import dataclass
@@ -164,7 +165,8 @@ class ParallelTreeDrafter:
         self.batch_chain_beta = batch_chain_beta
         self.hold_steps = 0  # further steps the chooser decided are plain decoding (see LocalDrafter)
         self._builders: dict[str, ParallelTreeBuilder] = {}
-        self.last_model_ms = 0.0  # drafter forward time of the last draft() call
+        self.last_model_ms = 0.0  # drafter runner time of the last draft() call (forward, KV upkeep, warping)
+        self.last_forward_ms = 0.0  # of which the model forward
         self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
 
     @property
@@ -192,7 +194,6 @@ class ParallelTreeDrafter:
         return [warp_probs(rows, r.sampling) for r, rows in zip(requests, logits)]
 
     def draft(self, requests: list[DraftRequest]) -> list[TokenTree]:
-        started = self.lm.forward_seconds
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
         plans: list[tuple[DraftRequest, ParallelTreeBuilder]] = []
@@ -208,10 +209,12 @@ class ParallelTreeDrafter:
                     self.hold_steps = self.budget.held
             if builder is not None:
                 plans.append((r, builder))
+        started, forward_seconds = time.perf_counter(), self.lm.forward_seconds
         self.last_positions = self.position_probs([r for r, _ in plans]) if plans else []
+        self.last_model_ms = (time.perf_counter() - started) * 1e3 if plans else 0.0
+        self.last_forward_ms = (self.lm.forward_seconds - forward_seconds) * 1e3
         for (r, builder), rows in zip(plans, self.last_positions):
             trees[id(r)] = self._build(r.context[-1], rows, builder)
-        self.last_model_ms = (self.lm.forward_seconds - started) * 1e3
         return [trees.get(id(r)) or root_only(r.context) for r in requests]
 
     def _build(self, root: int, rows: Tensor, builder: ParallelTreeBuilder) -> TokenTree:

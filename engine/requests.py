@@ -36,9 +36,10 @@ class StepRecord:
     emitted: int  # tokens emitted: accepted + the bonus/recovered token
     batch_size: int  # sequences in the step's target forward
     draft_ms: float  # drafting wall time of the whole batch step
-    draft_model_ms: float  # of which drafter forwards (the rest is tree construction)
+    draft_model_ms: float  # of which the drafter runner: forwards, KV upkeep, warping (the rest is tree construction)
     score_ms: float  # target forward wall time of the whole batch step
     verify_ms: float  # verification time per sequence
+    draft_forward_ms: float = 0.0  # of draft_model_ms, the drafter's model forwards alone
 
 
 @dataclass

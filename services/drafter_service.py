@@ -83,6 +83,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return pb.DraftResponse(trees=[wire.encode_tree(t) for t in trees],
                                 draft_ms=(time.perf_counter() - started) * 1e3,
                                 draft_model_ms=getattr(self.drafter, "last_model_ms", 0.0),
+                                draft_forward_ms=getattr(self.drafter, "last_forward_ms", 0.0),
                                 plain_steps_held=int(getattr(self.drafter, "hold_steps", 0)))
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:

@@ -528,7 +528,8 @@ class RemoteDrafter(_GroupedCaller):
         super().__init__(pool, call_timeout_s, retry_timeout_s)
         self._observations: list[pb.StepObservation] = []
         self.fallbacks = 0
-        self.last_model_ms = 0.0  # drafter forward time of the last draft call (engine StepRecord)
+        self.last_model_ms = 0.0  # drafter runner time of the last draft call (engine StepRecord)
+        self.last_forward_ms = 0.0  # of which model forwards
         self.hold_steps = 0  # further steps the replica's chooser decided are plain decoding (engine skips them)
 
     async def draft_async(self, requests: list[DraftRequest]) -> list[TokenTree]:
@@ -541,7 +542,7 @@ class RemoteDrafter(_GroupedCaller):
             reply = await live.stub.Draft(message, timeout=self.call_timeout_s)
             if len(reply.trees) != len(group):
                 raise _Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")
-            self.last_model_ms = reply.draft_model_ms
+            self.last_model_ms, self.last_forward_ms = reply.draft_model_ms, reply.draft_forward_ms
             holds.append(reply.plain_steps_held)
             return [wire.decode_tree(t) for t in reply.trees]
 
@@ -552,7 +553,7 @@ class RemoteDrafter(_GroupedCaller):
         except NoReplicaError as exc:
             self.fallbacks += 1
             self.hold_steps = 0
-            self.last_model_ms = 0.0
+            self.last_model_ms = self.last_forward_ms = 0.0
             log.warning("drafting skipped for this step (%s): root-only trees", exc)
             return [root_only(r.context) for r in requests]
 

@@ -160,14 +160,14 @@ def encode_observation(record: StepRecord) -> pb.StepObservation:
     return pb.StepObservation(tree_size_tokens=record.tree_size, accepted_tokens=record.accepted,
                               emitted_tokens=record.emitted, batch_size=record.batch_size,
                               draft_ms=record.draft_ms, score_ms=record.score_ms, verify_ms=record.verify_ms,
-                              draft_model_ms=record.draft_model_ms)
+                              draft_model_ms=record.draft_model_ms, draft_forward_ms=record.draft_forward_ms)
 
 
 def decode_observation(message: pb.StepObservation) -> StepRecord:
     return StepRecord(tree_size=message.tree_size_tokens, accepted=message.accepted_tokens,
                       emitted=message.emitted_tokens, batch_size=message.batch_size, draft_ms=message.draft_ms,
                       draft_model_ms=message.draft_model_ms, score_ms=message.score_ms,
-                      verify_ms=message.verify_ms)
+                      verify_ms=message.verify_ms, draft_forward_ms=message.draft_forward_ms)
 
 
 def hint(message, has_field: str = "has_accepted_nodes", field: str = "accepted_nodes") -> list[int] | None:

@@ -31,7 +31,7 @@ class TreeConfig:
     threshold: float = field(default=0.05, metadata={"help": "dyspec_threshold: expand while a position's reach probability exceeds this, in (0, 1)"})
     delta: float = field(default=0.2, metadata={"help": "opt_tree: stop when E_sub grows by at most delta (>= 0; paper: between mu and 1)"})
     beta: float = field(default=0.5, metadata={"help": "c2t / c2t_chain: classifier confidence threshold, in (0, 1)"})
-    prefetch: int = field(default=4, metadata={"help": "dyspec: draft rows fetched per drafter call (T > 0: the popped node + best unfetched heap nodes; T = 0: the best unfetched candidates)"})
+    prefetch: int = field(default=16, metadata={"help": "dyspec: draft rows fetched per drafter call (T > 0: the popped node + best unfetched heap nodes; T = 0: the best unfetched candidates)"})
     max_depth: int | None = field(default=None, metadata={"help": "optional depth cap for dyspec, dyspec_threshold and opt_tree"})
     chain_sampled: bool = field(default=True, metadata={"help": "chain at temperature > 0: sample tokens (SpS) instead of deterministic top-1"})
     rerank: bool = field(default=True, metadata={"help": "eagle2: keep the `budget` best nodes; False keeps the whole expanded tree"})

@@ -58,9 +58,8 @@ class OptTreeBuilder:
             if not len(order):
                 trace.append(e_prev)
                 break
+            # Every node is ChildDraw.TOP_K, PartialTree's default for new nodes and the root: no set_draw.
             parents = frontier[rows[order]]
-            for parent in np.unique(parents).tolist():
-                tree.set_draw(parent, ChildDraw.TOP_K)
             first = tree.extend(parents.tolist(), tokens[order].tolist(), np.log(q[order]).tolist())
             scale = values[order]  # the new layer's p-hat
             phat = np.concatenate([phat, scale])
@@ -80,14 +79,16 @@ class OptTreeBuilder:
         """The n largest p-hat = scale[r] * q_r[v] over the layer's rows (values descending, row
         index, token, unscaled q), exactly, from top-k summaries instead of the rows themselves.
 
-        Start from each row's top 16; theta = the n-th best scaled value listed so far is a lower
+        Start from each row's top min(n, 64): no row can hold more than n members, so for n <= 64
+        one summary is exact. For larger n, theta = the n-th best scaled value listed so far is a lower
         bound of the layer's true n-th value, so a row whose smallest listed scaled value does not
         beat theta holds no further member of the top n. Only rows that still could are summarised
         again, 4x wider (the oracle keeps their rows: no new drafter forward). Most rows of a layer
-        give a child or two; a few high-p-hat rows give many. numpy on these [R, 16] arrays: its
+        give a child or two; a few high-p-hat rows give many. Summaries cost the oracle next to
+        nothing more at 64 than at 16 (one pass over the row either way). numpy on these [R, 16] arrays: its
         small ops cost about a microsecond, torch's several."""
         vocab = tree.oracle.vocab_size
-        top = tree.top(frontier, min(16, n, vocab))
+        top = tree.top(frontier, min(64, n, vocab))
         vals, toks = top.values.numpy(), top.tokens.numpy()  # [R, k], each row descending
         row_scale = scale[:, None]
         while True:

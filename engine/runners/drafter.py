@@ -16,6 +16,9 @@ nodes whose row a builder asks for (sampling builders, whose verification needs 
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 from torch import Tensor
 
@@ -25,6 +28,18 @@ from treeserve.engine.c2t_classifier import top_entropy
 from treeserve.engine.sampling import SamplingParams, topk_rows, warp_probs
 
 
+def _timed(method):
+    """Add the call's wall time to the runner's `seconds`."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+    return timed
+
+
 class DrafterRunner:
     def __init__(self, model: torch.nn.Module, target_vocab_size: int, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256):
@@ -32,7 +47,12 @@ class DrafterRunner:
         self.vocab_size = target_vocab_size
         ids = getattr(model, "vocab_ids", None)
         self.vocab_ids = None if ids is None else ids.cpu()  # [V_draft] target ids of the head's rows
+        # Total time inside the runner's entry points: forwards with their KV cache upkeep and masks,
+        # warping, full-vocabulary rows and summaries. A step's drafting time minus this is tree
+        # construction (the builder, plus the oracle's walk to unfed ancestors, counted there).
+        self.seconds = 0.0
 
+    @_timed
     def begin(self, session_id: str, context: list[int], sampling: SamplingParams,
               accepted_nodes: list[int] | None = None) -> "SessionOracle":
         self.lm.begin(session_id, context, accepted_nodes)
@@ -41,6 +61,7 @@ class DrafterRunner:
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)
 
+    @_timed
     def full_vocab(self, probs: Tensor) -> Tensor:
         """[k, V_draft] -> [k, V] with zeros outside the drafter's vocabulary."""
         if self.vocab_ids is None:
@@ -48,6 +69,7 @@ class DrafterRunner:
         out = probs.new_zeros(probs.shape[0], self.vocab_size)
         return out.index_copy_(1, self.vocab_ids, probs)
 
+    @_timed
     def summarize(self, head_rows: Tensor, k: int, entropy: bool) -> RowSummary:
         """Top-k (target token ids) and optionally the C2T entropy of head rows [n, V_draft]: the same
         as summarising `full_vocab(head_rows)`, without building it."""
@@ -59,6 +81,7 @@ class DrafterRunner:
         tokens = index if self.vocab_ids is None else self.vocab_ids[index]
         return RowSummary(values, tokens, top_entropy(head_rows) if entropy else None)
 
+    @_timed
     def extend_many(self, oracles: list["SessionOracle"], nodes: list[list[int]], tokens: list[list[int]],
                     parents: list[list[int]]) -> list[Tensor]:
         """Feed new tree nodes for several sessions in one forward: per session their tree node ids, tokens

@@ -97,13 +97,13 @@ def test_opt_tree_selection_and_monotone_e_sub(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_opt_tree_layers_are_the_exact_top_n(seed):
     """Each layer is the n best children of the whole previous layer (Algorithm 1), also when a
-    row holds more than its first 8 summary entries' worth of them: checked against every child
+    row holds more than its first 64 summary entries' worth of them: checked against every child
     of every frontier node, computed from full rows."""
-    models = ToyModels(vocab=64, seed=seed, scale=0.5)  # flat rows: the best rows give many children
-    n, prefix = 20, (seed,)
+    models = ToyModels(vocab=256, seed=seed, scale=0.5)  # flat rows: the best rows give many children
+    n, prefix = 100, (seed,)
     oracle = ToyOracle(models, prefix, GREEDY)
     tree, trace = OptTreeBuilder(budget=n, delta=0.0, max_depth=4).build_with_trace(3, oracle, GREEDY, torch.Generator())
-    assert oracle.calls > len(trace)  # some rows were summarised past their first 8 entries
+    assert oracle.calls > len(trace)  # some rows were summarised past their first 64 entries
     layers = _all_layers(models, prefix, n, len(trace))
     assert trace[-1] == pytest.approx(sum(sorted((p for _, p in layers), reverse=True)[:n]), rel=1e-5)
     assert set(node_paths(tree)) == {path for path, _ in sorted(layers, key=lambda c: -c[1])[:n]}

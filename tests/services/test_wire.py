@@ -96,5 +96,5 @@ def test_params_round_trip():
     assert wire.decode_tree_config(wire.encode_tree_config(auto), auto).budget_auto
     pinned = wire.decode_tree_config(wire.encode_tree_config(TreeConfig(method="dyspec", budget=8)), auto)
     assert (pinned.budget, pinned.budget_auto) == (8, False)
-    record = StepRecord(3, 2, 3, 1, 1.5, 1.0, 2.5, 0.25)
+    record = StepRecord(3, 2, 3, 1, 1.5, 1.0, 2.5, 0.25, draft_forward_ms=0.75)
     assert wire.decode_observation(wire.encode_observation(record)) == record
