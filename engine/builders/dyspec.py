@@ -32,7 +32,7 @@ from treeserve.engine.builders.base import (
     check_positive,
     safe_log,
 )
-from treeserve.engine.sampling import ResidualRow, SamplingParams, topk_rows_lists
+from treeserve.engine.sampling import ResidualRow, SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 

@@ -20,7 +20,7 @@ import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
 from treeserve.engine.sampling import SamplingParams
-from treeserve.engine.tree import ChildDraw, TokenTree
+from treeserve.engine.tree import TokenTree
 
 
 @dataclass
