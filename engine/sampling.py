@@ -127,20 +127,6 @@ def topk_rows(rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values, tokens
 
 
-def topk_rows_lists(rows: Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    """`topk_rows` as Python lists (values, tokens): the same selection ops, but the token ids are
-    computed in Python from the column and in-column positions, saving three small tensor ops."""
-    k = min(k, rows.shape[-1])
-    grid = _grid(rows, k)
-    if grid is None:
-        values, tokens = torch.topk(rows, k, dim=-1)
-        return values.tolist(), tokens.tolist()
-    values, pos, cols = _grid_topk(grid, k)
-    width = grid.shape[2]
-    tokens = [[(p // k) * width + c[p % k] for p in row_pos] for c, row_pos in zip(cols.tolist(), pos.tolist())]
-    return values.tolist(), tokens
-
-
 class ResidualRow:
     """One draft distribution q [V] from which children are drawn one at a time, without
     replacement: the k-th draw comes from norm(q with the earlier draws removed), the residual of

@@ -81,17 +81,6 @@ def test_residual_row_top_order():
     assert abs(res.remaining - (1 - float(torch.topk(row, 40).values.sum()))) < 1e-5
 
 
-def test_topk_rows_lists_equals_topk_rows():
-    from treeserve.engine.sampling import topk_rows, topk_rows_lists
-
-    gen = torch.Generator().manual_seed(5)
-    for vocab, k in ((49152, 8), (49152, 15), (1024, 3), (1000, 4), (24, 5)):
-        rows = torch.softmax(torch.randn(3, vocab, generator=gen) * 3, dim=-1)
-        values, tokens = topk_rows(rows, k)
-        lvalues, ltokens = topk_rows_lists(rows, k)
-        assert lvalues == values.tolist() and ltokens == tokens.tolist()
-
-
 @pytest.mark.parametrize("vocab", [49152, 16384, 6000])  # target vocabulary, drafter head, group size 2
 def test_top_entropy_fast_path_selects_the_exact_top_set(vocab):
     from treeserve.engine.c2t_classifier import _top_values, top_entropy
