@@ -37,7 +37,10 @@ class Eagle2Builder:
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
         tree = PartialTree(root_token, oracle)
         expand = [0]
-        for _ in range(self.depth):
+        # The rerank keeps no node deeper than `budget` (each of its ancestors ranks before it), so those
+        # layers would cost drafter calls for nothing: a budget-1 tree is one call, whatever the depth.
+        rounds = min(self.depth, self.budget) if self.rerank else self.depth
+        for _ in range(rounds):
             top = tree.top(expand, self.top_k)
             values, tokens = top.values.tolist(), top.tokens.tolist()
             layer: list[int] = []

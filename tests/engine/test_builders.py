@@ -145,6 +145,18 @@ def test_eagle2_rerank_and_full_tree(models):
     assert sorted(kept.log_joint[1:].tolist(), reverse=True) == pytest.approx(best)
 
 
+def test_eagle2_stops_expanding_below_the_budget_depth(models):
+    """A node deeper than the budget never survives the rerank: those layers are not drafted, and the tree is
+    the one the full depth would give."""
+    for budget in (1, 2, 3):
+        oracle = ToyOracle(models, (1, 2), GREEDY)
+        capped = Eagle2Builder(budget=budget, depth=6, top_k=3).build(3, oracle, GREEDY, torch.Generator())
+        assert oracle.calls == budget
+        full = build(Eagle2Builder(budget=10 ** 6, depth=6, top_k=3), models)
+        ranked = sorted(range(1, full.num_nodes), key=lambda n: (-float(full.log_joint[n]), n))[:budget]
+        assert sorted(node_paths(capped)) == sorted(node_paths(full.select(torch.tensor([0, *ranked]))))
+
+
 def test_static_trees(models):
     assert len(MC_SIM_7B_63) == 63 and len(EAGLE1_25) == 25 and len(binary_tree(3)) == 14
     tree = build(StaticTreeBuilder(paths=MC_SIM_7B_63), models)

@@ -31,7 +31,7 @@ def test_bench_reports_both_kinds(tmp_path, tiny_target, tiny_target_dir, tiny_d
     args = parser.parse_args(["--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "10",
                               "--target", str(tiny_target_dir), "--drafter", str(tiny_drafter_dir),
                               "--parallel-drafter", str(pd), "--drafter-kind", "both", "--threads", "1",
-                              "--methods", "autoregressive", "chain:4", "opt_tree:8", "--check-greedy",
+                              "--methods", "autoregressive", "chain:4", "opt_tree:8", "--check-greedy", "--repeats", "2",
                               "--json-out", str(out), "--answers-dir", str(tmp_path / "answers")])
     assert bench.run(args) == 0
     rows = {(r["method"], r["drafter"]): r for r in json.loads(out.read_text())}
@@ -41,4 +41,13 @@ def test_bench_reports_both_kinds(tmp_path, tiny_target, tiny_target_dir, tiny_d
         assert row["greedy_mismatches"] == 0
         if key[0] != "autoregressive":
             assert row["draft_ms_per_step"] >= row["drafter_runner_ms_per_step"] >= row["drafter_forward_ms_per_step"] > 0
-    assert (tmp_path / "answers" / "chain-4-parallel.jsonl").is_file()
+    answers = (tmp_path / "answers" / "chain-4-parallel.jsonl").read_text().splitlines()
+    assert len(answers) == 2  # one answer per prompt, whatever the repeats
+
+
+def test_bench_rejects_zero_repeats(tiny_target_dir):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--target", str(tiny_target_dir), "--repeats", "0", "--methods", "autoregressive"])
+    with pytest.raises(ValueError, match="--repeats"):
+        bench.run(args)
