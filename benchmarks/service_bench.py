@@ -40,6 +40,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _step_breakdown(requests: list[tuple[int, float, tuple[float, float, float]]]) -> dict[str, float]:
+    """Mean ms per step over requests given as (steps, wall ms, (draft, score, verify) ms per step): where a
+    step's time goes, "other" being the loop's own time between steps (a batched step is counted once per
+    request in it, as its records are)."""
+    steps = sum(n for n, _, _ in requests) or 1
+    draft, score, verify = (sum(n * ms[i] for n, _, ms in requests) / steps for i in range(3))
+    wall = sum(w for _, w, _ in requests) / steps
+    return {"wall": wall, "draft": draft, "score": score, "verify": verify, "other": wall - draft - score - verify}
+
+
 def in_process(args, concurrency_levels) -> dict[int, dict]:
     from treeserve.engine.pipeline import build_engine
     from treeserve.engine.requests import GenerationRequest
@@ -60,7 +70,8 @@ def in_process(args, concurrency_levels) -> dict[int, dict]:
         tokens = sum(len(r.token_ids) for r in results)
         steps = sum(len(r.steps) for r in results)
         out[n] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                  "mal": sum(s.emitted for r in results for s in r.steps) / max(1, steps)}
+                  "mal": sum(s.emitted for r in results for s in r.steps) / max(1, steps),
+                  "step_ms": _step_breakdown([(len(r.steps), r.wall_time_s * 1e3, r.mean_step_ms()) for r in results])}
     return out
 
 
@@ -109,7 +120,10 @@ def through_service(args, concurrency_levels) -> dict[int, dict]:
             tokens = sum(s.completion_tokens for s in results.values())
             steps = sum(s.steps for s in results.values())
             out[n] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                      "mal": sum(s.mean_accepted_length * s.steps for s in results.values()) / max(1, steps)}
+                      "mal": sum(s.mean_accepted_length * s.steps for s in results.values()) / max(1, steps),
+                      "step_ms": _step_breakdown([(s.steps, s.wall_time_ms, (s.mean_draft_ms, s.mean_score_ms,
+                                                                             s.mean_verify_ms))
+                                                  for s in results.values()])}
     finally:
         stop_service(service)
     return out
@@ -150,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         a, b = local[n], served[n]
         print(f"{n:>8} {a['tokens_per_s']:>17.1f} {b['tokens_per_s']:>14.1f} {b['tokens_per_s'] / a['tokens_per_s']:>19.2f} "
               f"{a['mal']:>11.2f} {b['mal']:>11.2f}")
+    print(f"\n{'streams':>8} {'ms per step (wall / draft / score / verify / other)':>52}")
+    for n in args.concurrency:
+        for name, side in (("in-process", local[n]), ("service", served[n])):
+            ms = side["step_ms"]
+            print(f"{n:>8} {name:>11} {ms['wall']:8.1f} {ms['draft']:7.1f} {ms['score']:7.1f} {ms['verify']:7.1f} "
+                  f"{ms['other']:7.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "in_process": local, "service": served}, f, indent=2)

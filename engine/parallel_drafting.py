@@ -27,9 +27,9 @@ its joint probability drops below `batch_chain_min_joint`, all from the same sin
 
 from __future__ import annotations
 
-import time
 import heapq
 import math
+import time
 from dataclasses import dataclass
 
 import torch

@@ -59,3 +59,9 @@ class GenerationResult:
     @property
     def mean_tree_size(self) -> float:
         return sum(s.tree_size for s in self.steps) / max(1, len(self.steps))
+
+    def mean_step_ms(self) -> tuple[float, float, float]:
+        """Mean (drafting, target scoring, verification) milliseconds per step of this request."""
+        n = max(1, len(self.steps))
+        return (sum(s.draft_ms for s in self.steps) / n, sum(s.score_ms for s in self.steps) / n,
+                sum(s.verify_ms for s in self.steps) / n)

@@ -359,10 +359,12 @@ class Router:
 
     def _stats(self, job: _Job) -> gen.GenerationStats:
         r = job.result
+        draft_ms, score_ms, verify_ms = r.mean_step_ms()
         return gen.GenerationStats(prompt_tokens=r.prompt_tokens, completion_tokens=len(r.token_ids),
                                    steps=len(r.steps), mean_accepted_length=r.mean_accepted_length,
                                    mean_tree_size_tokens=r.mean_tree_size, wall_time_ms=r.wall_time_s * 1e3,
-                                   method=METHOD_ENUMS.get(job.method, gen.TREE_METHOD_UNSPECIFIED))
+                                   method=METHOD_ENUMS.get(job.method, gen.TREE_METHOD_UNSPECIFIED),
+                                   mean_draft_ms=draft_ms, mean_score_ms=score_ms, mean_verify_ms=verify_ms)
 
     # ------------------------------------------------------------------ leaving
     def _fail(self, job: _Job, error: RequestError) -> None:

@@ -34,6 +34,9 @@ def test_greedy_stream_equals_in_process_engine(local_service, tiny_parts):
     assert final.stats.completion_tokens == len(tokens) and final.stats.prompt_tokens == len(prompt)
     assert final.stats.steps >= 1 and final.stats.mean_accepted_length >= 1.0
     assert final.stats.method == gen.TREE_METHOD_DYSPEC
+    assert final.stats.mean_score_ms > 0 and final.stats.mean_draft_ms > 0 and final.stats.mean_verify_ms > 0
+    steps_ms = final.stats.mean_draft_ms + final.stats.mean_score_ms + final.stats.mean_verify_ms
+    assert steps_ms * final.stats.steps <= final.stats.wall_time_ms  # the steps lie inside the request's wall time
 
 
 def test_unary_and_token_ids_and_stop_string(local_service, tiny_parts):
