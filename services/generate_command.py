@@ -76,7 +76,8 @@ def format_stats(stats, finish_reason: str) -> str:
     tokens_per_s = stats.completion_tokens / max(stats.wall_time_ms / 1e3, 1e-9)
     return (f"[{finish_reason}] prompt {stats.prompt_tokens} tok, completion {stats.completion_tokens} tok in "
             f"{stats.steps} steps, MAL {stats.mean_accepted_length:.2f}, tree {stats.mean_tree_size_tokens:.1f} "
-            f"tok/step, {stats.wall_time_ms:.0f} ms ({tokens_per_s:.1f} tok/s)")
+            f"tok/step, {stats.wall_time_ms:.0f} ms ({tokens_per_s:.1f} tok/s); per step: draft "
+            f"{stats.mean_draft_ms:.1f} ms, score {stats.mean_score_ms:.1f} ms, verify {stats.mean_verify_ms:.2f} ms")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ def test_generate_streams_from_the_service(serve_service, capsys):
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert out.out  # the tiny random model may well answer with whitespace only
-    assert "MAL" in out.err and "completion 8 tok" in out.err
+    assert "MAL" in out.err and "completion 8 tok" in out.err and "per step: draft" in out.err
 
 
 def test_generate_reports_bad_input_in_one_line(serve_service, capsys):
