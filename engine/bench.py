@@ -6,8 +6,9 @@ wall_time / accept_lengths`), and a table reports per method: budget, MAL (token
 bonus included), candidate tokens per step, tokens/s, speedup over autoregressive, the worst
 per-category speedup, drafting time per step (and the drafter-runner part of it: forwards, their KV cache
 upkeep, warping and row summaries), and the shares of step time spent building trees and verifying them
-(the rest of drafting) and in the drafter runner outside its model forwards. `--warmup-prompts` untimed prompts (not from the dev set) run
-through every method first, so hardware-aware budgets have finished exploring when timing starts.
+(the rest of drafting) and in the drafter runner outside its model forwards. `--warmup-prompts` untimed
+prompts (not from the dev set) run through every method first, so hardware-aware budgets have finished
+exploring when timing starts; `--repeats` times every (prompt, method) several times, interleaved.
 
 Drafter kinds: an entry `METHOD[:BUDGET]` drafts with the autoregressive drafter (`--drafter`);
 `METHOD[:BUDGET]@parallel` drafts the same tree method and budget from ONE forward of the parallel drafter
@@ -51,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-out", type=Path, default=None, help="write the summary table as JSON")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="timed runs of every (prompt, method), interleaved; the run of median wall time counts "
-                             "(the faster of two; a 64-token answer alone varies by +-10%% on a shared 2-core VM, and one prompt per "
-                             "category makes the per-category speedup that noisy)")
+                        help="timed runs of every (prompt, method), interleaved; the run of median wall time "
+                             "counts (the faster of two; a 64-token answer alone varies by +-10%% on a shared "
+                             "2-core VM, and with a prompt or two per category so does its speedup)")
     parser.add_argument("--warmup-prompts", type=int, default=2,
                         help="untimed prompts per method first (lets hardware-aware budgets finish exploring)")
     parser.add_argument("--check-greedy", action="store_true",
