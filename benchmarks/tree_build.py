@@ -146,16 +146,13 @@ class TimedDrafterOracle:
 def drafter_oracles(drafter_path: str):
     """A factory of timed drafter oracles: each starts a new step of one session whose context is the
     first dev prompt (chat template) plus the start of a greedy answer."""
-    import json
-    from pathlib import Path
-
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.pipeline import build_local_drafter
+    from treeserve.engine.training.agreement_command import DEV_PROMPTS, load_prompts
 
     target = load_causal_lm("default")
     runner = build_local_drafter(drafter_path, target.model, budget=32).runner
-    dev = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
-    row = json.loads(dev.read_text().splitlines()[0])
+    row = load_prompts(DEV_PROMPTS, 1)[0]
     prompt = list(target.tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
                                                        add_generation_prompt=True, tokenize=True,
                                                        return_dict=True)["input_ids"])
@@ -203,7 +200,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = make_rows(96, args.vocab)
-    model_oracle = drafter_oracles(args.drafter) if args.drafter != "none" else None
+    try:
+        model_oracle = drafter_oracles(args.drafter) if args.drafter != "none" else None
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(f"--drafter {args.drafter}: {exc}")
     print(f"vocab {args.vocab}, mean top-1 draft prob {float(rows.max(dim=1).values.mean()):.2f}, torch threads 1\n")
 
     greedy, hot = SamplingParams(), SamplingParams(temperature=1.0)

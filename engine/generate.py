@@ -152,13 +152,12 @@ class SpeculativeEngine:
     def draft(self, batch: list[Sequence]) -> tuple[list[TokenTree], bool]:
         """One TokenTree per sequence (the root alone for autoregressive decoding or a held plain step),
         and whether the drafter was called."""
-        plain = [root_only(s.context) for s in batch]
         if self.drafter is None or all(s.tree.method == AUTOREGRESSIVE for s in batch):
-            return plain, False
+            return [root_only(s.context) for s in batch], False
         size, held = self._plain_hold
         if held > 0 and size == len(batch):
             self._plain_hold = (size, held - 1)
-            return plain, False
+            return [root_only(s.context) for s in batch], False
         trees = self.drafter.draft([DraftRequest(s.session_id, s.context, s.request.sampling, s.tree,
                                                  s.seed + len(s.steps), s.accepted_hint) for s in batch])
         self._plain_hold = (len(batch), int(getattr(self.drafter, "hold_steps", 0)))

@@ -46,10 +46,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_causal_lm(args.target)
     drafter = load_drafter(args.drafter, target.model)
     rng = random.Random(config.seed + 7)
-    if given is not None:
-        texts = given
-    else:
-        texts = sources.pydoc_passages(rng, 1000) + sources.humaneval_prompts(1000) + sources.debian_text_prompts(rng, 1000)
+    texts = given if given is not None else (sources.pydoc_passages(rng, 1000) + sources.humaneval_prompts(1000)
+                                             + sources.debian_text_prompts(rng, 1000))
     rng.shuffle(texts)
     prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                     tokenize=True, return_dict=True)["input_ids"][-384:]
