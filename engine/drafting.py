@@ -23,6 +23,12 @@ from treeserve.engine.tree import TokenTree
 AUTOREGRESSIVE = "autoregressive"
 
 
+def batch_size_bucket(batch_size: int) -> int:
+    """The power of two at or above `batch_size`: batched steps share one budget chooser (and its plain
+    decoding holds) per bucket, so requests joining or leaving a batch do not reset what was measured."""
+    return 1 << (batch_size - 1).bit_length()
+
+
 @dataclass
 class DraftRequest:
     """Draft one tree whose root is `context[-1]`."""
@@ -102,7 +108,7 @@ class LocalDrafter:
         """Chain depth for a batched step: chosen per batch-size bucket when budgets are hardware-aware."""
         if self.budget is None:
             return self.batch_chain_depth
-        bucket = 1 << (batch_size - 1).bit_length()
+        bucket = batch_size_bucket(batch_size)
         if bucket not in self.batch_budgets:
             b = self.budget
             self.batch_budgets[bucket] = BudgetChooser(b.profile, max_budget=self.batch_chain_depth,

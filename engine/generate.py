@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from treeserve.engine.builders import TreeConfig, make_builder
-from treeserve.engine.drafting import AUTOREGRESSIVE, DraftRequest, root_only
+from treeserve.engine.drafting import AUTOREGRESSIVE, DraftRequest, batch_size_bucket, root_only
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
@@ -78,8 +78,9 @@ class SpeculativeEngine:
         self.tree = tree
         self.max_context_tokens = max_context_tokens
         self.eos_ids = set(_eos_ids(tokenizer))
-        # (batch size, steps): steps the drafter's budget chooser already decided are plain decoding at
-        # that batch size; they skip the drafter call (for a remote drafter, its round trip).
+        # (batch-size bucket, steps): steps the drafter's budget chooser for that bucket already decided are
+        # plain decoding; they skip the drafter call (for a remote drafter, its round trip). Keyed on the
+        # bucket, not the exact size, so requests arriving or finishing one by one keep the hold.
         self._plain_hold = (0, 0)
 
     # ------------------------------------------------------------------ public API
@@ -154,13 +155,13 @@ class SpeculativeEngine:
         and whether the drafter was called."""
         if self.drafter is None or all(s.tree.method == AUTOREGRESSIVE for s in batch):
             return [root_only(s.context) for s in batch], False
-        size, held = self._plain_hold
-        if held > 0 and size == len(batch):
-            self._plain_hold = (size, held - 1)
+        bucket, held = self._plain_hold
+        if held > 0 and bucket == batch_size_bucket(len(batch)):
+            self._plain_hold = (bucket, held - 1)
             return [root_only(s.context) for s in batch], False
         trees = self.drafter.draft([DraftRequest(s.session_id, s.context, s.request.sampling, s.tree,
                                                  s.seed + len(s.steps), s.accepted_hint) for s in batch])
-        self._plain_hold = (len(batch), int(getattr(self.drafter, "hold_steps", 0)))
+        self._plain_hold = (batch_size_bucket(len(batch)), int(getattr(self.drafter, "hold_steps", 0)))
         return trees, True
 
     def release(self, s: Sequence) -> None:

@@ -172,3 +172,37 @@ def test_a_fixed_budget_is_not_overridden_by_the_chooser(pair):
     auto = TreeConfig(method="dyspec", budget=12, budget_auto=True)
     chosen = local.draft([DraftRequest("s", context, SamplingParams(), auto, 0)])[0]
     assert chosen.num_nodes == 1 and chooser.current == 0 and local.hold_steps == chooser.plain_hold_steps
+
+
+def test_a_plain_decoding_hold_survives_requests_leaving_the_batch(pair):
+    """The hold is kept per batch-size bucket: a batch of 4 shrinking to 3 stays held (no drafter call),
+    shrinking to 1 (another bucket, another chooser) asks the drafter again."""
+    from treeserve.engine.drafting import root_only
+
+    target, _ = pair
+
+    class HoldingDrafter:
+        hold_steps = 1000  # as a chooser that picked plain decoding for a long stretch
+
+        def __init__(self):
+            self.batch_sizes = []
+
+        def draft(self, requests):
+            self.batch_sizes.append(len(requests))
+            return [root_only(r.context) for r in requests]
+
+        def observe(self, record):
+            pass
+
+        def release(self, session_id):
+            return True
+
+    drafter = HoldingDrafter()
+    engine = SpeculativeEngine(TargetRunner(target.model), drafter, target.tokenizer,
+                               TreeConfig(method="dyspec", budget=4), max_context_tokens=2048)
+    prompt = engine.encode_chat("Tell me about the weather")
+    lengths = [3, 6, 6, 12]  # batch sizes 4, 3 (same bucket), then 1
+    results = engine.generate([GenerationRequest(prompt, max_new_tokens=n) for n in lengths])
+    assert [len(r.token_ids) for r in results] == lengths  # no early EOS: the batch shrinks as planned
+    assert [s.batch_size for s in results[-1].steps] == [4] * 3 + [3] * 3 + [1] * 6
+    assert drafter.batch_sizes == [4, 1]
