@@ -7,10 +7,12 @@
 For 1 and for N (default 8) concurrent requests it measures
 - in-process: `SpeculativeEngine.generate` on the same requests (N at once = one batched generate call);
 - service: GenerateStream calls over plain grpcio through Serve's gRPC proxy, N client threads at once.
-tokens/s = generated tokens / wall time of `--rounds` rounds (greedy, fixed max_new_tokens). The in-process
-rounds run first, before Ray starts, so they do not compete with idle replicas for the CPU. Each timed
-round follows an untimed warm-up round at the same concurrency (prompts from the end of the list), on both
-sides, so the hardware-aware budget choosers (batch-1 and per batch size) have finished exploring.
+tokens/s = generated tokens / wall time of `--rounds` rounds (greedy, fixed max_new_tokens). In-process and
+service rounds alternate (in-process round 1, service round 1, in-process round 2, ...) with the service up,
+so both sides see the same drifts of a shared VM (one 64-token request alone varies by +-20% from minute
+to minute here); the idle replicas and the re-niced control plane take ~10% of one core meanwhile. Each
+side gets an untimed warm-up round at each concurrency first (prompts from the end of the list), so the
+hardware-aware budget choosers (batch-1 and per batch size) have finished exploring.
 """
 
 from __future__ import annotations
@@ -50,82 +52,103 @@ def _step_breakdown(requests: list[tuple[int, float, tuple[float, float, float]]
     return {"wall": wall, "draft": draft, "score": score, "verify": verify, "other": wall - draft - score - verify}
 
 
-def in_process(args, concurrency_levels) -> dict[int, dict]:
-    from treeserve.engine.pipeline import build_engine
-    from treeserve.engine.requests import GenerationRequest
+class InProcess:
+    """The in-process engine, one round at a time."""
 
-    budget = args.budget if args.budget == "auto" else int(args.budget)
-    engine = build_engine(args.target, args.drafter, args.method, budget)
-    prompts = [engine.encode_chat(p) for p in PROMPTS]
-    out = {}
-    for n in concurrency_levels:
-        engine.generate([GenerationRequest(prompts[-1 - i], max_new_tokens=args.max_new_tokens) for i in range(n)])
-        results, wall = [], 0.0
-        for r in range(args.rounds):
-            requests = [GenerationRequest(prompts[(r * n + i) % len(prompts)], max_new_tokens=args.max_new_tokens)
-                        for i in range(n)]
-            started = time.perf_counter()
-            results += engine.generate(requests)
-            wall += time.perf_counter() - started
-        tokens = sum(len(r.token_ids) for r in results)
-        steps = sum(len(r.steps) for r in results)
-        out[n] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                  "mal": sum(s.emitted for r in results for s in r.steps) / max(1, steps),
-                  "step_ms": _step_breakdown([(len(r.steps), r.wall_time_s * 1e3, r.mean_step_ms()) for r in results])}
-    return out
+    def __init__(self, args):
+        from treeserve.engine.pipeline import build_engine
+
+        budget = args.budget if args.budget == "auto" else int(args.budget)
+        self.engine = build_engine(args.target, args.drafter, args.method, budget)
+        self.prompts = [self.engine.encode_chat(p) for p in PROMPTS]
+        self.max_new_tokens = args.max_new_tokens
+
+    def round(self, first: int, n: int) -> tuple[list[tuple[int, int, float, tuple]], float]:
+        """n requests at once (one batched generate call) -> per request (tokens, steps, wall ms, mean
+        (draft, score, verify) ms per step), and the round's wall seconds."""
+        from treeserve.engine.requests import GenerationRequest
+
+        requests = [GenerationRequest(self.prompts[(first + i) % len(self.prompts)], max_new_tokens=self.max_new_tokens)
+                    for i in range(n)]
+        started = time.perf_counter()
+        results = self.engine.generate(requests)
+        wall = time.perf_counter() - started
+        return [(len(r.token_ids), len(r.steps), r.wall_time_s * 1e3, r.mean_step_ms()) for r in results], wall
 
 
-def through_service(args, concurrency_levels) -> dict[int, dict]:
-    import grpc
+class ThroughService:
+    """GenerateStream calls over plain grpcio through Serve's gRPC proxy, one client thread per stream."""
 
-    from treeserve.services.grpc_clients import channel_options
-    from treeserve.services.serve_command import load_config, start_service, stop_service
-    from treeserve.v1 import generation_pb2 as gen
-    from treeserve.v1 import generation_pb2_grpc as gen_grpc
+    def __init__(self, args, max_concurrency: int):
+        from treeserve.services.grpc_clients import channel_options
+        from treeserve.services.serve_command import load_config, start_service
 
-    config = load_config(args.config, method=args.method, budget=str(args.budget), target=args.target,
-                         drafter=args.drafter, grpc_port=_free_port())
-    config.app.args.limits.max_batch_size = max(config.app.args.limits.max_batch_size, max(concurrency_levels))
-    config.app.args.limits.max_concurrent_requests = max(config.app.args.limits.max_concurrent_requests,
-                                                         max(concurrency_levels))
-    service = start_service(config, quiet=True, control_plane_nice=args.control_plane_nice)
-    out = {}
+        config = load_config(args.config, method=args.method, budget=str(args.budget), target=args.target,
+                             drafter=args.drafter, grpc_port=_free_port())
+        limits = config.app.args.limits
+        limits.max_batch_size = max(limits.max_batch_size, max_concurrency)
+        limits.max_concurrent_requests = max(limits.max_concurrent_requests, max_concurrency)
+        self.service = start_service(config, quiet=True, control_plane_nice=args.control_plane_nice)
+        self.options = channel_options()
+        self.max_new_tokens = args.max_new_tokens
+
+    def _call(self, i: int, results: dict) -> None:
+        import grpc
+
+        from treeserve.v1 import generation_pb2 as gen
+        from treeserve.v1 import generation_pb2_grpc as gen_grpc
+
+        request = gen.GenerateRequest(text=PROMPTS[i % len(PROMPTS)], max_new_tokens=self.max_new_tokens)
+        with grpc.insecure_channel(self.service.address, options=self.options) as channel:
+            messages = list(gen_grpc.TreeServeStub(channel).GenerateStream(
+                request, metadata=[("application", self.service.app_name)], timeout=600))
+        results[i] = messages[-1].stats
+
+    def round(self, first: int, n: int) -> tuple[list[tuple[int, int, float, tuple]], float]:
+        results: dict = {}
+        threads = [threading.Thread(target=self._call, args=(first + i, results)) for i in range(n)]
+        started = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - started
+        return [(s.completion_tokens, s.steps, s.wall_time_ms, (s.mean_draft_ms, s.mean_score_ms, s.mean_verify_ms))
+                for s in results.values()], wall
+
+    def close(self) -> None:
+        from treeserve.services.serve_command import stop_service
+
+        stop_service(self.service)
+
+
+def _summary(requests: list[tuple[int, int, float, tuple]], wall: float) -> dict:
+    tokens = sum(r[0] for r in requests)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "mal": tokens / max(1, sum(r[1] for r in requests)),
+            "step_ms": _step_breakdown([(steps, ms, per_step) for _, steps, ms, per_step in requests])}
+
+
+def measure(args) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Alternating rounds of both sides at every concurrency level -> (in-process, service) summaries."""
+    local = InProcess(args)
+    served = ThroughService(args, max(args.concurrency))
+    out: tuple[dict[int, dict], dict[int, dict]] = ({}, {})
     try:
-        metadata = [("application", service.app_name)]
-
-        def call(i, results):
-            request = gen.GenerateRequest(text=PROMPTS[i % len(PROMPTS)], max_new_tokens=args.max_new_tokens)
-            with grpc.insecure_channel(service.address, options=channel_options()) as channel:
-                messages = list(gen_grpc.TreeServeStub(channel).GenerateStream(request, metadata=metadata,
-                                                                              timeout=600))
-            results[i] = messages[-1].stats
-
-        def round_of(first: int, n: int) -> tuple[dict, float]:
-            results: dict = {}
-            threads = [threading.Thread(target=call, args=(first + i, results)) for i in range(n)]
-            started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            return results, time.perf_counter() - started
-
-        for n in concurrency_levels:
-            round_of(len(PROMPTS) - n, n)  # untimed warm-up round at this concurrency (prompts from the end)
-            results, wall = {}, 0.0
+        for n in args.concurrency:
+            for side in (local, served):
+                side.round(len(PROMPTS) - n, n)  # untimed warm-up at this concurrency (prompts from the end)
+            runs: tuple[list, list] = ([], [])
+            walls = [0.0, 0.0]
             for r in range(args.rounds):
-                got, seconds = round_of(r * n, n)
-                results.update(got)
-                wall += seconds
-            tokens = sum(s.completion_tokens for s in results.values())
-            steps = sum(s.steps for s in results.values())
-            out[n] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                      "mal": sum(s.mean_accepted_length * s.steps for s in results.values()) / max(1, steps),
-                      "step_ms": _step_breakdown([(s.steps, s.wall_time_ms, (s.mean_draft_ms, s.mean_score_ms,
-                                                                             s.mean_verify_ms))
-                                                  for s in results.values()])}
+                for k, side in enumerate((local, served)):
+                    requests, wall = side.round(r * n, n)
+                    runs[k].extend(requests)
+                    walls[k] += wall
+            for k in range(2):
+                out[k][n] = _summary(runs[k], walls[k])
     finally:
-        stop_service(service)
+        served.close()
     return out
 
 
@@ -140,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=4,
                         help="timed rounds per concurrency (different prompts), summed: one 64-token request alone "
                              "varies by +-20%% on a shared VM")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
@@ -154,16 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    local = in_process(args, args.concurrency)
-    served = through_service(args, args.concurrency)
+    local, served = measure(args)
     print(f"\nservice_bench: target={args.target} drafter={args.drafter} method={args.method} budget={args.budget} "
           f"max_new_tokens={args.max_new_tokens}")
     print(f"{'streams':>8} {'in-process tok/s':>17} {'service tok/s':>14} {'service/in-process':>19} "
-          f"{'MAL in-proc':>11} {'MAL service':>11}")
+          f"{'service N/1':>12} {'MAL in-proc':>11} {'MAL service':>11}")
+    one = served[min(args.concurrency)]["tokens_per_s"]
     for n in args.concurrency:
         a, b = local[n], served[n]
         print(f"{n:>8} {a['tokens_per_s']:>17.1f} {b['tokens_per_s']:>14.1f} {b['tokens_per_s'] / a['tokens_per_s']:>19.2f} "
-              f"{a['mal']:>11.2f} {b['mal']:>11.2f}")
+              f"{b['tokens_per_s'] / one:>11.2f}x {a['mal']:>11.2f} {b['mal']:>11.2f}")
     print(f"\n{'streams':>8} {'ms per step (wall / draft / score / verify / other)':>52}")
     for n in args.concurrency:
         for name, side in (("in-process", local[n]), ("service", served[n])):

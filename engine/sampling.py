@@ -127,6 +127,23 @@ def topk_rows(rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values, tokens
 
 
+def sample_row(row: Tensor, uniform: float) -> tuple[int | None, float, float]:
+    """One draw from row / sum(row) by inversion with `uniform` in [0, 1): (token, q[token], sum(row)),
+    token None when the row holds no mass. One cumulative sum (float64) and a binary search: for a
+    single draw per row (an SpS chain) this is what ResidualRow's block sums would cost, without
+    their per-block Python bookkeeping. A NaN row is a ValueError."""
+    cdf = row.cumsum(0, dtype=torch.float64)  # [V]
+    total = float(cdf[-1])
+    if math.isnan(total):
+        raise ValueError("oracle probs: a draft row is NaN")
+    if not total > 0.0:
+        return None, 0.0, total
+    token = min(int(torch.searchsorted(cdf, uniform * total, right=True)), row.numel() - 1)
+    while float(row[token]) <= 0.0 and token > 0:  # float edge at the top end: the last token with mass
+        token -= 1
+    return token, float(row[token]), total
+
+
 class ResidualRow:
     """One draft distribution q [V] from which children are drawn one at a time, without
     replacement: the k-th draw comes from norm(q with the earlier draws removed), the residual of

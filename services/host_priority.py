@@ -1,11 +1,15 @@
 """Keep Ray's control plane out of the model's way on a small box.
 
-On a 2-core machine the Serve controller's control loop, the GCS, the raylet and the dashboard agent
-together take ~20 ms of CPU per ~100 ms decoding step (measured with one stream on this box), and when one
-of them wakes on the core a target forward runs on, the forward waits. None of them is on the per-step
-path (the router talks to the replicas over direct gRPC, the proxy streams through actor calls), so a
-locally started Ray gets them re-niced: they still run, but yield to the replicas. Linux only (/proc);
-elsewhere nothing is changed.
+On a 2-core machine the Serve controller's control loop, the GCS, the dashboard agents and the log
+monitor together take ~20% of a core with the service idle and more per decoding step, and when one of
+them wakes on the core a target forward runs on, the forward waits. None of them is on the per-step path
+(the router talks to the replicas over direct gRPC, the proxy streams through actor calls), so a locally
+started Ray gets them re-niced: they still run, but yield to the replicas.
+
+Ray itself starts every worker, hence every Serve replica, at niceness 15 (its `worker_niceness`) so
+that its own daemons stay responsive: the opposite of what a box whose replicas are the product wants.
+`REPLICA_SYSTEM_CONFIG` starts them at 0. The raylet is left at its niceness: workers it starts later
+(a replacement or autoscaled replica) inherit it. Linux only (/proc); elsewhere nothing is changed.
 """
 
 from __future__ import annotations
@@ -16,12 +20,17 @@ from pathlib import Path
 
 log = logging.getLogger("treeserve.serve")
 
-# Command-line fragments of Ray processes that are never on the per-step path.
-CONTROL_PLANE = ("gcs_server", "/raylet", "dashboard/agent.py", "log_monitor.py", "ray::ServeController",
-                 "autoscaler/_private/monitor.py", "runtime_env/agent")
+# Command-line fragments of Ray processes that are never on the per-step path (some Ray processes rename
+# their command line: "ray::DashboardAgent" is dashboard/agent.py).
+CONTROL_PLANE = ("gcs_server", "dashboard/dashboard.py", "dashboard/agent.py", "ray::DashboardAgent",
+                 "runtime_env/agent", "ray::RuntimeEnvAgent", "log_monitor.py", "ray::ServeController",
+                 "autoscaler/_private/monitor.py")
+
+# `ray.init(_system_config=...)` for a locally started Ray: replicas at niceness 0, not Ray's 15.
+REPLICA_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
-def _processes() -> dict[int, tuple[int, str]]:
+def processes() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, command line) of every readable process."""
     out = {}
     for entry in Path("/proc").iterdir():
@@ -42,7 +51,7 @@ def control_plane_pids(root_pid: int | None = None) -> list[int]:
     if not Path("/proc").is_dir():
         return []
     root = root_pid or os.getpid()
-    procs = _processes()
+    procs = processes()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in procs.items():
         children.setdefault(ppid, []).append(pid)
@@ -50,7 +59,8 @@ def control_plane_pids(root_pid: int | None = None) -> list[int]:
     while stack:
         pid = stack.pop()
         stack.extend(children.get(pid, []))
-        if any(fragment in procs[pid][1] for fragment in CONTROL_PLANE):
+        program = procs[pid][1].split(" --", 1)[0]  # not its options: the raylet's name the agents it starts
+        if any(fragment in program for fragment in CONTROL_PLANE):
             found.append(pid)
     return sorted(found)
 

@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for the service to answer (models load on first start)")
     parser.add_argument("--no-block", action="store_true", help="return once the service answers")
     parser.add_argument("--control-plane-nice", type=int, default=DEFAULT_CONTROL_PLANE_NICE,
-                        help="niceness given to Ray's control-plane processes when this command starts Ray "
-                             "(they yield the cores to the model replicas; 0 = leave them alone; Linux only)")
+                        help="niceness given to Ray's control-plane processes when this command starts Ray, "
+                             "whose replicas then run at niceness 0 instead of Ray's 15 (the control plane "
+                             "yields the cores to them; 0 = leave Ray's niceness alone; Linux only)")
 
 
 @dataclass
@@ -98,7 +99,8 @@ def _check_models(args) -> None:
 def start_service(config, ray_address: str | None = None, quiet: bool = False,
                   ready_timeout_s: float = 600.0, control_plane_nice: int = DEFAULT_CONTROL_PLANE_NICE) -> Service:
     """ray.init (unless already up), serve.start with the config's options, serve.run, wait until answering.
-    A Ray instance started here gets its control plane re-niced (services/host_priority.py)."""
+    A Ray instance started here runs its replicas at niceness 0 and gets its control plane re-niced
+    (services/host_priority.py)."""
     import ray
     from ray import serve
 
@@ -115,8 +117,12 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
     started = False
     try:
         if not ray.is_initialized():
+            from treeserve.services.host_priority import REPLICA_SYSTEM_CONFIG
+
+            local = ray_address is None and not os.environ.get("RAY_ADDRESS") and control_plane_nice > 0
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=not quiet,
-                     configure_logging=not quiet, runtime_env={"env_vars": env})
+                     configure_logging=not quiet, runtime_env={"env_vars": env},
+                     _system_config=REPLICA_SYSTEM_CONFIG if local else None)
             started = True
         grpc_options = {"port": config.grpc_options.port,
                         "grpc_servicer_functions": list(config.grpc_options.grpc_servicer_functions)}

@@ -18,7 +18,7 @@ import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
-from treeserve.engine.sampling import ResidualRow, SamplingParams
+from treeserve.engine.sampling import SamplingParams, sample_row
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -41,12 +41,10 @@ class ChainBuilder:
         for step in range(self.length):
             if sample:
                 row = tree.query([node])[0]
-                residual = ResidualRow(row)
-                picked = residual.sample(uniforms[step])
-                if picked is None:
+                token, prob, total = sample_row(row, uniforms[step])
+                if token is None:
                     break
-                tree.set_draw(node, draw, row, residual.total)
-                token, prob = picked
+                tree.set_draw(node, draw, row, total)
             else:
                 top = tree.top([node], 1)
                 token, prob = int(top.tokens[0, 0]), float(top.values[0, 0])

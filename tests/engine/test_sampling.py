@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from treeserve.engine.sampling import ResidualRow, SamplingParams, topk_rows, warp_probs
+from treeserve.engine.sampling import ResidualRow, SamplingParams, sample_row, topk_rows, warp_probs
 
 
 @pytest.mark.parametrize(
@@ -94,3 +94,17 @@ def test_top_entropy_fast_path_selects_the_exact_top_set(vocab):
     assert torch.equal(fast, ref)
     ref_entropy = -(ref * ref.clamp_min(1e-30).log()).sum(dim=-1)
     assert torch.allclose(top_entropy(rows), ref_entropy, rtol=1e-5, atol=1e-6)
+
+
+def test_sample_row_inverts_the_cdf():
+    """Each token owns the slice of [0, 1) its probability gives it, zero-mass tokens none (also at
+    the top end, where rounding could land past the last token with mass)."""
+    row = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0])
+    grid = [(i + 0.5) / 400 for i in range(400)]
+    counts = collections.Counter(sample_row(row, u)[0] for u in grid)
+    assert counts == {1: 100, 3: 200, 4: 100}
+    token, prob, total = sample_row(row, 1.0 - 1e-17)
+    assert (token, prob, total) == (4, 0.25, 1.0)
+    assert sample_row(torch.zeros(5), 0.3)[0] is None
+    with pytest.raises(ValueError, match="oracle"):
+        sample_row(torch.tensor([0.5, float("nan"), 0.5]), 0.3)

@@ -98,8 +98,10 @@ def ray_session():
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     if "TREESERVE_CACHE" in os.environ:
         env["TREESERVE_CACHE"] = os.environ["TREESERVE_CACHE"]
+    from treeserve.services.host_priority import REPLICA_SYSTEM_CONFIG
+
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": env})
+             runtime_env={"env_vars": env}, _system_config=REPLICA_SYSTEM_CONFIG)
     try:
         yield ray
     finally:

@@ -165,19 +165,23 @@ def test_replica_killed_mid_stream_does_not_fail_the_request(serve_service, tiny
 
 def test_control_plane_is_found_and_reniced(serve_service):
     """`treeserve serve` re-nices the control plane of the Ray it started: found among this process's
-    descendants (GCS, raylet, Serve controller), every thread raised to the niceness; replicas untouched."""
+    descendants (GCS, dashboard agent, Serve controller), every thread raised to the niceness; replicas
+    (started at niceness 0 through REPLICA_SYSTEM_CONFIG, not Ray's 15) and the raylet untouched."""
     import os
     from pathlib import Path
 
-    from treeserve.services.host_priority import control_plane_pids, lower_priority
+    from treeserve.services.host_priority import control_plane_pids, lower_priority, processes
 
     if not Path("/proc").is_dir():
         pytest.skip("needs /proc")
     pids = control_plane_pids()
     commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in pids}
-    for fragment in ("gcs_server", "raylet", "ray::ServeController"):
+    for fragment in ("gcs_server", "ray::DashboardAgent", "ray::ServeController"):
         assert any(fragment in c for c in commands.values()), f"{fragment} not found among {commands}"
-    assert not any("ServeReplica" in c or "ProxyActor" in c for c in commands.values())
+    assert not any("ServeReplica" in c or "ProxyActor" in c or c.split()[0].endswith("/raylet")
+                   for c in commands.values())
+    replicas = [pid for pid, (_, c) in processes().items() if "ray::ServeReplica" in c]
+    assert replicas and all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in replicas)
     lower_priority(pids, 5)
     niceness = []
     for pid in pids:
