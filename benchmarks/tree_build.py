@@ -7,9 +7,10 @@ probability printed below). Times are CPU time of the building thread (time.thre
 waiting for a core on a shared machine is not counted; time inside the oracle is subtracted.
 
 Every case runs twice: with an oracle that only returns full rows (the builder takes top-k itself),
-and with one that also answers `summarize` (top-k and C2T entropy computed oracle-side, as the model
-drafter does on its head next to the forward: on the default drafter's 16,384-token head, not the
-49,152-token rows used here). The oracle-side summary time is printed in its own column. A third run
+and with one that also answers `summarize` and `sample` (top-k, C2T entropy and a sampled chain's draws
+computed oracle-side, as the model drafter does on its head next to the forward: on the default
+drafter's 16,384-token head, not the 49,152-token rows used here). The oracle-side summary time is
+printed in its own column. A third run
 hands out summaries precomputed for all rows ("cached"): the builder's CPU without the cache pollution
 of the 12 MB of fresh rows per call, which a summarising model drafter (16k-wide head rows, top-k
 taken next to the forward) largely avoids. With `--drafter` (default: the shipped default drafter), the
@@ -36,7 +37,7 @@ from treeserve.engine.acceptance import expected_accepted_length
 from treeserve.engine.builders import TreeConfig, make_builder
 from treeserve.engine.builders.base import RowSummary
 from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.sampling import SamplingParams, topk_rows
+from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows
 from treeserve.engine.tree import TokenTree
 
 
@@ -96,6 +97,16 @@ class TimedSummarizingOracle(TimedOracle):
         return out
 
 
+    def sample(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, uniforms: list[float]):
+        rows = self.probs(tokens, parents, node_ids)
+        start = time.thread_time()
+        draws = [sample_row(row, u) for row, u in zip(rows.unbind(0), uniforms)]
+        spent = time.thread_time() - start
+        self.seconds += spent
+        self.summary_seconds += spent
+        return rows, draws
+
+
 @dataclass
 class CachedSummaryOracle(TimedSummarizingOracle):
     """Summaries of all rows computed once (outside the timed runs) and handed out by node id: the
@@ -138,6 +149,14 @@ class TimedDrafterOracle:
     def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
         start = time.thread_time()
         out = self.inner.summarize(tokens, parents, node_ids, k, entropy)
+        self.seconds += time.thread_time() - start
+        self.calls += 1
+        return out
+
+
+    def sample(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, uniforms: list[float]):
+        start = time.thread_time()
+        out = self.inner.sample(tokens, parents, node_ids, uniforms)
         self.seconds += time.thread_time() - start
         self.calls += 1
         return out

@@ -129,18 +129,34 @@ def topk_rows(rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def sample_row(row: Tensor, uniform: float) -> tuple[int | None, float, float]:
     """One draw from row / sum(row) by inversion with `uniform` in [0, 1): (token, q[token], sum(row)),
-    token None when the row holds no mass. One cumulative sum (float64) and a binary search: for a
-    single draw per row (an SpS chain) this is what ResidualRow's block sums would cost, without
-    their per-block Python bookkeeping. A NaN row is a ValueError."""
-    cdf = row.cumsum(0, dtype=torch.float64)  # [V]
-    total = float(cdf[-1])
+    token None when the row holds no mass. For a single draw per row (an SpS chain) this skips
+    ResidualRow's per-block Python bookkeeping: float32 sums of BLOCK-token blocks (one vectorised
+    pass), their float64 cumulative sum to pick the block, then one block's float64 cumulative sum,
+    the precision of ResidualRow's draws. A NaN row is a ValueError."""
+    blocks = _blocked(row[None])
+    if blocks is None:
+        sums, width = row.double(), 1  # [V] small or unaligned rows: every token is its own block
+    else:
+        sums, width = blocks[0].sum(dim=1).double(), BLOCK  # [V // BLOCK]
+    cum = sums.cumsum(0)
+    total = float(cum[-1])
     if math.isnan(total):
         raise ValueError("oracle probs: a draft row is NaN")
     if not total > 0.0:
         return None, 0.0, total
-    token = min(int(torch.searchsorted(cdf, uniform * total, right=True)), row.numel() - 1)
-    while float(row[token]) <= 0.0 and token > 0:  # float edge at the top end: the last token with mass
-        token -= 1
+    target = uniform * total
+    block = min(int(torch.searchsorted(cum, target, right=True)), sums.numel() - 1)
+    while float(sums[block]) <= 0.0 and block > 0:  # float edge at the top end: the last block with mass
+        block -= 1
+    token = block
+    if width > 1:
+        first = block * width
+        inner = row[first:first + width].cumsum(0, dtype=torch.float64)
+        # The offset into the block, rescaled to its own cumulative sum (which may round differently).
+        offset = (target - (float(cum[block - 1]) if block else 0.0)) * float(inner[-1]) / float(sums[block])
+        token = first + min(int(torch.searchsorted(inner, offset, right=True)), width - 1)
+        while float(row[token]) <= 0.0 and token > first:
+            token -= 1
     return token, float(row[token]), total
 
 

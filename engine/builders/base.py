@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.sampling import SamplingParams, topk_rows
+from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -59,6 +59,17 @@ class SummarizingOracle(DraftOracle, Protocol):
         ...
 
 
+class SamplingOracle(DraftOracle, Protocol):
+    """A DraftOracle that also draws from its rows directly (optional fast path for sampled chains): on
+    the drafter's own head, right after the softmax, while the row is hot (on a GPU: on the device)."""
+
+    def sample(self, tokens: Tensor, parents: Tensor, node_ids: Tensor,
+               uniforms: Sequence[float]) -> tuple[Tensor, list[tuple[int | None, float, float]]]:
+        """Same inputs as `probs` plus one uniform in [0, 1) per node -> the rows `probs` returns [k, V]
+        and, per row, `sample_row(row, uniform)`: (token, q[token], row sum), a draw by inversion."""
+        ...
+
+
 @runtime_checkable
 class TreeBuilder(Protocol):
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
@@ -95,6 +106,7 @@ class PartialTree:
             raise ValueError(f"root_token must lie in [0, {oracle.vocab_size}), got {root_token!r}")
         self.oracle = oracle
         self._summarize = getattr(oracle, "summarize", None)  # SummarizingOracle's fast path, if any
+        self._sample = getattr(oracle, "sample", None)  # SamplingOracle's fast path, if any
         self.tokens: list[int] = [root_token]
         self.parents: list[int] = [-1]
         self.log_joint: list[float] = [0.0]
@@ -175,6 +187,18 @@ class PartialTree:
         if out.dim() != 2 or out.shape != (count, vocab):
             raise ValueError(f"oracle probs must have shape [{count}, {vocab}], got {tuple(out.shape)}")
         return out
+
+    def sample_child(self, node: int, uniform: float) -> tuple[Tensor, int | None, float, float]:
+        """One oracle call for `node`: its draft row [V] and one draw from it by inversion with `uniform`
+        (token, q[token], row sum; token None if the row holds no mass), from the oracle's own `sample`
+        where it has one, else by `sample_row` on the row."""
+        if self._sample is None:
+            row = self.query([node])[0]
+            return (row, *sample_row(row, uniform))
+        rows, draws = self._sample(*self._views([node]), [uniform])
+        if rows.shape != (1, self.oracle.vocab_size) or len(draws) != 1:
+            raise ValueError(f"oracle sample must return [1, {self.oracle.vocab_size}] rows and one draw")
+        return (rows[0], *draws[0])
 
     def top(self, node_ids: Sequence[int], k: int, entropy: bool = False) -> RowSummary:
         """The top-k (and optionally the C2T entropy) of `node_ids`' draft rows, in one oracle call:

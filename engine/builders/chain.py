@@ -18,7 +18,7 @@ import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
-from treeserve.engine.sampling import SamplingParams, sample_row
+from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -40,8 +40,7 @@ class ChainBuilder:
         node = 0
         for step in range(self.length):
             if sample:
-                row = tree.query([node])[0]
-                token, prob, total = sample_row(row, uniforms[step])
+                row, token, prob, total = tree.sample_child(node, uniforms[step])
                 if token is None:
                     break
                 tree.set_draw(node, draw, row, total)

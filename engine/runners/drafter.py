@@ -25,7 +25,7 @@ from torch import Tensor
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.builders.base import RowSummary
 from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.sampling import SamplingParams, topk_rows, warp_probs
+from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows, warp_probs
 
 
 def _timed(method):
@@ -82,6 +82,18 @@ class DrafterRunner:
         return RowSummary(values, tokens, top_entropy(head_rows) if entropy else None)
 
     @_timed
+    def draw(self, head_rows: Tensor, uniforms: list[float]) -> list[tuple[int | None, float, float]]:
+        """`sample_row` on each head row [n, V_draft], as target token ids: distributed as draws on
+        `full_vocab(head_rows)`, and (up to float rounding) the very same tokens when `vocab_ids` ascend,
+        as the default drafter's do: the zeros between them add nothing to a cumulative sum."""
+        out = []
+        for row, uniform in zip(head_rows.unbind(0), uniforms):
+            index, prob, total = sample_row(row, uniform)
+            token = index if index is None or self.vocab_ids is None else int(self.vocab_ids[index])
+            out.append((token, prob, total))
+        return out
+
+    @_timed
     def extend_many(self, oracles: list["SessionOracle"], nodes: list[list[int]], tokens: list[list[int]],
                     parents: list[list[int]]) -> list[Tensor]:
         """Feed new tree nodes for several sessions in one forward: per session their tree node ids, tokens
@@ -129,6 +141,12 @@ class SessionOracle:
         """`SummarizingOracle.summarize`: top-k and entropy computed on the head rows."""
         wanted = self._feed(tokens, parents, node_ids)
         return self.runner.summarize(torch.stack([self.rows[n] for n in wanted]), k, entropy)
+
+    def sample(self, tokens: Tensor, parents: Tensor, node_ids: Tensor,
+               uniforms: list[float]) -> tuple[Tensor, list[tuple[int | None, float, float]]]:
+        """`SamplingOracle.sample`: the rows `probs` returns, each drawn from on its head row."""
+        rows = self.probs(tokens, parents, node_ids)
+        return rows, self.runner.draw(torch.stack([self.rows[n] for n in node_ids.tolist()]), uniforms)
 
     def _feed(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> list[int]:
         """Feed the asked nodes not yet in the drafter's cache (and their unfed ancestors) in one forward."""

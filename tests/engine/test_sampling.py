@@ -106,5 +106,11 @@ def test_sample_row_inverts_the_cdf():
     token, prob, total = sample_row(row, 1.0 - 1e-17)
     assert (token, prob, total) == (4, 0.25, 1.0)
     assert sample_row(torch.zeros(5), 0.3)[0] is None
+    # A blocked row (V a multiple of 128): the same slices, found block first.
+    wide = torch.zeros(1024)
+    wide[[5, 300, 301, 1023]] = torch.tensor([0.25, 0.125, 0.125, 0.5])
+    counts = collections.Counter(sample_row(wide, u)[0] for u in grid)
+    assert counts == {5: 100, 300: 50, 301: 50, 1023: 200}
+    assert sample_row(wide, 1.0 - 1e-17)[0] == 1023
     with pytest.raises(ValueError, match="oracle"):
         sample_row(torch.tensor([0.5, float("nan"), 0.5]), 0.3)

@@ -35,3 +35,23 @@ def test_summaries_on_the_head_equal_summaries_of_full_rows(restricted_runner, s
     assert torch.allclose(summary.entropy, top_entropy(rows), atol=1e-5)
     assert bool(torch.isin(summary.tokens[summary.values > 0], restricted_runner.vocab_ids).all())
     restricted_runner.release("s")
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0)],
+                         ids=["top_p", "plain"])
+def test_draws_on_the_head_equal_draws_on_full_rows(restricted_runner, sampling):
+    """`SessionOracle.sample` draws on the head rows: the same tokens (target ids), probabilities and row
+    sums as `sample_row` on the full rows it returns, for the same uniforms."""
+    from treeserve.engine.sampling import sample_row
+
+    oracle = restricted_runner.begin("s", [5, 17, 42, 9], sampling)
+    tokens = torch.tensor([9, 11, 12, 13])
+    parents = torch.tensor([-1, 0, 0, 1])
+    for node in range(4):
+        for uniform in (0.0, 0.137, 0.5, 0.861, 0.999999):
+            rows, draws = oracle.sample(tokens, parents, torch.tensor([node]), [uniform])
+            token, prob, total = draws[0]
+            ref_token, ref_prob, ref_total = sample_row(rows[0], uniform)
+            assert token == ref_token and float(rows[0, token]) == prob > 0
+            assert abs(prob - ref_prob) < 1e-7 and abs(total - ref_total) < 1e-5
+    restricted_runner.release("s")
