@@ -63,7 +63,9 @@ class DrafterRunner:
 
     @_timed
     def full_vocab(self, probs: Tensor) -> Tensor:
-        """[k, V_draft] -> [k, V] with zeros outside the drafter's vocabulary."""
+        """[k, V_draft] -> [k, V] with zeros outside the drafter's vocabulary, on the CPU (where
+        verification reads draft rows, as the target's distributions)."""
+        probs = probs.cpu()
         if self.vocab_ids is None:
             return probs
         out = probs.new_zeros(probs.shape[0], self.vocab_size)
@@ -74,12 +76,13 @@ class DrafterRunner:
         """Top-k (target token ids) and optionally the C2T entropy of head rows [n, V_draft]: the same
         as summarising `full_vocab(head_rows)`, without building it."""
         values, index = topk_rows(head_rows, min(k, head_rows.shape[1]))
+        values, index = values.cpu(), index.cpu()  # builders read summaries on the CPU
         if k > values.shape[1]:  # a head smaller than k: the rest of the vocabulary has probability 0
             pad = k - values.shape[1]
             values = torch.cat([values, values.new_zeros(values.shape[0], pad)], dim=1)
             index = torch.cat([index, index.new_zeros(index.shape[0], pad)], dim=1)
         tokens = index if self.vocab_ids is None else self.vocab_ids[index]
-        return RowSummary(values, tokens, top_entropy(head_rows) if entropy else None)
+        return RowSummary(values, tokens, top_entropy(head_rows).cpu() if entropy else None)
 
     @_timed
     def draw(self, head_rows: Tensor, uniforms: list[float]) -> list[tuple[int | None, float, float]]:
@@ -87,7 +90,7 @@ class DrafterRunner:
         `full_vocab(head_rows)`, and (up to float rounding) the very same tokens when `vocab_ids` ascend,
         as the default drafter's do: the zeros between them add nothing to a cumulative sum."""
         out = []
-        for row, uniform in zip(head_rows.unbind(0), uniforms):
+        for row, uniform in zip(head_rows.cpu().unbind(0), uniforms):
             index, prob, total = sample_row(row, uniform)
             token = index if index is None or self.vocab_ids is None else int(self.vocab_ids[index])
             out.append((token, prob, total))
