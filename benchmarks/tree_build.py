@@ -165,16 +165,14 @@ class TimedDrafterOracle:
 def drafter_oracles(drafter_path: str):
     """A factory of timed drafter oracles: each starts a new step of one session whose context is the
     first dev prompt (chat template) plus the start of a greedy answer."""
-    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.pipeline import build_local_drafter
     from treeserve.engine.training.agreement_command import DEV_PROMPTS, load_prompts
 
     target = load_causal_lm("default")
     runner = build_local_drafter(drafter_path, target.model, budget=32).runner
     row = load_prompts(DEV_PROMPTS, 1)[0]
-    prompt = list(target.tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
-                                                       add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+    prompt = chat_ids(target.tokenizer, row["turns"][0])
     with torch.inference_mode():
         context = target.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
 

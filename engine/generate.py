@@ -26,6 +26,7 @@ from treeserve.engine.requests import FinishReason, GenerationRequest, Generatio
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists, verify_tree
+from treeserve.engine.models.loading import chat_ids
 
 
 class Drafter(Protocol):
@@ -85,10 +86,7 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ public API
     def encode_chat(self, text_or_messages: str | list[dict]) -> list[int]:
-        messages = [{"role": "user", "content": text_or_messages}] if isinstance(text_or_messages, str) \
-            else text_or_messages
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+        return chat_ids(self.tokenizer, text_or_messages)
 
     def validate(self, request: GenerationRequest) -> None:
         """Reject bad input before any model work (ValueError naming the field)."""

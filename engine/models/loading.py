@@ -138,3 +138,12 @@ def load_causal_lm(path: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu",
     model = load_model(model_dir, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return LoadedModel(model=model, tokenizer=tokenizer, path=model_dir)
+
+
+def chat_ids(tokenizer, text_or_messages: str | list[dict]) -> list[int]:
+    """Prompt token ids of one user message (or a list of chat messages) under the tokenizer's chat
+    template, ready for the assistant's answer: how every prompt reaches a model here."""
+    messages = [{"role": "user", "content": text_or_messages}] if isinstance(text_or_messages, str) \
+        else text_or_messages
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.engine.models.drafter import load_drafter
-    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.models.loading import chat_ids, load_causal_lm
 
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top_k < 1:
         raise ValueError("--num-prompts, --max-new-tokens and --top-k must be >= 1")
@@ -53,9 +53,7 @@ def run(args: argparse.Namespace) -> int:
     counts = {name: Counts() for name in drafters}
     with torch.inference_mode():
         for row in load_prompts(args.prompts, args.num_prompts):
-            ids = target.tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
-                                                       add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"]
+            ids = chat_ids(target.tokenizer, row["turns"][0])
             out = target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                                         do_sample=False, top_p=None, top_k=None, temperature=None)[0]
             for name, drafter in drafters.items():

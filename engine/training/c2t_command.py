@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.engine.models.drafter import load_drafter
-    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.runners.drafter import DrafterRunner
     from treeserve.engine.runners.target import TargetRunner
     from treeserve.engine.training import prompts as sources
@@ -49,9 +49,7 @@ def run(args: argparse.Namespace) -> int:
     texts = given if given is not None else (sources.pydoc_passages(rng, 1000) + sources.humaneval_prompts(1000)
                                              + sources.debian_text_prompts(rng, 1000))
     rng.shuffle(texts)
-    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)["input_ids"][-384:]
-               for t in texts[:args.num_prompts]]
+    prompts = [chat_ids(target.tokenizer, t)[-384:] for t in texts[:args.num_prompts]]
     eos = {target.tokenizer.eos_token_id}
     features, labels = collect(TargetRunner(target.model), DrafterRunner(drafter, target.model.config.vocab_size),
                                prompts, config, eos)

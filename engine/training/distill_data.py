@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from treeserve.engine.training import prompts as prompt_sources
+from treeserve.engine.models.loading import chat_ids
 
 
 @dataclass
@@ -40,11 +41,6 @@ class DistillDataConfig:
     batch_size: int = field(default=32, metadata={"help": "target generation batch size"})
     teacher_top_k: int = field(default=32, metadata={"help": "target probabilities kept per position"})
     seed: int = field(default=0, metadata={"help": "seed for prompt choice and sampling"})
-
-
-def _chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]
 
 
 @torch.inference_mode()
@@ -106,7 +102,7 @@ def build_prompts(model, tokenizer, config: DistillDataConfig, out: Path) -> lis
     rng = random.Random(config.seed)
     meta = prompt_sources.self_instruct_meta_prompts(rng, tokenizer, config.self_instruct_prompts)
     torch.manual_seed(config.seed)
-    written = batched_generate(model, tokenizer, [_chat_ids(tokenizer, m) for m in meta], 48,
+    written = batched_generate(model, tokenizer, [chat_ids(tokenizer, m) for m in meta], 48,
                                config.batch_size, temperature=1.0, desc="self-instruct")
     instructions = [prompt_sources.clean_instruction(tokenizer.decode(w, skip_special_tokens=True))
                     for w in written]
@@ -127,7 +123,7 @@ def build_distill_data(model, tokenizer, config: DistillDataConfig, out: Path) -
         return data_path
     prompts = build_prompts(model, tokenizer, config, out)
     responses_path = out / "responses.json"
-    prompt_ids = [_chat_ids(tokenizer, p)[-384:] for p in prompts[:config.response_prompts]]
+    prompt_ids = [chat_ids(tokenizer, p)[-384:] for p in prompts[:config.response_prompts]]
     if responses_path.is_file():
         responses = json.loads(responses_path.read_text())
     else:
@@ -153,7 +149,7 @@ def reference_sequences(tokenizer, config: DistillDataConfig) -> tuple[list[list
     for request, answer in prompt_sources.reference_texts(random.Random(config.seed + 2)):
         if total >= config.reference_tokens:
             break
-        prompt = _chat_ids(tokenizer, request)[-256:]
+        prompt = chat_ids(tokenizer, request)[-256:]
         answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"][:config.reference_answer_tokens]
         if len(answer_ids) < 16:
             continue

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from treeserve.engine.models.loading import chat_ids
 from treeserve.engine.models.parallel_drafter import ParallelDrafterModel
 from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions, soft_targets
 
@@ -301,8 +302,7 @@ def dev_agreement(target, tokenizer, drafter: ParallelDrafterModel, rows: list[d
     hit1, hitk, total = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
     vocab_ids = drafter.vocab_ids.cpu()
     for row in rows:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]
+        ids = chat_ids(tokenizer, row["turns"][0])
         out = target.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                               top_p=None, top_k=None, temperature=None)[0]
         n_prompt, n_all = len(ids), len(out)
