@@ -59,7 +59,7 @@ class LocalDrafter:
         self.last_model_ms = 0.0
         self.last_forward_ms = 0.0  # of which model forwards
         # Steps after the last draft() call that its budget chooser already decided are plain decoding: the
-        # engine may skip calling draft() for them (same batch size) and only report their records.
+        # engine may skip calling draft() for them (same batch-size bucket) and only report their records.
         self.hold_steps = 0
         # Batched steps get their own choosers of the chain depth (0 = plain batched decoding), one per
         # batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
@@ -84,7 +84,7 @@ class LocalDrafter:
         trees: dict[int, TokenTree] = {}
         self.hold_steps = 0
         if len(speculative) > 1:
-            depth = self._batch_depth(len(requests))
+            depth = self._batch_depth(len(requests), speculative)
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes) for r in speculative]
             if depth > 0:
                 chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in speculative],
@@ -104,16 +104,20 @@ class LocalDrafter:
         self.last_forward_ms = (self.runner.lm.forward_seconds - forward_seconds) * 1e3
         return [trees.get(id(r)) or root_only(r.context) for r in requests]
 
-    def _batch_depth(self, batch_size: int) -> int:
-        """Chain depth for a batched step: chosen per batch-size bucket when budgets are hardware-aware."""
-        if self.budget is None:
-            return self.batch_chain_depth
+    def _batch_depth(self, batch_size: int, speculative: list[DraftRequest]) -> int:
+        """Chain depth for a batched step: chosen per batch-size bucket when every request leaves its budget
+        to the hardware-aware chooser; else `batch_chain_depth`, capped by the smallest explicit budget."""
+        explicit = [r.tree.budget for r in speculative if not r.tree.budget_auto]
+        if self.budget is None or explicit:
+            self._batch_chooser = None
+            return min([self.batch_chain_depth, *explicit])
         bucket = batch_size_bucket(batch_size)
         if bucket not in self.batch_budgets:
             b = self.budget
             self.batch_budgets[bucket] = BudgetChooser(b.profile, max_budget=self.batch_chain_depth,
                                                        prior_acceptance=b.prior_acceptance,
-                                                       explore_steps=b.explore_steps, revisit=b.revisit, seed=b.seed)
+                                                       explore_steps=b.explore_steps, revisit=b.revisit,
+                                                       plain_hold_steps=b.plain_hold_steps, seed=b.seed)
         self._batch_chooser = self.batch_budgets[bucket]
         depth = self._batch_chooser.next_budget()
         self.hold_steps = self._batch_chooser.held

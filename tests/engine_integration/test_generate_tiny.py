@@ -113,7 +113,7 @@ def test_batched_chain_depth_is_chosen_per_batch_size_and_stays_lossless(pair):
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size),
                          budget=BudgetChooser(profile, max_budget=8, explore_steps=1), batch_chain_depth=4)
     engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
-                               TreeConfig(method="dyspec", budget=8), max_context_tokens=2048)
+                               TreeConfig(method="dyspec", budget=8, budget_auto=True), max_context_tokens=2048)
     prompts = [engine.encode_chat(p) for p in ["Hello there", "Write a poem about rain", "Why?", "Count to ten"]]
     results = engine.generate([GenerationRequest(p, max_new_tokens=24) for p in prompts])
     for p, r in zip(prompts, results):
@@ -126,6 +126,27 @@ def test_batched_chain_depth_is_chosen_per_batch_size_and_stays_lossless(pair):
     batched_steps = len([s for s in results[0].steps if s.batch_size == 4])
     # Every batched step is credited once, except the first: it prefilled the prompts.
     assert abs(sum(arm.steps for arm in chooser.arms.values()) - (batched_steps - 1)) < 1e-6
+
+
+def test_an_explicit_budget_caps_batched_chains_without_the_chooser(pair):
+    """A batch whose requests fix their budget drafts chains of at most that many tokens (and of the
+    configured depth, not a chosen one); the batch choosers are neither asked nor credited."""
+    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+    from treeserve.engine.drafting import DraftRequest
+
+    target, drafter = pair
+    profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0}, 5.0, 128)
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size),
+                         budget=BudgetChooser(profile, max_budget=8), batch_chain_depth=4,
+                         batch_chain_beta=1e-6)  # the C2T prior's early exit never stops these chains
+    contexts = [[5, 6, 7, 8], [9, 10, 11]]
+    trees = local.draft([DraftRequest(f"s{i}", c, SamplingParams(), TreeConfig(method="dyspec", budget=2), 0)
+                         for i, c in enumerate(contexts)])
+    assert [t.num_nodes - 1 for t in trees] == [2, 2]
+    assert local.batch_budgets == {} and local.hold_steps == 0
+    wide = local.draft([DraftRequest(f"s{i}", c, SamplingParams(), TreeConfig(method="dyspec", budget=12), 0)
+                        for i, c in enumerate(contexts)])
+    assert [t.num_nodes - 1 for t in wide] == [4, 4]  # batch_chain_depth
 
 
 def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
