@@ -142,10 +142,11 @@ class BudgetChooser:
         "help": "further steps kept on plain decoding once budget 0 is chosen: the caller may skip the drafter "
                 "for them (a remote drafter saves its round trip), their records are credited to budget 0"})
     seed: int = 0
-    arms: dict[int, _Arm] = field(default_factory=dict)
-    current: int = 1
-    held: int = 0  # steps after the current one that are plain decoding by this decision
-    owed: float = 0.0  # steps whose records are still to be credited to `current`
+    # State, not settings (not constructor arguments): measured throughput per budget, this step's decision.
+    arms: dict[int, _Arm] = field(default_factory=dict, init=False)
+    current: int = field(default=1, init=False)
+    held: int = field(default=0, init=False)  # steps after the current one that are plain decoding by this decision
+    owed: float = field(default=0.0, init=False)  # steps whose records are still to be credited to `current`
 
     def __post_init__(self) -> None:
         if self.max_budget < 1:

@@ -220,6 +220,7 @@ class ParallelTreeDrafter:
     def _build(self, root: int, rows: Tensor, builder: ParallelTreeBuilder) -> TokenTree:
         width = min(builder.width, rows.shape[-1])
         values, index = torch.topk(rows, width, dim=-1)
+        values, index = values.cpu(), index.cpu()  # vocab_ids live on the CPU, as the builder does
         tokens = index if self.vocab_ids is None else self.vocab_ids[index]
         return builder.build(root, values.tolist(), tokens.tolist())
 
