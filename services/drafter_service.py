@@ -68,8 +68,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             config = wire.decode_tree_config(item.tree, base)
             if message.router_batch_size > 1 and len(message.items) == 1 and method != "autoregressive":
                 # The router batches several sequences but only this one hashed here: draft it the way
-                # LocalDrafter drafts a batch (C2T chain with early exit), not as a batch-1 dynamic tree.
-                config = tree_config("c2t_chain", "auto", depth=self.drafter.batch_chain_depth,
+                # LocalDrafter drafts a batch (C2T chain with early exit, capped by an explicit budget),
+                # not as a batch-1 dynamic tree.
+                depth = self.drafter.batch_chain_depth
+                if not config.budget_auto:
+                    depth = min(depth, config.budget)
+                config = tree_config("c2t_chain", "auto" if config.budget_auto else depth, depth=depth,
                                      beta=self.drafter.batch_chain_beta)
             out.append(DraftRequest(item.session_id, list(item.context), wire.decode_sampling(item.sampling),
                                     config, int(item.seed), wire.hint(item)))

@@ -146,6 +146,12 @@ def test_subbatch_of_one_drafts_a_chain(tiny_parts):
     assert all(len(in_batch.children(n)) <= 1 for n in range(in_batch.num_nodes))
     assert in_batch.num_nodes <= servicer.drafter.batch_chain_depth + 1
     assert alone.num_nodes >= 2
+    # An explicit budget below the batch chain depth caps the lone item's chain, as it caps LocalDrafter's
+    # (a C2T threshold that never exits early, so only the cap can stop the chain).
+    eager = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab), batch_chain_beta=1e-6), vocab)
+    item.tree.CopyFrom(wire.encode_tree_config(tree_config("dyspec", 2)))
+    capped = wire.decode_tree(eager._draft(pb.DraftRequest(items=[item], router_batch_size=3)).trees[0])
+    assert capped.num_nodes == 3
 
 
 def test_held_plain_decoding_skips_the_draft_rpc(tiny_parts):
