@@ -22,11 +22,11 @@ import torch
 
 from treeserve.engine.builders import TreeConfig, make_builder
 from treeserve.engine.drafting import AUTOREGRESSIVE, DraftRequest, batch_size_bucket, root_only
+from treeserve.engine.models.loading import chat_ids
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists, verify_tree
-from treeserve.engine.models.loading import chat_ids
 
 
 class Drafter(Protocol):
