@@ -29,6 +29,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -97,14 +98,18 @@ class TimedSummarizingOracle(TimedOracle):
         return out
 
 
-    def sample(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, uniforms: list[float]):
-        rows = self.probs(tokens, parents, node_ids)
+    def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int, uniform: float):
         start = time.thread_time()
-        draws = [sample_row(row, u) for row, u in zip(rows.unbind(0), uniforms)]
+        row = self.rows[node % self.rows.shape[0]]
+        self.kept.append(row)
+        self.seconds += time.thread_time() - start
+        self.calls += 1
+        start = time.thread_time()
+        out = (row, *sample_row(row, uniform))
         spent = time.thread_time() - start
         self.seconds += spent
         self.summary_seconds += spent
-        return rows, draws
+        return out
 
 
 @dataclass
@@ -154,9 +159,9 @@ class TimedDrafterOracle:
         return out
 
 
-    def sample(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, uniforms: list[float]):
+    def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int, uniform: float):
         start = time.thread_time()
-        out = self.inner.sample(tokens, parents, node_ids, uniforms)
+        out = self.inner.sample(tokens, parents, node, uniform)
         self.seconds += time.thread_time() - start
         self.calls += 1
         return out

@@ -34,22 +34,20 @@ class ChainBuilder:
 
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
         tree = PartialTree(root_token, oracle)
-        sample = self.sampled and not sampling.is_greedy
-        draw = ChildDraw.GREEDY if sampling.is_greedy else (ChildDraw.WITHOUT_REPLACEMENT if sample else ChildDraw.TOP_K)
-        uniforms = torch.rand(self.length, generator=generator, dtype=torch.float64).tolist() if sample else []
-        node = 0
-        for step in range(self.length):
-            if sample:
-                row, token, prob, total = tree.sample_child(node, uniforms[step])
-                if token is None:
+        node: int | None = 0
+        if self.sampled and not sampling.is_greedy:
+            for uniform in torch.rand(self.length, generator=generator, dtype=torch.float64).tolist():
+                node = tree.add_sampled_child(node, uniform)
+                if node is None:
                     break
-                tree.set_draw(node, draw, row, total)
-            else:
-                top = tree.top([node], 1)
-                token, prob = int(top.tokens[0, 0]), float(top.values[0, 0])
-                if prob <= 0.0:
-                    break
-                tree.set_draw(node, draw)
+            return tree.finish()
+        draw = ChildDraw.GREEDY if sampling.is_greedy else ChildDraw.TOP_K
+        for _ in range(self.length):
+            top = tree.top([node], 1)
+            token, prob = int(top.tokens[0, 0]), float(top.values[0, 0])
+            if prob <= 0.0:
+                break
+            tree.set_draw(node, draw)
             node = tree.add(node, token, safe_log(prob))
         return tree.finish()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -133,7 +134,8 @@ class SessionOracle:
 
     def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
         """Draft distributions [k, V] after each of `node_ids`, feeding those (and unfed ancestors) first."""
-        wanted = self._feed(tokens, parents, node_ids)
+        wanted = node_ids.tolist()
+        self._feed(tokens, parents, wanted)
         missing = [n for n in wanted if n not in self.full]
         if missing:
             rows = self.runner.full_vocab(torch.stack([self.rows[n] for n in missing]))
@@ -142,20 +144,28 @@ class SessionOracle:
 
     def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
         """`SummarizingOracle.summarize`: top-k and entropy computed on the head rows."""
-        wanted = self._feed(tokens, parents, node_ids)
+        wanted = node_ids.tolist()
+        self._feed(tokens, parents, wanted)
         return self.runner.summarize(torch.stack([self.rows[n] for n in wanted]), k, entropy)
 
-    def sample(self, tokens: Tensor, parents: Tensor, node_ids: Tensor,
-               uniforms: list[float]) -> tuple[Tensor, list[tuple[int | None, float, float]]]:
-        """`SamplingOracle.sample`: the rows `probs` returns, each drawn from on its head row."""
-        rows = self.probs(tokens, parents, node_ids)
-        return rows, self.runner.draw(torch.stack([self.rows[n] for n in node_ids.tolist()]), uniforms)
+    def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int,
+               uniform: float) -> tuple[Tensor, int | None, float, float]:
+        """`SamplingOracle.sample`: the row `probs` returns for `node`, drawn from on its head row."""
+        self._feed(tokens, parents, [node])
+        (draw,) = self.runner.draw(self.rows[node][None], [uniform])
+        return (self._full_row(node), *draw)
 
-    def _feed(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> list[int]:
+    def _full_row(self, node: int) -> Tensor:
+        """`node`'s distribution over the full vocabulary [V], built once per node."""
+        row = self.full.get(node)
+        if row is None:
+            row = self.full[node] = self.runner.full_vocab(self.rows[node][None])[0]
+        return row
+
+    def _feed(self, tokens: Tensor | Sequence[int], parents: Tensor | Sequence[int], wanted: list[int]) -> None:
         """Feed the asked nodes not yet in the drafter's cache (and their unfed ancestors) in one forward."""
-        wanted = node_ids.tolist()
         if any(n not in self.slot for n in wanted):
-            parent_of = parents.tolist()
+            parent_of = parents.tolist() if isinstance(parents, Tensor) else parents
             feed, seen = [], set(self.slot)
             for node in wanted:
                 while node >= 0 and node not in seen:
@@ -163,6 +173,5 @@ class SessionOracle:
                     feed.append(node)
                     node = parent_of[node]
             feed.sort()  # builders append a parent before its children: ascending ids put ancestors first
-            token_of = tokens.tolist()
+            token_of = tokens.tolist() if isinstance(tokens, Tensor) else tokens
             self.runner.extend_many([self], [feed], [[token_of[n] for n in feed]], [[parent_of[n] for n in feed]])
-        return wanted

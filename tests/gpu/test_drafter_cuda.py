@@ -36,7 +36,9 @@ def test_oracle_answers_match_the_cpu_runner(target):
         answers = []
         for runner in (cpu, gpu):
             oracle = runner.begin("s", [5, 17, 42, 9], sampling)
-            rows, draws = oracle.sample(tokens, parents, nodes, [0.1, 0.5, 0.9])
+            draws = [oracle.sample(tokens.tolist(), parents.tolist(), node, uniform)[1:]
+                     for node, uniform in zip(nodes.tolist(), [0.1, 0.5, 0.9])]
+            rows = oracle.probs(tokens, parents, nodes)
             answers.append((rows, draws, oracle.summarize(tokens, parents, nodes, 8, entropy=True)))
     (rows_c, draws_c, sum_c), (rows_g, draws_g, sum_g) = answers
     assert rows_g.device.type == sum_g.values.device.type == sum_g.tokens.device.type == "cpu"

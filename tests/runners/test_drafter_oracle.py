@@ -49,9 +49,9 @@ def test_draws_on_the_head_equal_draws_on_full_rows(restricted_runner, sampling)
     parents = torch.tensor([-1, 0, 0, 1])
     for node in range(4):
         for uniform in (0.0, 0.137, 0.5, 0.861, 0.999999):
-            rows, draws = oracle.sample(tokens, parents, torch.tensor([node]), [uniform])
-            token, prob, total = draws[0]
-            ref_token, ref_prob, ref_total = sample_row(rows[0], uniform)
-            assert token == ref_token and float(rows[0, token]) == prob > 0
+            row, token, prob, total = oracle.sample(tokens.tolist(), parents.tolist(), node, uniform)
+            assert torch.equal(row, oracle.probs(tokens, parents, torch.tensor([node]))[0])
+            ref_token, ref_prob, ref_total = sample_row(row, uniform)
+            assert token == ref_token and float(row[token]) == prob > 0
             assert abs(prob - ref_prob) < 1e-7 and abs(total - ref_total) < 1e-5
     restricted_runner.release("s")
