@@ -74,9 +74,9 @@ class TimedOracle:
     def vocab_size(self) -> int:
         return self.rows.shape[1]
 
-    def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
+    def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
         start = time.thread_time()
-        out = self.rows[node_ids % self.rows.shape[0]]
+        out = self.rows[torch.tensor(node_ids) % self.rows.shape[0]]
         self.kept.append(out)
         self.seconds += time.thread_time() - start
         self.calls += 1
@@ -87,7 +87,8 @@ class TimedOracle:
 class TimedSummarizingOracle(TimedOracle):
     summary_seconds: float = 0.0
 
-    def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
+    def summarize(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int], k: int,
+                  entropy: bool) -> RowSummary:
         rows = self.probs(tokens, parents, node_ids)
         start = time.thread_time()
         values, top_tokens = topk_rows(rows, k)
@@ -119,13 +120,14 @@ class CachedSummaryOracle(TimedSummarizingOracle):
 
     cache: dict = field(default_factory=dict)  # (k, entropy) -> RowSummary of every row
 
-    def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
+    def summarize(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int], k: int,
+                  entropy: bool) -> RowSummary:
         start = time.thread_time()
         if (k, entropy) not in self.cache:
             values, top_tokens = topk_rows(self.rows, k)
             self.cache[k, entropy] = RowSummary(values, top_tokens, top_entropy(self.rows) if entropy else None)
         full = self.cache[k, entropy]
-        idx = node_ids % self.rows.shape[0]
+        idx = torch.tensor(node_ids) % self.rows.shape[0]
         out = RowSummary(full.values[idx], full.tokens[idx], None if full.entropy is None else full.entropy[idx])
         self.seconds += time.thread_time() - start
         self.calls += 1
@@ -144,14 +146,15 @@ class TimedDrafterOracle:
     def vocab_size(self) -> int:
         return self.inner.vocab_size
 
-    def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
+    def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
         start = time.thread_time()
         out = self.inner.probs(tokens, parents, node_ids)
         self.seconds += time.thread_time() - start
         self.calls += 1
         return out
 
-    def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
+    def summarize(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int], k: int,
+                  entropy: bool) -> RowSummary:
         start = time.thread_time()
         out = self.inner.summarize(tokens, parents, node_ids, k, entropy)
         self.seconds += time.thread_time() - start

@@ -27,14 +27,18 @@ class DraftOracle(Protocol):
 
     vocab_size: int
 
-    def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
+    def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
         """tokens/parents: [n_so_far], the append-only partial tree (node 0 = root);
         node_ids: [k] nodes whose next-token distributions are wanted (one drafter forward);
         returns [k, vocab] warped draft probabilities (warp_probs with the request's SamplingParams).
 
-        The three inputs are views valid for the duration of the call only. The returned tensor
-        must not be overwritten afterwards: builders keep references to its rows (no copy) in the
-        finished TokenTree for verification (`PartialTree.finish`)."""
+        The three inputs are the builder's own lists, valid for the duration of the call only (read,
+        never kept or changed). Plain sequences, not tensors: builders call the oracle right after
+        drafter forwards have streamed the weights through every cache, when each torch call on the
+        builder's side costs ~8 us instead of ~1 (this project's 2-core Xeon), and a model oracle
+        wants Python ints anyway (cache slots, KV bookkeeping). The returned tensor must not be
+        overwritten afterwards: builders keep references to its rows (no copy) in the finished
+        TokenTree for verification (`PartialTree.finish`)."""
         ...
 
 
@@ -53,7 +57,8 @@ class RowSummary:
 class SummarizingOracle(DraftOracle, Protocol):
     """A DraftOracle that also returns row summaries directly (optional fast path)."""
 
-    def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
+    def summarize(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int], k: int,
+                  entropy: bool) -> RowSummary:
         """Same inputs as `probs` plus k; must equal summarising the rows `probs` would return:
         values/tokens = their top-k (values exact and descending), entropy = `top_entropy` of them."""
         ...
@@ -65,13 +70,8 @@ class SamplingOracle(DraftOracle, Protocol):
 
     def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int,
                uniform: float) -> tuple[Tensor, int | None, float, float]:
-        """The partial tree as plain sequences (valid for the call only), one node, one uniform in [0, 1)
-        -> the row `probs` returns for `node` [V] and `sample_row(row, uniform)`: (token, q[token], row
-        sum), a draw by inversion.
-
-        Sequences, not tensors as `probs` takes: a sampled chain calls this once per token, right after a
-        drafter forward has streamed the weights through every cache, and each torch call on the
-        builder's side then costs ~8 us instead of ~1 (measured on this project's 2-core Xeon)."""
+        """The partial tree as `probs` takes it, one node, one uniform in [0, 1) -> the row `probs` returns
+        for `node` [V] and `sample_row(row, uniform)`: (token, q[token], row sum), a draw by inversion."""
         ...
 
 
@@ -118,18 +118,7 @@ class PartialTree:
         self.log_joint: list[float] = [0.0]
         self.draw: list[int] = [int(ChildDraw.TOP_K)]
         self.rows: dict[int, Tensor] = {}  # node -> draft row kept for verification
-        # Growing copies of tokens/parents handed to the oracle; only new nodes are copied per call,
-        # so a budget-768 DySpec build does not re-convert the whole tree 768 times. They live in
-        # numpy arrays (list -> slice assignment costs ~1 us there, several torch ops otherwise),
-        # handed over as zero-copy tensor views.
-        self._alloc(64)
-        self._synced = 0
-        self._np_ids = np.empty(16, dtype=np.int64)
         self._unchecked: list[int] = []  # nodes whose kept row has not been checked to sum to 1
-
-    def _alloc(self, capacity: int) -> None:
-        self._np_tokens = np.empty(capacity, dtype=np.int64)
-        self._np_parents = np.empty(capacity, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -165,30 +154,10 @@ class PartialTree:
             depth += 1
         return depth
 
-    def _views(self, node_ids: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """Zero-copy views (tokens, parents, node ids) of the partial tree for one oracle call."""
-        num = len(self.tokens)
-        synced = self._synced
-        if num > synced:
-            if num > self._np_tokens.shape[0]:
-                old_tokens, old_parents = self._np_tokens, self._np_parents
-                self._alloc(max(num, 2 * old_tokens.shape[0]))
-                self._np_tokens[:synced] = old_tokens[:synced]
-                self._np_parents[:synced] = old_parents[:synced]
-            self._np_tokens[synced:num] = self.tokens[synced:]
-            self._np_parents[synced:num] = self.parents[synced:]
-            self._synced = num
-        count = len(node_ids)
-        if count > self._np_ids.shape[0]:
-            self._np_ids = np.empty(max(count, 2 * self._np_ids.shape[0]), dtype=np.int64)
-        self._np_ids[:count] = node_ids  # ~1 us, where torch.tensor(list) costs several
-        from_numpy = torch.from_numpy
-        return from_numpy(self._np_tokens[:num]), from_numpy(self._np_parents[:num]), from_numpy(self._np_ids[:count])
-
     def query(self, node_ids: Sequence[int]) -> Tensor:
-        """One oracle call for `node_ids` -> [k, V] draft probabilities. The oracle receives views
-        of the partial tree (and of a reused id buffer), valid for the duration of the call."""
-        out = self.oracle.probs(*self._views(node_ids))
+        """One oracle call for `node_ids` -> [k, V] draft probabilities. The oracle reads the partial
+        tree's own lists, for the duration of the call."""
+        out = self.oracle.probs(self.tokens, self.parents, node_ids)
         count, vocab = len(node_ids), self.oracle.vocab_size
         if out.dim() != 2 or out.shape != (count, vocab):
             raise ValueError(f"oracle probs must have shape [{count}, {vocab}], got {tuple(out.shape)}")
@@ -228,7 +197,7 @@ class PartialTree:
             rows = self.query(node_ids)
             values, tokens = topk_rows(rows, k)
             return RowSummary(values, tokens, top_entropy(rows) if entropy else None)
-        out = self._summarize(*self._views(node_ids), k, entropy)
+        out = self._summarize(self.tokens, self.parents, node_ids, k, entropy)
         if out.values.shape != (count, k) or out.tokens.shape != (count, k):
             raise ValueError(f"oracle summary must hold [{count}, {k}] values and tokens, got "
                              f"{tuple(out.values.shape)} and {tuple(out.tokens.shape)}")

@@ -46,38 +46,37 @@ class OptTreeBuilder:
         max_depth = n if self.max_depth is None else min(self.max_depth, n)
         tree = PartialTree(root_token, oracle)
         # Per layer in numpy (a layer is up to n children; per-child Python work would dominate).
-        phat = np.empty(0)  # p-hat of every draft node, in node order (node i + 1)
-        frontier, scale = np.zeros(1, dtype=np.int64), np.ones(1)  # the last layer and its p-hat
+        phat: list[np.ndarray] = []  # p-hat of every draft node by layer, in node order
+        best_n = np.empty(0)  # the n largest p-hat so far, unordered
+        frontier, scale = [0], np.ones(1)  # the last layer and its p-hat
         e_prev, trace = 0.0, []
         for _ in range(max_depth):
-            values, rows, tokens, q = self._layer_topk(tree, frontier.tolist(), scale, n)
-            # Children with q = 0 are not drafts. Siblings consecutive (by parent order), each family by
-            # descending q: a stable sort by row of the value-descending list.
-            keep = np.nonzero(q > 0.0)[0]
-            order = keep[np.argsort(rows[keep], kind="stable")]
-            if not len(order):
+            parents, tokens, q, layer_phat = self._layer(tree, frontier, scale, n)
+            if not len(tokens):
                 trace.append(e_prev)
                 break
             # Every node is ChildDraw.TOP_K, PartialTree's default for new nodes and the root: no set_draw.
-            parents = frontier[rows[order]]
-            first = tree.extend(parents.tolist(), tokens[order].tolist(), np.log(q[order]).tolist())
-            scale = values[order]  # the new layer's p-hat
-            phat = np.concatenate([phat, scale])
-            # E_sub: the n largest p-hat so far (summed in sorted order: the same set gives the same sum).
-            e_sub = float(np.sort(np.partition(phat, len(phat) - n)[-n:] if len(phat) > n else phat).sum())
+            first = tree.extend(parents.tolist(), tokens.tolist(), np.log(q).tolist())
+            phat.append(layer_phat)
+            pool = np.concatenate([best_n, layer_phat])
+            best_n = pool if len(pool) <= n else np.partition(pool, len(pool) - n)[len(pool) - n:]
+            # E_sub: the sum of the n largest p-hat so far. fsum is exactly rounded, so the same set gives
+            # the same sum in any order, and a larger set never a smaller one (Theorem 3.2 holds exactly).
+            e_sub = math.fsum(best_n.tolist())
             trace.append(e_sub)
             if e_sub - e_prev <= self.delta:
                 break
-            e_prev, frontier = e_sub, np.arange(first, len(tree))
+            e_prev, frontier, scale = e_sub, list(range(first, len(tree))), layer_phat
         # The n best by p-hat, ties to the earlier node (a parent before its children): a stable sort.
-        ranked = (np.argsort(-phat, kind="stable") + 1).tolist()
+        ranked = (np.argsort(-np.concatenate(phat or [np.empty(0)]), kind="stable") + 1).tolist()
         return tree.finish(keep=ranked[:n]), trace
 
     @staticmethod
-    def _layer_topk(tree: PartialTree, frontier: list[int], scale: np.ndarray,
-                    n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The n largest p-hat = scale[r] * q_r[v] over the layer's rows (values descending, row
-        index, token, unscaled q), exactly, from top-k summaries instead of the rows themselves.
+    def _layer(tree: PartialTree, frontier: list[int], scale: np.ndarray,
+               n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The next layer: the n children of `frontier` with the largest p-hat = scale[r] * q_r[v] (fewer
+        if fewer have q > 0), as (parent, token, q, p-hat) arrays, siblings consecutive in frontier order
+        and each family by descending q. Exact, from top-k summaries instead of the rows themselves.
 
         Start from each row's top min(n, 64): no row can hold more than n members, so for n <= 64
         one summary is exact. For larger n, theta = the n-th best scaled value listed so far is a lower
@@ -85,20 +84,21 @@ class OptTreeBuilder:
         beat theta holds no further member of the top n. Only rows that still could are summarised
         again, 4x wider (the oracle keeps their rows: no new drafter forward). Most rows of a layer
         give a child or two; a few high-p-hat rows give many. Summaries cost the oracle next to
-        nothing more at 64 than at 16 (one pass over the row either way). numpy on these [R, 16] arrays: its
-        small ops cost about a microsecond, torch's several."""
+        nothing more at 64 than at 16 (one pass over the row either way). numpy on these [R, 64]
+        arrays, in as few calls as possible: this runs right after a drafter forward, when each
+        numpy or torch call costs ~10 us (cold caches), several times its warm cost."""
         vocab = tree.oracle.vocab_size
         top = tree.top(frontier, min(64, n, vocab))
         vals, toks = top.values.numpy(), top.tokens.numpy()  # [R, k], each row descending
-        row_scale = scale[:, None]
         while True:
-            scaled = (vals * row_scale).ravel()
-            m = min(n, scaled.size)
-            best = np.argpartition(-scaled, m - 1)[:m]
-            best = best[np.argsort(-scaled[best], kind="stable")]
             width = vals.shape[1]
-            theta = scaled[best[-1]] if m == n else 0.0
-            need = np.nonzero(scaled.reshape(-1, width)[:, -1] > theta)[0] if width < vocab else ()
+            scaled = (vals * scale[:, None]).ravel()
+            m = min(n, int(np.count_nonzero(scaled)))  # children need q > 0: the m largest are all positive
+            best = np.argpartition(scaled, scaled.size - m)[scaled.size - m:] if m else np.empty(0, np.int64)
+            if width >= min(n, vocab):
+                break
+            theta = scaled[best].min() if m == n else 0.0
+            need = np.nonzero(scaled.reshape(-1, width)[:, -1] > theta)[0]
             if not len(need):
                 break
             wider = tree.top([frontier[r] for r in need.tolist()], min(vocab, 4 * width))
@@ -106,4 +106,5 @@ class OptTreeBuilder:
             vals = np.pad(vals, ((0, 0), (0, grow)))  # zeros: never a child (q > 0 is required)
             toks = np.pad(toks, ((0, 0), (0, grow)))
             vals[need], toks[need] = wider.values.numpy(), wider.tokens.numpy()
-        return scaled[best], best // width, toks.ravel()[best], vals.ravel()[best]
+        best.sort()  # flat index = row * width + rank: parents in frontier order, siblings by rank
+        return np.asarray(frontier)[best // width], toks.ravel()[best], vals.ravel()[best], scaled[best]

@@ -132,46 +132,39 @@ class SessionOracle:
         self.full: dict[int, Tensor] = {}  # tree node id -> [V] the same over the full vocabulary, once asked
         self.slot: dict[int, int] = {}  # tree node id -> position among this step's fed nodes
 
-    def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
+    def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
         """Draft distributions [k, V] after each of `node_ids`, feeding those (and unfed ancestors) first."""
-        wanted = node_ids.tolist()
-        self._feed(tokens, parents, wanted)
-        missing = [n for n in wanted if n not in self.full]
+        self._feed(tokens, parents, node_ids)
+        missing = [n for n in node_ids if n not in self.full]
         if missing:
             rows = self.runner.full_vocab(torch.stack([self.rows[n] for n in missing]))
             self.full.update(zip(missing, rows.unbind(0)))
-        return torch.stack([self.full[n] for n in wanted])
+        return torch.stack([self.full[n] for n in node_ids])
 
-    def summarize(self, tokens: Tensor, parents: Tensor, node_ids: Tensor, k: int, entropy: bool) -> RowSummary:
+    def summarize(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int], k: int,
+                  entropy: bool) -> RowSummary:
         """`SummarizingOracle.summarize`: top-k and entropy computed on the head rows."""
-        wanted = node_ids.tolist()
-        self._feed(tokens, parents, wanted)
-        return self.runner.summarize(torch.stack([self.rows[n] for n in wanted]), k, entropy)
+        self._feed(tokens, parents, node_ids)
+        return self.runner.summarize(torch.stack([self.rows[n] for n in node_ids]), k, entropy)
 
     def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int,
                uniform: float) -> tuple[Tensor, int | None, float, float]:
         """`SamplingOracle.sample`: the row `probs` returns for `node`, drawn from on its head row."""
         self._feed(tokens, parents, [node])
         (draw,) = self.runner.draw(self.rows[node][None], [uniform])
-        return (self._full_row(node), *draw)
-
-    def _full_row(self, node: int) -> Tensor:
-        """`node`'s distribution over the full vocabulary [V], built once per node."""
         row = self.full.get(node)
         if row is None:
             row = self.full[node] = self.runner.full_vocab(self.rows[node][None])[0]
-        return row
+        return (row, *draw)
 
-    def _feed(self, tokens: Tensor | Sequence[int], parents: Tensor | Sequence[int], wanted: list[int]) -> None:
+    def _feed(self, tokens: Sequence[int], parents: Sequence[int], wanted: Sequence[int]) -> None:
         """Feed the asked nodes not yet in the drafter's cache (and their unfed ancestors) in one forward."""
         if any(n not in self.slot for n in wanted):
-            parent_of = parents.tolist() if isinstance(parents, Tensor) else parents
             feed, seen = [], set(self.slot)
             for node in wanted:
                 while node >= 0 and node not in seen:
                     seen.add(node)
                     feed.append(node)
-                    node = parent_of[node]
+                    node = parents[node]
             feed.sort()  # builders append a parent before its children: ascending ids put ancestors first
-            token_of = tokens.tolist() if isinstance(tokens, Tensor) else tokens
-            self.runner.extend_many([self], [feed], [[token_of[n] for n in feed]], [[parent_of[n] for n in feed]])
+            self.runner.extend_many([self], [feed], [[tokens[n] for n in feed]], [[parents[n] for n in feed]])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import zlib
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -86,13 +87,13 @@ class ToyOracle:
     def vocab_size(self) -> int:
         return self.models.vocab
 
-    def probs(self, tokens: Tensor, parents: Tensor, node_ids: Tensor) -> Tensor:
+    def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
         self.calls += 1
         seen = len(self.contexts)
-        if tokens.shape[0] > seen:
-            for tok, par in zip(tokens.tolist()[seen:], parents.tolist()[seen:]):
+        if len(tokens) > seen:
+            for tok, par in zip(tokens[seen:], parents[seen:]):
                 self.contexts.append((self.prefix if par < 0 else self.contexts[par]) + (tok,))
-        ids = node_ids.tolist()
+        ids = list(node_ids)
         if len(ids) == 1:
             return self.models.warped(self.contexts[ids[0]], self.sampling, 1)[None]
         return torch.stack([self.models.warped(self.contexts[i], self.sampling, 1) for i in ids])

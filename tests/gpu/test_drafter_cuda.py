@@ -30,14 +30,13 @@ def test_oracle_answers_match_the_cpu_runner(target):
     drafter = RestrictedVocabDrafter.from_target(target.model, [0], head).eval()
     cpu = DrafterRunner(drafter, vocab)
     gpu = DrafterRunner(copy.deepcopy(drafter).to("cuda"), vocab, device="cuda")
-    tokens, parents, nodes = torch.tensor([9, 11, 12]), torch.tensor([-1, 0, 0]), torch.tensor([0, 1, 2])
+    tokens, parents, nodes = [9, 11, 12], [-1, 0, 0], [0, 1, 2]
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
     with torch.inference_mode():
         answers = []
         for runner in (cpu, gpu):
             oracle = runner.begin("s", [5, 17, 42, 9], sampling)
-            draws = [oracle.sample(tokens.tolist(), parents.tolist(), node, uniform)[1:]
-                     for node, uniform in zip(nodes.tolist(), [0.1, 0.5, 0.9])]
+            draws = [oracle.sample(tokens, parents, node, uniform)[1:] for node, uniform in zip(nodes, [0.1, 0.5, 0.9])]
             rows = oracle.probs(tokens, parents, nodes)
             answers.append((rows, draws, oracle.summarize(tokens, parents, nodes, 8, entropy=True)))
     (rows_c, draws_c, sum_c), (rows_g, draws_g, sum_g) = answers

@@ -23,9 +23,7 @@ def restricted_runner(tiny_target_dir):
                                       SamplingParams(temperature=1.0, top_k=20)], ids=["greedy", "top_p", "top_k"])
 def test_summaries_on_the_head_equal_summaries_of_full_rows(restricted_runner, sampling):
     oracle = restricted_runner.begin("s", [5, 17, 42, 9], sampling)
-    tokens = torch.tensor([9, 11, 12, 13])
-    parents = torch.tensor([-1, 0, 0, 1])
-    nodes = torch.tensor([0, 1, 3])
+    tokens, parents, nodes = [9, 11, 12, 13], [-1, 0, 0, 1], [0, 1, 3]
     summary = oracle.summarize(tokens, parents, nodes, 12, entropy=True)
     rows = oracle.probs(tokens, parents, nodes)  # [3, V], zeros outside the head
     assert rows.shape == (3, restricted_runner.vocab_size)
@@ -45,12 +43,11 @@ def test_draws_on_the_head_equal_draws_on_full_rows(restricted_runner, sampling)
     from treeserve.engine.sampling import sample_row
 
     oracle = restricted_runner.begin("s", [5, 17, 42, 9], sampling)
-    tokens = torch.tensor([9, 11, 12, 13])
-    parents = torch.tensor([-1, 0, 0, 1])
+    tokens, parents = [9, 11, 12, 13], [-1, 0, 0, 1]
     for node in range(4):
         for uniform in (0.0, 0.137, 0.5, 0.861, 0.999999):
-            row, token, prob, total = oracle.sample(tokens.tolist(), parents.tolist(), node, uniform)
-            assert torch.equal(row, oracle.probs(tokens, parents, torch.tensor([node]))[0])
+            row, token, prob, total = oracle.sample(tokens, parents, node, uniform)
+            assert torch.equal(row, oracle.probs(tokens, parents, [node])[0])
             ref_token, ref_prob, ref_total = sample_row(row, uniform)
             assert token == ref_token and float(row[token]) == prob > 0
             assert abs(prob - ref_prob) < 1e-7 and abs(total - ref_total) < 1e-5
