@@ -77,21 +77,24 @@ class LocalDrafter:
             self._builders[key] = make_builder(config)
         return self._builders[key]
 
-    def draft(self, requests: list[DraftRequest]) -> list[TokenTree]:
-        """One tree per request: the configured method alone, C2T chains in one batch above one."""
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+        """One tree per request: the configured method alone at batch size 1, C2T chains drafted together
+        above (`batch_size`: sequences in the step's target forward, default len(requests); a Drafter
+        replica holding one sequence of a router's batch drafts it as a batch does)."""
         runner_seconds, forward_seconds = self.runner.seconds, self.runner.lm.forward_seconds
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
         self.hold_steps = 0
-        if len(speculative) > 1:
-            depth = self._batch_depth(len(requests), speculative)
+        batch = batch_size or len(requests)
+        if speculative and batch > 1:
+            depth = self._batch_depth(batch, speculative)
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes) for r in speculative]
             if depth > 0:
                 chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in speculative],
                                           self.classifier, self.batch_chain_beta, depth)
                 trees = {id(r): t for r, t in zip(speculative, chains)}
         elif speculative:
-            r = speculative[0]
+            (r,) = speculative
             oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes)
             builder = self.builder(r.tree)
             if self.budget is not None and r.tree.budget_auto:

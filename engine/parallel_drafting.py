@@ -149,7 +149,7 @@ class ParallelTreeDrafter:
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, budget=None, max_sessions: int = 256,
-                 batch_chain_min_joint: float = 0.1, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5):
+                 batch_chain_min_joint: float = 0.1):
         from treeserve.engine.models.parallel_drafter import mask_ids
 
         self.lm = CachedLM(model, device, dtype, max_sessions)
@@ -160,9 +160,6 @@ class ParallelTreeDrafter:
         self.vocab_ids = None if ids is None else ids.cpu()
         self.budget = budget  # optional BudgetChooser (batch-1 trees)
         self.batch_chain_min_joint = batch_chain_min_joint
-        # Read by the Drafter service when a lone item of a batched router step arrives (c2t_chain config).
-        self.batch_chain_depth = batch_chain_depth
-        self.batch_chain_beta = batch_chain_beta
         self.hold_steps = 0  # further steps the chooser decided are plain decoding (see LocalDrafter)
         self._builders: dict[str, ParallelTreeBuilder] = {}
         self.last_model_ms = 0.0  # drafter runner time of the last draft() call (forward, KV upkeep, warping)
@@ -193,15 +190,20 @@ class ParallelTreeDrafter:
         logits = self.lm.extend([ExtendRequest(r.session_id, [r.context[-1], *self.masks], chain) for r in requests])
         return [warp_probs(rows, r.sampling) for r, rows in zip(requests, logits)]
 
-    def draft(self, requests: list[DraftRequest]) -> list[TokenTree]:
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+        """One tree per request from one batched forward: the configured tree at batch size 1, chains that
+        stop below `batch_chain_min_joint` above (`batch_size` as `LocalDrafter.draft`), capped by an
+        explicit budget."""
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
         plans: list[tuple[DraftRequest, ParallelTreeBuilder]] = []
         self.hold_steps = 0
+        batched = (batch_size or len(requests)) > 1
         for r in speculative:
-            if len(speculative) > 1:
-                builder = ParallelTreeBuilder(budget=self.positions, max_depth=min(r.tree.depth, self.positions),
-                                              max_width=1, min_prob=self.batch_chain_min_joint)
+            if batched:
+                depth = min(r.tree.depth, self.positions, self.positions if r.tree.budget_auto else r.tree.budget)
+                builder = ParallelTreeBuilder(budget=depth, max_depth=depth, max_width=1,
+                                              min_prob=self.batch_chain_min_joint)
             else:
                 builder = self.builder(r.tree)
                 if self.budget is not None and r.tree.budget_auto and builder.paths is None and builder.max_width > 1:

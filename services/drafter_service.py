@@ -66,15 +66,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             method = item.tree.method or self.default_method
             base = tree_config(method, "auto") if method != "autoregressive" else TreeConfig(method=method)
             config = wire.decode_tree_config(item.tree, base)
-            if message.router_batch_size > 1 and len(message.items) == 1 and method != "autoregressive":
-                # The router batches several sequences but only this one hashed here: draft it the way
-                # LocalDrafter drafts a batch (C2T chain with early exit, capped by an explicit budget),
-                # not as a batch-1 dynamic tree.
-                depth = self.drafter.batch_chain_depth
-                if not config.budget_auto:
-                    depth = min(depth, config.budget)
-                config = tree_config("c2t_chain", "auto" if config.budget_auto else depth, depth=depth,
-                                     beta=self.drafter.batch_chain_beta)
             out.append(DraftRequest(item.session_id, list(item.context), wire.decode_sampling(item.sampling),
                                     config, int(item.seed), wire.hint(item)))
         return out
@@ -83,7 +74,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         started = time.perf_counter()
         for observation in message.observations:
             self.drafter.observe(wire.decode_observation(observation))
-        trees = self.drafter.draft(self._requests(message))
+        # The router's whole batch shares one target forward, however many of its sequences hash here.
+        trees = self.drafter.draft(self._requests(message), max(message.router_batch_size, len(message.items)))
         return pb.DraftResponse(trees=[wire.encode_tree(t) for t in trees],
                                 draft_ms=(time.perf_counter() - started) * 1e3,
                                 draft_model_ms=getattr(self.drafter, "last_model_ms", 0.0),

@@ -532,13 +532,13 @@ class RemoteDrafter(_GroupedCaller):
         self.last_forward_ms = 0.0  # of which model forwards
         self.hold_steps = 0  # further steps the replica's chooser decided are plain decoding (engine skips them)
 
-    async def draft_async(self, requests: list[DraftRequest]) -> list[TokenTree]:
+    async def draft_async(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
         observations, self._observations = self._observations[-64:], []
         holds: list[int] = []
 
         async def send(live: _Live, group: list[DraftRequest]) -> list[TokenTree]:
             message = pb.DraftRequest(items=[_draft_item(r) for r in group], observations=observations,
-                                      router_batch_size=len(requests))
+                                      router_batch_size=batch_size or len(requests))
             reply = await live.stub.Draft(message, timeout=self.call_timeout_s)
             if len(reply.trees) != len(group):
                 raise _Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")
@@ -557,8 +557,8 @@ class RemoteDrafter(_GroupedCaller):
             log.warning("drafting skipped for this step (%s): root-only trees", exc)
             return [root_only(r.context) for r in requests]
 
-    def draft(self, requests: list[DraftRequest]) -> list[TokenTree]:
-        return self._sync(self.draft_async(requests))
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+        return self._sync(self.draft_async(requests, batch_size))
 
     def observe(self, record: StepRecord) -> None:
         # Sent with the next Draft call (the budget choosers live in the drafter replica). Steps without

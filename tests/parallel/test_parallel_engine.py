@@ -165,7 +165,36 @@ def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
     assert tree.num_nodes == 7
     drafter.observe(StepRecord(6, 0, 1, 1, 0.1, 0.0, 5.0, 0.1))
     assert chooser.seen == [0, 6]
-    assert drafter.batch_chain_depth >= 1 and 0 < drafter.batch_chain_beta < 1
+
+
+def test_a_sequence_of_a_batched_step_drafts_a_chain_capped_by_its_budget(tiny_target, parallel_drafter):
+    """Alone in the request list but one of a batch of 3 (a Drafter replica holding part of a router's batch):
+    a chain, as every sequence of a batched step, capped by an explicit budget; and the batch-1 chooser
+    is neither asked nor fed."""
+    from treeserve.engine.drafting import DraftRequest
+    from treeserve.engine.requests import StepRecord
+
+    class Chooser:
+        def __init__(self):
+            self.seen = []
+
+        def builder_for(self, builder):
+            raise AssertionError("a batched step must not ask the batch-1 chooser")
+
+        def observe(self, record):
+            self.seen.append(record.tree_size)
+
+    chooser = Chooser()
+    drafter = ParallelTreeDrafter(parallel_drafter, tiny_target.model.config.vocab_size, budget=chooser,
+                                  batch_chain_min_joint=1e-9)  # only the caps stop these chains
+    auto = DraftRequest("s", [5, 6, 7], SamplingParams(), TreeConfig(method="dyspec", budget=16, budget_auto=True), 0)
+    chain = drafter.draft([auto], batch_size=3)[0]
+    assert all(len(chain.children(n)) <= 1 for n in range(chain.num_nodes))
+    assert chain.num_nodes == min(auto.tree.depth, drafter.positions) + 1
+    fixed = DraftRequest("s", [5, 6, 7, 8], SamplingParams(), TreeConfig(method="dyspec", budget=2), 0)
+    assert drafter.draft([fixed], batch_size=3)[0].num_nodes == 3
+    drafter.observe(StepRecord(2, 0, 1, 3, 0.1, 0.0, 5.0, 0.1))
+    assert chooser.seen == []
 
 
 def test_drafter_service_hosts_the_parallel_drafter(tiny_target, parallel_drafter):
