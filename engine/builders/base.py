@@ -116,7 +116,7 @@ class PartialTree:
         self.tokens: list[int] = [root_token]
         self.parents: list[int] = [-1]
         self.log_joint: list[float] = [0.0]
-        self.draw: list[int] = [int(ChildDraw.TOP_K)]
+        self.draw: list[int] = [_TOP_K]
         self.rows: dict[int, Tensor] = {}  # node -> draft row kept for verification
         self._unchecked: list[int] = []  # nodes whose kept row has not been checked to sum to 1
 
@@ -128,7 +128,7 @@ class PartialTree:
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.log_joint.append(self.log_joint[parent] + log_q)
-        self.draw.append(int(ChildDraw.TOP_K))  # overwritten by set_draw if it gets children
+        self.draw.append(_TOP_K)  # overwritten by set_draw if it gets children
         return len(self.tokens) - 1
 
     def add_many(self, parent: int, tokens: Sequence[int], log_qs: Sequence[float]) -> int:
@@ -144,7 +144,7 @@ class PartialTree:
         self.tokens.extend(tokens)
         self.parents.extend(parents)
         joint.extend([joint[p] + lq for p, lq in zip(parents, log_qs)])
-        self.draw.extend([int(ChildDraw.TOP_K)] * len(tokens))
+        self.draw.extend([_TOP_K] * len(tokens))
         return first
 
     def depth_of(self, node: int) -> int:
@@ -242,7 +242,7 @@ class PartialTree:
             for index, node in enumerate(nodes):
                 row_of[node] = index
         tokens, parents, draw, log_joint = self.tokens, self.parents, self.draw, self.log_joint
-        if keep is not None and not (probs and int(ChildDraw.WITHOUT_REPLACEMENT) in draw):
+        if keep is not None and not (probs and _WITHOUT_REPLACEMENT in draw):
             # Select in Python: for builder-sized trees a few list comprehensions beat the ~15
             # tensor ops of TokenTree.select. Same contract: ancestor-closed, old relative order.
             order = sorted({int(k) for k in (keep.tolist() if isinstance(keep, Tensor) else keep)} | {0})
