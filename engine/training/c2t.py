@@ -1,11 +1,12 @@
 """Training data and training of the C2T classifier (C2T section 4.1, appendix B).
 
-Data: along the target's greedy answer to each training prompt, the real drafter grows a full EAGLE-2 tree
-(top-k per layer, no rerank pruning) at every position, and each node is labelled positive iff
-verification at temperature 0 would accept it. Features are exactly those the C2T builder computes at
-inference (`c2t_features`: the node's joint draft probability, the top-1000 entropy of its parent's draft
-distribution, its depth). Negatives far outnumber positives, so they are subsampled (negative sampling)
-before training the FFN with binary cross-entropy.
+Data: the real drafter grows full EAGLE-2 trees (top-k per layer, no rerank pruning) on training prompts;
+the target verifies each tree greedily, and a node is labelled positive iff it lies on the accepted path
+(its token is the target's argmax after its parent, and so on up to the root). Features are exactly those
+the C2T builder computes at inference (`c2t_features`: the node's joint draft probability, the top-1000
+entropy of its parent's draft distribution, its depth). Decoding then continues along the accepted path, so
+later trees see realistic contexts. Negatives far outnumber positives, so they are subsampled (negative
+sampling) before training the FFN with binary cross-entropy.
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ from tqdm import tqdm
 from treeserve.engine.builders import Eagle2Builder
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
 from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.runners.target import ScoreRequest, TargetRunner
 from treeserve.engine.sampling import SamplingParams
-from treeserve.engine.tree import TokenTree
+from treeserve.engine.verify import verify_tree
 
 
 @dataclass
 class C2TTrainConfig:
     """Tree shape for data collection and the classifier's optimisation."""
 
-    depth: int = field(default=10, metadata={"help": "EAGLE-2 expansion rounds of the labelling trees (C2T's own max depth)"})
-    top_k: int = field(default=15, metadata={"help": "EAGLE-2 K of the labelling trees (C2T's own K: the candidates it scores)"})
-    steps_per_prompt: int = field(default=32, metadata={"help": "labelling trees per prompt: one per position of the target's greedy answer"})
+    depth: int = field(default=6, metadata={"help": "EAGLE-2 expansion rounds of the labelling trees"})
+    top_k: int = field(default=8, metadata={"help": "EAGLE-2 K of the labelling trees"})
+    steps_per_prompt: int = field(default=12, metadata={"help": "speculation steps labelled per prompt"})
     negatives_per_positive: float = field(default=4.0, metadata={"help": "negative sampling ratio"})
     hidden: int = field(default=48, metadata={"help": "FFN hidden width (C2T appendix B.3)"})
     epochs: int = field(default=60, metadata={"help": "passes over the labelled nodes"})
@@ -39,56 +41,33 @@ class C2TTrainConfig:
 
 
 @torch.inference_mode()
-def greedy_answer(target: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """The target's own greedy continuation of `prompt` (`generate`), ending at its first EOS if any."""
-    out = target.generate(input_ids=torch.tensor([prompt], device=target.device), max_new_tokens=max_new_tokens,
-                          do_sample=False, top_p=None, top_k=None, temperature=None,
-                          eos_token_id=sorted(eos_ids) or None)
-    return out[0, len(prompt):].tolist()
-
-
-def accepted_labels(tree: TokenTree, answer: list[int]) -> torch.Tensor:
-    """[num_nodes] bool: the nodes greedy verification accepts when the target's continuation after the
-    root is `answer`. At temperature 0 the target's argmax after an accepted path is the next token of its
-    greedy answer, so a node is accepted iff its path from the root spells the start of `answer`."""
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    depth = tree.depth.tolist()
-    accepted = [True] + [False] * (len(tokens) - 1)
-    for node in range(1, len(tokens)):
-        d = depth[node]
-        accepted[node] = accepted[parents[node]] and d <= len(answer) and tokens[node] == answer[d - 1]
-    return torch.tensor(accepted)
-
-
-@torch.inference_mode()
-def collect(target: torch.nn.Module, drafter: DrafterRunner, prompts: list[list[int]], config: C2TTrainConfig,
+def collect(target: TargetRunner, drafter: DrafterRunner, prompts: list[list[int]], config: C2TTrainConfig,
             eos_ids: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labelled node features [M, 3] and labels [M]: one full EAGLE-2 tree per position of the target's
-    greedy answer to each prompt (`steps_per_prompt` positions), labelled by `accepted_labels`.
-
-    Greedy decoding emits the target's greedy answer whatever the trees, so one `generate` per prompt
-    labels every tree along it, with no target forward over the trees themselves (a full depth-10, K-15
-    tree has 2,040 nodes), and every position of the answer is a step some decoding starts from."""
+    """Labelled node features [M, 3] and labels [M] from full EAGLE-2 trees verified by the target."""
     builder = Eagle2Builder(budget=config.depth * config.top_k ** 2, depth=config.depth, top_k=config.top_k,
                             rerank=False)
     greedy = SamplingParams()
     feats, labels = [], []
     for p, prompt in enumerate(tqdm(prompts, desc="label C2T trees")):
-        answer = greedy_answer(target, prompt, config.steps_per_prompt + config.depth, eos_ids)
-        session = f"c2t-{p}"
-        for position in range(min(config.steps_per_prompt, len(answer))):
-            context = prompt + answer[:position]
-            oracle = drafter.begin(session, context, greedy)
+        session, context, accepted = f"c2t-{p}", list(prompt), None
+        for _ in range(config.steps_per_prompt):
+            oracle = drafter.begin(session, context, greedy, accepted)
             tree = builder.build(context[-1], oracle, greedy, torch.Generator())
-            # The entropy of each expanded node's row, once (a node has up to K children).
-            parents = tree.parents[1:].tolist()
-            expanded = sorted(set(parents))
-            entropy = top_entropy(torch.stack([oracle.rows[n] for n in expanded]))
-            slot = {node: i for i, node in enumerate(expanded)}
-            feats.append(c2t_features(tree.log_joint[1:].exp(), entropy[[slot[n] for n in parents]],
-                                      tree.depth[1:].float()))
-            labels.append(accepted_labels(tree, answer[position:])[1:].float())
+            dists = target.score([ScoreRequest(session, context, tree, greedy, accepted)])[0]
+            result = verify_tree(tree, dists, greedy, torch.Generator())
+            nodes = torch.arange(1, tree.num_nodes)
+            parents = tree.parents[1:]
+            parent_rows = torch.stack([oracle.rows[int(i)] for i in parents])
+            feats.append(c2t_features(tree.log_joint[1:].exp(), top_entropy(parent_rows), tree.depth[1:].float()))
+            positive = torch.zeros(tree.num_nodes, dtype=torch.bool)
+            positive[result.accepted_nodes] = True
+            labels.append(positive[nodes].float())
+            accepted = result.accepted_nodes
+            context += result.tokens
+            if any(t in eos_ids for t in result.tokens):
+                break
         drafter.release(session)
+        target.release(session)
     return torch.cat(feats), torch.cat(labels)
 
 

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.engine.models.drafter import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.runners.drafter import DrafterRunner
+    from treeserve.engine.runners.target import TargetRunner
     from treeserve.engine.training import prompts as sources
     from treeserve.engine.training.c2t import collect, train_classifier
 
@@ -50,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
     rng.shuffle(texts)
     prompts = [chat_ids(target.tokenizer, t)[-384:] for t in texts[:args.num_prompts]]
     eos = {target.tokenizer.eos_token_id}
-    features, labels = collect(target.model, DrafterRunner(drafter, target.model.config.vocab_size), prompts,
-                               config, eos)
+    features, labels = collect(TargetRunner(target.model), DrafterRunner(drafter, target.model.config.vocab_size),
+                               prompts, config, eos)
     model, stats = train_classifier(features, labels, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)
