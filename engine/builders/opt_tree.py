@@ -107,4 +107,4 @@ class OptTreeBuilder:
             toks = np.pad(toks, ((0, 0), (0, grow)))
             vals[need], toks[need] = wider.values.numpy(), wider.tokens.numpy()
         best.sort()  # flat index = row * width + rank: parents in frontier order, siblings by rank
-        return np.asarray(frontier)[best // width], toks.ravel()[best], vals.ravel()[best], scaled[best]
+        return np.take(frontier, best // width), np.take(toks, best), np.take(vals, best), scaled[best]
