@@ -149,6 +149,29 @@ def test_an_explicit_budget_caps_batched_chains_without_the_chooser(pair):
     assert [t.num_nodes - 1 for t in wide] == [4, 4]  # batch_chain_depth
 
 
+def test_a_sequence_drafted_alone_for_a_batched_step_is_drafted_as_the_batch(pair):
+    """One speculative sequence in a step of several (the others autoregressive here; or held by other
+    Drafter replicas: `batch_size`) is a batched step: a chain from the bucket chooser, never a batch-1
+    tree from the batch-1 chooser, so the step's records (batch_size > 1) reach the chooser that decided."""
+    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+    from treeserve.engine.drafting import DraftRequest
+
+    target, drafter = pair
+    profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0}, 5.0, 128)
+    single = BudgetChooser(profile, max_budget=8)
+    single.builder_for = lambda builder: pytest.fail("a batched step asked the batch-1 chooser")
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=single,
+                         batch_chain_depth=4, batch_chain_beta=1e-6)
+    auto = TreeConfig(method="dyspec", budget=8, budget_auto=True)
+    alone = DraftRequest("s0", [5, 6, 7, 8], SamplingParams(), auto, 0)
+    plain = DraftRequest("s1", [9, 10, 11], SamplingParams(), TreeConfig(method="autoregressive"), 0)
+    for requests, batch_size in (([alone, plain], None), ([alone], 3)):
+        tree = local.draft(requests, batch_size)[0]
+        assert all(len(tree.children(n)) <= 1 for n in range(tree.num_nodes))  # a chain (or the root alone)
+        assert tree.num_nodes - 1 <= local.batch_chain_depth
+    assert set(local.batch_budgets) == {2, 4}
+
+
 def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
     """When the budget chooser picks plain decoding it holds it: the engine does not call the drafter for
     the held steps, the held steps' records reach budget 0, and the drafter catches up its cache from the
