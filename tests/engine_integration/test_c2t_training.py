@@ -1,7 +1,6 @@
 """C2T classifier training on the tiny pair: collection (full EAGLE-2 trees verified by the target) and
 training run end to end, and the labels are accepted paths."""
 
-
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
