@@ -12,8 +12,8 @@ computed oracle-side, as the model drafter does on its head next to the forward:
 drafter's 16,384-token head, not the 49,152-token rows used here). The oracle-side summary time is
 printed in its own column. A third run
 hands out summaries precomputed for all rows ("cached"): the builder's CPU without the cache pollution
-of the 12 MB of fresh rows per call, which a summarising model drafter (16k-wide head rows, top-k
-taken next to the forward) largely avoids. With `--drafter` (default: the shipped default drafter), the
+of the 12 MB of fresh rows per call (a model drafter's forward pollutes as much: it streams its
+weights, ~94 MB for the default drafter, so the builder's numpy and torch calls after it run cold). With `--drafter` (default: the shipped default drafter), the
 64-node cases also run against the real thing: the drafter's own oracle (engine.runners.drafter) on a
 chat-templated dev prompt, its forwards, KV upkeep, warping and summaries excluded as oracle time, the
 builder's CPU measured between them ("drafter" column; 768-node builds are skipped there: one forward
