@@ -14,6 +14,7 @@ import torch
 from treeserve.engine.batch_draft import draft_c2t_chains
 from treeserve.engine.budget import BudgetChooser
 from treeserve.engine.builders import TreeConfig, make_builder
+from treeserve.engine.builders.base import check_positive
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.drafter import DrafterRunner
@@ -111,6 +112,8 @@ class LocalDrafter:
         """Chain depth for a batched step: chosen per batch-size bucket when every request leaves its budget
         to the hardware-aware chooser; else `batch_chain_depth`, capped by the smallest explicit budget."""
         explicit = [r.tree.budget for r in speculative if not r.tree.budget_auto]
+        for budget in explicit:  # what the batch-1 path's builder checks; a chain cap must be >= 1 too
+            check_positive("budget", budget)
         if self.budget is None or explicit:
             self._batch_chooser = None
             return min([self.batch_chain_depth, *explicit])

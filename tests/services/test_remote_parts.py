@@ -152,6 +152,11 @@ def test_subbatch_of_one_drafts_a_chain(tiny_parts):
     item.tree.CopyFrom(wire.encode_tree_config(tree_config("dyspec", 2)))
     capped = wire.decode_tree(eager._draft(pb.DraftRequest(items=[item], router_batch_size=3)).trees[0])
     assert capped.num_nodes == 3
+    # A bad explicit budget is refused the same way alone or in a batch (INVALID_ARGUMENT in Draft).
+    item.tree.budget_tokens = -3
+    for batch in (1, 3):
+        with pytest.raises(ValueError, match="budget"):
+            eager._draft(pb.DraftRequest(items=[item], router_batch_size=batch))
 
 
 def test_held_plain_decoding_skips_the_draft_rpc(tiny_parts):
