@@ -10,14 +10,14 @@ Every case runs twice: with an oracle that only returns full rows (the builder t
 and with one that also answers `summarize` and `sample` (top-k, C2T entropy and a sampled chain's draws
 computed oracle-side, as the model drafter does on its head next to the forward: on the default
 drafter's 16,384-token head, not the 49,152-token rows used here). The oracle-side summary time is
-printed in its own column. A third run
-hands out summaries precomputed for all rows ("cached"): the builder's CPU without the cache pollution
-of the 12 MB of fresh rows per call (a model drafter's forward pollutes as much: it streams its
-weights, ~94 MB for the default drafter, so the builder's numpy and torch calls after it run cold). With `--drafter` (default: the shipped default drafter), the
-64-node cases also run against the real thing: the drafter's own oracle (engine.runners.drafter) on a
-chat-templated dev prompt, its forwards, KV upkeep, warping and summaries excluded as oracle time, the
-builder's CPU measured between them ("drafter" column; 768-node builds are skipped there: one forward
-per node).
+printed in its own column. A third run hands out summaries precomputed for all rows ("cached"): the
+builder's CPU without the cache pollution of the 12 MB of fresh rows per call (a model drafter's
+forward pollutes as much: it streams its weights, ~94 MB for the default drafter, so the builder's
+numpy and torch calls after it run cold). With `--drafter` (default: the shipped default drafter),
+the 64-node cases also run against the real thing: the drafter's own oracle (engine.runners.drafter)
+on a chat-templated dev prompt, its forwards, KV upkeep, warping and summaries excluded as oracle
+time, the builder's CPU measured between them ("drafter" column; 768-node builds are skipped there:
+one forward per node).
 
     python benchmarks/tree_build.py [--repeats 15] [--vocab 49152] [--drafter default|none|DIR]
 """
@@ -98,7 +98,6 @@ class TimedSummarizingOracle(TimedOracle):
         self.summary_seconds += spent
         return out
 
-
     def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int, uniform: float):
         start = time.thread_time()
         row = self.rows[node % self.rows.shape[0]]
@@ -160,7 +159,6 @@ class TimedDrafterOracle:
         self.seconds += time.thread_time() - start
         self.calls += 1
         return out
-
 
     def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int, uniform: float):
         start = time.thread_time()

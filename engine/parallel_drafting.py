@@ -201,7 +201,9 @@ class ParallelTreeDrafter:
         batched = (batch_size or len(requests)) > 1
         for r in speculative:
             if batched:
-                depth = min(r.tree.depth, self.positions, self.positions if r.tree.budget_auto else r.tree.budget)
+                depth = min(r.tree.depth, self.positions)
+                if not r.tree.budget_auto:
+                    depth = min(depth, r.tree.budget)
                 builder = ParallelTreeBuilder(budget=depth, max_depth=depth, max_width=1,
                                               min_prob=self.batch_chain_min_joint)
             else:

@@ -86,16 +86,13 @@ class DrafterRunner:
         return RowSummary(values, tokens, top_entropy(head_rows).cpu() if entropy else None)
 
     @_timed
-    def draw(self, head_rows: Tensor, uniforms: list[float]) -> list[tuple[int | None, float, float]]:
-        """`sample_row` on each head row [n, V_draft], as target token ids: distributed as draws on
-        `full_vocab(head_rows)`, and (up to float rounding) the very same tokens when `vocab_ids` ascend,
-        as the default drafter's do: the zeros between them add nothing to a cumulative sum."""
-        out = []
-        for row, uniform in zip(head_rows.cpu().unbind(0), uniforms):
-            index, prob, total = sample_row(row, uniform)
-            token = index if index is None or self.vocab_ids is None else int(self.vocab_ids[index])
-            out.append((token, prob, total))
-        return out
+    def draw(self, head_row: Tensor, uniform: float) -> tuple[int | None, float, float]:
+        """`sample_row` on a head row [V_draft], as a target token id: distributed as a draw on its
+        `full_vocab` row, and (up to float rounding) the very same token when `vocab_ids` ascend, as the
+        default drafter's do: the zeros between them add nothing to a cumulative sum."""
+        index, prob, total = sample_row(head_row.cpu(), uniform)
+        token = index if index is None or self.vocab_ids is None else int(self.vocab_ids[index])
+        return token, prob, total
 
     @_timed
     def extend_many(self, oracles: list["SessionOracle"], nodes: list[list[int]], tokens: list[list[int]],
@@ -135,11 +132,7 @@ class SessionOracle:
     def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
         """Draft distributions [k, V] after each of `node_ids`, feeding those (and unfed ancestors) first."""
         self._feed(tokens, parents, node_ids)
-        missing = [n for n in node_ids if n not in self.full]
-        if missing:
-            rows = self.runner.full_vocab(torch.stack([self.rows[n] for n in missing]))
-            self.full.update(zip(missing, rows.unbind(0)))
-        return torch.stack([self.full[n] for n in node_ids])
+        return torch.stack(self._full_rows(node_ids))
 
     def summarize(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int], k: int,
                   entropy: bool) -> RowSummary:
@@ -151,11 +144,15 @@ class SessionOracle:
                uniform: float) -> tuple[Tensor, int | None, float, float]:
         """`SamplingOracle.sample`: the row `probs` returns for `node`, drawn from on its head row."""
         self._feed(tokens, parents, [node])
-        (draw,) = self.runner.draw(self.rows[node][None], [uniform])
-        row = self.full.get(node)
-        if row is None:
-            row = self.full[node] = self.runner.full_vocab(self.rows[node][None])[0]
-        return (row, *draw)
+        return (self._full_rows([node])[0], *self.runner.draw(self.rows[node], uniform))
+
+    def _full_rows(self, node_ids: Sequence[int]) -> list[Tensor]:
+        """The nodes' rows over the full vocabulary [V] each, scattered from the head once per node."""
+        missing = [n for n in node_ids if n not in self.full]
+        if missing:
+            rows = self.runner.full_vocab(torch.stack([self.rows[n] for n in missing]))
+            self.full.update(zip(missing, rows.unbind(0)))
+        return [self.full[n] for n in node_ids]
 
     def _feed(self, tokens: Sequence[int], parents: Sequence[int], wanted: Sequence[int]) -> None:
         """Feed the asked nodes not yet in the drafter's cache (and their unfed ancestors) in one forward."""
