@@ -40,6 +40,7 @@ class DraftRequest:
     tree: TreeConfig  # method and parameters (a chooser may replace the budget)
     seed: int  # seeds this step's sampling without replacement
     accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
+    features: torch.Tensor | None = None  # [len(context) - 1, H] target features of context[:-1] (EAGLE)
 
 
 def root_only(context: list[int]) -> TokenTree:
@@ -71,6 +72,11 @@ class LocalDrafter:
     def model(self) -> torch.nn.Module:
         return self.runner.lm.model
 
+    @property
+    def reads_target_features(self) -> bool:
+        """An EAGLE drafter: each DraftRequest must carry the target's features of its context."""
+        return self.runner.reads_target_features
+
     def builder(self, config: TreeConfig):
         """The (cached) builder for `config`; raises ValueError for invalid parameters."""
         key = repr(config)
@@ -89,14 +95,14 @@ class LocalDrafter:
         batch = batch_size or len(requests)
         if speculative and batch > 1:
             depth = self._batch_depth(batch, speculative)
-            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes) for r in speculative]
+            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features) for r in speculative]
             if depth > 0:
                 chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in speculative],
                                           self.classifier, self.batch_chain_beta, depth)
                 trees = {id(r): t for r, t in zip(speculative, chains)}
         elif speculative:
             (r,) = speculative
-            oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes)
+            oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
             builder = self.builder(r.tree)
             if self.budget is not None and r.tree.budget_auto:
                 builder = self.budget.builder_for(builder)

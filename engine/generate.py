@@ -64,6 +64,8 @@ class Sequence:
     seed: int
     emitted: list[int] = field(default_factory=list)
     accepted_hint: list[int] | None = None
+    # [len(context) - 1, H] the target's features of context[:-1], kept only for an EAGLE drafter
+    features: torch.Tensor | None = None
     steps: list[StepRecord] = field(default_factory=list)
     finish: FinishReason | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -82,6 +84,12 @@ class SpeculativeEngine:
         self.tree = tree
         self.max_context_tokens = max_context_tokens
         self.eos_ids = set(_eos_ids(tokenizer))
+        # An EAGLE drafter reads the target's features of the committed context: the target returns them
+        # with its scores and each sequence keeps those of its accepted path.
+        self.carries_features = bool(getattr(drafter, "reads_target_features", False))
+        if self.carries_features and not getattr(target, "provides_features", False):
+            raise ValueError(f"an EAGLE drafter needs the target's features; {type(target).__name__} "
+                             "does not return them (use the in-process target runner)")
         # (batch-size bucket, steps): steps the drafter's budget chooser for that bucket already decided are
         # plain decoding; they skip the drafter call (for a remote drafter, its round trip). Keyed on the
         # bucket, not the exact size, so requests arriving or finishing one by one keep the hold.
@@ -131,7 +139,8 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         trees, drafted = self.draft(batch)
         t1 = time.perf_counter()
-        dists = self.target.score([ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint)
+        dists = self.target.score([ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
+                                                want_features=self.carries_features)
                                    for s, tree in zip(batch, trees)])
         t2 = time.perf_counter()
         # A drafter that does not report its runner time: all drafting counts as runner time.
@@ -140,6 +149,8 @@ class SpeculativeEngine:
         for s, tree, dist in zip(batch, trees, dists):
             result = verify_tree(tree, dist, s.request.sampling, s.generator)
             s.accepted_hint = result.accepted_nodes
+            if self.carries_features:
+                s.features = _committed_features(s, tree, dist, result.accepted_nodes)
             self._emit(s, result.tokens)
             s.steps.append(StepRecord(tree_size=tree.num_nodes - 1, accepted=result.num_accepted,
                                       emitted=len(result.tokens), batch_size=len(batch),
@@ -156,12 +167,16 @@ class SpeculativeEngine:
         and whether the drafter was called."""
         if self.drafter is None or all(s.tree.method == AUTOREGRESSIVE for s in batch):
             return [root_only(s.context) for s in batch], False
+        if self.carries_features and any(s.features is None for s in batch):
+            # An EAGLE drafter reads the target's features of the prompt: the prefill step comes first.
+            return [root_only(s.context) for s in batch], False
         bucket, held = self._plain_hold
         if held > 0 and bucket == batch_size_bucket(len(batch)):
             self._plain_hold = (bucket, held - 1)
             return [root_only(s.context) for s in batch], False
         trees = self.drafter.draft([DraftRequest(s.session_id, s.context, s.request.sampling, s.tree,
-                                                 s.seed + len(s.steps), s.accepted_hint) for s in batch])
+                                                 s.seed + len(s.steps), s.accepted_hint, s.features)
+                                    for s in batch])
         self._plain_hold = (batch_size_bucket(len(batch)), int(getattr(self.drafter, "hold_steps", 0)))
         return trees, True
 
@@ -207,6 +222,16 @@ class SpeculativeEngine:
         return GenerationResult(token_ids=s.emitted, text=text, finish_reason=s.finish or FinishReason.LENGTH,
                                 steps=s.steps, prompt_tokens=len(s.request.prompt_ids),
                                 wall_time_s=time.perf_counter() - s.started)
+
+
+def _committed_features(s: Sequence, tree: TokenTree, dist: TargetDists, accepted: list[int]) -> torch.Tensor:
+    """The sequence's target features after this step: those kept before the target's first fed row, the
+    fed context (extension and root), then the accepted nodes', i.e. context[:-1] once the step's tokens
+    are emitted (the bonus token, the next root, has none yet)."""
+    fed = dist.features
+    n_context = fed.shape[0] - tree.num_nodes + 1  # extension rows + the root
+    kept = s.features[:dist.features_start] if s.features is not None else fed[:0]
+    return torch.cat([kept, fed[:n_context], fed[[n_context - 1 + n for n in accepted]]])
 
 
 def _eos_ids(tokenizer) -> list[int]:

@@ -41,6 +41,10 @@ class TargetDists:
 
     argmax: Tensor | None = None  # LongTensor [N]; needed at temperature 0
     probs: Tensor | None = None  # FloatTensor [N, V]; warped target probabilities at temperature > 0
+    # [n_ext + N, H] the target's last hidden state at every row it fed (context extension, then tree
+    # nodes), asked for by EAGLE drafters; row 0 is context position `features_start`
+    features: Tensor | None = None
+    features_start: int = 0
 
 
 @dataclass(frozen=True)

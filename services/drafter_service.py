@@ -166,4 +166,8 @@ def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:
     target = load_causal_lm(config.target.path, config.drafter.device, dtype)
     drafter = build_local_drafter(config.drafter.path, target.model, config.drafter.device, dtype,
                                   config.speculation.budget)
+    if getattr(drafter, "reads_target_features", False):
+        raise ValueError(f"drafter {config.drafter.path} is an EAGLE drafter: it reads the target's features, "
+                         "which Target and Drafter replicas do not exchange; run it in-process "
+                         "(`treeserve generate --in-process`, `treeserve bench`)")
     return drafter, int(target.model.config.vocab_size)

@@ -97,7 +97,7 @@ class RestrictedVocabDrafter(nn.Module):
 
 def is_restricted_drafter(model_dir: Path) -> bool:
     config = model_dir / "config.json"
-    return config.is_file() and DRAFTER_KEY in json.loads(config.read_text())
+    return config.is_file() and json.loads(config.read_text()).get(DRAFTER_KEY, {}).get("kind") == "restricted_vocab"
 
 
 def save_without_embeddings(module: nn.Module, out_dir: Path, config: dict) -> None:
@@ -126,6 +126,10 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
         raise FileNotFoundError(f"no default drafter in {model_dir}; train one with `treeserve train-drafter`")
     if not model_dir.exists():
         raise FileNotFoundError(f"drafter path {model_dir} does not exist")
+    from treeserve.engine.models.eagle_drafter import EagleDrafter, is_eagle_drafter
+
+    if is_eagle_drafter(model_dir):
+        return EagleDrafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
     if is_restricted_drafter(model_dir):
         return RestrictedVocabDrafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
     model_dir = resolve_model_dir(model_dir)

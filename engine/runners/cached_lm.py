@@ -52,6 +52,17 @@ class ExtendRequest:
     session_id: str
     tokens: list[int]  # [M] new node tokens
     parents: list[int]  # [M] parent node index of each (-1 only for the root, which must come first)
+    # [n_ext + M, H] for a model that reads target features (EAGLE): the feature of the position before
+    # each fed token, the session's pending extension first; None feeds zeros (profiling)
+    features: Tensor | None = None
+
+
+@dataclass
+class ExtendOutput:
+    """What one request's rows of a forward produced."""
+
+    logits: Tensor  # [M, V] float32, of the new nodes
+    hidden: Tensor | None  # [n_ext + M, H] last hidden state of every fed row (extension first), if asked
 
 
 class CachedLM:
@@ -144,10 +155,19 @@ class CachedLM:
         cache.extension = list(prefix[common:])
 
     # ------------------------------------------------------------------ forward
-    @torch.inference_mode()
+    def extension_length(self, session_id: str) -> int:
+        """Context tokens the session's next forward feeds before its new nodes (after `begin`)."""
+        return len(self.sessions[session_id].extension)
+
     def extend(self, requests: list[ExtendRequest]) -> list[Tensor]:
         """Feed pending extensions plus new nodes for every request in one forward; return the logits of the
         new nodes per request ([M_i, V] float32, in request order)."""
+        return [out.logits for out in self.extend_outputs(requests)]
+
+    @torch.inference_mode()
+    def extend_outputs(self, requests: list[ExtendRequest], hidden: bool = False) -> list[ExtendOutput]:
+        """`extend`, also returning each fed row's last hidden state when `hidden` (the target features an
+        EAGLE drafter reads) or when the model reports it (an EAGLE drafter's predicted features)."""
         from treeserve.engine.runners.kv_pool import PoolCache
 
         if len({r.session_id for r in requests}) != len(requests):
@@ -174,19 +194,40 @@ class CachedLM:
             mask[b, 0, pad, slots + pad] = 0.0
         self.pool.reserve(max(c.row for c in caches) + 1, past + width)
         pkv = PoolCache(self.pool, [c.row for c in caches], offsets, width)
+        extra = {}
+        if getattr(self.model, "reads_target_features", False):
+            extra["parent_features"] = self._parent_features([requests[i] for i in order], inputs, width)
+        elif hidden:
+            extra["output_hidden_states"] = True
         started = time.perf_counter()
         out = self.model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
-                         attention_mask=mask.to(self.device), past_key_values=pkv, use_cache=True)
+                         attention_mask=mask.to(self.device), past_key_values=pkv, use_cache=True, **extra)
         logits = out.logits.float()
+        states = getattr(out, "hidden", None)
+        if states is None and hidden:
+            states = out.hidden_states[-1]  # post-norm in transformers: what the LM head reads
         self.forward_seconds += time.perf_counter() - started
-        results: list[Tensor | None] = [None] * batch
+        results: list[ExtendOutput | None] = [None] * batch
         for b, (i, cache, (tokens, _, _)) in enumerate(zip(order, caches, inputs)):
             n, m = len(tokens), len(requests[i].tokens)
             cache.slots += n  # what padding queries wrote past n is masked and overwritten later
             cache.committed += cache.extension
             cache.extension = []
-            results[i] = logits[b, n - m:n]
+            results[i] = ExtendOutput(logits[b, n - m:n], None if states is None else states[b, :n])
         return results
+
+    def _parent_features(self, requests: list[ExtendRequest], inputs, width: int) -> Tensor:
+        """[B, width, H] parent features of every fed row, from each request (zeros where it has none)."""
+        size = self.model.config.hidden_size
+        features = torch.zeros(len(requests), width, size, dtype=self.dtype, device=self.device)
+        for b, (request, (tokens, _, _)) in enumerate(zip(requests, inputs)):
+            if request.features is None:
+                continue
+            if request.features.shape != (len(tokens), size):
+                raise ValueError(f"session {request.session_id}: {len(tokens)} fed rows need features "
+                                 f"[{len(tokens)}, {size}], got {list(request.features.shape)}")
+            features[b, :len(tokens)] = request.features
+        return features
 
     def _row_inputs(self, cache: SessionCache, request: ExtendRequest) -> tuple[list[int], Tensor, Tensor]:
         """Tokens to feed, their position ids, and bool attention [n, slots + n] over (cache slots, new)."""

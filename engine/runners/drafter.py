@@ -8,6 +8,11 @@ holds the fed nodes in feed order, and `slot` maps tree node ids to those cache 
 whose head covers only part of the vocabulary (`vocab_ids`) gets probability exactly 0 elsewhere,
 which keeps verification lossless.
 
+An EAGLE drafter (engine/models/eagle_drafter.py) also reads, with each fed token, the feature of the
+position before it: the target's (from the request) for context tokens and the root, its own predicted
+feature of the parent node for deeper nodes. Accepted nodes were fed with predicted features, so their
+drafter KV is dropped at compaction and the next step feeds them again with the target's, as EAGLE does.
+
 Distributions are kept over the drafter's own head and warped there (softmax, top-k and top-p over the
 head equal those over the full vocabulary with zeros outside it). Top-k builders read only summaries
 (`summarize`: top-k and entropy on the head rows), so a full-vocabulary row is materialised only for
@@ -48,6 +53,7 @@ class DrafterRunner:
         self.vocab_size = target_vocab_size
         ids = getattr(model, "vocab_ids", None)
         self.vocab_ids = None if ids is None else ids.cpu()  # [V_draft] target ids of the head's rows
+        self.reads_target_features = bool(getattr(model, "reads_target_features", False))
         # Total time inside the runner's entry points: forwards with their KV cache upkeep and masks,
         # warping, full-vocabulary rows and summaries. A step's drafting time minus this is tree
         # construction (the builder, plus the oracle's walk to unfed ancestors, counted there).
@@ -55,9 +61,23 @@ class DrafterRunner:
 
     @_timed
     def begin(self, session_id: str, context: list[int], sampling: SamplingParams,
-              accepted_nodes: list[int] | None = None) -> "SessionOracle":
-        self.lm.begin(session_id, context, accepted_nodes)
-        return SessionOracle(self, session_id, sampling)
+              accepted_nodes: list[int] | None = None, features: Tensor | None = None) -> "SessionOracle":
+        """Start a session's step; `features` [len(context) - 1, H]: the target's features of context[:-1],
+        required by (and only read by) an EAGLE drafter."""
+        oracle = SessionOracle(self, session_id, sampling)
+        if not self.reads_target_features:
+            self.lm.begin(session_id, context, accepted_nodes)
+            return oracle
+        if features is None or features.shape[0] != len(context) - 1:
+            got = "none" if features is None else f"{features.shape[0]} rows"
+            raise ValueError(f"session {session_id}: an EAGLE drafter needs the target's features of the "
+                             f"{len(context) - 1} context tokens before the root, got {got}")
+        self.lm.begin(session_id, context, [])  # keep only the root: accepted nodes are fed again
+        # Feature of the position before each fed context token (zeros before the first token).
+        first = len(context) - 1 - self.lm.extension_length(session_id)
+        shifted = torch.cat([features.new_zeros(1, features.shape[1]), features])
+        oracle.context_features = shifted[first:].to(self.lm.device, self.lm.dtype)  # extension + root
+        return oracle
 
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)
@@ -107,12 +127,15 @@ class DrafterRunner:
             for node, parent in zip(ids, pars):
                 slots.append(-1 if parent < 0 else oracle.slot[parent])
                 oracle.slot[node] = len(oracle.slot)
-            requests.append(ExtendRequest(oracle.session_id, toks, slots))
-        logits = self.lm.extend(requests)
+            features = oracle.parent_features(ids, pars) if self.reads_target_features else None
+            requests.append(ExtendRequest(oracle.session_id, toks, slots, features))
+        outputs = self.lm.extend_outputs(requests)
         out = []
-        for oracle, ids, rows in zip(oracles, nodes, logits):
-            probs = warp_probs(rows, oracle.sampling)
+        for oracle, ids, output in zip(oracles, nodes, outputs):
+            probs = warp_probs(output.logits, oracle.sampling)
             oracle.rows.update(zip(ids, probs.unbind(0)))
+            if self.reads_target_features:
+                oracle.hidden.update(zip(ids, output.hidden[-len(ids):].unbind(0)))
             out.append(probs)
         return out
 
@@ -128,6 +151,10 @@ class SessionOracle:
         self.rows: dict[int, Tensor] = {}  # tree node id -> [V_draft] warped draft distribution over the head
         self.full: dict[int, Tensor] = {}  # tree node id -> [V] the same over the full vocabulary, once asked
         self.slot: dict[int, int] = {}  # tree node id -> position among this step's fed nodes
+        # EAGLE drafters: [n_ext + 1, H] parent features of the context rows the step's first forward feeds
+        # (extension, root); node id -> [H] predicted feature, read by its children
+        self.context_features: Tensor | None = None
+        self.hidden: dict[int, Tensor] = {}
 
     def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
         """Draft distributions [k, V] after each of `node_ids`, feeding those (and unfed ancestors) first."""
@@ -146,6 +173,16 @@ class SessionOracle:
         self._feed(tokens, parents, [node])
         return (self._full_rows([node])[0], *self.runner.draw(self.rows[node], uniform))
 
+    def parent_features(self, node_ids: Sequence[int], parents: Sequence[int]) -> Tensor:
+        """[n_ext + M, H] what an EAGLE drafter reads with the rows a forward feeds. The root comes first in
+        the step's first forward, after the context extension: those rows read the target's features;
+        every other node reads its parent's predicted feature."""
+        rows: list[Tensor] = []
+        if parents and parents[0] < 0:
+            rows = list(self.context_features.unbind(0))
+            parents = parents[1:]
+        return torch.stack(rows + [self.hidden[p] for p in parents])
+
     def _full_rows(self, node_ids: Sequence[int]) -> list[Tensor]:
         """The nodes' rows over the full vocabulary [V] each, scattered from the head once per node."""
         missing = [n for n in node_ids if n not in self.full]
@@ -155,7 +192,8 @@ class SessionOracle:
         return [self.full[n] for n in node_ids]
 
     def _feed(self, tokens: Sequence[int], parents: Sequence[int], wanted: Sequence[int]) -> None:
-        """Feed the asked nodes not yet in the drafter's cache (and their unfed ancestors) in one forward."""
+        """Feed the asked nodes not yet in the drafter's cache (and their unfed ancestors) in one forward;
+        for an EAGLE drafter one forward per generation of them, as a node reads its parent's output."""
         if any(n not in self.slot for n in wanted):
             feed, seen = [], set(self.slot)
             for node in wanted:
@@ -164,4 +202,8 @@ class SessionOracle:
                     feed.append(node)
                     node = parents[node]
             feed.sort()  # builders append a parent before its children: ascending ids put ancestors first
-            self.runner.extend_many([self], [feed], [[tokens[n] for n in feed]], [[parents[n] for n in feed]])
+            while feed:
+                wave = [n for n in feed if parents[n] < 0 or parents[n] in self.slot] \
+                    if self.runner.reads_target_features else feed
+                self.runner.extend_many([self], [wave], [[tokens[n] for n in wave]], [[parents[n] for n in wave]])
+                feed = [n for n in feed if n not in self.slot]

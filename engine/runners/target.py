@@ -6,7 +6,7 @@ top-p) target probabilities, so the router never sees raw logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,9 +25,12 @@ class ScoreRequest:
     tree: TokenTree
     sampling: SamplingParams
     accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
+    want_features: bool = False  # also return the target's features of the fed rows (for an EAGLE drafter)
 
 
 class TargetRunner:
+    provides_features = True  # honours ScoreRequest.want_features (EAGLE drafters need it)
+
     def __init__(self, model: torch.nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  max_sessions: int = 256):
         self.lm = CachedLM(model, device, dtype, max_sessions)
@@ -39,9 +42,14 @@ class TargetRunner:
                 raise ValueError(f"session {r.session_id}: tree root {int(r.tree.tokens[0])} is not the last "
                                  f"context token {r.context[-1]}")
             self.lm.begin(r.session_id, r.context, r.accepted_nodes)
-        logits = self.lm.extend([ExtendRequest(r.session_id, r.tree.tokens.tolist(), r.tree.parents.tolist())
-                                 for r in requests])
-        return [to_target_dists(l, r.sampling) for l, r in zip(logits, requests)]
+        # Context position of each request's first fed row: the extension starts after the kept cache.
+        starts = [len(r.context) - 1 - self.lm.extension_length(r.session_id) for r in requests]
+        outputs = self.lm.extend_outputs([ExtendRequest(r.session_id, r.tree.tokens.tolist(),
+                                                        r.tree.parents.tolist()) for r in requests],
+                                         hidden=any(r.want_features for r in requests))
+        return [replace(to_target_dists(out.logits, r.sampling), features=out.hidden, features_start=start)
+                if r.want_features else to_target_dists(out.logits, r.sampling)
+                for out, r, start in zip(outputs, requests, starts)]
 
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)

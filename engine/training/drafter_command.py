@@ -28,12 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
     from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
     from treeserve.engine.training.drafter import DrafterTrainConfig
+    from treeserve.engine.training.eagle import EagleTrainConfig
     from treeserve.engine.training.parallel import ParallelTrainConfig
 
-    parser.add_argument("--kind", choices=["autoregressive", "parallel"], default="autoregressive",
-                        help="drafter kind: 'autoregressive' (a few target layers with a restricted-vocabulary head) "
-                             "or 'parallel' (the same plus k [MASK] embeddings: k+1 tokens per forward, "
-                             "group-wise training as in ParallelSpec)")
+    parser.add_argument("--kind", choices=["autoregressive", "parallel", "eagle"], default="autoregressive",
+                        help="drafter kind: 'autoregressive' (a few target layers with a restricted-vocabulary head), "
+                             "'parallel' (the same plus k [MASK] embeddings: k+1 tokens per forward, "
+                             "group-wise training as in ParallelSpec) or 'eagle' (one layer reading the target's "
+                             "features, as in EAGLE)")
     parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"where the drafter is written (default: the shipped default drafter of the kind, "
@@ -45,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_dataclass_options(parser, DrafterTrainConfig, "training", skip=("seed",))
     shared = {f.name for f in dataclasses.fields(DrafterTrainConfig)}
     _add_dataclass_options(parser, ParallelTrainConfig, "parallel drafter (--kind parallel)", skip=shared)
+    shared |= {f.name for f in dataclasses.fields(ParallelTrainConfig)}
+    _add_dataclass_options(parser, EagleTrainConfig, "EAGLE drafter (--kind eagle)", skip=shared)
 
 
 def _distill_data(args: argparse.Namespace, target, data_config: DistillDataConfig):
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.kind == "parallel":
         return run_parallel(args)
+    if args.kind == "eagle":
+        return run_eagle(args)
     if args.out is None:
         from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
 
@@ -126,4 +132,36 @@ def run_parallel(args: argparse.Namespace) -> int:
     (out / "training.json").write_text(json.dumps(card, indent=2))
     print(f"parallel drafter written to {out}; per-position dev agreement: "
           f"`python -m treeserve.engine.training.parallel --drafter {out}`")
+    return 0
+
+
+def run_eagle(args: argparse.Namespace) -> int:
+    """`--kind eagle`: the same cached self-distillation data, the target's features computed once (cached
+    next to it), EAGLE's feature regression + token loss."""
+    import torch
+
+    from treeserve.engine.models.eagle_drafter import DEFAULT_EAGLE_DRAFTER_DIR
+    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.training.eagle import EagleTrainConfig, target_features, train_eagle
+
+    torch.set_num_threads(args.threads)
+    out = args.out or DEFAULT_EAGLE_DRAFTER_DIR
+    data_config = DistillDataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillDataConfig)})
+    train_config = EagleTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EagleTrainConfig)})
+    target = load_causal_lm(args.target)
+    target.tokenizer.padding_side = "left"
+    if not 0 <= train_config.eagle_layer < target.model.config.num_hidden_layers:
+        raise ValueError(f"--eagle-layer must be a target layer index in [0, {target.model.config.num_hidden_layers})")
+    data, data_path, data_minutes, specials = _distill_data(args, target, data_config)
+    started = time.time()
+    features = target_features(target.model, data, train_config.max_seq_len,
+                               data_path.parent / f"eagle_features_{train_config.max_seq_len}.safetensors")
+    drafter, stats = train_eagle(target.model, data, features, train_config, specials)
+    card = {"target": str(args.target), "data_path": str(data_path), "data": dataclasses.asdict(data_config),
+            "data_generation_minutes": round(data_minutes, 1),
+            "feature_minutes": round((time.time() - started) / 60 - stats["train_minutes"], 1), "training": stats,
+            "config": dataclasses.asdict(train_config)}
+    drafter.save(out, card=card)
+    (out / "training.json").write_text(json.dumps(card, indent=2))
+    print(f"EAGLE drafter written to {out}; measure it with `treeserve bench --drafter {out}`")
     return 0

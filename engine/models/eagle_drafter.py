@@ -1,0 +1,115 @@
+"""EAGLE drafter: one decoder layer that extrapolates the target's own top-layer features.
+
+EAGLE (Li et al., 2024, section 3 and figure 6) drafts at the feature level: at position j it reads the
+token x_j together with the target's feature f_{j-1} of the position before (the last hidden state, the
+vector the target's LM head reads), and predicts f_j; the target's LM head turns the predicted feature
+into the draft distribution of x_{j+1}. Deeper in a draft tree there is no target feature yet, so a node
+reads its parent's *predicted* feature instead. A layer that sees what the target already computed agrees
+with it far more often than a small model that starts from tokens alone.
+
+Here, as in EAGLE-1: input = fc(concat(embed(x_j), f_{j-1})) (with bias), one Llama decoder layer; the
+output is normalised by the target's final norm (so it lives where f does: the target's features are
+post-norm) and read by a frozen copy of the target's LM head restricted to `vocab_ids` (EAGLE-3 / FR-Spec:
+probability exactly 0 elsewhere keeps verification lossless). Position 0 reads a zero feature.
+
+On disk like the restricted drafter (engine/models/drafter.py): `config.json` with `treeserve_drafter`
+kind "eagle", float16 weights without the target's input embeddings.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from treeserve.engine.models.drafter import DRAFTER_KEY, _EMBED_KEY, save_without_embeddings
+
+EAGLE_KIND = "eagle"
+DEFAULT_EAGLE_DRAFTER_DIR = Path(__file__).parent / "default_eagle_drafter"
+
+
+@dataclass
+class EagleOutput:
+    logits: torch.Tensor  # [B, T, V_draft] logits over vocab_ids
+    hidden: torch.Tensor  # [B, T, H] predicted target features (what a child node reads)
+    past_key_values: object
+
+
+class EagleDrafter(nn.Module):
+    """fc(token embedding, parent feature) -> one Llama layer -> target norm -> restricted target head."""
+
+    reads_target_features = True  # runners pass `parent_features` and read `hidden` back
+
+    def __init__(self, config, vocab_ids: torch.Tensor, target_vocab_size: int):
+        super().__init__()
+        from transformers import LlamaModel
+
+        self.config = config
+        self.model = LlamaModel(config)  # its embed_tokens are the target's (loaded, not stored)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        self.head = nn.Linear(config.hidden_size, len(vocab_ids), bias=False)
+        self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=True)  # [V_draft]
+        self.target_vocab_size = target_vocab_size
+
+    def forward(self, input_ids, parent_features, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache: bool = False) -> EagleOutput:
+        """input_ids [B, T]; parent_features [B, T, H]: the target's (or a parent node's predicted) feature
+        of the position before each token."""
+        embeds = self.model.embed_tokens(input_ids)
+        fused = self.fc(torch.cat([embeds, parent_features.to(embeds.dtype)], dim=-1))
+        out = self.model(inputs_embeds=fused, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, use_cache=use_cache)
+        hidden = out.last_hidden_state
+        return EagleOutput(logits=self.head(hidden), hidden=hidden, past_key_values=out.past_key_values)
+
+    @classmethod
+    def from_target(cls, target, layer_id: int, vocab_ids: torch.Tensor) -> "EagleDrafter":
+        """Layer initialised from target layer `layer_id`, norm and head rows from the target; fc starts as
+        "embedding + feature" so the untrained layer sees what the target's layer would."""
+        config = copy.deepcopy(target.config)
+        config.num_hidden_layers = 1
+        config.layer_types = None
+        drafter = cls(config, vocab_ids, target.config.vocab_size)
+        drafter.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
+        drafter.model.norm.load_state_dict(target.model.norm.state_dict())
+        drafter.model.layers[0].load_state_dict(target.model.layers[layer_id].state_dict())
+        hidden = config.hidden_size
+        with torch.no_grad():
+            drafter.head.weight.copy_(target.get_output_embeddings().weight[vocab_ids])
+            drafter.fc.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1))
+            drafter.fc.bias.zero_()
+        return drafter
+
+    def save(self, out_dir: Path, card: dict | None = None) -> None:
+        config = self.config.to_dict()
+        config[DRAFTER_KEY] = {"kind": EAGLE_KIND, "target_vocab_size": self.target_vocab_size,
+                               "draft_vocab_size": len(self.vocab_ids), **(card or {})}
+        save_without_embeddings(self, out_dir, config)
+
+    @classmethod
+    def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> "EagleDrafter":
+        """Load a saved EAGLE drafter; `target_embeddings` [V_target, hidden] are the target's input embeddings."""
+        from transformers import LlamaConfig
+
+        raw = json.loads((model_dir / "config.json").read_text())
+        info = raw.pop(DRAFTER_KEY)
+        if info["target_vocab_size"] != target_embeddings.shape[0] or raw["hidden_size"] != target_embeddings.shape[1]:
+            raise ValueError(f"EAGLE drafter {model_dir} was made for a target with a {info['target_vocab_size']}-token "
+                             f"vocabulary and hidden size {raw['hidden_size']}; this target has "
+                             f"{target_embeddings.shape[0]} and {target_embeddings.shape[1]}")
+        state = load_file(str(model_dir / "model.safetensors"))
+        state[_EMBED_KEY] = target_embeddings.detach().to(torch.float32)
+        drafter = cls(LlamaConfig(**raw), state["vocab_ids"], info["target_vocab_size"])
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return drafter.to(device=device, dtype=dtype).eval()
+
+
+def is_eagle_drafter(model_dir: Path) -> bool:
+    config = model_dir / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get(DRAFTER_KEY, {}).get("kind") == EAGLE_KIND

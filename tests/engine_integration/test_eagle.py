@@ -1,0 +1,121 @@
+"""The EAGLE drafter path: target features flow from the target's scores to the drafter, trees drafted
+from them match a from-scratch recomputation, and speculative output stays the target's greedy output."""
+
+import pytest
+import torch
+
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.drafting import DraftRequest, LocalDrafter
+from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.models.drafter import load_drafter
+from treeserve.engine.models.eagle_drafter import EagleDrafter
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.sampling import SamplingParams
+
+METHODS = [
+    TreeConfig(method="chain", depth=4),
+    TreeConfig(method="eagle2", budget=16, depth=4, top_k=4),
+    TreeConfig(method="dyspec", budget=12),
+    TreeConfig(method="opt_tree", budget=12, delta=0.1),
+    TreeConfig(method="c2t", budget=16, depth=4, top_k=4),
+]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_causal_lm(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(target, tmp_path_factory):
+    """An EAGLE drafter over the tiny target, saved and loaded back through `load_drafter`."""
+    vocab = target.model.config.vocab_size
+    vocab_ids = torch.cat([torch.arange(0, vocab, 3), torch.tensor([vocab - 1])]).unique()
+    drafter = EagleDrafter.from_target(target.model, 1, vocab_ids)
+    with torch.no_grad():  # away from the identity start, so that features matter
+        drafter.fc.weight.add_(torch.randn_like(drafter.fc.weight) * 0.05)
+    out = tmp_path_factory.mktemp("eagle")
+    drafter.save(out)
+    return out
+
+
+def make_engine(target, eagle_dir, tree):
+    drafter = load_drafter(str(eagle_dir), target.model)
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size))
+    return SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer, tree, max_context_tokens=2048)
+
+
+@torch.inference_mode()
+def reference(model, prompt_ids, n):
+    out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("tree", METHODS, ids=lambda t: t.method)
+def test_greedy_equals_target_generate(target, eagle_dir, tree):
+    engine = make_engine(target, eagle_dir, tree)
+    for text in ["Tell me a story about a fox.", "2+2=?"]:
+        prompt = engine.encode_chat(text)
+        result = engine.generate([GenerationRequest(prompt, max_new_tokens=20)])[0]
+        assert result.token_ids == reference(target.model, prompt, 20)[:len(result.token_ids)]
+        assert any(s.tree_size > 0 for s in result.steps)
+
+
+def test_batched_greedy_equals_target_generate(target, eagle_dir):
+    engine = make_engine(target, eagle_dir, TreeConfig(method="dyspec", budget=8))
+    prompts = [engine.encode_chat(t) for t in ["Name three rivers.", "Write a haiku about snow.", "Hi"]]
+    results = engine.generate([GenerationRequest(p, max_new_tokens=16) for p in prompts])
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference(target.model, prompt, 16)[:len(result.token_ids)]
+
+
+def from_scratch(drafter, context, features, path_tokens):
+    """Drafter row after `context` + `path_tokens` with no cache: context tokens read the target's feature of
+    the position before (zeros at 0), tree tokens their parent's predicted feature."""
+    ids = torch.tensor([context])
+    parent = torch.cat([torch.zeros(1, features.shape[1]), features])[None]  # [1, len(context), H]
+    out = drafter(input_ids=ids, parent_features=parent)
+    for token in path_tokens:
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        parent = torch.cat([parent, out.hidden[:, -1:]], dim=1)
+        out = drafter(input_ids=ids, parent_features=parent)
+    return torch.softmax(out.logits[0, -1], dim=-1)
+
+
+@torch.inference_mode()
+def test_tree_rows_equal_recomputation(target, eagle_dir):
+    """Every asked node's draft row equals the EAGLE model run from scratch over its whole path, over two
+    steps (the second re-feeds the first step's accepted tokens with the target's features)."""
+    drafter = load_drafter(str(eagle_dir), target.model)
+    runner = DrafterRunner(drafter, target.model.config.vocab_size)
+    sampling = SamplingParams(temperature=1.0)
+    context = target.tokenizer("The quick brown fox jumps over")["input_ids"]
+    tokens, parents = [context[-1], 5, 7, 9, 3, 4], [-1, 0, 0, 1, 2, 2]
+    for step in range(2):
+        features = target.model(input_ids=torch.tensor([context]), output_hidden_states=True).hidden_states[-1][0]
+        oracle = runner.begin("s", context, sampling, [1, 3] if step else None, features[:-1])
+        tree = [context[-1]] + tokens[1:]
+        rows = {0: oracle.probs(tree, parents, [0])[0]}
+        rows.update(zip([3, 4], oracle.probs(tree, parents, [3, 4])))  # feeds unfed ancestors 1, 2 too
+        rows.update(zip([1, 2, 5], oracle.probs(tree, parents, [1, 2, 5])))
+        for node, row in rows.items():
+            path = []
+            while node > 0:
+                path.append(tree[node])
+                node = parents[node]
+            expected = torch.zeros(runner.vocab_size).index_copy_(
+                0, drafter.vocab_ids, from_scratch(drafter, context, features[:-1], path[::-1]))
+            assert torch.allclose(row, expected, atol=1e-5)
+        context = context + [5, 9, 8]  # nodes 1 and 3 accepted, 8 the bonus token
+
+
+def test_eagle_drafter_requires_target_features(target, eagle_dir):
+    runner = DrafterRunner(load_drafter(str(eagle_dir), target.model), target.model.config.vocab_size)
+    with pytest.raises(ValueError, match="target's features"):
+        runner.begin("s", [1, 2, 3], SamplingParams())
+    with pytest.raises(ValueError, match="2 context tokens"):
+        runner.begin("s", [1, 2, 3], SamplingParams(), features=torch.zeros(5, 64))
