@@ -210,6 +210,12 @@ class AppConfig:
                              f"target.max_context_tokens={self.target.max_context_tokens}")
         if self.drafter.tensor_parallel_size != 1:
             raise ValueError(f"{path}.drafter.tensor_parallel_size: the drafter is not sharded; must be 1")
+        from treeserve.engine.models.eagle_drafter import is_eagle_drafter
+
+        if self.drafter.path == "eagle" or is_eagle_drafter(Path(self.drafter.path).expanduser()):
+            raise ValueError(f"{path}.drafter.path: {self.drafter.path} is an EAGLE drafter, which reads the target's "
+                             "features; Target and Drafter replicas do not exchange them, so it runs in-process only "
+                             "(`treeserve generate --in-process --drafter ...`, `treeserve bench --drafter ...`)")
 
 
 # --------------------------------------------------------------------------------------------------

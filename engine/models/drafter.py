@@ -110,23 +110,34 @@ def save_without_embeddings(module: nn.Module, out_dir: Path, config: dict) -> N
 
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"
+SHIPPED_DRAFTERS = ("default", "eagle")  # names for the drafters shipped in engine/models
+
+
+def drafter_dir(path: str) -> Path:
+    """The directory a drafter name stands for: "default" and "eagle" are the shipped ones."""
+    from treeserve.engine.models.eagle_drafter import DEFAULT_EAGLE_DRAFTER_DIR
+
+    shipped = {"default": DEFAULT_DRAFTER_DIR, "eagle": DEFAULT_EAGLE_DRAFTER_DIR}
+    return shipped[path] if path in shipped else Path(path).expanduser()
 
 
 def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a drafter for `target`: "default" (the shipped distilled drafter), a distilled drafter
-    directory, or any local causal LM directory sharing the target's vocabulary.
+    """Load a drafter for `target`: "default" (the shipped distilled drafter), "eagle" (the shipped EAGLE
+    drafter), a distilled or EAGLE drafter directory, or any local causal LM directory sharing the target's
+    vocabulary.
 
-    Both kinds return an object with `.logits` [B, T, V] and `.past_key_values`; a restricted drafter's
-    logits cover only its `vocab_ids`.
+    All return an object with `.logits` [B, T, V] and `.past_key_values`; a restricted or EAGLE drafter's
+    logits cover only its `vocab_ids`, and an EAGLE drafter also reads `parent_features`.
     """
-    from treeserve.engine.models.loading import causal_lm_config, load_model, resolve_model_dir
+    from treeserve.engine.models.eagle_drafter import EagleDrafter, is_eagle_drafter
 
-    model_dir = DEFAULT_DRAFTER_DIR if path == "default" else Path(path).expanduser()
-    if path == "default" and not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no default drafter in {model_dir}; train one with `treeserve train-drafter`")
+    model_dir = drafter_dir(path)
+    if path in SHIPPED_DRAFTERS and not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no {path} drafter in {model_dir}; train one with `treeserve train-drafter"
+                                f"{' --kind eagle' if path == 'eagle' else ''}`")
     if not model_dir.exists():
         raise FileNotFoundError(f"drafter path {model_dir} does not exist")
-    from treeserve.engine.models.eagle_drafter import EagleDrafter, is_eagle_drafter
+    from treeserve.engine.models.loading import causal_lm_config, load_model, resolve_model_dir
 
     if is_eagle_drafter(model_dir):
         return EagleDrafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)

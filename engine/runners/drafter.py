@@ -73,10 +73,13 @@ class DrafterRunner:
             raise ValueError(f"session {session_id}: an EAGLE drafter needs the target's features of the "
                              f"{len(context) - 1} context tokens before the root, got {got}")
         self.lm.begin(session_id, context, [])  # keep only the root: accepted nodes are fed again
-        # Feature of the position before each fed context token (zeros before the first token).
+        # Feature of the position before each fed context token (extension, then root; zeros before the first
+        # token), sliced rather than shifted: the context grows by a few tokens a step.
         first = len(context) - 1 - self.lm.extension_length(session_id)
-        shifted = torch.cat([features.new_zeros(1, features.shape[1]), features])
-        oracle.context_features = shifted[first:].to(self.lm.device, self.lm.dtype)  # extension + root
+        rows = features[max(first - 1, 0):]
+        if first == 0:
+            rows = torch.cat([features.new_zeros(1, features.shape[1]), rows])
+        oracle.context_features = rows.to(self.lm.device, self.lm.dtype)
         return oracle
 
     def release(self, session_id: str) -> bool:

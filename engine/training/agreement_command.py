@@ -57,14 +57,14 @@ def run(args: argparse.Namespace) -> int:
             out = target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                                         do_sample=False, top_p=None, top_k=None, temperature=None)[0]
             for name, drafter in drafters.items():
-                counts[name].add(drafter, out, len(ids), args.top_k, row.get("category", "all"))
+                counts[name].add(drafter, out, len(ids), args.top_k, row.get("category", "all"), target.model)
     for name, c in counts.items():
         result = c.result(args)
         if args.write_card:
-            from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+            from treeserve.engine.models.drafter import drafter_dir
             from treeserve.engine.training.model_card import write_drafter_card
 
-            write_drafter_card(DEFAULT_DRAFTER_DIR if name == "default" else Path(name), result, args)
+            write_drafter_card(drafter_dir(name), result, args, name)
         label = f"{name}: " if len(counts) > 1 else ""
         print(json.dumps({"drafter": name, **result}) if args.json else
               f"{label}{c.total} positions over {args.num_prompts} prompts: top-1 agreement "
@@ -80,10 +80,19 @@ class Counts:
         self.hit1 = self.hitk = self.total = 0
         self.per_category: dict[str, list[int]] = {}
 
-    def add(self, drafter, sequence, prompt_len: int, top_k: int, category: str) -> None:
-        """Teacher-force `drafter` on prompt + target answer `sequence` [T] and count its hits."""
+    def add(self, drafter, sequence, prompt_len: int, top_k: int, category: str, target=None) -> None:
+        """Teacher-force `drafter` on prompt + target answer `sequence` [T] and count its hits (`target`: the
+        target model, whose features an EAGLE drafter reads)."""
+        import torch
+
         answer = sequence[prompt_len:]
-        logits = drafter(input_ids=sequence[None, :-1]).logits[0, prompt_len - 1:]
+        inputs = {"input_ids": sequence[None, :-1]}
+        if getattr(drafter, "reads_target_features", False):
+            # EAGLE: every position reads the target's feature of the position before (the first token
+            # of a draft tree, whose parent is the root, sees exactly this).
+            features = target(**inputs, output_hidden_states=True).hidden_states[-1]
+            inputs["parent_features"] = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
+        logits = drafter(**inputs).logits[0, prompt_len - 1:]
         top = logits.topk(top_k, dim=-1).indices
         vocab_ids = getattr(drafter, "vocab_ids", None)
         if vocab_ids is not None:

@@ -140,7 +140,7 @@ def run_eagle(args: argparse.Namespace) -> int:
     next to it), EAGLE's feature regression + token loss."""
     import torch
 
-    from treeserve.engine.models.eagle_drafter import DEFAULT_EAGLE_DRAFTER_DIR
+    from treeserve.engine.models.eagle_drafter import DEFAULT_EAGLE_DRAFTER_DIR, is_eagle_drafter
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.training.eagle import EagleTrainConfig, target_features, train_eagle
 
@@ -150,8 +150,10 @@ def run_eagle(args: argparse.Namespace) -> int:
     train_config = EagleTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EagleTrainConfig)})
     target = load_causal_lm(args.target)
     target.tokenizer.padding_side = "left"
-    if not 0 <= train_config.eagle_layer < target.model.config.num_hidden_layers:
+    if not train_config.init_from and not 0 <= train_config.eagle_layer < target.model.config.num_hidden_layers:
         raise ValueError(f"--eagle-layer must be a target layer index in [0, {target.model.config.num_hidden_layers})")
+    if train_config.init_from and not is_eagle_drafter(Path(train_config.init_from)):
+        raise ValueError(f"--init-from {train_config.init_from} is not an EAGLE drafter directory")
     data, data_path, data_minutes, specials = _distill_data(args, target, data_config)
     started = time.time()
     features = target_features(target.model, data, train_config.max_seq_len,

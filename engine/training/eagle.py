@@ -13,6 +13,7 @@ and cached next to the data; losses are taken at the answer positions, as for th
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class EagleTrainConfig:
     holdout_fraction: float = field(default=0.05, metadata={"help": "sequences kept for held-out agreement"})
     cls_weight: float = field(default=0.1, metadata={"help": "w_cls: weight of the token cross-entropy next to the feature regression"})
     feature_noise: float = field(default=0.1, metadata={"help": "a: uniform noise U(-a, a) added to input features"})
+    init_from: str = field(default="", metadata={"help": "continue training this EAGLE drafter directory (its vocabulary wins)"})
+    prompt_positions: bool = field(default=True, metadata={"help": "also train at prompt positions (the target's features are known there too: more data at no extra target cost)"})
     seed: int = field(default=0, metadata={"help": "shuffle seed"})
 
 
@@ -116,8 +119,15 @@ def heldout_agreement(drafter, data, features, spans, label_pos, seq_ids, target
 def train_eagle(target, data: dict[str, torch.Tensor], features: torch.Tensor, config: EagleTrainConfig,
                 special_ids: list[int], log=print) -> tuple[EagleDrafter, dict]:
     torch.manual_seed(config.seed)
-    vocab_ids = choose_vocab(data, config.draft_vocab_size, target.config.vocab_size, special_ids)
-    drafter = EagleDrafter.from_target(target, config.eagle_layer, vocab_ids).train()
+    previous = {}
+    if config.init_from:
+        drafter = EagleDrafter.load(Path(config.init_from), target.get_input_embeddings().weight).train()
+        vocab_ids = drafter.vocab_ids
+        card = Path(config.init_from) / "training.json"
+        previous = json.loads(card.read_text()).get("training", {}) if card.is_file() else {}
+    else:
+        vocab_ids = choose_vocab(data, config.draft_vocab_size, target.config.vocab_size, special_ids)
+        drafter = EagleDrafter.from_target(target, config.eagle_layer, vocab_ids).train()
     target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
     # Shared with the target and frozen (EAGLE keeps the target's embeddings and LM head).
@@ -138,7 +148,7 @@ def train_eagle(target, data: dict[str, torch.Tensor], features: torch.Tensor, c
     before = agree()
     log(f"held-out agreement before training: top-1 {before[0]:.1%}, top-4 {before[1]:.1%}")
     progress = tqdm(total=int(budget), desc="train EAGLE drafter", unit="s")
-    cursor = 0
+    cursor, first_loss, loss = 0, float("nan"), torch.tensor(float("nan"))
     while (elapsed := time.time() - start) < budget:
         lr = config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget))))
         for g in opt.param_groups:
@@ -152,6 +162,9 @@ def train_eagle(target, data: dict[str, torch.Tensor], features: torch.Tensor, c
             n += min(spans[train[cursor]][1] - spans[train[cursor]][0], config.max_seq_len)
             cursor += 1
         ids, parent, true, mask, rows, cols, _ = _batch(data, features, batch, spans, label_pos, config.max_seq_len)
+        if config.prompt_positions:  # every position but a window's first (its parent feature is unknown)
+            rows, cols = torch.nonzero(mask[:, 1:], as_tuple=True)
+            cols = cols + 1
         parent = parent + (torch.rand_like(parent) * 2 - 1) * config.feature_noise
         predicted = drafter(input_ids=ids, parent_features=parent, attention_mask=mask).hidden[rows, cols]
         wanted = true[rows, cols]
@@ -164,10 +177,11 @@ def train_eagle(target, data: dict[str, torch.Tensor], features: torch.Tensor, c
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        first_loss = loss.item() if step == 0 else first_loss
         step += 1
         tokens_seen += n
         progress.update(int(time.time() - start) - progress.n)
-        progress.set_postfix(reg=f"{reg.item():.3f}", cls=f"{cls.item():.3f}", step=step)
+        progress.set_postfix(reg=f"{reg.item():.3f}", cls=f"{cls.item():.3f}", step=step, refresh=False)
         if step % 100 == 0:
             top1, top4 = agree()
             log(f"step {step} reg {reg.item():.3f} cls {cls.item():.3f} held-out top-1 {top1:.1%} top-4 {top4:.1%}")
@@ -176,6 +190,11 @@ def train_eagle(target, data: dict[str, torch.Tensor], features: torch.Tensor, c
     stats = {"steps": step, "train_minutes": round((time.time() - start) / 60, 1), "tokens_seen": tokens_seen,
              "train_sequences": len(train), "labelled_positions": int(len(data["label_pos"])),
              "heldout_top1_before": round(before[0], 4), "heldout_top1": round(after[0], 4),
-             "heldout_top4": round(after[1], 4), "layer_from_target": config.eagle_layer}
+             "heldout_top4": round(after[1], 4), "layer_from_target": config.eagle_layer,
+             "first_loss": round(first_loss, 4), "final_loss": round(loss.item(), 4)}
+    if config.init_from:
+        stats["layer_from_target"] = previous.get("layer_from_target", "?")
+        stats["continued_from"] = {"path": config.init_from, "steps": previous.get("steps", "?"),
+                                   "train_minutes": previous.get("train_minutes", "?")}
     log(f"done: {stats}")
     return drafter.eval(), stats

@@ -15,30 +15,49 @@ def _continued(previous: dict | None) -> str:
             f"{previous.get('steps', '?')} steps on earlier data")
 
 
-def write_drafter_card(directory: Path, agreement: dict, args) -> Path:
+def write_drafter_card(directory: Path, agreement: dict, args, name: str = "default") -> Path:
+    """README.md for the drafter in `directory` (`name`: how `--drafter` names it)."""
     training = json.loads((directory / "training.json").read_text()) if (directory / "training.json").is_file() else {}
     config = json.loads((directory / "config.json").read_text())
     info = config.get("treeserve_drafter", {})
     stats = training.get("training", {})
     data = training.get("data", {})
     topk_key = next(k for k in agreement if k.startswith("top") and k != "top1")
+    eagle = info.get("kind") == "eagle"
+    if eagle:
+        intro = [
+            "# TreeServe EAGLE drafter",
+            "",
+            "One Llama decoder layer for SmolLM2-135M-Instruct that reads, with each token, the target's own last hidden "
+            "state at the position before (EAGLE: fc(token embedding, feature) -> layer -> the target's final norm -> "
+            f"the target's LM head restricted to the {info.get('draft_vocab_size', '?')} most probable tokens of the "
+            f"training text, probability 0 elsewhere so verification stays lossless). Layer initialised from target "
+            f"layer {stats.get('layer_from_target', '?')}; embeddings and head rows are the target's (frozen). It runs "
+            "in-process (`treeserve bench --drafter eagle`, `treeserve generate --in-process --drafter eagle`): "
+            "Target and Drafter replicas do not exchange features.",
+        ]
+        how = "the drafter reads the target's features of the same sequence, as the first node of a tree does"
+    else:
+        intro = [
+            "# TreeServe default drafter",
+            "",
+            f"A {config['num_hidden_layers']}-layer Llama drafter for SmolLM2-135M-Instruct, self-distilled from the "
+            f"target (layers initialised from target layers {stats.get('layers_from_target', '?')}, input embeddings "
+            f"shared with the target and not stored here), with an LM head over the {info.get('draft_vocab_size', '?')} "
+            "most probable tokens of the training text (probability 0 elsewhere, so verification stays lossless).",
+        ]
+        how = "the drafter is teacher-forced on the target's greedy answer"
     lines = [
-        "# TreeServe default drafter",
-        "",
-        f"A {config['num_hidden_layers']}-layer Llama drafter for SmolLM2-135M-Instruct, self-distilled from the target "
-        f"(layers initialised from target layers {stats.get('layers_from_target', '?')}, input embeddings shared with "
-        f"the target and not stored here), with an LM head over the {info.get('draft_vocab_size', '?')} most probable "
-        "tokens of the training text (probability 0 elsewhere, so verification stays lossless).",
+        *intro,
         "",
         "## Agreement with the target on the Spec-Bench dev prompts",
         "",
         f"Greedy top-1 agreement **{agreement['top1']:.1%}**, {topk_key.replace('top', 'top-')} "
         f"{agreement[topk_key]:.1%}, over {agreement['positions']} answer positions of {agreement['prompts']} prompts "
-        f"(first turn, chat template, {agreement['max_new_tokens']} target tokens each; the drafter is teacher-forced "
-        "on the target's greedy answer). Rerun with:",
+        f"(first turn, chat template, {agreement['max_new_tokens']} target tokens each; {how}). Rerun with:",
         "",
         "```sh",
-        f"treeserve agreement --drafter default --num-prompts {agreement['prompts']} "
+        f"treeserve agreement --drafter {name} --num-prompts {agreement['prompts']} "
         f"--max-new-tokens {agreement['max_new_tokens']}",
         "```",
         "",
@@ -52,22 +71,31 @@ def write_drafter_card(directory: Path, agreement: dict, args) -> Path:
         f"Debian fortunes / Jargon File text; the target answered {data.get('response_prompts', '?')} of them "
         f"({data.get('max_new_tokens', '?')} tokens max, {data.get('sampled_fraction', '?')} sampled at T=0.7, rest "
         f"greedy), plus {data.get('reference_tokens', '?')} tokens of reference text (docs, jargon, HumanEval "
-        "solutions) teacher-forced as assistant answers. Labels: the target's top-32 next-token probabilities.",
+        "solutions) teacher-forced as assistant answers. "
+        + ("Targets: the target's last hidden state at every position (one teacher-forced forward, cached) and the "
+           "next-token distribution its head gives it; loss = SmoothL1(features) + "
+           f"{training.get('config', {}).get('cls_weight', '?')} x cross-entropy (EAGLE)." if eagle else
+           "Labels: the target's top-32 next-token probabilities."),
         f"- Data generation: {training.get('data_generation_minutes', '?')} min; training: "
         f"{stats.get('train_minutes', '?')} min, {stats.get('steps', '?')} steps, {stats.get('tokens_seen', '?')} "
         "tokens seen, on 2 shared CPU cores" + _continued(stats.get("continued_from")) + ".",
         f"- Held-out (training-distribution) top-1 agreement: {stats.get('heldout_top1_before', 0):.1%} at "
-        f"initialisation, {stats.get('heldout_top1', 0):.1%} after training; the draft vocabulary covers "
-        f"{stats.get('vocab_coverage_teacher_top1', 0):.1%} of the target's top-1 tokens in the training data.",
+        f"initialisation, {stats.get('heldout_top1', 0):.1%} after training"
+        + ("." if eagle else f"; the draft vocabulary covers {stats.get('vocab_coverage_teacher_top1', 0):.1%} of the "
+           "target's top-1 tokens in the training data."),
         "",
         "## What limits it",
         "",
-        "Data, not model size: generating target answers on 2 CPU cores runs at tens of tokens per second, so the "
-        "drafter saw a small sample of the target's behaviour (the categories above that are furthest from the "
-        "training sources agree least). More varied generated answers, longer training, or an EAGLE-style head "
-        "fed with the target's hidden states are the next levers.",
+        ("Training time: on 2 CPU cores one optimisation step over 4096 tokens takes seconds, so the layer saw the "
+         "training text only a few times; EAGLE's own drafters train for hours on GPUs over far more text."
+         if eagle else
+         "Data, not model size: generating target answers on 2 CPU cores runs at tens of tokens per second, so the "
+         "drafter saw a small sample of the target's behaviour (the categories above that are furthest from the "
+         "training sources agree least). More varied generated answers, longer training, or an EAGLE-style head "
+         "fed with the target's hidden states are the next levers."),
         "",
-        "Reproduce: `treeserve train-drafter` (options in `treeserve train-drafter --help`).",
+        "Reproduce: `treeserve train-drafter" + (" --kind eagle" if eagle else "")
+        + "` (options in `treeserve train-drafter --help`).",
     ]
     path = directory / "README.md"
     path.write_text("\n".join(lines) + "\n")

@@ -1,11 +1,13 @@
 """The EAGLE drafter path: target features flow from the target's scores to the drafter, trees drafted
 from them match a from-scratch recomputation, and speculative output stays the target's greedy output."""
 
+import json
+
 import pytest
 import torch
 
 from treeserve.engine.builders import TreeConfig
-from treeserve.engine.drafting import DraftRequest, LocalDrafter
+from treeserve.engine.drafting import LocalDrafter
 from treeserve.engine.generate import SpeculativeEngine
 from treeserve.engine.models.drafter import load_drafter
 from treeserve.engine.models.eagle_drafter import EagleDrafter
@@ -119,3 +121,48 @@ def test_eagle_drafter_requires_target_features(target, eagle_dir):
         runner.begin("s", [1, 2, 3], SamplingParams())
     with pytest.raises(ValueError, match="2 context tokens"):
         runner.begin("s", [1, 2, 3], SamplingParams(), features=torch.zeros(5, 64))
+
+
+def test_train_drafter_cli_kind_eagle(tmp_path, target, tiny_target_dir, capsys):
+    """`treeserve train-drafter --kind eagle` on cached data: features cached, loss falls, the drafter loads
+    as an EAGLE drafter, and `agreement` measures it with the target's features."""
+    from safetensors.torch import save_file
+
+    from treeserve.engine.training.agreement_command import Counts
+    from treeserve.engine.training.distill_data import teacher_labels
+    from treeserve.services.cli import main
+
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (30, 44, 38, 52, 40, 36)]
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    save_file(teacher_labels(target.model, sequences, [6, 9, 12, 15, 8, 10], top_k=8),
+              str(data_dir / "teacher.safetensors"))
+    out = tmp_path / "eagle"
+    code = main(["train-drafter", "--kind", "eagle", "--target", str(tiny_target_dir), "--data-dir", str(data_dir),
+                 "--out", str(out), "--eagle-layer", "1", "--draft-vocab-size", "600", "--minutes", "0.1",
+                 "--lr", "3e-3", "--batch-tokens", "96", "--max-seq-len", "48", "--threads", "1",
+                 "--holdout-fraction", "0.2"])
+    assert code == 0
+    assert (data_dir / "eagle_features_48.safetensors").is_file()
+    card = json.loads((out / "training.json").read_text())["training"]
+    assert card["steps"] >= 5 and card["final_loss"] < card["first_loss"]
+    drafter = load_drafter(str(out), target.model)
+    assert isinstance(drafter, EagleDrafter) and len(drafter.vocab_ids) == 600
+    counts = Counts()
+    sequence = torch.tensor(sequences[0])
+    counts.add(drafter, sequence, 10, 4, "all", target.model)
+    assert counts.total == len(sequence) - 10 and 0 <= counts.hit1 <= counts.hitk <= counts.total
+    # Continued training keeps the vocabulary and records where it started.
+    code = main(["train-drafter", "--kind", "eagle", "--target", str(tiny_target_dir), "--data-dir", str(data_dir),
+                 "--out", str(tmp_path / "more"), "--init-from", str(out), "--draft-vocab-size", "900",
+                 "--minutes", "0.02", "--batch-tokens", "96", "--max-seq-len", "48", "--threads", "1"])
+    assert code == 0
+    assert json.loads((tmp_path / "more" / "training.json").read_text())["training"]["continued_from"]["path"] == str(out)
+    assert len(load_drafter(str(tmp_path / "more"), target.model).vocab_ids) == 600
+    capsys.readouterr()
+    for bad, message in [(["--eagle-layer", "7"], "--eagle-layer must be a target layer index in [0, 2)"),
+                         (["--init-from", str(data_dir)], "is not an EAGLE drafter directory")]:
+        code = main(["train-drafter", "--kind", "eagle", "--target", str(tiny_target_dir), "--data-dir", str(data_dir),
+                     "--out", str(out), *bad])
+        assert code == 2 and message in capsys.readouterr().err

@@ -138,3 +138,14 @@ def test_top_level_errors(tmp_path):
     (tmp_path / "bad.yaml").write_text("applications: [\n")
     assert "not valid YAML" in _error(tmp_path / "bad.yaml")
     assert "cannot read Serve config" in _error(tmp_path / "absent.yaml")
+
+
+def test_eagle_drafter_is_refused_by_the_services(tmp_path):
+    """An EAGLE drafter reads the target's features, which replicas do not exchange: the config says so."""
+    config = {"hidden_size": 576, "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
+              "treeserve_drafter": {"kind": "eagle"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for path in ("eagle", str(tmp_path)):
+        message = _error(_app({"drafter": {"path": path}}))
+        assert "applications[0].args.drafter.path" in message and "in-process only" in message
