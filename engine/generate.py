@@ -150,7 +150,7 @@ class SpeculativeEngine:
             result = verify_tree(tree, dist, s.request.sampling, s.generator)
             s.accepted_hint = result.accepted_nodes
             if self.carries_features:
-                s.features = _committed_features(s, tree, dist, result.accepted_nodes)
+                s.features = committed_features(s.features, tree, dist, result.accepted_nodes)
             self._emit(s, result.tokens)
             s.steps.append(StepRecord(tree_size=tree.num_nodes - 1, accepted=result.num_accepted,
                                       emitted=len(result.tokens), batch_size=len(batch),
@@ -224,13 +224,14 @@ class SpeculativeEngine:
                                 wall_time_s=time.perf_counter() - s.started)
 
 
-def _committed_features(s: Sequence, tree: TokenTree, dist: TargetDists, accepted: list[int]) -> torch.Tensor:
-    """The sequence's target features after this step: those kept before the target's first fed row, the
-    fed context (extension and root), then the accepted nodes', i.e. context[:-1] once the step's tokens
-    are emitted (the bonus token, the next root, has none yet)."""
+def committed_features(kept: torch.Tensor | None, tree: TokenTree, dist: TargetDists,
+                       accepted: list[int]) -> torch.Tensor:
+    """A sequence's target features after a step: those `kept` before the target's first fed row, the fed
+    context (extension and root), then the accepted nodes', i.e. those of context[:-1] once the step's
+    tokens are emitted (the bonus token, the next root, has none yet)."""
     fed = dist.features
     n_context = fed.shape[0] - tree.num_nodes + 1  # extension rows + the root
-    kept = s.features[:dist.features_start] if s.features is not None else fed[:0]
+    kept = kept[:dist.features_start] if kept is not None else fed[:0]
     return torch.cat([kept, fed[:n_context], fed[[n_context - 1 + n for n in accepted]]])
 
 

@@ -166,3 +166,25 @@ def test_train_drafter_cli_kind_eagle(tmp_path, target, tiny_target_dir, capsys)
         code = main(["train-drafter", "--kind", "eagle", "--target", str(tiny_target_dir), "--data-dir", str(data_dir),
                      "--out", str(out), *bad])
         assert code == 2 and message in capsys.readouterr().err
+
+
+def test_c2t_collection_with_an_eagle_drafter(target):
+    """train-c2t's labelling carries the target's features to an EAGLE drafter, as the engine does: a drafter
+    trained on the target's greedy continuations of the prompts gets accepted (positive) nodes."""
+    from treeserve.engine.training.c2t import C2TTrainConfig, collect
+    from treeserve.engine.training.distill_data import teacher_labels
+    from treeserve.engine.training.eagle import EagleTrainConfig, target_features, train_eagle
+
+    prompts = [target.tokenizer(text)["input_ids"] for text in ("Once upon a time", "def add(a, b):")]
+    sequences = [p + reference(target.model, p, 40) for p in prompts]
+    data = teacher_labels(target.model, sequences * 3, [len(p) for p in prompts] * 3, top_k=4)
+    features = target_features(target.model, data, 64)
+    vocab = sorted(set(data["tokens"].tolist()) | set(data["topk_ids"].flatten().tolist()))
+    config = EagleTrainConfig(eagle_layer=1, draft_vocab_size=len(vocab), minutes=0.1, lr=3e-3, batch_tokens=128,
+                              max_seq_len=64, holdout_fraction=0.2)
+    model, _ = train_eagle(target.model, data, features, config, [], log=lambda _: None)
+    drafter = DrafterRunner(model, target.model.config.vocab_size)
+    c2t = C2TTrainConfig(depth=3, top_k=3, steps_per_prompt=4, epochs=3)
+    node_features, labels = collect(TargetRunner(target.model), drafter, prompts, c2t, set())
+    assert node_features.shape == (len(labels), 3) and labels.sum() > 0
+    assert node_features[:, 2].min() == 1 and node_features[:, 2].max() <= c2t.depth
