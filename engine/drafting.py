@@ -95,7 +95,8 @@ class LocalDrafter:
         batch = batch_size or len(requests)
         if speculative and batch > 1:
             depth = self._batch_depth(batch, speculative)
-            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features) for r in speculative]
+            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
+                       for r in speculative]
             if depth > 0:
                 chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in speculative],
                                           self.classifier, self.batch_chain_beta, depth)

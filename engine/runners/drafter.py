@@ -130,7 +130,7 @@ class DrafterRunner:
             for node, parent in zip(ids, pars):
                 slots.append(-1 if parent < 0 else oracle.slot[parent])
                 oracle.slot[node] = len(oracle.slot)
-            features = oracle.parent_features(ids, pars) if self.reads_target_features else None
+            features = oracle.parent_features(pars) if self.reads_target_features else None
             requests.append(ExtendRequest(oracle.session_id, toks, slots, features))
         outputs = self.lm.extend_outputs(requests)
         out = []
@@ -176,7 +176,7 @@ class SessionOracle:
         self._feed(tokens, parents, [node])
         return (self._full_rows([node])[0], *self.runner.draw(self.rows[node], uniform))
 
-    def parent_features(self, node_ids: Sequence[int], parents: Sequence[int]) -> Tensor:
+    def parent_features(self, parents: Sequence[int]) -> Tensor:
         """[n_ext + M, H] what an EAGLE drafter reads with the rows a forward feeds. The root comes first in
         the step's first forward, after the context extension: those rows read the target's features;
         every other node reads its parent's predicted feature."""

@@ -15,6 +15,24 @@ def _continued(previous: dict | None) -> str:
             f"{previous.get('steps', '?')} steps on earlier data")
 
 
+def _reproduce(training: dict, eagle: bool) -> str:
+    """The train-drafter command the recorded run used (an EAGLE drafter: its data and training options)."""
+    if not eagle:
+        return "Reproduce: `treeserve train-drafter` (options in `treeserve train-drafter --help`)."
+    data = training.get("data", {})
+
+    def command(config: dict) -> str:
+        return (f"treeserve train-drafter --kind eagle --response-prompts {data.get('response_prompts', '?')} "
+                f"--reference-tokens {data.get('reference_tokens', '?')} --minutes {config.get('minutes', '?')} "
+                f"--lr {config.get('lr', '?')} --cls-weight {config.get('cls_weight', '?')}")
+
+    previous = training.get("training", {}).get("continued_from")
+    if not previous:
+        return f"Reproduce: `{command(training.get('config', {}))}`."
+    return (f"Reproduce (two runs): `{command(previous.get('config', {}))} --out DIR`, then "
+            f"`{command(training.get('config', {}))} --init-from DIR`.")
+
+
 def write_drafter_card(directory: Path, agreement: dict, args, name: str = "default") -> Path:
     """README.md for the drafter in `directory` (`name`: how `--drafter` names it)."""
     training = json.loads((directory / "training.json").read_text()) if (directory / "training.json").is_file() else {}
@@ -94,8 +112,7 @@ def write_drafter_card(directory: Path, agreement: dict, args, name: str = "defa
          "training sources agree least). More varied generated answers, longer training, or an EAGLE-style head "
          "fed with the target's hidden states are the next levers."),
         "",
-        "Reproduce: `treeserve train-drafter" + (" --kind eagle" if eagle else "")
-        + "` (options in `treeserve train-drafter --help`).",
+        _reproduce(training, eagle),
     ]
     path = directory / "README.md"
     path.write_text("\n".join(lines) + "\n")
