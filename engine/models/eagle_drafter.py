@@ -70,7 +70,7 @@ class EagleDrafter(nn.Module):
     @classmethod
     def from_target(cls, target, layer_id: int, vocab_ids: torch.Tensor) -> "EagleDrafter":
         """Layer initialised from target layer `layer_id`, norm and head rows from the target; fc starts as
-        "embedding + feature" so the untrained layer sees what the target's layer would."""
+        the plain sum "embedding + feature", so both inputs reach the layer from the first step."""
         config = copy.deepcopy(target.config)
         config.num_hidden_layers = 1
         config.layer_types = None

@@ -188,3 +188,12 @@ def test_c2t_collection_with_an_eagle_drafter(target):
     node_features, labels = collect(TargetRunner(target.model), drafter, prompts, c2t, set())
     assert node_features.shape == (len(labels), 3) and labels.sum() > 0
     assert node_features[:, 2].min() == 1 and node_features[:, 2].max() <= c2t.depth
+
+
+def test_feature_rows_must_match_the_fed_rows(target, eagle_dir):
+    from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+
+    lm = CachedLM(load_drafter(str(eagle_dir), target.model))
+    lm.begin("s", [1, 2, 3, 4])  # three context tokens to feed before the root
+    with pytest.raises(ValueError, match=r"session s: 4 fed rows need features \[4, 64\], got \[2, 64\]"):
+        lm.extend([ExtendRequest("s", [4], [-1], torch.zeros(2, 64))])
