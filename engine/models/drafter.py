@@ -78,21 +78,7 @@ class RestrictedVocabDrafter(nn.Module):
     def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
              dtype: torch.dtype = torch.float32) -> "RestrictedVocabDrafter":
         """Load a saved drafter; `target_embeddings` [V_target, hidden] are the target's input embeddings."""
-        from transformers import LlamaConfig
-
-        raw = json.loads((model_dir / "config.json").read_text())
-        info = raw.pop(DRAFTER_KEY)
-        if info["target_vocab_size"] != target_embeddings.shape[0]:
-            raise ValueError(f"drafter {model_dir} was made for a {info['target_vocab_size']}-token vocabulary, "
-                             f"the target has {target_embeddings.shape[0]}")
-        if raw["hidden_size"] != target_embeddings.shape[1]:
-            raise ValueError(f"drafter {model_dir} has hidden size {raw['hidden_size']}, the target's "
-                             f"embeddings have {target_embeddings.shape[1]}")
-        state = load_file(str(model_dir / "model.safetensors"))
-        state[_EMBED_KEY] = target_embeddings.detach().to(torch.float32)
-        drafter = cls(LlamaConfig(**raw), state["vocab_ids"], info["target_vocab_size"])
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-        return drafter.to(device=device, dtype=dtype).eval()
+        return load_with_target_embeddings(cls, model_dir, target_embeddings, device, dtype)
 
 
 def is_restricted_drafter(model_dir: Path) -> bool:
@@ -107,6 +93,28 @@ def save_without_embeddings(module: nn.Module, out_dir: Path, config: dict) -> N
     state = {k: (v if k == "vocab_ids" else v.to(torch.float16)).contiguous()
              for k, v in module.state_dict().items() if k != _EMBED_KEY}
     save_file(state, str(out_dir / "model.safetensors"))
+
+
+def load_with_target_embeddings(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str,
+                                dtype: torch.dtype, key: str = DRAFTER_KEY, int_args: tuple[str, ...] = ()) -> nn.Module:
+    """Build a drafter of class `cls` from a directory written by `save_without_embeddings`, putting the
+    target's input embeddings [V_target, hidden] back in. `cls` is constructed as `(config, vocab_ids,
+    target_vocab_size, *int_args)`, the card fields named by `int_args` read from config.json's `key`
+    entry. The vocabulary and hidden size must match the target's: the drafter's tokens index its embeddings."""
+    from transformers import LlamaConfig
+
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    info = raw.pop(key)
+    if info["target_vocab_size"] != target_embeddings.shape[0] or raw["hidden_size"] != target_embeddings.shape[1]:
+        raise ValueError(f"drafter {model_dir} was made for a target with a {info['target_vocab_size']}-token "
+                         f"vocabulary and hidden size {raw['hidden_size']}; this target has "
+                         f"{target_embeddings.shape[0]} and {target_embeddings.shape[1]}")
+    state = load_file(str(model_dir / "model.safetensors"))
+    state[_EMBED_KEY] = target_embeddings.detach().to(torch.float32)
+    drafter = cls(LlamaConfig(**raw), state["vocab_ids"], info["target_vocab_size"], *(int(info[a]) for a in int_args))
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return drafter.to(device=device, dtype=dtype).eval()
 
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"

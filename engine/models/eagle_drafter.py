@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from treeserve.engine.models.drafter import DRAFTER_KEY, _EMBED_KEY, save_without_embeddings
+from treeserve.engine.models.drafter import DRAFTER_KEY, load_with_target_embeddings, save_without_embeddings
 
 EAGLE_KIND = "eagle"
 DEFAULT_EAGLE_DRAFTER_DIR = Path(__file__).parent / "default_eagle_drafter"
@@ -95,19 +94,7 @@ class EagleDrafter(nn.Module):
     def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
              dtype: torch.dtype = torch.float32) -> "EagleDrafter":
         """Load a saved EAGLE drafter; `target_embeddings` [V_target, hidden] are the target's input embeddings."""
-        from transformers import LlamaConfig
-
-        raw = json.loads((model_dir / "config.json").read_text())
-        info = raw.pop(DRAFTER_KEY)
-        if info["target_vocab_size"] != target_embeddings.shape[0] or raw["hidden_size"] != target_embeddings.shape[1]:
-            raise ValueError(f"EAGLE drafter {model_dir} was made for a target with a {info['target_vocab_size']}-token "
-                             f"vocabulary and hidden size {raw['hidden_size']}; this target has "
-                             f"{target_embeddings.shape[0]} and {target_embeddings.shape[1]}")
-        state = load_file(str(model_dir / "model.safetensors"))
-        state[_EMBED_KEY] = target_embeddings.detach().to(torch.float32)
-        drafter = cls(LlamaConfig(**raw), state["vocab_ids"], info["target_vocab_size"])
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-        return drafter.to(device=device, dtype=dtype).eval()
+        return load_with_target_embeddings(cls, model_dir, target_embeddings, device, dtype)
 
 
 def is_eagle_drafter(model_dir: Path) -> bool:

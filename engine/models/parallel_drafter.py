@@ -28,13 +28,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from treeserve.engine.models.drafter import DrafterOutput, save_without_embeddings
+from treeserve.engine.models.drafter import DrafterOutput, load_with_target_embeddings, save_without_embeddings
 
 PARALLEL_KEY = "treeserve_parallel_drafter"
-_EMBED_KEY = "model.embed_tokens.weight"
 DEFAULT_NUM_MASKS = 4
 DEFAULT_PARALLEL_DRAFTER_DIR = Path(__file__).parent / "default_parallel_drafter"
 
@@ -131,21 +129,7 @@ class ParallelDrafterModel(nn.Module):
     def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
              dtype: torch.dtype = torch.float32) -> "ParallelDrafterModel":
         """Load a saved parallel drafter; `target_embeddings` [V_target, hidden] are the target's embeddings."""
-        from transformers import LlamaConfig
-
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-        info = raw.pop(PARALLEL_KEY)
-        if info["target_vocab_size"] != target_embeddings.shape[0]:
-            raise ValueError(f"parallel drafter {model_dir} was made for a {info['target_vocab_size']}-token "
-                             f"vocabulary, the target has {target_embeddings.shape[0]}")
-        if raw["hidden_size"] != target_embeddings.shape[1]:
-            raise ValueError(f"parallel drafter {model_dir} has hidden size {raw['hidden_size']}, the target's "
-                             f"embeddings have {target_embeddings.shape[1]}")
-        state = load_file(str(Path(model_dir) / "model.safetensors"))
-        state[_EMBED_KEY] = target_embeddings.detach().to(torch.float32)
-        drafter = cls(LlamaConfig(**raw), state["vocab_ids"], info["target_vocab_size"], int(info["num_masks"]))
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-        return drafter.to(device=device, dtype=dtype).eval()
+        return load_with_target_embeddings(cls, model_dir, target_embeddings, device, dtype, PARALLEL_KEY, ("num_masks",))
 
 
 def is_parallel_drafter(model_dir: Path) -> bool:

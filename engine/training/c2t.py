@@ -20,7 +20,7 @@ from tqdm import tqdm
 from treeserve.engine.builders import Eagle2Builder
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
 from treeserve.engine.drafting import root_only
-from treeserve.engine.generate import committed_features
+from treeserve.engine.generate import CommittedFeatures
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
 from treeserve.engine.sampling import SamplingParams
@@ -54,16 +54,17 @@ def collect(target: TargetRunner, drafter: DrafterRunner, prompts: list[list[int
         session, context, accepted, features = f"c2t-{p}", list(prompt), None, None
         if drafter.reads_target_features:  # an EAGLE drafter reads the prompt's target features: prefill first
             dists = target.score([ScoreRequest(session, context, root_only(context), greedy, want_features=True)])[0]
-            features = committed_features(None, root_only(context), dists, [])
+            features = CommittedFeatures()
+            features.commit(root_only(context), dists, [])
             context = context + [int(dists.argmax[0])]
         for _ in range(config.steps_per_prompt):
-            oracle = drafter.begin(session, context, greedy, accepted, features)
+            oracle = drafter.begin(session, context, greedy, accepted, features.rows if features else None)
             tree = builder.build(context[-1], oracle, greedy, torch.Generator())
             dists = target.score([ScoreRequest(session, context, tree, greedy, accepted,
                                                want_features=drafter.reads_target_features)])[0]
             result = verify_tree(tree, dists, greedy, torch.Generator())
             if features is not None:
-                features = committed_features(features, tree, dists, result.accepted_nodes)
+                features.commit(tree, dists, result.accepted_nodes)
             nodes = torch.arange(1, tree.num_nodes)
             parents = tree.parents[1:]
             parent_rows = torch.stack([oracle.rows[int(i)] for i in parents])

@@ -9,7 +9,6 @@ renormalised. Training positions are the response tokens the target generated fo
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from treeserve.engine.models.drafter import RestrictedVocabDrafter
+from treeserve.engine.training.batches import SequenceBatches, cosine_lr
 
 
 @dataclass
@@ -139,20 +139,11 @@ def train_drafter(target, data: dict[str, torch.Tensor], config: DrafterTrainCon
     log(f"vocab {len(vocab_ids)} covers {coverage:.1%} of teacher top-1; held-out agreement before "
         f"training: top-1 {before[0]:.1%}, top-4 {before[1]:.1%}")
     progress = tqdm(total=int(budget), desc="train drafter", unit="s")
-    cursor = 0
+    batches = SequenceBatches(train, spans, config.batch_tokens, config.max_seq_len)
     while (elapsed := time.time() - start) < budget:
-        lr = config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget))))
         for g in opt.param_groups:
-            g["lr"] = lr
-        batch, n = [], 0
-        while n < config.batch_tokens:
-            if cursor == len(train):
-                cursor = 0
-                train = [train[i] for i in torch.randperm(len(train)).tolist()]
-            s = train[cursor]
-            cursor += 1
-            batch.append(s)
-            n += min(spans[s][1] - spans[s][0], config.max_seq_len)
+            g["lr"] = cosine_lr(config.lr, elapsed, budget)
+        batch, n = batches.next()
         ids, mask, rows, cols, labels = _batch(data, batch, spans, label_pos, config.max_seq_len)
         logits = drafter(input_ids=ids, attention_mask=mask).logits[rows, cols]
         target_probs = soft_targets(data["topk_ids"][labels], data["topk_probs"][labels], target_to_draft,

@@ -17,7 +17,6 @@ and cached next to the data; losses are taken at the answer positions, as for th
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from treeserve.engine.models.eagle_drafter import EagleDrafter
+from treeserve.engine.training.batches import SequenceBatches, cosine_lr
 from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions
 
 
@@ -151,19 +151,12 @@ def train_eagle(target, data: dict[str, torch.Tensor], features: torch.Tensor, c
     before = agree()
     log(f"held-out agreement before training: top-1 {before[0]:.1%}, top-4 {before[1]:.1%}")
     progress = tqdm(total=int(budget), desc="train EAGLE drafter", unit="s")
-    cursor, first_loss, loss = 0, float("nan"), torch.tensor(float("nan"))
+    first_loss, loss = float("nan"), torch.tensor(float("nan"))
+    batches = SequenceBatches(train, spans, config.batch_tokens, config.max_seq_len)
     while (elapsed := time.time() - start) < budget:
-        lr = config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget))))
         for g in opt.param_groups:
-            g["lr"] = lr
-        batch, n = [], 0
-        while n < config.batch_tokens:
-            if cursor == len(train):
-                cursor = 0
-                train = [train[i] for i in torch.randperm(len(train)).tolist()]
-            batch.append(train[cursor])
-            n += min(spans[train[cursor]][1] - spans[train[cursor]][0], config.max_seq_len)
-            cursor += 1
+            g["lr"] = cosine_lr(config.lr, elapsed, budget)
+        batch, n = batches.next()
         ids, parent, true, mask, rows, cols, _ = _batch(data, features, batch, spans, label_pos, config.max_seq_len)
         if config.prompt_positions:  # every position but a window's first (its parent feature is unknown)
             rows, cols = torch.nonzero(mask[:, 1:], as_tuple=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 
 from treeserve.engine.models.loading import chat_ids
 from treeserve.engine.models.parallel_drafter import ParallelDrafterModel
+from treeserve.engine.training.batches import SequenceBatches, cosine_lr
 from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions, soft_targets
 
 
@@ -231,24 +231,16 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
     before = heldout_agreement(model, data, spans, label_pos, holdout_eval, target_to_draft, config.max_seq_len)
     log(f"vocab {len(vocab_ids)} covers {coverage:.1%} of teacher top-1; held-out agreement per position before "
         f"training: {[round(a, 3) for a in before]}")
-    start, step, tokens_seen, cursor = time.time(), 0, 0, 0
+    start, step, tokens_seen = time.time(), 0, 0
+    batches = SequenceBatches(train, spans, config.batch_tokens, config.max_seq_len, gen)
     last_eval = start
     budget = config.minutes * 60
     progress = tqdm(total=int(budget), desc="train parallel drafter", unit="s")
     loss_value = first_loss = float("nan")
     while (elapsed := time.time() - start) < budget:
-        lr = config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget))))
         for g in opt.param_groups:
-            g["lr"] = lr * g["scale"]
-        batch, n = [], 0
-        while n < config.batch_tokens:
-            if cursor == len(train):
-                cursor = 0
-                train = [train[i] for i in torch.randperm(len(train), generator=gen).tolist()]
-            s = train[cursor]
-            cursor += 1
-            batch.append(s)
-            n += min(spans[s][1] - spans[s][0], config.max_seq_len)
+            g["lr"] = cosine_lr(config.lr, elapsed, budget) * g["scale"]
+        batch, _ = batches.next()
         layouts, targets = _sequence_batch(data, batch, spans, label_pos, config.max_seq_len, k,
                                            config.group_fraction, gen)
         if not len(targets):
