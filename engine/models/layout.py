@@ -1,36 +1,85 @@
-"""Weight memory layout for fast small-batch matmuls on CPU.
+"""Fast small-batch linear layers on CPU: oneDNN with weights packed once.
 
-A token tree feeds a handful of rows (M = 2..64) through every linear layer. With PyTorch's default
-`nn.Linear` layout (weight [out, in], row-major) MKL's sgemm takes a transposed-B path that is 2-6x
-slower for those M than for a weight stored input-major. Measured on the 2-core Xeon (Ice Lake) of this
-project, 2 threads, fp32, x [M, 576] @ W [576, 576]^T: M=8 304 us -> 50 us, M=16 345 -> 78 us; the whole
-SmolLM2-135M forward T(8) 151 -> 79 ms, T(16) 177 -> 102 ms (benchmarks/tree_build.py has the tree-side
-numbers, `measure_profile` re-measures T(N) per machine).
+A token tree feeds a handful of rows (M = 2..64) through every linear layer, and decoding a 135M-parameter
+model on a CPU is memory-bound: each forward streams every weight from DRAM once, so an M-row matmul
+should cost about what a one-row one does. PyTorch's `nn.Linear` goes to MKL's sgemm, which does not:
+measured on this project's 2-core AMD EPYC box (2 threads, fp32, 30 distinct [1536, 576] weights so they
+stream from DRAM, us per matmul): M=1 241, M=2 370, M=3 474, M=4 437, M=8 442 (and 402 / 660 / 764 / 409 /
+512 in the default [out, in] layout). oneDNN's inner-product on a weight reordered once into its blocked
+layout streams it at the bandwidth for every small M: M=1 204, 2 204, 3 173, 4 165, 8 195, 16 215. The
+LM head ([49152, 576]): MKL 6.1 ms at M=1, 13.2 at M=2, 30 at M=8; oneDNN 5.1 / 5.2 / 5.4 ms. Whole
+SmolLM2-135M forward at prefix 128 (CachedLM, noisy VM, medians of 7): T(1..8) 50-65 ms flat and T(16)
+~75 ms with oneDNN, against T(1) 65, T(2) 99, T(4) 130, T(16) 149 ms with MKL. So on a CPU, as on a GPU,
+verifying a small tree costs about one plain decoding step.
 
-`use_input_major_weights` stores each Linear weight as the transpose of a contiguous [in, out] tensor. It
-is the same Parameter with the same shape, values and state-dict key (tied embeddings stay tied), so the
-model code, TP sharding and checkpoints are untouched; only the strides change. GPUs need no such help
-(cuBLAS handles both layouts), so it applies to CPU parameters only.
+`use_fast_cpu_linears` turns every CPU floating-point `nn.Linear` of a model into a `PackedLinear` (same
+module, same Parameter, state-dict keys and ties; only `forward` differs): the forward packs the weight on
+first use (and again whenever the weight is replaced or modified in place, seen from its version counter)
+and calls oneDNN's inner-product. It falls back to `nn.Linear.forward` when autograd is recording (training
+keeps the ordinary path), for weights created under inference mode (they have no version counter), for
+DTensor shards (tensor parallelism shards the same modules), off the CPU
+(cuBLAS needs no help), and when this PyTorch build has no oneDNN. Results equal `nn.Linear`'s up to
+float rounding (a different accumulation order, ~1e-6 relative).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-LAYOUT_VERSION = "input-major-1"  # part of the hardware-profile cache key: the layout changes T(N)
-
-
-def is_input_major(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.stride() == (1, weight.shape[0])
+LAYOUT_VERSION = "onednn-packed-1"  # part of the hardware-profile cache key: the kernels change T(N)
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@torch.no_grad()
-def use_input_major_weights(model: nn.Module) -> nn.Module:
-    """Re-store every CPU floating-point nn.Linear weight input-major (idempotent); returns `model`."""
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class _PackedWeight:
+    """A weight reordered for oneDNN, with the identity of the tensor it was made from. Copies of a module
+    (deepcopy, pickling) start without one: it is rebuilt from the weight on first use."""
+
+    def __init__(self, weight: Tensor):
+        self.key = _weight_key(weight)
+        self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
+
+
+def _weight_key(weight: Tensor) -> tuple[int, int, torch.dtype]:
+    return weight.data_ptr(), weight._version, weight.dtype
+
+
+class PackedLinear(nn.Linear):
+    """`nn.Linear` whose CPU inference forward runs oneDNN on a packed copy of the weight."""
+
+    _packed: _PackedWeight | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight
+        if (weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or x.dtype != weight.dtype
+                or type(weight.data) is not Tensor  # a DTensor shard: its own dispatch
+                or weight.is_inference()  # no version counter: an in-place change could not be seen
+                or torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+            return F.linear(x, weight, self.bias)
+        if self._packed is None or self._packed.key != _weight_key(weight):
+            self._packed = _PackedWeight(weight)
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed.tensor, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def use_fast_cpu_linears(model: nn.Module) -> nn.Module:
+    """Make every CPU floating-point nn.Linear of `model` a PackedLinear (idempotent); returns `model`.
+    Does nothing where this PyTorch build has no oneDNN."""
+    if not onednn_available():
+        return model
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (isinstance(module, nn.Linear) and weight is not None and weight.device.type == "cpu"
-                and weight.dtype.is_floating_point and not is_input_major(weight)):
-            weight.data = weight.data.t().contiguous().t()
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in PACKED_DTYPES:
+            module.__class__ = PackedLinear
     return model

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.models.attention import use_grouped_attention
-from treeserve.engine.models.layout import use_input_major_weights
+from treeserve.engine.models.layout import use_fast_cpu_linears
 
 
 @dataclass
@@ -72,8 +72,9 @@ class CachedLM:
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256):
         from treeserve.engine.runners.kv_pool import KVPool  # imports transformers: only where a model runs
 
-        # Same function, faster on CPU: input-major weights for small-M matmuls, attention without repeat_kv.
-        self.model = use_grouped_attention(use_input_major_weights(model))
+        # Same function, faster on CPU: oneDNN linears on packed weights (a small tree costs about one
+        # row), attention without repeat_kv.
+        self.model = use_grouped_attention(use_fast_cpu_linears(model))
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_sessions = max_sessions
