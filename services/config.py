@@ -148,6 +148,12 @@ class DrafterConfig(ModelConfig):
 
     is_target = False
 
+    def reads_target_features(self) -> bool:
+        """An EAGLE drafter (the shipped "eagle" or a saved one): it reads the target's features."""
+        from treeserve.engine.models.eagle_drafter import is_eagle_drafter
+
+        return self.path == "eagle" or is_eagle_drafter(Path(self.path).expanduser())
+
 
 @dataclass
 class SpeculationConfig:
@@ -210,12 +216,11 @@ class AppConfig:
                              f"target.max_context_tokens={self.target.max_context_tokens}")
         if self.drafter.tensor_parallel_size != 1:
             raise ValueError(f"{path}.drafter.tensor_parallel_size: the drafter is not sharded; must be 1")
-        from treeserve.engine.models.eagle_drafter import is_eagle_drafter
-
-        if self.drafter.path == "eagle" or is_eagle_drafter(Path(self.drafter.path).expanduser()):
-            raise ValueError(f"{path}.drafter.path: {self.drafter.path} is an EAGLE drafter, which reads the target's "
-                             "features; Target and Drafter replicas do not exchange them, so it runs in-process only "
-                             "(`treeserve generate --in-process --drafter ...`, `treeserve bench --drafter ...`)")
+        if self.drafter.reads_target_features() and self.target.tensor_parallel_size > 1:
+            raise ValueError(f"{path}.target.tensor_parallel_size: {self.drafter.path} is an EAGLE drafter, which "
+                             "reads the target's features; the tensor-parallel target does not return them, so "
+                             f"use tensor_parallel_size 1 (got {self.target.tensor_parallel_size}) or a drafter "
+                             "that is not EAGLE")
 
 
 # --------------------------------------------------------------------------------------------------

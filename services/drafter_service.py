@@ -4,6 +4,12 @@
 services/app.py deploys: it loads the drafter from the app config, starts the servicer on its own grpc.aio
 server on a free port, publishes the address in the registry, and answers Serve's health checks. The router
 sends each step's Draft over that direct channel; the Serve handle only serves `address()` for discovery.
+
+An EAGLE drafter reads the target's features of the whole context, which the router sends in deltas (the
+rows since the last Draft this replica answered for the session). `FeatureStore` keeps each session's rows
+like a cache: freed on Release and when the drafter evicts the session's KV cache. A delta that starts past
+the rows held (restart, scale-out, retry on another replica, eviction) is never guessed at: the reply lists
+the session in `features_missing` and the router resends its rows from position 0.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import time
 from typing import Any
 
 import grpc
+import torch
 
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.drafting import DraftRequest, LocalDrafter
@@ -46,6 +53,51 @@ def session_ids_of(obj: Any) -> list[str]:
     return list(sessions()) if callable(sessions) else []
 
 
+class FeatureStore:
+    """Each session's target features of context[:-1] on a Drafter replica, built from the router's deltas.
+
+    Per session a buffer grown by doubling, so that a step writes only its new rows and hands the drafter a
+    view of all of them (no copy of the whole context per step)."""
+
+    def __init__(self, width: int):
+        self.width = width  # the target's hidden size
+        self._buffers: dict[str, torch.Tensor] = {}  # session -> [capacity, width] float32
+        self._lengths: dict[str, int] = {}
+
+    @property
+    def session_ids(self) -> list[str]:
+        return list(self._lengths)
+
+    def length(self, session_id: str) -> int:
+        """Rows held for the session: those of context positions [0, length)."""
+        return self._lengths.get(session_id, 0)
+
+    def write(self, session_id: str, start: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of positions [start, start + len(rows)) replace those held from `start` on; returns a view of
+        all the session's rows. `start` must not exceed `length(session_id)`."""
+        if start > self.length(session_id):
+            raise ValueError(f"session {session_id}: rows from {start} on, but only {self.length(session_id)} held")
+        end = start + rows.shape[0]
+        buffer = self._buffers.get(session_id)
+        if buffer is None or buffer.shape[0] < end:
+            grown = rows.new_empty(max(end, 2 * (0 if buffer is None else buffer.shape[0])), self.width)
+            if buffer is not None:
+                grown[:start] = buffer[:start]
+            buffer = self._buffers[session_id] = grown
+        buffer[start:end] = rows
+        self._lengths[session_id] = end
+        return buffer[:end]
+
+    def release(self, session_id: str) -> bool:
+        self._buffers.pop(session_id, None)
+        return self._lengths.pop(session_id, None) is not None
+
+    def retain(self, session_ids: set[str]) -> None:
+        """Free every session not in `session_ids` (those whose drafter KV cache was evicted)."""
+        for session_id in [s for s in self._lengths if s not in session_ids]:
+            self.release(session_id)
+
+
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, drafter: LocalDrafter, vocab_size: int, replica_id: str = "local",
                  default_method: str = "dyspec"):
@@ -55,8 +107,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.address = ""
         self.default_method = default_method
         self.worker = Worker()
+        # Only an EAGLE drafter reads the target's features (as wide as the target's hidden state).
+        self.features = (FeatureStore(int(drafter.model.config.hidden_size))
+                         if getattr(drafter, "reads_target_features", False) else None)
 
-    def _requests(self, message: pb.DraftRequest) -> list[DraftRequest]:
+    def _requests(self, message: pb.DraftRequest) -> list[tuple[DraftRequest, tuple[torch.Tensor, int] | None]]:
+        """Each item as a DraftRequest (without its features) and its feature delta (rows, start), if any."""
         from treeserve.engine.pipeline import tree_config
 
         out = []
@@ -66,16 +122,49 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             method = item.tree.method or self.default_method
             base = tree_config(method, "auto") if method != "autoregressive" else TreeConfig(method=method)
             config = wire.decode_tree_config(item.tree, base)
-            out.append(DraftRequest(item.session_id, list(item.context), wire.decode_sampling(item.sampling),
-                                    config, int(item.seed), wire.hint(item)))
+            request = DraftRequest(item.session_id, list(item.context), wire.decode_sampling(item.sampling),
+                                   config, int(item.seed), wire.hint(item))
+            out.append((request, self._delta(item) if item.HasField("features") else None))
         return out
+
+    def _delta(self, item: pb.DraftItem) -> tuple[torch.Tensor, int]:
+        """An item's feature rows and start, checked against the context and the target's hidden size."""
+        if self.features is None:
+            raise ValueError(f"session {item.session_id}: features sent to a drafter that does not read them "
+                             "(not an EAGLE drafter)")
+        try:
+            rows, start = wire.decode_features(item.features)
+        except ValueError as exc:
+            raise ValueError(f"session {item.session_id}: {exc}") from None
+        if rows.shape[1] != self.features.width:
+            raise ValueError(f"session {item.session_id}: features are {rows.shape[1]} wide, the target's hidden "
+                             f"size is {self.features.width}")
+        if start + rows.shape[0] != len(item.context) - 1:
+            raise ValueError(f"session {item.session_id}: features cover positions [{start}, "
+                             f"{start + rows.shape[0]}), expected up to len(context) - 1 = {len(item.context) - 1}")
+        return rows, start
 
     def _draft(self, message: pb.DraftRequest) -> pb.DraftResponse:
         started = time.perf_counter()
+        items = self._requests(message)
+        missing = [r.session_id for r, delta in items
+                   if delta is not None and delta[1] > self.features.length(r.session_id)]
+        if missing:  # nothing drafted or observed: the router sends this call again with those rows in full
+            return pb.DraftResponse(features_missing=missing)
         for observation in message.observations:
             self.drafter.observe(wire.decode_observation(observation))
-        # The router's whole batch shares one target forward, however many of its sequences hash here.
-        trees = self.drafter.draft(self._requests(message), max(message.router_batch_size, len(message.items)))
+        requests = []
+        for request, delta in items:
+            if delta is not None:
+                rows, start = delta
+                request.features = self.features.write(request.session_id, start, rows)
+            requests.append(request)
+        try:
+            # The router's whole batch shares one target forward, however many of its sequences hash here.
+            trees = self.drafter.draft(requests, max(message.router_batch_size, len(message.items)))
+        finally:
+            if self.features is not None:  # rows of sessions whose KV cache the drafter evicted go with it
+                self.features.retain(set(self.session_ids()))
         return pb.DraftResponse(trees=[wire.encode_tree(t) for t in trees],
                                 draft_ms=(time.perf_counter() - started) * 1e3,
                                 draft_model_ms=getattr(self.drafter, "last_model_ms", 0.0),
@@ -89,7 +178,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def _release(self, ids: list[str]) -> int:
-        return sum(bool(self.drafter.release(s)) for s in ids)
+        released = 0
+        for session_id in ids:
+            held = bool(self.drafter.release(session_id))
+            if self.features is not None:
+                held = self.features.release(session_id) or held
+            released += held
+        return released
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=await self.worker.run(self._release, list(request.session_ids)))
@@ -166,8 +261,4 @@ def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:
     target = load_causal_lm(config.target.path, config.drafter.device, dtype)
     drafter = build_local_drafter(config.drafter.path, target.model, config.drafter.device, dtype,
                                   config.speculation.budget)
-    if getattr(drafter, "reads_target_features", False):
-        raise ValueError(f"drafter {config.drafter.path} is an EAGLE drafter: it reads the target's features, "
-                         "which Target and Drafter replicas do not exchange; run it in-process "
-                         "(`treeserve generate --in-process`, `treeserve bench`)")
     return drafter, int(target.model.config.vocab_size)

@@ -13,6 +13,8 @@ grpc.aio channels because a DeploymentHandle round trip costs ~5x a gRPC call on
   run on the router's event loop; the sync protocol methods (called by `SpeculativeEngine.step` on a worker
   thread) bridge onto that loop. A failed call drops that replica, refreshes and retries the affected
   sessions on another one: every request carries the full context, so any replica rebuilds the cache.
+  For an EAGLE drafter the target returns its features with the scores and `RemoteDrafter` sends each
+  Drafter replica only the rows it does not hold yet, resending them all when the replica says it lacks them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 import grpc
 
-from treeserve.engine.drafting import DraftRequest, root_only
+from treeserve.engine.drafting import AUTOREGRESSIVE, DraftRequest, root_only
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
@@ -83,6 +85,8 @@ class ReplicaServer:
         self.port = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
+        self._stopping: asyncio.Event | None = None  # set by stop(), on the server's loop
+        self._grace_s = 1.0
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="treeserve-grpc", daemon=True)
@@ -107,6 +111,11 @@ class ReplicaServer:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._serve())
+            # Tasks the servicer started on this loop (a Router's step loop) end with the server.
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         except BaseException as exc:  # pragma: no cover - reported through start()/alive()
             self._error = exc
             self._ready.set()
@@ -115,17 +124,18 @@ class ReplicaServer:
         self._server = grpc.aio.server(options=self._options)
         self._add(self._servicer, self._server)
         self.port = self._server.add_insecure_port(self._bind)
+        self._stopping = asyncio.Event()
         await self._server.start()
         self._ready.set()
-        await self._server.wait_for_termination()
+        await self._stopping.wait()
+        # Stopped here, on the server's own loop: a stop awaited from another thread could outlive the loop
+        # (which ends with the server) and wait out its timeout.
+        await self._server.stop(self._grace_s)
 
     def stop(self, grace_s: float = 1.0) -> None:
         if self.loop is not None and self._server is not None and self._thread.is_alive():
-            fut = asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self.loop)
-            try:
-                fut.result(grace_s + 5)
-            except Exception:  # pragma: no cover
-                pass
+            self._grace_s = grace_s
+            self.loop.call_soon_threadsafe(self._stopping.set)
         self._thread.join(timeout=grace_s + 5)
 
 
@@ -478,12 +488,21 @@ def _describe(exc: BaseException) -> str:
 
 
 class RemoteTarget(_GroupedCaller):
-    """engine Target protocol over Target replicas."""
+    """engine Target protocol over Target replicas.
+
+    `features_listener(session_id, features_start)` is called for every score that returned the target's
+    features: the router's rows from `features_start` on are replaced by them (usually only new rows; all of
+    them when a target replica rebuilt the session), which a `RemoteDrafter` must pass on to its replicas."""
+
+    # Honours ScoreRequest.want_features (the engine checks it for an EAGLE drafter). The config refuses an
+    # EAGLE drafter over a tensor-parallel target, whose replicas answer such items FAILED_PRECONDITION.
+    provides_features = True
 
     def __init__(self, pool: ReplicaPool, vocab_size: int, call_timeout_s: float = 120.0,
-                 retry_timeout_s: float = 120.0):
+                 retry_timeout_s: float = 120.0, features_listener: Callable[[str, int], None] | None = None):
         super().__init__(pool, call_timeout_s, retry_timeout_s)
         self.vocab_size = vocab_size
+        self.features_listener = features_listener
         self.last_score_ms = 0.0
 
     async def score_async(self, requests: list[ScoreRequest]) -> list[TargetDists]:
@@ -492,10 +511,17 @@ class RemoteTarget(_GroupedCaller):
             reply = await live.stub.Score(message, timeout=self.call_timeout_s)
             if len(reply.dists) != len(group):
                 raise _Retry(f"replica returned {len(reply.dists)} results for {len(group)} trees")
+            if any(r.want_features and not d.HasField("features") for r, d in zip(group, reply.dists)):
+                raise _Retry("replica returned no features for an item that asked for them")
             self.last_score_ms = reply.score_ms
             return [wire.decode_dists(d) for d in reply.dists]
 
-        return await self._grouped(requests, lambda r: r.session_id, send)
+        dists = await self._grouped(requests, lambda r: r.session_id, send)
+        if self.features_listener is not None:
+            for r, d in zip(requests, dists):
+                if d.features is not None:
+                    self.features_listener(r.session_id, d.features_start)
+        return dists
 
     def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
         return self._sync(self.score_async(requests))
@@ -511,7 +537,7 @@ class RemoteTarget(_GroupedCaller):
 
 def _score_item(r: ScoreRequest) -> pb.ScoreItem:
     item = pb.ScoreItem(session_id=r.session_id, context=r.context, tree=wire.encode_tree(r.tree),
-                        sampling=wire.encode_sampling(r.sampling))
+                        sampling=wire.encode_sampling(r.sampling), want_features=r.want_features)
     if r.accepted_nodes is not None:
         item.has_accepted_nodes = True
         item.accepted_nodes.extend(r.accepted_nodes)
@@ -520,12 +546,25 @@ def _score_item(r: ScoreRequest) -> pb.ScoreItem:
 
 class RemoteDrafter(_GroupedCaller):
     """engine Drafter protocol over Drafter replicas. Without a live drafter the step degrades to a root-only
-    tree (one autoregressive step): it costs time, never tokens."""
+    tree (one autoregressive step): it costs time, never tokens.
+
+    With `reads_target_features` (an EAGLE drafter) each DraftRequest carries the target's features of its
+    context, [len(context) - 1, hidden]. Sending them all every step would cost len(context) x hidden floats
+    (32 MB at 1k tokens for a hidden size of 8192); a step adds a few rows. So the client keeps, per session
+    and replica address, how many rows that replica holds, and sends only the rows after them. The replica
+    is a cache: one that lacks the rows a delta builds on lists the session in `features_missing`, and the
+    call is sent again with that session's rows from 0. Rows the target replaced (`features_rewritten`,
+    wired to `RemoteTarget.features_listener`) are sent again too."""
 
     wait_for_live = False  # a step without a drafter is still a step: never wait for one
 
-    def __init__(self, pool: ReplicaPool, call_timeout_s: float = 60.0, retry_timeout_s: float = 2.0):
+    def __init__(self, pool: ReplicaPool, call_timeout_s: float = 60.0, retry_timeout_s: float = 2.0,
+                 reads_target_features: bool = False):
         super().__init__(pool, call_timeout_s, retry_timeout_s)
+        self.reads_target_features = reads_target_features  # the engine then scores with want_features
+        # session -> replica address -> feature rows (context positions [0, n)) that replica holds
+        self._feature_rows: dict[str, dict[str, int]] = {}
+        self.feature_resends = 0  # sessions whose rows a replica lacked and were sent again from 0
         self._observations: list[pb.StepObservation] = []
         self.fallbacks = 0
         self.last_model_ms = 0.0  # drafter runner time of the last draft call (engine StepRecord)
@@ -537,11 +576,29 @@ class RemoteDrafter(_GroupedCaller):
         holds: list[int] = []
 
         async def send(live: _Live, group: list[DraftRequest]) -> list[TokenTree]:
-            message = pb.DraftRequest(items=[_draft_item(r) for r in group], observations=observations,
-                                      router_batch_size=batch_size or len(requests))
-            reply = await live.stub.Draft(message, timeout=self.call_timeout_s)
+            address = live.endpoint.address
+            resend: set[str] = set()  # sessions whose features go from position 0
+            while True:
+                items = [_draft_item(r, self._features_for(r, address, r.session_id in resend)) for r in group]
+                message = pb.DraftRequest(items=items, observations=observations,
+                                          router_batch_size=batch_size or len(requests))
+                reply = await live.stub.Draft(message, timeout=self.call_timeout_s)
+                if not reply.features_missing:
+                    break
+                # Each round sends more sessions in full, and a full send cannot be missing: this ends.
+                missing = set(reply.features_missing)
+                if not missing <= {r.session_id for r in group} - resend:
+                    raise _Retry(f"replica reported features missing for {sorted(missing)} which it was sent in "
+                                 "full or not at all")
+                log.info("%s replica %s lacks the features of %d session(s); sending them in full", self.pool.name,
+                         address, len(missing))
+                self.feature_resends += len(missing)
+                resend |= missing
             if len(reply.trees) != len(group):
                 raise _Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")
+            for r in group:
+                if self._sends_features(r):
+                    self._feature_rows.setdefault(r.session_id, {})[address] = r.features.shape[0]
             self.last_model_ms, self.last_forward_ms = reply.draft_model_ms, reply.draft_forward_ms
             holds.append(reply.plain_steps_held)
             return [wire.decode_tree(t) for t in reply.trees]
@@ -565,11 +622,35 @@ class RemoteDrafter(_GroupedCaller):
         # a draft count too: they measure plain decoding, the budget-0 arm.
         self._observations.append(wire.encode_observation(record))
 
+    def features_rewritten(self, session_id: str, start: int) -> None:
+        """The router's feature rows of the session from context position `start` on were (re)computed:
+        no replica holds them yet (RemoteTarget.features_listener)."""
+        for address, held in self._feature_rows.get(session_id, {}).items():
+            self._feature_rows[session_id][address] = min(held, start)
 
-def _draft_item(r: DraftRequest) -> pb.DraftItem:
+    async def release_async(self, session_id: str) -> int:
+        self._feature_rows.pop(session_id, None)
+        return await super().release_async(session_id)
+
+    @staticmethod
+    def _sends_features(r: DraftRequest) -> bool:
+        # An autoregressive item is not drafted: its rows wait for the session's next drafted step.
+        return r.features is not None and r.tree.method != AUTOREGRESSIVE
+
+    def _features_for(self, r: DraftRequest, address: str, full: bool) -> pb.FeatureRows | None:
+        """The rows the replica at `address` lacks (from the count it holds on; from 0 when `full`), or None."""
+        if not self._sends_features(r):
+            return None
+        start = 0 if full else min(self._feature_rows.get(r.session_id, {}).get(address, 0), r.features.shape[0])
+        return wire.encode_features(r.features[start:], start)
+
+
+def _draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -> pb.DraftItem:
     item = pb.DraftItem(session_id=r.session_id, context=r.context, sampling=wire.encode_sampling(r.sampling),
                         tree=wire.encode_tree_config(r.tree), seed=r.seed % (1 << 64))
     if r.accepted_nodes is not None:
         item.has_accepted_nodes = True
         item.accepted_nodes.extend(r.accepted_nodes)
+    if features is not None:
+        item.features.CopyFrom(features)
     return item

@@ -425,7 +425,8 @@ class RouterServicer(gen_grpc.TreeServeServicer):
 
 class RouterReplica(Router):
     """Serve deployment class (wrapped by services/app.py): the engine's Target and Drafter are gRPC clients
-    of the Target / Drafter replicas, found through the registry and the Serve handles."""
+    of the Target / Drafter replicas, found through the registry and the Serve handles. With an EAGLE drafter
+    the target clients ask for features and the drafter client passes them on (services/grpc_clients.py)."""
 
     def __init__(self, args: dict | None, drafter_handle: Any = None, target_handle: Any = None):
         from treeserve.engine.pipeline import tree_config
@@ -449,7 +450,10 @@ class RouterReplica(Router):
             drafter_pool = ReplicaPool("Drafter", pb_grpc.DrafterStub,
                                        serve_discovery(app, "Drafter", drafter_handle), max_bytes,
                                        refresh_period_s=1.0)
-            drafter = RemoteDrafter(drafter_pool, call_timeout_s=timeout)
+            drafter = RemoteDrafter(drafter_pool, call_timeout_s=timeout,
+                                    reads_target_features=config.drafter.reads_target_features())
+            # Rows the target recomputes (a replica rebuilt the session) must reach the drafter replicas too.
+            target.features_listener = drafter.features_rewritten
         engine = SpeculativeEngine(target, drafter, tokenizer,
                                    tree_config(config.speculation.method, config.speculation.budget),
                                    config.target.max_context_tokens)

@@ -79,13 +79,13 @@ def _int(value: str, name: str) -> int:
 
 def _check_models(args) -> None:
     """Fail before starting Ray when a model the config names cannot exist (replicas would crash-loop)."""
-    from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+    from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR, drafter_dir
 
     if args.speculation.method != "autoregressive":
         if args.drafter.path == "default" and not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
             raise FileNotFoundError(f"the default drafter is not installed ({DEFAULT_DRAFTER_DIR}); train one with "
                                     "`treeserve train-drafter`, pass --drafter PATH, or --method autoregressive")
-        if args.drafter.path != "default" and not Path(args.drafter.path).exists():
+        if args.drafter.path != "default" and not drafter_dir(args.drafter.path).exists():  # "eagle" is shipped
             raise FileNotFoundError(f"drafter path {args.drafter.path} does not exist")
     if args.target.path != "default" and not Path(args.target.path).exists():
         raise FileNotFoundError(f"target path {args.target.path} does not exist")

@@ -1,7 +1,8 @@
 """The Target: a gRPC servicer over a `TargetRunner` (or the tensor-parallel target), and its Serve class.
 
 Score returns compact distributions (argmax at temperature 0, sparse rows under top-k/top-p, dense float32
-otherwise; services/wire.py). Prefill builds a session's cache from its prompt. Both carry the full context,
+otherwise; services/wire.py), and, when an item asks (`want_features`, for an EAGLE drafter), the target's
+features of the rows it fed. Prefill builds a session's cache from its prompt. Both carry the full context,
 so a replica that never saw the session (scaled out, restarted) rebuilds it.
 """
 
@@ -25,6 +26,10 @@ from treeserve.v1 import internal_pb2_grpc as pb_grpc
 log = logging.getLogger("treeserve.target")
 
 
+class FeaturesUnavailable(Exception):
+    """An item wants the target's features but this replica's runner does not return them."""
+
+
 class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, runner: Any, replica_id: str = "local", dense_dtype: str = "float32"):
         self.runner = runner  # TargetRunner or TensorParallelTarget: score(list[ScoreRequest]), release(id)
@@ -41,8 +46,13 @@ class TargetServicer(pb_grpc.TargetServicer):
         for item in message.items:
             if not item.context:
                 raise ValueError(f"session {item.session_id}: empty context")
+            if item.want_features and not getattr(self.runner, "provides_features", False):
+                raise FeaturesUnavailable(f"session {item.session_id}: want_features is set but this target "
+                                          f"({type(self.runner).__name__}) does not return its features; an "
+                                          "EAGLE drafter needs target.tensor_parallel_size 1")
             requests.append(ScoreRequest(item.session_id, list(item.context), wire.decode_tree(item.tree),
-                                         wire.decode_sampling(item.sampling), wire.hint(item)))
+                                         wire.decode_sampling(item.sampling), wire.hint(item),
+                                         want_features=item.want_features))
         dists = self.runner.score(requests)
         self._seen.update(r.session_id for r in requests)
         return pb.ScoreResponse(dists=[wire.encode_dists(d, self.dense_dtype) for d in dists],
@@ -53,6 +63,8 @@ class TargetServicer(pb_grpc.TargetServicer):
             return await self.worker.run(self._score, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except FeaturesUnavailable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     def _prefill(self, message: pb.PrefillRequest) -> pb.PrefillResponse:
         context = list(message.context)

@@ -3,7 +3,9 @@
 `TensorParallelTarget` is what a Target deployment replica holds when `tensor_parallel_size > 1` (it is also
 usable directly, e.g. in tests). It exposes the same `score(requests)` / `release(session_id)` as
 `treeserve.engine.runners.target.TargetRunner`, so the Target deployment and the in-process engine can use
-either.
+either. It does not return the target's features (no `provides_features`): the config refuses an EAGLE
+drafter with `target.tensor_parallel_size` above 1, and its Target replica answers `want_features` items
+FAILED_PRECONDITION.
 
 How it is laid out:
 

@@ -6,6 +6,8 @@ Compact on the wire (DESIGN.md section 3):
 - everything else is dense little-endian bytes, float32 by default (exactly what the replica computed, so
   verification stays lossless), float16 on request (half the bytes, rows renormalised on decode).
 The encoding is chosen per matrix by size, so the decoder never needs to know the sampling settings.
+The target's features (for an EAGLE drafter) travel as little-endian float32 rows with the context position
+of the first one (`FeatureRows`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ def _check_len(array: np.ndarray, want: int) -> None:
         raise ValueError(f"ProbMatrix holds {array.shape[0]} values, expected {want}")
 
 
+# ------------------------------------------------------------------------------------------ features
+def encode_features(rows: torch.Tensor, start: int) -> pb.FeatureRows:
+    """[R, H] target features whose first row is context position `start` -> FeatureRows (float32)."""
+    array = rows.detach().to(torch.float32).cpu().numpy()
+    return pb.FeatureRows(start=start, rows=array.shape[0], cols=array.shape[1], values=array.astype("<f4").tobytes())
+
+
+def decode_features(message: pb.FeatureRows) -> tuple[torch.Tensor, int]:
+    """FeatureRows -> ([rows, cols] float32 tensor, start); ValueError when the fields disagree."""
+    if message.start < 0 or message.rows < 0 or message.cols <= 0:
+        raise ValueError(f"features: start {message.start} and rows {message.rows} must be >= 0, "
+                         f"cols {message.cols} > 0")
+    array = np.frombuffer(message.values, dtype="<f4")
+    if array.shape[0] != message.rows * message.cols:
+        raise ValueError(f"features hold {array.shape[0]} values, expected rows x cols = "
+                         f"{message.rows} x {message.cols}")
+    return torch.from_numpy(array.reshape(message.rows, message.cols).copy()), int(message.start)
+
+
 # ------------------------------------------------------------------------------------------ trees
 def encode_tree(tree: TokenTree, dense_dtype: str = "float32") -> pb.TokenTree:
     out = pb.TokenTree(tokens=tree.token_list, parents=tree.parents.tolist(),
@@ -107,13 +128,18 @@ def encode_dists(dists: TargetDists, dense_dtype: str = "float32") -> pb.TargetD
         out.argmax.extend(dists.argmax.tolist())
     if dists.probs is not None:
         out.probs.CopyFrom(encode_probs(dists.probs, dense_dtype))
+    if dists.features is not None:
+        out.features.CopyFrom(encode_features(dists.features, dists.features_start))
     return out
 
 
 def decode_dists(message: pb.TargetDists) -> TargetDists:
     argmax = torch.tensor(list(message.argmax), dtype=torch.long) if len(message.argmax) else None
     probs = decode_probs(message.probs) if message.HasField("probs") else None
-    return TargetDists(argmax=argmax, probs=probs)
+    if not message.HasField("features"):
+        return TargetDists(argmax=argmax, probs=probs)
+    features, start = decode_features(message.features)
+    return TargetDists(argmax=argmax, probs=probs, features=features, features_start=start)
 
 
 # ------------------------------------------------------------------------------------------ parameters

@@ -140,12 +140,16 @@ def test_top_level_errors(tmp_path):
     assert "cannot read Serve config" in _error(tmp_path / "absent.yaml")
 
 
-def test_eagle_drafter_is_refused_by_the_services(tmp_path):
-    """An EAGLE drafter reads the target's features, which replicas do not exchange: the config says so."""
+def test_eagle_drafter_needs_an_unsharded_target(tmp_path):
+    """An EAGLE drafter reads the target's features: the services pass them between replicas at
+    tensor_parallel_size 1; the tensor-parallel target does not return them, so the config refuses that."""
     config = {"hidden_size": 576, "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3,
               "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
               "treeserve_drafter": {"kind": "eagle"}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     for path in ("eagle", str(tmp_path)):
-        message = _error(_app({"drafter": {"path": path}}))
-        assert "applications[0].args.drafter.path" in message and "in-process only" in message
+        args = load_serve_config(_app({"drafter": {"path": path}})).app.args
+        assert args.drafter.reads_target_features()
+        message = _error(_app({"drafter": {"path": path}, "target": {"tensor_parallel_size": 3}}))
+        assert "applications[0].args.target.tensor_parallel_size" in message and "EAGLE" in message
+    assert not load_serve_config(_app({})).app.args.drafter.reads_target_features()

@@ -82,6 +82,37 @@ def test_dists_argmax_and_probs():
     assert back.argmax is None and torch.equal(back.probs, probs.probs)
 
 
+def test_features_round_trip():
+    """Target features travel as exact float32 rows with the context position of the first one, in TargetDists
+    (the fed rows) and in DraftItem (a delta); values that disagree with rows x cols are refused."""
+    torch.manual_seed(0)
+    rows = torch.randn(5, 16)
+    message = pb.FeatureRows.FromString(wire.encode_features(rows, 7).SerializeToString())
+    assert (message.start, message.rows, message.cols, len(message.values)) == (7, 5, 16, 5 * 16 * 4)
+    back, start = wire.decode_features(message)
+    assert start == 7 and back.dtype == torch.float32 and torch.equal(back, rows)
+    # bfloat16 features (a GPU target) go as float32: exact, since bfloat16 widens losslessly.
+    half = rows.to(torch.bfloat16)
+    assert torch.equal(wire.decode_features(wire.encode_features(half, 0))[0], half.float())
+    empty, _ = wire.decode_features(wire.encode_features(rows[:0], 3))
+    assert empty.shape == (0, 16)
+    dists = TargetDists(argmax=torch.tensor([3, 1]), features=rows, features_start=4)
+    out = wire.decode_dists(pb.TargetDists.FromString(wire.encode_dists(dists).SerializeToString()))
+    assert torch.equal(out.argmax, dists.argmax) and torch.equal(out.features, rows) and out.features_start == 4
+    plain = wire.decode_dists(wire.encode_dists(TargetDists(argmax=torch.tensor([3]))))
+    assert plain.features is None and plain.features_start == 0
+    item = pb.DraftItem.FromString(pb.DraftItem(session_id="s", features=wire.encode_features(rows, 2))
+                                   .SerializeToString())
+    assert item.HasField("features") and torch.equal(wire.decode_features(item.features)[0], rows)
+    assert not pb.DraftItem(session_id="s").HasField("features")
+    short = wire.encode_features(rows, 0)
+    short.values = short.values[:-4]
+    with pytest.raises(ValueError, match="rows x cols"):
+        wire.decode_features(short)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        wire.decode_features(pb.FeatureRows(start=-1, rows=0, cols=16))
+
+
 def test_params_round_trip():
     s = SamplingParams(temperature=0.5, top_k=7, top_p=0.875)  # exact in float32, like the public API's floats
     assert wire.decode_sampling(wire.encode_sampling(s)) == s

@@ -1,0 +1,326 @@
+"""An EAGLE drafter behind the services, without Ray: Target replicas return the target's features with their
+scores, the router's RemoteDrafter sends each Drafter replica only the rows it lacks, and a replica that lost
+them (restart, eviction) makes the client resend them all. Greedy output equals the in-process engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.drafting import DraftRequest, LocalDrafter, root_only
+from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.models.drafter import load_drafter
+from treeserve.engine.models.eagle_drafter import EagleDrafter
+from treeserve.engine.pipeline import tree_config
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.sampling import SamplingParams
+from treeserve.services import wire
+from treeserve.services.config import LimitsConfig
+from treeserve.services.drafter_service import DrafterServicer
+from treeserve.services.grpc_clients import (RemoteDrafter, RemoteTarget, ReplicaPool, ReplicaServer,
+                                             static_discovery)
+from treeserve.services.router import Router, RouterServicer
+from treeserve.services.target_service import TargetServicer
+from treeserve.v1 import generation_pb2 as gen
+from treeserve.v1 import generation_pb2_grpc as gen_grpc
+from treeserve.v1 import internal_pb2 as pb
+from treeserve.v1 import internal_pb2_grpc as pb_grpc
+
+PROMPTS = ("Tell me a story about a fox.", "2+2=?", "Name three rivers.")
+
+
+@pytest.fixture(scope="module")
+def eagle(tiny_parts, tmp_path_factory):
+    """An EAGLE drafter over the tiny target (features matter: fc moved away from its identity start)."""
+    target = tiny_parts.target.model
+    vocab = target.config.vocab_size
+    torch.manual_seed(0)
+    drafter = EagleDrafter.from_target(target, 1, torch.cat([torch.arange(0, vocab, 3), torch.tensor([vocab - 1])]))
+    with torch.no_grad():
+        drafter.fc.weight.add_(torch.randn_like(drafter.fc.weight) * 0.05)
+    out = tmp_path_factory.mktemp("eagle")
+    drafter.save(out)
+    return load_drafter(str(out), target)
+
+
+def _vocab(parts) -> int:
+    return parts.target.model.config.vocab_size
+
+
+def local_engine(parts, eagle, tree: TreeConfig) -> SpeculativeEngine:
+    drafter = LocalDrafter(DrafterRunner(eagle, _vocab(parts)))
+    return SpeculativeEngine(TargetRunner(parts.target.model), drafter, parts.target.tokenizer, tree, 2048)
+
+
+class RecordingDrafter(DrafterServicer):
+    """Records (session, len(context), features.start, features.rows) of every item that carried features."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.received: list[tuple[str, int, int, int]] = []
+
+    def _draft(self, message: pb.DraftRequest) -> pb.DraftResponse:
+        self.received += [(i.session_id, len(i.context), i.features.start, i.features.rows)
+                          for i in message.items if i.HasField("features")]
+        return super()._draft(message)
+
+
+class Replicas:
+    """Two Target replicas and one EAGLE Drafter replica on their own grpc.aio servers."""
+
+    def __init__(self, parts, eagle):
+        self.targets = [TargetServicer(TargetRunner(parts.target.model)) for _ in range(2)]
+        self.target_servers = [ReplicaServer(pb_grpc.add_TargetServicer_to_server, s, host="127.0.0.1").start()
+                               for s in self.targets]
+        self.drafter = RecordingDrafter(LocalDrafter(DrafterRunner(eagle, _vocab(parts))), _vocab(parts))
+        self.drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, self.drafter,
+                                            host="127.0.0.1").start()
+
+    def clients(self, vocab: int) -> tuple[RemoteTarget, RemoteDrafter]:
+        target = RemoteTarget(ReplicaPool("Target", pb_grpc.TargetStub,
+                                          static_discovery([s.address for s in self.target_servers]), cooldown_s=60),
+                              vocab, retry_timeout_s=20)
+        drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub,
+                                            static_discovery([self.drafter_server.address])),
+                                reads_target_features=True)
+        target.features_listener = drafter.features_rewritten
+        return target, drafter
+
+    def stop(self):
+        for server in self.target_servers + [self.drafter_server]:
+            server.stop(0.2)
+
+
+@pytest.fixture
+def replicas(tiny_parts, eagle):
+    replicas = Replicas(tiny_parts, eagle)
+    yield replicas
+    replicas.stop()
+
+
+@pytest.fixture
+def remote(tiny_parts, replicas):
+    """A SpeculativeEngine over the replicas' clients, bound to an event loop on its own thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    target, drafter = replicas.clients(_vocab(tiny_parts))
+    for client in (target, drafter):
+        client.bind_loop(loop)
+    yield SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 8), 2048)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def _check_deltas(received: list[tuple[str, int, int, int]], full_sends: int) -> None:
+    """Every item's features end at len(context) - 1; each session's first send is full (start 0), and of
+    the later ones exactly `full_sends` are full again, the others only the few rows since the previous send
+    (a step's accepted tokens and the root)."""
+    last: dict[str, int] = {}
+    again = 0
+    for session, n_context, start, rows in received:
+        assert start + rows == n_context - 1
+        if session in last:
+            again += start == 0
+            assert start == 0 or (start == last[session] and rows <= 16)
+        else:
+            assert start == 0
+        last[session] = n_context - 1
+    assert again == full_sends
+
+
+def test_router_with_remote_eagle_matches_in_process(tiny_parts, eagle, replicas):
+    """Greedy streams through the Router (public gRPC) over remote Target and EAGLE Drafter replicas equal
+    the in-process engine's; the drafter replica got deltas only, and finished sessions left no rows."""
+    target, drafter = replicas.clients(_vocab(tiny_parts))
+    engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 8), 2048)
+    router = Router(engine, LimitsConfig(max_prompt_tokens=256, max_new_tokens=64, request_timeout_s=60),
+                    clients=[target, drafter])
+    server = ReplicaServer(gen_grpc.add_TreeServeServicer_to_server, RouterServicer(router), host="127.0.0.1").start()
+    local = local_engine(tiny_parts, eagle, tree_config("dyspec", 8))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = gen_grpc.TreeServeStub(channel)
+            for text in PROMPTS[:2]:
+                expected = local.generate([GenerationRequest(local.encode_chat(text), max_new_tokens=24)])[0]
+                messages = list(stub.GenerateStream(gen.GenerateRequest(text=text, max_new_tokens=24), timeout=60))
+                assert [t for m in messages for t in m.token_ids] == expected.token_ids
+                assert messages[-1].stats.mean_accepted_length > 1.0  # the EAGLE drafts were used
+        # The router releases finished sessions in the background, right after their last message.
+        deadline = time.monotonic() + 10
+        while replicas.drafter.session_ids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        server.stop(0.5)
+    assert len(replicas.drafter.received) > 4
+    _check_deltas(replicas.drafter.received, full_sends=0)
+    assert not replicas.drafter.features.session_ids and not replicas.drafter.session_ids()
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(method="eagle2", budget=12, depth=4, top_k=3),
+                                  TreeConfig(method="dyspec", budget=8)], ids=lambda t: t.method)
+def test_remote_batches_match_in_process(tiny_parts, eagle, replicas, remote, tree):
+    """Batch 1 (dynamic trees) and batch 3 (C2T chains in one drafter call), one Score per step."""
+    engine = remote
+    engine.tree = tree
+    local = local_engine(tiny_parts, eagle, tree)
+    prompts = [local.encode_chat(p) for p in PROMPTS]
+    for n in (1, 3):
+        requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
+        assert [r.token_ids for r in engine.generate(requests)] == [r.token_ids for r in local.generate(requests)]
+    _check_deltas(replicas.drafter.received, full_sends=0)
+    assert engine.drafter.feature_resends == 0
+    assert not replicas.drafter.features.session_ids and not engine.drafter._feature_rows
+
+
+def test_drafter_replica_losing_rows_gets_them_again(tiny_parts, eagle, replicas, remote):
+    """A Drafter replica that lost a session's rows (restart, eviction) answers features_missing; the client
+    resends them from 0 and generation goes on, equal to the in-process engine's."""
+    engine = remote
+    local = local_engine(tiny_parts, eagle, engine.tree)
+    prompt = local.encode_chat(PROMPTS[0])
+    expected = local.generate([GenerationRequest(prompt, max_new_tokens=30)])[0].token_ids
+    seq = engine.start(GenerationRequest(prompt, max_new_tokens=30))
+    while len(replicas.drafter.received) < 2:  # the prefill step drafts nothing; then two drafted steps
+        engine.step([seq])
+    assert replicas.drafter._release([seq.session_id]) == 1  # the replica's state is gone, the client's count not
+    while seq.finish is None:
+        engine.step([seq])
+    assert seq.emitted == expected
+    assert engine.drafter.feature_resends == 1
+    _check_deltas(replicas.drafter.received, full_sends=1)
+    engine.release(seq)
+
+
+def test_target_replica_lost_resends_recomputed_rows(tiny_parts, eagle, replicas, remote):
+    """A Target replica that rebuilds a session returns the features of the whole context again; the router's
+    rows are replaced, and the drafter replica gets them in full (no features_missing round trip)."""
+    engine = remote
+    local = local_engine(tiny_parts, eagle, engine.tree)
+    prompt = local.encode_chat(PROMPTS[2])
+    expected = local.generate([GenerationRequest(prompt, max_new_tokens=30)])[0].token_ids
+    seq = engine.start(GenerationRequest(prompt, max_new_tokens=30))
+    while len(replicas.drafter.received) < 2:
+        engine.step([seq])
+    holder = next(i for i, s in enumerate(replicas.targets) if seq.session_id in s.session_ids())
+    replicas.target_servers[holder].stop(0)
+    while seq.finish is None:
+        engine.step([seq])
+    assert seq.emitted == expected
+    assert engine.target.retries >= 1 and engine.drafter.feature_resends == 0
+    _check_deltas(replicas.drafter.received, full_sends=1)
+    engine.release(seq)
+
+
+# ------------------------------------------------------------------------------------------ the replica's store
+def _item(session: str, context: list[int], features: torch.Tensor, start: int, method: str = "dyspec"):
+    return pb.DraftItem(session_id=session, context=context, sampling=wire.encode_sampling(SamplingParams()),
+                        tree=wire.encode_tree_config(tree_config(method, 8)),
+                        features=wire.encode_features(features[start:len(context) - 1], start))
+
+
+def test_feature_store_deltas_missing_rows_and_release(tiny_parts, eagle):
+    vocab = _vocab(tiny_parts)
+    servicer = DrafterServicer(LocalDrafter(DrafterRunner(eagle, vocab)), vocab)
+    reference = LocalDrafter(DrafterRunner(eagle, vocab))  # the in-process drafter, fed the full rows
+    store = servicer.features
+    hidden = tiny_parts.target.model.config.hidden_size
+    assert store.width == hidden
+    torch.manual_seed(1)
+    prompt = tiny_parts.engine().encode_chat(PROMPTS[0])
+    context = prompt + [11, 12, 13]
+    features = torch.randn(len(context) - 1, hidden)
+
+    def drafted(reply, ctx):
+        ref = reference.draft([DraftRequest("s", ctx, SamplingParams(), tree_config("dyspec", 8), 0,
+                                            features=features[:len(ctx) - 1])])[0]
+        (tree,) = [wire.decode_tree(t) for t in reply.trees]
+        return tree.token_list == ref.token_list
+
+    # The first send is full; the next one only appends the rows since.
+    assert drafted(servicer._draft(pb.DraftRequest(items=[_item("s", prompt, features, 0)])), prompt)
+    assert store.length("s") == len(prompt) - 1
+    assert drafted(servicer._draft(pb.DraftRequest(items=[_item("s", context, features, len(prompt) - 1)])), context)
+    assert store.length("s") == len(context) - 1
+    assert torch.equal(store.write("s", store.length("s"), features[:0]), features)
+
+    # A replica without the rows a delta builds on drafts nothing and names the session.
+    fresh = DrafterServicer(LocalDrafter(DrafterRunner(eagle, vocab)), vocab)
+    reply = fresh._draft(pb.DraftRequest(items=[_item("s", context, features, len(prompt) - 1),
+                                                _item("t", prompt, features, 0)]))
+    assert list(reply.features_missing) == ["s"] and not reply.trees
+    assert not fresh.features.session_ids and not fresh.session_ids()
+    assert len(fresh._draft(pb.DraftRequest(items=[_item("s", context, features, 0)])).trees) == 1
+
+    # Rows from a start below the held length replace the rest (the target recomputed them).
+    changed = features + 1
+    servicer._draft(pb.DraftRequest(items=[_item("s", context, changed, 2)]))
+    assert torch.equal(store.write("s", store.length("s"), features[:0]), torch.cat([features[:2], changed[2:]]))
+
+    # Release frees the rows with the KV cache; so does the drafter evicting the session.
+    assert servicer._release(["s", "unknown"]) == 1
+    assert store.length("s") == 0 and not store.session_ids
+    small = DrafterServicer(LocalDrafter(DrafterRunner(eagle, vocab, max_sessions=1)), vocab)
+    for session in ("a", "b"):
+        small._draft(pb.DraftRequest(items=[_item(session, prompt, features, 0)]))
+    assert small.features.session_ids == ["b"] == small.session_ids()
+
+
+class _NoFeaturesRunner:
+    """A target runner without `provides_features` (as the tensor-parallel target); never asked to score."""
+
+    vocab_size = 100
+
+
+def test_bad_feature_input_is_refused(tiny_parts, eagle):
+    """INVALID_ARGUMENT for features of the wrong width or span, or sent to a drafter that does not read them;
+    FAILED_PRECONDITION from a target that cannot return features."""
+    vocab = _vocab(tiny_parts)
+    hidden = tiny_parts.target.model.config.hidden_size
+    servers = [ReplicaServer(pb_grpc.add_DrafterServicer_to_server,
+                             DrafterServicer(LocalDrafter(DrafterRunner(model, vocab)), vocab), host="127.0.0.1").start()
+               for model in (eagle, tiny_parts.drafter_model)]
+    target_server = ReplicaServer(pb_grpc.add_TargetServicer_to_server, TargetServicer(_NoFeaturesRunner()),
+                                  host="127.0.0.1").start()
+    context = [5, 6, 7, 8]
+    cases = [(0, _item("s", context, torch.zeros(3, hidden + 1), 0), "wide"),
+             (0, _item("s", context, torch.zeros(2, hidden), 0), "expected up to len"),
+             (1, _item("s", context, torch.zeros(3, hidden), 0), "does not read them")]
+    try:
+        for server, item, words in cases:
+            with grpc.insecure_channel(servers[server].address) as channel:
+                with pytest.raises(grpc.RpcError) as info:
+                    pb_grpc.DrafterStub(channel).Draft(pb.DraftRequest(items=[item]), timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
+        tree = wire.encode_tree(root_only(context))
+        with grpc.insecure_channel(target_server.address) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.TargetStub(channel).Score(pb.ScoreRequest(items=[pb.ScoreItem(
+                    session_id="s", context=context, tree=tree, want_features=True)]), timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "tensor_parallel_size" in info.value.details()
+    finally:
+        for server in servers + [target_server]:
+            server.stop(0.2)
+
+
+def test_router_replica_wires_features_for_an_eagle_config(tiny_target_dir):
+    """The Serve router (built here without Ray: handles are never called before a step) asks the targets for
+    features and passes the ones they recompute on to its drafter client; other drafters carry none."""
+    from treeserve.services.router import RouterReplica
+
+    handle = object()  # discovery goes through the registry first and calls the handle only when it is empty
+    for path, eagle in (("eagle", True), ("default", False)):
+        args = {"target": {"path": str(tiny_target_dir)}, "drafter": {"path": path}}
+        router = RouterReplica(args, handle, handle)
+        engine = router.engine
+        assert engine.carries_features is eagle and engine.drafter.reads_target_features is eagle
+        assert engine.target.features_listener == engine.drafter.features_rewritten
