@@ -93,9 +93,10 @@ def _profile_key(target: torch.nn.Module, drafter: torch.nn.Module | None, devic
 
 
 def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str = "cpu",
-                    dtype: torch.dtype = torch.float32, prefix_tokens: int = 128, repeats: int = 3,
+                    dtype: torch.dtype = torch.float32, prefix_tokens: int = 128, repeats: int = 5,
                     cache_dir: Path | None = None) -> HardwareProfile:
-    """Time target forwards of PROFILE_SIZES tree nodes and one drafter step; cached per model and machine."""
+    """Time target forwards of PROFILE_SIZES tree nodes and one drafter step (medians); cached per model and
+    machine."""
     from treeserve.engine.models.loading import cache_root
 
     path = (cache_dir or cache_root() / "profiles") / f"{_profile_key(target, drafter, device, dtype)}.json"
@@ -106,7 +107,9 @@ def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, de
     context = [11 + (i % 97) for i in range(prefix_tokens + 1)]
     lm = CachedLM(target, device, dtype)
     target_ms = {n: _time_extend(lm, context, n, repeats) for n in PROFILE_SIZES}
-    drafter_ms = _time_extend(CachedLM(drafter, device, dtype), context, 1, repeats) if drafter is not None else 0.0
+    # A drafter step is a few ms, so one stall of this shared VM skews a short median (seen: 15.6 ms for a
+    # 5 ms step), and mu sets OPT-Tree's delta: more repeats cost little.
+    drafter_ms = _time_extend(CachedLM(drafter, device, dtype), context, 1, 4 * repeats) if drafter is not None else 0.0
     profile = HardwareProfile(target_ms, drafter_ms, prefix_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
