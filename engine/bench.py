@@ -29,7 +29,7 @@ from pathlib import Path
 WARMUP_PROMPTS = ["Describe how a bicycle works.", "Write a short letter thanking a friend for a gift.",
                   "What causes the seasons on Earth?", "List some tips for learning a new language."]
 DEFAULT_METHODS = ["autoregressive", "chain:4", "static:60", "eagle2:32", "dyspec:32", "dyspec_threshold:32",
-                   "opt_tree:32", "c2t:32", "dyspec:auto", "chain:auto"]
+                   "opt_tree:32", "c2t:32", "dyspec:auto", "opt_tree:auto", "c2t:auto"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
                         help="METHOD[:BUDGET] entries; BUDGET is an integer or 'auto' (hardware-aware)")
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
-    parser.add_argument("--drafter", default="default", help="drafter ('default' or a directory)")
+    parser.add_argument("--drafter", default="eagle",
+                        help="drafter: 'eagle' (the shipped EAGLE drafter), 'default' (the distilled one) or a directory")
     parser.add_argument("--parallel-drafter", default="default",
                         help="parallel drafter for METHOD@parallel entries ('default' or a directory)")
     parser.add_argument("--drafter-kind", choices=["autoregressive", "parallel", "both"], default=None,
@@ -260,6 +261,10 @@ def run(args: argparse.Namespace) -> int:
                       f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['worst_category_speedup']:.2f}x",
                       f"{s['overhead_pct']:.1f}", f"{s['runner_pct']:.1f}" if spec else "-")
     Console(width=160).print(table)
+    for key, engine in engines.items():  # what each hardware-aware chooser measured: budget -> tokens/s
+        chooser = getattr(engine.drafter, "budget", None)
+        if chooser is not None and chooser.arms:
+            print(f"{key}: measured tokens/s per budget {chooser.summary()}")
     if checks:
         for key, check in checks.items():
             summary_row = next(s for s in summary if entry_key(s["method"], s["budget"], s["drafter"]) == key)

@@ -67,14 +67,24 @@ def c2t_features(joint_prob: Tensor, parent_entropy: Tensor, depth: Tensor) -> T
     return torch.stack([joint_prob.float(), parent_entropy.float(), depth.float()], dim=-1)
 
 
-class C2TClassifier(nn.Module):
-    """confidence = sigmoid(W2 relu(W1 x + b1) + b2), x = c2t_features(...)."""
+DEFAULT_BETA = 0.5
 
-    def __init__(self, hidden: int = 48) -> None:
+
+class C2TClassifier(nn.Module):
+    """confidence = sigmoid(W2 relu(W1 x + b1) + b2), x = c2t_features(...).
+
+    `beta` is this classifier's default confidence threshold: confidences are calibrated by its training
+    (negative sampling shifts them), so the threshold that trades candidates for accepted length best is a
+    property of the trained weights, chosen after training and saved with them."""
+
+    def __init__(self, hidden: int = 48, beta: float = DEFAULT_BETA) -> None:
         super().__init__()
         if hidden < 1:
             raise ValueError(f"hidden must be >= 1, got {hidden}")
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"beta must lie in (0, 1), got {beta}")
         self.hidden = hidden
+        self.beta = beta
         self.fc1 = nn.Linear(NUM_FEATURES, hidden)
         self.fc2 = nn.Linear(hidden, 1)
 
@@ -113,7 +123,8 @@ class C2TClassifier(nn.Module):
 
     def save(self, path: str | Path) -> None:
         tensors = {name: t.detach().contiguous() for name, t in self.state_dict().items()}
-        save_file(tensors, str(path), metadata={"hidden": str(self.hidden), "features": "joint,entropy_top1000,depth"})
+        save_file(tensors, str(path), metadata={"hidden": str(self.hidden), "beta": repr(self.beta),
+                                                "features": "joint,entropy_top1000,depth"})
 
     @classmethod
     def load(cls, path: str | Path) -> "C2TClassifier":
@@ -123,7 +134,7 @@ class C2TClassifier(nn.Module):
             meta = handle.metadata() or {}
         tensors = load_file(str(path))
         hidden = int(meta.get("hidden", tensors["fc1.weight"].shape[0]))
-        model = cls(hidden)
+        model = cls(hidden, float(meta.get("beta", DEFAULT_BETA)))
         model.load_state_dict(tensors)
         model.eval()
         return model

@@ -81,7 +81,7 @@ class LocalDrafter:
         """The (cached) builder for `config`; raises ValueError for invalid parameters."""
         key = repr(config)
         if key not in self._builders:
-            self._builders[key] = make_builder(config)
+            self._builders[key] = make_builder(config, self.classifier)
         return self._builders[key]
 
     def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:

@@ -17,12 +17,12 @@ from treeserve.engine.builders import TreeConfig
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafting import AUTOREGRESSIVE, LocalDrafter
 from treeserve.engine.generate import SpeculativeEngine
-from treeserve.engine.models.drafter import load_drafter
+from treeserve.engine.models.drafter import drafter_dir, load_drafter
 from treeserve.engine.models.loading import LoadedModel, load_causal_lm
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 
-DEFAULT_C2T_CLASSIFIER = Path(__file__).parent / "models" / "default_c2t.safetensors"
+C2T_CLASSIFIER_FILE = "c2t.safetensors"  # a drafter directory's own C2T classifier (trained on its trees)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,11 +32,19 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_classifier(path: str | None = "default") -> C2TClassifier:
-    """The C2T classifier: "default" (the shipped one if present, else a joint-probability prior) or a file."""
+def drafter_classifier_path(drafter_path: str) -> Path:
+    """Where the C2T classifier of a drafter lives: `c2t.safetensors` in its directory ("default" and
+    "eagle" name the shipped drafters). C2T's confidences are calibrated on one drafter's trees, so each
+    drafter carries its own (`treeserve train-c2t --drafter ...` writes it there)."""
+    return drafter_dir(drafter_path) / C2T_CLASSIFIER_FILE
+
+
+def load_classifier(path: str | None = "default", drafter_path: str = "default") -> C2TClassifier:
+    """The C2T classifier: "default" = the drafter's own (a joint-probability prior where it has none),
+    None = that prior, or a classifier file."""
     if path == "default":
-        return C2TClassifier.load(DEFAULT_C2T_CLASSIFIER) if DEFAULT_C2T_CLASSIFIER.is_file() \
-            else C2TClassifier.joint_prob_prior()
+        own = drafter_classifier_path(drafter_path)
+        return C2TClassifier.load(own) if own.is_file() else C2TClassifier.joint_prob_prior()
     if path is None:
         return C2TClassifier.joint_prob_prior()
     if not Path(path).is_file():
@@ -81,14 +89,12 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     elif not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
     return LocalDrafter(DrafterRunner(model, target.config.vocab_size, device, dtype),
-                        classifier=load_classifier(classifier_path), budget=chooser)
+                        classifier=load_classifier(classifier_path, drafter_path), budget=chooser)
 
 
-# C2T's own defaults (paper section 5.1: K = 15, up to 10 layers); beta 0.25 chosen for the default classifier
-# on the 12 service-bench prompts (not the dev set), 48 tokens, budget 32, against EAGLE-2:32 (MAL 1.777):
-# beta 0.15 / 0.25 / 0.35 / 0.5 gave MAL 1.765 / 1.737 / 1.693 / 1.615 with 31.7 / 22.9 / 17.2 / 10.8
-# candidates per step.
-C2T_DEFAULTS = {"depth": 10, "top_k": 15, "beta": 0.25}
+# C2T's own defaults (paper section 5.1: K = 15, up to 10 layers). The confidence threshold beta is the
+# classifier's own (C2TClassifier.beta, chosen per drafter; see c2t.json next to each shipped classifier).
+C2T_DEFAULTS = {"depth": 10, "top_k": 15}
 
 
 def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
@@ -101,8 +107,6 @@ def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
         config = replace(config, budget=budget, depth=budget if method == "chain" else config.depth)
     else:
         config = replace(config, budget_auto=True)
-    if method in ("c2t", "c2t_chain") and config.c2t_classifier_path is None and DEFAULT_C2T_CLASSIFIER.is_file():
-        config = replace(config, c2t_classifier_path=str(DEFAULT_C2T_CLASSIFIER))
     return config
 
 

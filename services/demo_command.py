@@ -1,7 +1,7 @@
 """`treeserve demo` (what `make run` does): start the service from deploy/local-cpu.yaml, wait until it answers,
 stream one completion over gRPC with its statistics, and shut everything down again.
 
-If the default drafter has not been trained yet, the demo serves the embedded target with method
+If the configured shipped drafter is not installed, the demo serves the embedded target with method
 autoregressive (and says so) instead of failing.
 """
 
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+    from treeserve.engine.models.drafter import SHIPPED_DRAFTERS, drafter_dir
     from treeserve.services.generate_command import format_stats, stream_completion
     from treeserve.services.serve_command import load_config, start_service, stop_service
     from treeserve.v1 import generation_pb2 as gen
@@ -35,9 +35,10 @@ def run(args: argparse.Namespace) -> int:
     method = args.method
     if method is None:
         probe = load_config(args.config, method="autoregressive")
-        if probe.app.args.drafter.path == "default" and not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
+        drafter = probe.app.args.drafter.path
+        if drafter in SHIPPED_DRAFTERS and not (drafter_dir(drafter) / "config.json").is_file():
             method = "autoregressive"
-            print("note: the default drafter is not installed (train it with `treeserve train-drafter`); "
+            print(f"note: the shipped {drafter!r} drafter is not installed (train it with `treeserve train-drafter`); "
                   "serving the target autoregressively", file=sys.stderr)
     config = load_config(args.config, method=method, grpc_port=args.grpc_port)
     print(f"starting TreeServe from {args.config or 'built-in defaults'} "

@@ -1,7 +1,7 @@
 """`treeserve generate`: one completion, streamed to stdout.
 
     treeserve generate --address localhost:9000 --prompt "Why is the sky blue?"
-    treeserve generate --in-process --prompt "..." [--target default --drafter default]
+    treeserve generate --in-process --prompt "..." [--target default --drafter eagle]
 
 Through the service it calls GenerateStream and prints each step's text as it arrives; statistics go to
 stderr. `--in-process` runs `engine.pipeline.build_engine` instead (no Ray, no gRPC).
@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     local = parser.add_argument_group("in-process generation")
     local.add_argument("--in-process", action="store_true", help="run the engine here instead of calling a service")
     local.add_argument("--target", default="default", help="target model (in-process)")
-    local.add_argument("--drafter", default="default", help="drafter model (in-process)")
+    local.add_argument("--drafter", default="eagle",
+                       help="drafter (in-process): 'eagle' (the shipped EAGLE drafter), 'default' (the distilled one) "
+                            "or a directory")
     local.add_argument("--device", default="cpu")
     local.add_argument("--dtype", default="float32")
 

@@ -79,13 +79,14 @@ def _int(value: str, name: str) -> int:
 
 def _check_models(args) -> None:
     """Fail before starting Ray when a model the config names cannot exist (replicas would crash-loop)."""
-    from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR, drafter_dir
+    from treeserve.engine.models.drafter import SHIPPED_DRAFTERS, drafter_dir
 
     if args.speculation.method != "autoregressive":
-        if args.drafter.path == "default" and not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
-            raise FileNotFoundError(f"the default drafter is not installed ({DEFAULT_DRAFTER_DIR}); train one with "
-                                    "`treeserve train-drafter`, pass --drafter PATH, or --method autoregressive")
-        if args.drafter.path != "default" and not drafter_dir(args.drafter.path).exists():  # "eagle" is shipped
+        directory = drafter_dir(args.drafter.path)
+        if args.drafter.path in SHIPPED_DRAFTERS and not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"the shipped {args.drafter.path!r} drafter is not installed ({directory}); train "
+                                    "one with `treeserve train-drafter`, pass --drafter PATH, or --method autoregressive")
+        if not directory.exists():
             raise FileNotFoundError(f"drafter path {args.drafter.path} does not exist")
     if args.target.path != "default" and not Path(args.target.path).exists():
         raise FileNotFoundError(f"target path {args.target.path} does not exist")

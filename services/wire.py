@@ -160,7 +160,7 @@ def encode_tree_config(config: TreeConfig) -> pb.TreeParams:
     # budget_tokens 0: the drafter replica's chooser picks the budget (TreeConfig.budget_auto).
     out = pb.TreeParams(method=config.method, budget_tokens=0 if config.budget_auto else config.budget,
                         depth=config.depth, top_k=config.top_k,
-                        threshold=config.threshold, delta=config.delta, beta=config.beta,
+                        threshold=config.threshold, delta=config.delta, beta=config.beta or 0.0,
                         max_depth=config.max_depth or 0)
     return out
 

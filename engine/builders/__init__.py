@@ -30,7 +30,7 @@ class TreeConfig:
     top_k: int = field(default=10, metadata={"help": "EAGLE-2 K (children per node, nodes expanded per layer); C2T K for both Top-K uses"})
     threshold: float = field(default=0.05, metadata={"help": "dyspec_threshold: expand while a position's reach probability exceeds this, in (0, 1)"})
     delta: float = field(default=0.2, metadata={"help": "opt_tree: stop when E_sub grows by at most delta (>= 0; paper: between mu and 1)"})
-    beta: float = field(default=0.5, metadata={"help": "c2t / c2t_chain: classifier confidence threshold, in (0, 1)"})
+    beta: float | None = field(default=None, metadata={"help": "c2t / c2t_chain: classifier confidence threshold, in (0, 1); None uses the classifier's own (C2TClassifier.beta)"})
     prefetch: int = field(default=16, metadata={"help": "dyspec: draft rows fetched per drafter call (T > 0: the popped node + best unfetched heap nodes; T = 0: the best unfetched candidates)"})
     max_depth: int | None = field(default=None, metadata={"help": "optional depth cap for dyspec, dyspec_threshold and opt_tree"})
     chain_sampled: bool = field(default=True, metadata={"help": "chain at temperature > 0: sample tokens (SpS) instead of deterministic top-1"})
@@ -38,17 +38,18 @@ class TreeConfig:
     static_tree: str = field(default="mc_sim_7b_63", metadata={"help": "static: 'mc_sim_7b_63', 'eagle1_25', 'binary' (uses depth) or 'sequoia'"})
     static_paths: tuple[tuple[int, ...], ...] | None = field(default=None, metadata={"help": "static: explicit rank paths; overrides static_tree"})
     acceptance_by_rank: tuple[float, ...] | None = field(default=None, metadata={"help": "static_tree='sequoia': measured acceptance probability of the r-th ranked child"})
-    c2t_classifier_path: str | None = field(default=None, metadata={"help": "c2t / c2t_chain: safetensors weights; None uses a joint-probability prior"})
+    c2t_classifier_path: str | None = field(default=None, metadata={"help": "c2t / c2t_chain: safetensors weights; None uses the drafter's own classifier (make_builder's `classifier`), else a joint-probability prior"})
 
 
-def _classifier(config: TreeConfig) -> C2TClassifier:
+def _classifier(config: TreeConfig, default: C2TClassifier | None) -> C2TClassifier:
     if config.c2t_classifier_path:
         return C2TClassifier.load(config.c2t_classifier_path)
-    return C2TClassifier.joint_prob_prior()
+    return default or C2TClassifier.joint_prob_prior()
 
 
-def make_builder(config: TreeConfig) -> TreeBuilder:
-    """The builder for `config.method`; invalid parameters raise ValueError naming the field."""
+def make_builder(config: TreeConfig, classifier: C2TClassifier | None = None) -> TreeBuilder:
+    """The builder for `config.method`; invalid parameters raise ValueError naming the field. `classifier`:
+    the C2T classifier when the config names no file (the drafter's own)."""
     method = config.method
     if method == "chain":
         return ChainBuilder(length=config.depth, sampled=config.chain_sampled)
@@ -71,9 +72,12 @@ def make_builder(config: TreeConfig) -> TreeBuilder:
     if method == "opt_tree":
         return OptTreeBuilder(budget=config.budget, delta=config.delta, max_depth=config.max_depth)
     if method == "c2t":
-        return C2TBuilder(_classifier(config), beta=config.beta, top_k=config.top_k, max_depth=config.depth, budget=config.budget)
+        chosen = _classifier(config, classifier)
+        return C2TBuilder(chosen, beta=chosen.beta if config.beta is None else config.beta, top_k=config.top_k,
+                          max_depth=config.depth, budget=config.budget)
     if method == "c2t_chain":
-        return C2TChainBuilder(_classifier(config), max_length=config.depth, beta=config.beta)
+        chosen = _classifier(config, classifier)
+        return C2TChainBuilder(chosen, max_length=config.depth, beta=chosen.beta if config.beta is None else config.beta)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 

@@ -12,13 +12,15 @@ from treeserve.engine.training.c2t import C2TTrainConfig
 from treeserve.engine.training.drafter_command import _add_dataclass_options
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from treeserve.engine.pipeline import DEFAULT_C2T_CLASSIFIER
+BUILT_IN_SOURCES = "built-in: Python docs passages, HumanEval prompts, Debian text packages if installed (never the dev set)"
 
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
     parser.add_argument("--drafter", default="default", help="drafter ('default' or a directory)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_C2T_CLASSIFIER,
-                        help=f"classifier file (default: the shipped one, {DEFAULT_C2T_CLASSIFIER})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="classifier file (default: the drafter's own, c2t.safetensors in its directory, "
+                             "which the engine then uses for that drafter)")
     parser.add_argument("--num-prompts", type=int, default=60,
                         help="training prompts (Python docs, HumanEval, Debian text; never the dev set)")
     parser.add_argument("--prompts-file", type=Path, default=None,
@@ -33,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     from treeserve.engine.models.drafter import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
+    from treeserve.engine.pipeline import drafter_classifier_path
     from treeserve.engine.runners.drafter import DrafterRunner
     from treeserve.engine.runners.target import TargetRunner
     from treeserve.engine.training import prompts as sources
@@ -54,9 +57,11 @@ def run(args: argparse.Namespace) -> int:
     features, labels = collect(TargetRunner(target.model), DrafterRunner(drafter, target.model.config.vocab_size),
                                prompts, config, eos)
     model, stats = train_classifier(features, labels, config)
+    if args.out is None:
+        args.out = drafter_classifier_path(args.drafter)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)
-    card = {"prompts": min(args.num_prompts, len(texts)), "prompt_source": str(args.prompts_file or "built-in"),
+    card = {"prompts": min(args.num_prompts, len(texts)), "prompt_source": str(args.prompts_file or BUILT_IN_SOURCES),
             "drafter": str(args.drafter), "config": dataclasses.asdict(config), **stats}
     args.out.with_suffix(".json").write_text(json.dumps(card, indent=2))
     print(f"classifier written to {args.out}")

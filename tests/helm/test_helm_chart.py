@@ -165,6 +165,8 @@ def test_host_path_volume():
     ("speculation: {method: medusa}", "speculation.method"),
     ("speculation: {budget: 5000}", "speculation.budget"),
     ("target: {path: meta-llama/Llama-2-70b-hf}", "target.path"),
+    ("target: {path: eagle}", "target.path"),  # "eagle" names a shipped drafter, not a target
+    ("drafter: {path: medusa}", "drafter.path"),
     ("target: {tensorParallelSize: 2}", "target.tensorParallelSize=2 must divide target.numAttentionHeads=9"),
     ("target: {tensorParallelSize: 4, numAttentionHeads: 64, numKeyValueHeads: 6}",
      "target.tensorParallelSize=4 must divide target.numKeyValueHeads=6"),

@@ -43,10 +43,12 @@ between values (a TP size that does not divide the heads would only fail once th
 {{- end }}
 {{- range $role := list "target" "drafter" }}
 {{- $m := index $.Values $role }}
-{{- if and (ne $m.path "default") (not (hasPrefix (printf "%s/" (trimSuffix "/" $.Values.modelVolume.mountPath)) $m.path)) }}
-{{- fail (printf "%s.path=%s must be \"default\" or a directory under modelVolume.mountPath=%s" $role $m.path $.Values.modelVolume.mountPath) }}
+{{- /* models shipped in the image: the target "default", its drafters "default" and "eagle" */}}
+{{- $embedded := ternary (list "default" "eagle") (list "default") (eq $role "drafter") }}
+{{- if and (not (has $m.path $embedded)) (not (hasPrefix (printf "%s/" (trimSuffix "/" $.Values.modelVolume.mountPath)) $m.path)) }}
+{{- fail (printf "%s.path=%s must be one of %s or a directory under modelVolume.mountPath=%s" $role $m.path (join ", " $embedded) $.Values.modelVolume.mountPath) }}
 {{- end }}
-{{- if and (ne $m.path "default") (eq $.Values.modelVolume.type "none") }}
+{{- if and (not (has $m.path $embedded)) (eq $.Values.modelVolume.type "none") }}
 {{- fail (printf "%s.path=%s needs a model volume: set modelVolume.type to pvc or hostPath" $role $m.path) }}
 {{- end }}
 {{- end }}
