@@ -237,6 +237,10 @@ class CommittedFeatures:
         self._store: torch.Tensor | None = None  # [capacity, H]
         self._length = 0
 
+    def __len__(self) -> int:
+        """Rows held: those of context positions [0, len)."""
+        return self._length
+
     @property
     def rows(self) -> torch.Tensor:
         """[len(context) - 1, H] a view of the committed features."""
@@ -248,15 +252,21 @@ class CommittedFeatures:
         the next root, has no feature yet)."""
         fed = dist.features
         n_context = fed.shape[0] - tree.num_nodes + 1  # extension rows + the root
-        new = fed[[*range(n_context), *(n_context - 1 + n for n in accepted)]]
-        start = min(dist.features_start, self._length)
-        end = start + new.shape[0]
+        self.write(min(dist.features_start, self._length),
+                   fed[[*range(n_context), *(n_context - 1 + n for n in accepted)]])
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """Rows [R, H] of context positions [start, start + R) replace those held from `start` on;
+        `start` must not exceed the rows held."""
+        if start > self._length:
+            raise ValueError(f"features from position {start} on, but only {self._length} rows are held")
+        end = start + rows.shape[0]
         if self._store is None or self._store.shape[0] < end:
-            grown = fed.new_empty(max(end, 2 * (0 if self._store is None else self._store.shape[0])), fed.shape[1])
+            grown = rows.new_empty(max(end, 2 * (0 if self._store is None else self._store.shape[0])), rows.shape[1])
             if self._store is not None:
                 grown[:start] = self._store[:start]
             self._store = grown
-        self._store[start:end] = new
+        self._store[start:end] = rows
         self._length = end
 
 

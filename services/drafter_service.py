@@ -24,6 +24,7 @@ import torch
 
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.drafting import DraftRequest, LocalDrafter
+from treeserve.engine.generate import CommittedFeatures
 from treeserve.services import wire
 from treeserve.services.grpc_clients import Heartbeat, Registry, ReplicaServer, Worker, replica_identity
 from treeserve.v1 import internal_pb2 as pb
@@ -54,47 +55,39 @@ def session_ids_of(obj: Any) -> list[str]:
 
 
 class FeatureStore:
-    """Each session's target features of context[:-1] on a Drafter replica, built from the router's deltas.
-
-    Per session a buffer grown by doubling, so that a step writes only its new rows and hands the drafter a
-    view of all of them (no copy of the whole context per step)."""
+    """Each session's target features of context[:-1] on a Drafter replica, built from the router's deltas:
+    one `CommittedFeatures` buffer per session (a step writes only its new rows and hands the drafter a view
+    of all of them, no copy of the whole context per step)."""
 
     def __init__(self, width: int):
         self.width = width  # the target's hidden size
-        self._buffers: dict[str, torch.Tensor] = {}  # session -> [capacity, width] float32
-        self._lengths: dict[str, int] = {}
+        self._sessions: dict[str, CommittedFeatures] = {}
 
     @property
     def session_ids(self) -> list[str]:
-        return list(self._lengths)
+        return list(self._sessions)
 
     def length(self, session_id: str) -> int:
         """Rows held for the session: those of context positions [0, length)."""
-        return self._lengths.get(session_id, 0)
+        held = self._sessions.get(session_id)
+        return len(held) if held is not None else 0
 
     def write(self, session_id: str, start: int, rows: torch.Tensor) -> torch.Tensor:
         """Rows of positions [start, start + len(rows)) replace those held from `start` on; returns a view of
         all the session's rows. `start` must not exceed `length(session_id)`."""
-        if start > self.length(session_id):
-            raise ValueError(f"session {session_id}: rows from {start} on, but only {self.length(session_id)} held")
-        end = start + rows.shape[0]
-        buffer = self._buffers.get(session_id)
-        if buffer is None or buffer.shape[0] < end:
-            grown = rows.new_empty(max(end, 2 * (0 if buffer is None else buffer.shape[0])), self.width)
-            if buffer is not None:
-                grown[:start] = buffer[:start]
-            buffer = self._buffers[session_id] = grown
-        buffer[start:end] = rows
-        self._lengths[session_id] = end
-        return buffer[:end]
+        held = self._sessions.setdefault(session_id, CommittedFeatures())
+        try:
+            held.write(start, rows)
+        except ValueError as exc:
+            raise ValueError(f"session {session_id}: {exc}") from None
+        return held.rows
 
     def release(self, session_id: str) -> bool:
-        self._buffers.pop(session_id, None)
-        return self._lengths.pop(session_id, None) is not None
+        return self._sessions.pop(session_id, None) is not None
 
     def retain(self, session_ids: set[str]) -> None:
         """Free every session not in `session_ids` (those whose drafter KV cache was evicted)."""
-        for session_id in [s for s in self._lengths if s not in session_ids]:
+        for session_id in [s for s in self._sessions if s not in session_ids]:
             self.release(session_id)
 
 
