@@ -253,7 +253,9 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     for s in summary:
         spec = s["method"] != "autoregressive"
-        table.add_row(s["method"], str(s["budget"]), s["drafter"] if spec else "-", f"{s['mal']:.2f}",
+        # The drafter's name (the kind alone, "autoregressive", reads like a method in this column).
+        name = getattr(args, "parallel_drafter", "default") if s["drafter"] == "parallel" else args.drafter
+        table.add_row(s["method"], str(s["budget"]), (f"parallel:{name}" if s["drafter"] == "parallel" else name) if spec else "-", f"{s['mal']:.2f}",
                       f"{s['candidates_per_step']:.1f}",
                       f"{s['draft_ms_per_step']:.2f}" if spec else "-",
                       f"{s['drafter_runner_ms_per_step']:.2f}" if spec else "-",

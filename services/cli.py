@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("treeserve.engine.bench", "benchmark autoregressive vs speculative methods on Spec-Bench prompts"),
     "train-drafter": ("treeserve.engine.training.drafter_command", "self-distil a drafter from the target"),
     "train-c2t": ("treeserve.engine.training.c2t_command", "train the C2T pruning classifier"),
+    "tune-c2t": ("treeserve.engine.training.c2t_tune", "choose a C2T classifier's threshold against EAGLE-2"),
     "agreement": ("treeserve.engine.training.agreement_command", "measure drafter/target top-1 and top-k agreement"),
     "prepare-model": ("treeserve.engine.models.prepare_command", "convert the embedded GGUF target to safetensors"),
     "memory-estimate": ("treeserve.services.memory_estimate", "weights + KV-cache bytes per GPU for deploy layouts"),

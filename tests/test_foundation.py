@@ -64,7 +64,7 @@ def test_cli_help_lists_subcommands():
         assert name in out.stdout
 
 
-@pytest.mark.parametrize("command", ["train-drafter", "train-c2t", "bench", "agreement", "prepare-model",
+@pytest.mark.parametrize("command", ["train-drafter", "train-c2t", "tune-c2t", "bench", "agreement", "prepare-model",
                                      "memory-estimate"])
 def test_subcommand_help(command):
     out = run_cli(command, "--help")

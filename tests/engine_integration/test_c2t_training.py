@@ -1,10 +1,16 @@
 """C2T classifier training on the tiny pair: collection (full EAGLE-2 trees verified by the target) and
 training run end to end, and the labels are accepted paths."""
 
+import json
+import subprocess
+import sys
+
+from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.training.c2t import C2TTrainConfig, collect, train_classifier
+from treeserve.engine.training.c2t_tune import SweepPoint, choose_beta
 
 
 def test_collect_and_train_end_to_end(tiny_target_dir, tiny_drafter_dir):
@@ -24,3 +30,37 @@ def test_collect_and_train_end_to_end(tiny_target_dir, tiny_drafter_dir):
     assert stats["nodes"] == len(labels) and 0.0 <= stats["recall_at_beta"] <= 1.0
     confidence = model.confidence(features)
     assert confidence.shape == labels.shape and bool(((confidence > 0) & (confidence < 1)).all())
+
+
+def test_choose_beta_takes_the_largest_beta_reaching_the_reference():
+    reference = SweepPoint("eagle2", None, mal=1.70, candidates=31.0)
+    sweep = [SweepPoint("c2t", 0.1, 1.72, 29.0), SweepPoint("c2t", 0.2, 1.70, 24.0), SweepPoint("c2t", 0.3, 1.60, 16.0)]
+    assert choose_beta(reference, sweep) == (0.2, True)
+    assert choose_beta(reference, sweep, mal_margin=0.01) == (0.1, True)
+    # None reaches 1.8: the best MAL's beta, flagged as not reaching.
+    assert choose_beta(SweepPoint("eagle2", None, 1.8, 31.0), sweep) == (0.1, False)
+
+
+def test_tune_c2t_writes_the_chosen_beta_and_its_sweep(tiny_target_dir, tiny_drafter_dir, tmp_path):
+    path = tmp_path / "c2t.safetensors"
+    C2TClassifier.joint_prob_prior().save(path)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["Once upon a time", "def add(a, b):"]))
+    out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "tune-c2t", "--target", str(tiny_target_dir),
+                          "--drafter", str(tiny_drafter_dir), "--classifier", str(path), "--prompts-file", str(prompts),
+                          "--betas", "0.3", "0.6", "--budget", "8", "--c2t-budget", "12", "--max-new-tokens", "6"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    card = json.loads(path.with_suffix(".json").read_text())["beta_tuning"]
+    assert [p["beta"] for p in card["sweep"]] == [0.3, 0.6] and card["reference"]["method"] == "eagle2"
+    assert card["budget"] == 8 and card["c2t_budget"] == 12 and 0.0 <= card["reference"]["candidates"] <= 8
+    assert all(p["mal"] >= 1.0 and 0.0 <= p["candidates"] <= 12 for p in card["sweep"] + [card["reference"]])
+    reference = SweepPoint(**card["reference"])
+    assert C2TClassifier.load(path).beta == choose_beta(reference, [SweepPoint(**p) for p in card["sweep"]])[0]
+    assert card["chosen_beta"] == C2TClassifier.load(path).beta
+
+
+def test_tune_c2t_rejects_bad_betas(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "tune-c2t", "--betas", "0.2", "1.5",
+                          "--target", str(tmp_path / "no-model")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--betas" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,169 @@
+"""`treeserve tune-c2t`: choose a trained C2T classifier's confidence threshold beta (never on the dev set).
+
+C2T's beta trades candidate tokens for accepted length; the paper compares methods on the scatter of mean
+accepted length against candidates per step (C2T section 5.1-5.2, Figure 4), with EAGLE-2 at a fixed Top-K as
+the reference. Confidences are calibrated by the classifier's own training (negative sampling shifts them),
+so the threshold is a property of the trained weights. This command measures that trade-off on tuning
+prompts, greedy, one engine:
+
+- EAGLE-2 at `--budget` (the reference), then C2T for every beta of `--betas` with a node cap of
+  `--c2t-budget` (default: the same). C2T's own trees have no fixed size (beta decides; the paper sets
+  no cap), and a cap that fills breadth-first cuts confident deep chains, so a cap above the reference
+  budget is fair: only the candidates actually sent count;
+- the chosen beta is the largest (fewest candidates) whose MAL reaches the reference's MAL times
+  (1 + `--mal-margin`); when none does, the beta with the highest MAL, with a warning;
+- the beta is saved in the classifier file (`C2TClassifier.beta`) and the sweep in its `.json` card.
+
+Tuning prompts are hand-written chat requests in the Spec-Bench categories (writing, roleplay, reasoning,
+math, coding, extraction, STEM, humanities, grade-school math, open-domain QA), none taken from
+`shared/data`; `--prompts-file` replaces them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TUNING_PROMPTS = (
+    "Explain speculative decoding in simple terms.", "Write a short poem about the sea.",
+    "What are the three primary colors?", "Give me a recipe for pancakes.", "Why do cats purr?",
+    "Summarise the plot of Hamlet.", "How does a bicycle stay upright?", "List five uses for a paperclip.",
+    "What is the capital of Australia and why?", "Describe a sunrise to someone who has never seen one.",
+    "How do vaccines work?", "What is recursion? Give an example.",
+    "Write a short blog post about the benefits of learning a second language.",
+    "Draft a polite email asking a landlord to fix a leaking kitchen tap.",
+    "Pretend you are a ship's captain and describe an approaching storm to your crew.",
+    "You are a museum guide. Introduce the dinosaur hall to a group of children.",
+    "All roses are flowers and some flowers fade quickly. Can we conclude that some roses fade quickly? Explain.",
+    "Anna is taller than Ben, and Ben is taller than Carl. Who is the shortest? Explain your reasoning.",
+    "Solve for x: 3x + 7 = 22. Show each step.",
+    "What is the sum of the interior angles of a hexagon?",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
+    "Extract the names and ages from this text as JSON: Maria is 34, her brother Tom is 29, and their cousin "
+    "Li is 41.",
+    "From the sentence 'The meeting moved from Tuesday 3 pm to Thursday 10 am in room 4B', list the old time, "
+    "the new time and the room.",
+    "Explain how photosynthesis turns light into chemical energy.",
+    "Why does ice float on water?",
+    "What were the main causes of the French Revolution?",
+    "Compare the philosophies of Plato and Aristotle in a few sentences.",
+    "Sam buys 3 notebooks at $4 each and 2 pens at $1.50 each. How much does he spend in total?",
+    "A farmer has 12 cows and buys 5 more, then sells 7. How many cows does the farmer have now?",
+    "who wrote the novel pride and prejudice",
+    "when did the first man land on the moon",
+)
+DEFAULT_BETAS = (0.12, 0.15, 0.18, 0.2, 0.22, 0.24, 0.26, 0.3, 0.35)
+
+
+@dataclass
+class SweepPoint:
+    """One method's greedy run over the tuning prompts."""
+
+    method: str  # "eagle2" or "c2t"
+    beta: float | None  # c2t's threshold; None for the reference
+    mal: float  # emitted tokens per step
+    candidates: float  # draft nodes per step
+
+
+def choose_beta(reference: SweepPoint, sweep: list[SweepPoint], mal_margin: float = 0.0) -> tuple[float, bool]:
+    """(beta, reached): the largest beta whose MAL >= reference MAL * (1 + mal_margin), reached = True; when
+    none reaches it, the beta of the highest MAL (ties: the larger beta), reached = False."""
+    if not sweep:
+        raise ValueError("the sweep is empty: give at least one beta")
+    goal = reference.mal * (1.0 + mal_margin)
+    reaching = [p.beta for p in sweep if p.mal >= goal]
+    if reaching:
+        return max(reaching), True
+    best = max(sweep, key=lambda p: (p.mal, p.beta))
+    return best.beta, False
+
+
+def measure(engine, prompts: list[list[int]], tree, max_new_tokens: int) -> tuple[float, float]:
+    """(MAL, candidates per step) of greedy decoding of `prompts` with the per-request tree config `tree`."""
+    from treeserve.engine.requests import GenerationRequest
+    from treeserve.engine.sampling import SamplingParams
+
+    tokens = steps = candidates = 0
+    for ids in prompts:
+        result = engine.generate([GenerationRequest(ids, max_new_tokens, SamplingParams(), seed=0, tree=tree)])[0]
+        tokens += len(result.token_ids)
+        steps += len(result.steps)
+        candidates += sum(s.tree_size for s in result.steps)
+    return tokens / max(1, steps), candidates / max(1, steps)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
+    parser.add_argument("--drafter", default="eagle", help="drafter ('default', 'eagle' or a directory)")
+    parser.add_argument("--classifier", type=Path, default=None,
+                        help="classifier file to tune and rewrite (default: the drafter's own c2t.safetensors)")
+    parser.add_argument("--prompts-file", type=Path, default=None,
+                        help="JSON list of tuning prompt texts (default: the built-in hand-written ones; never "
+                             "the dev set)")
+    parser.add_argument("--betas", type=float, nargs="+", default=list(DEFAULT_BETAS), help="thresholds to try")
+    parser.add_argument("--budget", type=int, default=32, help="EAGLE-2's budget (the reference)")
+    parser.add_argument("--c2t-budget", type=int, default=None, help="C2T's node cap (default: --budget)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
+    parser.add_argument("--mal-margin", type=float, default=0.0,
+                        help="C2T must reach the reference MAL times (1 + margin)")
+    parser.add_argument("--dry-run", action="store_true", help="print the sweep, write nothing")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from treeserve.engine.builders import TreeConfig
+    from treeserve.engine.c2t_classifier import C2TClassifier
+    from treeserve.engine.pipeline import build_engine, drafter_classifier_path
+    from treeserve.engine.training.c2t_command import _prompt_texts
+
+    if not all(0.0 < b < 1.0 for b in args.betas):
+        raise ValueError(f"--betas must lie in (0, 1), got {args.betas}")
+    cap = args.budget if args.c2t_budget is None else args.c2t_budget
+    if min(args.budget, cap, args.max_new_tokens) < 1:
+        raise ValueError("--budget, --c2t-budget and --max-new-tokens must be >= 1")
+    texts = _prompt_texts(args.prompts_file) if args.prompts_file is not None else list(TUNING_PROMPTS)
+    path = args.classifier or drafter_classifier_path(args.drafter)
+    if not path.is_file():
+        raise FileNotFoundError(f"no classifier at {path}: train one with `treeserve train-c2t` first")
+    classifier = C2TClassifier.load(path)
+    torch.set_num_threads(args.threads)
+    engine = build_engine(drafter_path=args.drafter, method="c2t", budget=cap, target_path=args.target)
+    prompts = [engine.encode_chat(t) for t in texts]
+    runs = [("eagle2", None)] + [("c2t", b) for b in sorted(set(args.betas))]
+    points = []
+    for method, beta in tqdm(runs, desc="tune C2T beta"):
+        tree = TreeConfig(method=method, budget=args.budget if method == "eagle2" else cap, beta=beta,
+                          c2t_classifier_path=str(path))
+        mal, candidates = measure(engine, prompts, tree, args.max_new_tokens)
+        points.append(SweepPoint(method, beta, round(mal, 4), round(candidates, 2)))
+    reference, sweep = points[0], points[1:]
+    beta, reached = choose_beta(reference, sweep, args.mal_margin)
+    print(f"eagle2:{args.budget}: MAL {reference.mal:.3f}, {reference.candidates:.1f} candidates per step")
+    for p in sweep:
+        mark = " <- chosen" if p.beta == beta else ""
+        print(f"c2t:{cap} beta {p.beta:.3f}: MAL {p.mal:.3f}, {p.candidates:.1f} candidates per step "
+              f"({p.candidates / max(reference.candidates, 1e-9):.0%} of EAGLE-2's){mark}")
+    if not reached:
+        warnings.warn(f"no beta reached EAGLE-2's MAL {reference.mal:.3f}; chose the best MAL's beta {beta}")
+    if args.dry_run:
+        return 0
+    classifier.beta = beta
+    classifier.save(path)
+    card_path = path.with_suffix(".json")
+    card = json.loads(card_path.read_text()) if card_path.is_file() else {}
+    card.pop("default_beta", None), card.pop("default_beta_choice", None)  # the older free-text record
+    card["beta_tuning"] = {
+        "chosen_beta": beta, "reached_reference": reached, "mal_margin": args.mal_margin,
+        "prompts": len(prompts), "prompt_source": str(args.prompts_file or "built-in hand-written (never the dev set)"),
+        "max_new_tokens": args.max_new_tokens, "budget": args.budget, "c2t_budget": cap, "drafter": str(args.drafter),
+        "reference": asdict(reference), "sweep": [asdict(p) for p in sweep]}
+    card_path.write_text(json.dumps(card, indent=2))
+    print(f"beta {beta} written to {path}")
+    return 0
