@@ -10,8 +10,10 @@ prompts, greedy, one engine:
   `--c2t-budget` (default: the same). C2T's own trees have no fixed size (beta decides; the paper sets
   no cap), and a cap that fills breadth-first cuts confident deep chains, so a cap above the reference
   budget is fair: only the candidates actually sent count;
-- the chosen beta is the largest (fewest candidates) whose MAL reaches the reference's MAL times
-  (1 + `--mal-margin`); when none does, the beta with the highest MAL, with a warning;
+- the comparison is at matched cost: of the betas whose candidates per step are at most
+  `--candidate-fraction` of the reference's, the one with the highest MAL is chosen (when none is that
+  small, the one with the fewest candidates, with a warning); the card records whether its MAL reaches
+  the reference's;
 - the beta is saved in the classifier file (`C2TClassifier.beta`) and the sweep in its `.json` card.
 
 Tuning prompts are hand-written chat requests in the Spec-Bench categories (writing, roleplay, reasoning,
@@ -69,17 +71,17 @@ class SweepPoint:
     candidates: float  # draft nodes per step
 
 
-def choose_beta(reference: SweepPoint, sweep: list[SweepPoint], mal_margin: float = 0.0) -> tuple[float, bool]:
-    """(beta, reached): the largest beta whose MAL >= reference MAL * (1 + mal_margin), reached = True; when
-    none reaches it, the beta of the highest MAL (ties: the larger beta), reached = False."""
+def choose_beta(reference: SweepPoint, sweep: list[SweepPoint], candidate_fraction: float = 0.8) -> tuple[float, bool]:
+    """(beta, reached): of the points with candidates <= candidate_fraction * the reference's, the beta of the
+    highest MAL (ties: the larger beta), reached = its MAL >= the reference's; when no point is within the
+    fraction, the beta of the fewest candidates (ties: the larger beta), reached = False."""
     if not sweep:
         raise ValueError("the sweep is empty: give at least one beta")
-    goal = reference.mal * (1.0 + mal_margin)
-    reaching = [p.beta for p in sweep if p.mal >= goal]
-    if reaching:
-        return max(reaching), True
-    best = max(sweep, key=lambda p: (p.mal, p.beta))
-    return best.beta, False
+    within = [p for p in sweep if p.candidates <= candidate_fraction * reference.candidates]
+    if not within:
+        return min(sweep, key=lambda p: (p.candidates, -p.beta)).beta, False
+    best = max(within, key=lambda p: (p.mal, p.beta))
+    return best.beta, best.mal >= reference.mal
 
 
 def measure(engine, prompts: list[list[int]], tree, max_new_tokens: int) -> tuple[float, float]:
@@ -108,8 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=32, help="EAGLE-2's budget (the reference)")
     parser.add_argument("--c2t-budget", type=int, default=None, help="C2T's node cap (default: --budget)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
-    parser.add_argument("--mal-margin", type=float, default=0.0,
-                        help="C2T must reach the reference MAL times (1 + margin)")
+    parser.add_argument("--candidate-fraction", type=float, default=0.8,
+                        help="C2T may send at most this fraction of the reference's candidates per step")
     parser.add_argument("--dry-run", action="store_true", help="print the sweep, write nothing")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
 
@@ -118,9 +120,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from treeserve.engine.builders import TreeConfig
     from treeserve.engine.c2t_classifier import C2TClassifier
-    from treeserve.engine.pipeline import build_engine, drafter_classifier_path
+    from treeserve.engine.pipeline import build_engine, drafter_classifier_path, tree_config
     from treeserve.engine.training.c2t_command import _prompt_texts
 
     if not all(0.0 < b < 1.0 for b in args.betas):
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     cap = args.budget if args.c2t_budget is None else args.c2t_budget
     if min(args.budget, cap, args.max_new_tokens) < 1:
         raise ValueError("--budget, --c2t-budget and --max-new-tokens must be >= 1")
+    if not 0.0 < args.candidate_fraction <= 1.0:
+        raise ValueError(f"--candidate-fraction must lie in (0, 1], got {args.candidate_fraction}")
     texts = _prompt_texts(args.prompts_file) if args.prompts_file is not None else list(TUNING_PROMPTS)
     path = args.classifier or drafter_classifier_path(args.drafter)
     if not path.is_file():
@@ -139,19 +142,21 @@ def run(args: argparse.Namespace) -> int:
     runs = [("eagle2", None)] + [("c2t", b) for b in sorted(set(args.betas))]
     points = []
     for method, beta in tqdm(runs, desc="tune C2T beta"):
-        tree = TreeConfig(method=method, budget=args.budget if method == "eagle2" else cap, beta=beta,
-                          c2t_classifier_path=str(path))
+        # tree_config: the shape `bench` and the services use (C2T: the paper's depth and K)
+        tree = tree_config(method, args.budget if method == "eagle2" else cap, beta=beta,
+                           c2t_classifier_path=str(path))
         mal, candidates = measure(engine, prompts, tree, args.max_new_tokens)
         points.append(SweepPoint(method, beta, round(mal, 4), round(candidates, 2)))
     reference, sweep = points[0], points[1:]
-    beta, reached = choose_beta(reference, sweep, args.mal_margin)
+    beta, reached = choose_beta(reference, sweep, args.candidate_fraction)
     print(f"eagle2:{args.budget}: MAL {reference.mal:.3f}, {reference.candidates:.1f} candidates per step")
     for p in sweep:
         mark = " <- chosen" if p.beta == beta else ""
         print(f"c2t:{cap} beta {p.beta:.3f}: MAL {p.mal:.3f}, {p.candidates:.1f} candidates per step "
               f"({p.candidates / max(reference.candidates, 1e-9):.0%} of EAGLE-2's){mark}")
     if not reached:
-        warnings.warn(f"no beta reached EAGLE-2's MAL {reference.mal:.3f}; chose the best MAL's beta {beta}")
+        warnings.warn(f"no beta within {args.candidate_fraction:.0%} of EAGLE-2's candidates reached its MAL "
+                      f"{reference.mal:.3f}; chose beta {beta}")
     if args.dry_run:
         return 0
     classifier.beta = beta
@@ -160,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     card = json.loads(card_path.read_text()) if card_path.is_file() else {}
     card.pop("default_beta", None), card.pop("default_beta_choice", None)  # the older free-text record
     card["beta_tuning"] = {
-        "chosen_beta": beta, "reached_reference": reached, "mal_margin": args.mal_margin,
+        "chosen_beta": beta, "reached_reference": reached, "candidate_fraction": args.candidate_fraction,
         "prompts": len(prompts), "prompt_source": str(args.prompts_file or "built-in hand-written (never the dev set)"),
         "max_new_tokens": args.max_new_tokens, "budget": args.budget, "c2t_budget": cap, "drafter": str(args.drafter),
         "reference": asdict(reference), "sweep": [asdict(p) for p in sweep]}

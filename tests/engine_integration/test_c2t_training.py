@@ -32,13 +32,15 @@ def test_collect_and_train_end_to_end(tiny_target_dir, tiny_drafter_dir):
     assert confidence.shape == labels.shape and bool(((confidence > 0) & (confidence < 1)).all())
 
 
-def test_choose_beta_takes_the_largest_beta_reaching_the_reference():
-    reference = SweepPoint("eagle2", None, mal=1.70, candidates=31.0)
-    sweep = [SweepPoint("c2t", 0.1, 1.72, 29.0), SweepPoint("c2t", 0.2, 1.70, 24.0), SweepPoint("c2t", 0.3, 1.60, 16.0)]
-    assert choose_beta(reference, sweep) == (0.2, True)
-    assert choose_beta(reference, sweep, mal_margin=0.01) == (0.1, True)
-    # None reaches 1.8: the best MAL's beta, flagged as not reaching.
-    assert choose_beta(SweepPoint("eagle2", None, 1.8, 31.0), sweep) == (0.1, False)
+def test_choose_beta_takes_the_best_mal_within_the_candidate_fraction():
+    reference = SweepPoint("eagle2", None, mal=1.70, candidates=30.0)
+    sweep = [SweepPoint("c2t", 0.1, 1.75, 29.0), SweepPoint("c2t", 0.2, 1.71, 24.0), SweepPoint("c2t", 0.25, 1.71, 20.0),
+             SweepPoint("c2t", 0.3, 1.60, 16.0)]
+    assert choose_beta(reference, sweep) == (0.25, True)  # 0.1 sends too many; 0.2 and 0.25 tie: fewer candidates
+    assert choose_beta(reference, sweep, candidate_fraction=1.0) == (0.1, True)
+    assert choose_beta(reference, sweep, candidate_fraction=0.6) == (0.3, False)  # within 18, below the MAL
+    # Nothing within 10% of the reference's candidates: the smallest tree, flagged as not reaching.
+    assert choose_beta(reference, sweep, candidate_fraction=0.1) == (0.3, False)
 
 
 def test_tune_c2t_writes_the_chosen_beta_and_its_sweep(tiny_target_dir, tiny_drafter_dir, tmp_path):
@@ -56,7 +58,8 @@ def test_tune_c2t_writes_the_chosen_beta_and_its_sweep(tiny_target_dir, tiny_dra
     assert card["budget"] == 8 and card["c2t_budget"] == 12 and 0.0 <= card["reference"]["candidates"] <= 8
     assert all(p["mal"] >= 1.0 and 0.0 <= p["candidates"] <= 12 for p in card["sweep"] + [card["reference"]])
     reference = SweepPoint(**card["reference"])
-    assert C2TClassifier.load(path).beta == choose_beta(reference, [SweepPoint(**p) for p in card["sweep"]])[0]
+    sweep = [SweepPoint(**p) for p in card["sweep"]]
+    assert C2TClassifier.load(path).beta == choose_beta(reference, sweep, card["candidate_fraction"])[0]
     assert card["chosen_beta"] == C2TClassifier.load(path).beta
 
 
