@@ -254,8 +254,8 @@ def run(args: argparse.Namespace) -> int:
     for s in summary:
         spec = s["method"] != "autoregressive"
         # The drafter's name (the kind alone, "autoregressive", reads like a method in this column).
-        name = getattr(args, "parallel_drafter", "default") if s["drafter"] == "parallel" else args.drafter
-        table.add_row(s["method"], str(s["budget"]), (f"parallel:{name}" if s["drafter"] == "parallel" else name) if spec else "-", f"{s['mal']:.2f}",
+        drafter = f"parallel:{args.parallel_drafter}" if s["drafter"] == "parallel" else args.drafter
+        table.add_row(s["method"], str(s["budget"]), drafter if spec else "-", f"{s['mal']:.2f}",
                       f"{s['candidates_per_step']:.1f}",
                       f"{s['draft_ms_per_step']:.2f}" if spec else "-",
                       f"{s['drafter_runner_ms_per_step']:.2f}" if spec else "-",

@@ -13,6 +13,7 @@ metadata (C2T appendix B.3 uses 48).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -123,8 +124,12 @@ class C2TClassifier(nn.Module):
 
     def save(self, path: str | Path) -> None:
         tensors = {name: t.detach().contiguous() for name, t in self.state_dict().items()}
-        save_file(tensors, str(path), metadata={"hidden": str(self.hidden), "beta": repr(self.beta),
-                                                "features": "joint,entropy_top1000,depth"})
+        # Written beside the target and renamed over it: a killed run never leaves a half-written classifier
+        # where the engine loads it.
+        partial = Path(f"{path}.partial")
+        save_file(tensors, str(partial), metadata={"hidden": str(self.hidden), "beta": repr(self.beta),
+                                                   "features": "joint,entropy_top1000,depth"})
+        os.replace(partial, path)
 
     @classmethod
     def load(cls, path: str | Path) -> "C2TClassifier":

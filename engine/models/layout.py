@@ -19,29 +19,25 @@ and calls oneDNN's inner-product. It falls back to `nn.Linear.forward` when auto
 keeps the ordinary path), for weights created under inference mode (they have no version counter), for
 DTensor shards (tensor parallelism shards the same modules), off the CPU
 (cuBLAS needs no help), when this PyTorch build has no oneDNN, and for bfloat16 on CPUs whose oneDNN has no
-bf16 path (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only EPYC has neither). Results equal `nn.Linear`'s up to
-float rounding (a different accumulation order, ~1e-6 relative).
+bf16 path (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only EPYC has neither). Results equal
+`nn.Linear`'s up to float rounding (a different accumulation order, ~1e-6 relative).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 LAYOUT_VERSION = "onednn-packed-1"  # part of the hardware-profile cache key: the kernels change T(N)
+# Weight dtypes oneDNN can pack on this CPU: float32 always, bfloat16 only where it has a bf16 path (a property of
+# the machine, read once: the check sits on every linear's forward).
+_BF16_PACKABLE = hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+PACKED_DTYPES = (torch.float32, torch.bfloat16) if _BF16_PACKABLE else (torch.float32,)
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-@functools.cache
-def packed_dtypes() -> tuple[torch.dtype, ...]:
-    """Weight dtypes oneDNN can pack on this CPU: float32 always, bfloat16 only where it has a bf16 path."""
-    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 class _PackedWeight:
@@ -70,7 +66,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight
-        if (weight.device.type != "cpu" or weight.dtype not in packed_dtypes() or x.dtype != weight.dtype
+        if (weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or x.dtype != weight.dtype
                 or type(weight.data) is not Tensor  # a DTensor shard: its own dispatch
                 or weight.is_inference()  # no version counter: an in-place change could not be seen
                 or torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
@@ -88,6 +84,6 @@ def use_fast_cpu_linears(model: nn.Module) -> nn.Module:
     if not onednn_available():
         return model
     for module in model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in packed_dtypes():
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in PACKED_DTYPES:
             module.__class__ = PackedLinear
     return model

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
-    given = _prompt_texts(args.prompts_file) if args.prompts_file is not None else None  # before model loading
+    given = prompt_texts(args.prompts_file) if args.prompts_file is not None else None  # before model loading
     torch.set_num_threads(args.threads)
     config = C2TTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(C2TTrainConfig)})
     target = load_causal_lm(args.target)
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_texts(path: Path) -> list[str]:
+def prompt_texts(path: Path) -> list[str]:
     """A JSON list of non-empty prompt strings (ValueError naming the file otherwise)."""
     try:
         texts = json.loads(path.read_text())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
     from treeserve.engine.c2t_classifier import C2TClassifier
     from treeserve.engine.pipeline import build_engine, drafter_classifier_path, tree_config
-    from treeserve.engine.training.c2t_command import _prompt_texts
+    from treeserve.engine.training.c2t_command import prompt_texts
 
     if not all(0.0 < b < 1.0 for b in args.betas):
         raise ValueError(f"--betas must lie in (0, 1), got {args.betas}")
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--budget, --c2t-budget and --max-new-tokens must be >= 1")
     if not 0.0 < args.candidate_fraction <= 1.0:
         raise ValueError(f"--candidate-fraction must lie in (0, 1], got {args.candidate_fraction}")
-    texts = _prompt_texts(args.prompts_file) if args.prompts_file is not None else list(TUNING_PROMPTS)
+    texts = prompt_texts(args.prompts_file) if args.prompts_file is not None else list(TUNING_PROMPTS)
     path = args.classifier or drafter_classifier_path(args.drafter)
     if not path.is_file():
         raise FileNotFoundError(f"no classifier at {path}: train one with `treeserve train-c2t` first")
@@ -169,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         "prompts": len(prompts), "prompt_source": str(args.prompts_file or "built-in hand-written (never the dev set)"),
         "max_new_tokens": args.max_new_tokens, "budget": args.budget, "c2t_budget": cap, "drafter": str(args.drafter),
         "reference": asdict(reference), "sweep": [asdict(p) for p in sweep]}
-    card_path.write_text(json.dumps(card, indent=2))
+    partial = card_path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(card, indent=2))
+    os.replace(partial, card_path)
     print(f"beta {beta} written to {path}")
     return 0

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from treeserve.engine.models.layout import PackedLinear, onednn_available, packed_dtypes, use_fast_cpu_linears
+from treeserve.engine.models.layout import PACKED_DTYPES, PackedLinear, onednn_available, use_fast_cpu_linears
 from treeserve.engine.models.loading import load_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
@@ -70,7 +70,7 @@ def test_packed_linear_dtypes(dtype):
     reference = torch.nn.Linear(64, 32).to(dtype)
     packed = use_fast_cpu_linears(copy.deepcopy(torch.nn.Sequential(reference)))[0]
     # bfloat16 is packed only where this CPU's oneDNN has a bf16 path; elsewhere the layer stays nn.Linear
-    assert isinstance(packed, PackedLinear) == (dtype in packed_dtypes())
+    assert isinstance(packed, PackedLinear) == (dtype in PACKED_DTYPES)
     x = torch.randn(4, 7, 64, dtype=dtype)  # 3D input, as a model's hidden states are
     with torch.inference_mode():
         out, want = packed(x), reference(x)
