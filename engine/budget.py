@@ -14,6 +14,14 @@ about the price of one) and on the drafter (how many extra tokens a bigger tree 
    tokens/s (emitted tokens over draft + score + verify time), now and then re-measuring the
    least-measured rival (its neighbours and every budget measured before). Once it picks plain decoding
    it keeps it for `plain_hold_steps` more steps, which callers may run without calling the drafter.
+3. Acceptance is not stationary: it differs by prompt (code and lists are easier to draft than free prose)
+   and runs in stretches within one answer. So each budget's measured rate is rescaled by how the recent
+   steps accepted relative to that budget's average (`acceptance_factor`: accepted draft tokens over the
+   accepted tokens the budgets used would average, exponentially decayed per step, pulled toward 1 by a
+   prior): a stretch the drafter guesses badly falls back to plain decoding, where the evidence decays
+   toward the prior, so drafting is tried again a few steps later. The same idea as the accepted-length
+   driven draft length of dynamic speculation (e.g. transformers' assisted generation heuristic), applied
+   to the measured cost of each budget.
    Output is unaffected: verification is lossless for every budget.
 """
 
@@ -25,7 +33,9 @@ import json
 import os
 import platform
 import random
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,15 +127,32 @@ def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, de
     return profile
 
 
+STEP_TIME_WINDOW = 64  # recent step times per budget whose median is its step cost
+
+
 @dataclass
 class _Arm:
-    tokens: int = 0
-    seconds: float = 0.0
+    """What one budget measured: tokens per step over all its steps, and the wall time of its recent steps.
+
+    The cost is the median recent step time, not the mean: a shared VM stalls now and then (a 5 ms drafter
+    step measured at 15 ms), and three unlucky steps while exploring must not rule a budget out."""
+
+    tokens: int = 0  # emitted tokens (accepted + bonus) of every credited record
+    accepted: int = 0  # of which accepted draft tokens
     steps: float = 0.0  # a batched step counts 1/B per sequence record
+    # wall time of each recent step (a batched step once per sequence record: the median is unaffected)
+    step_seconds: deque = field(default_factory=lambda: deque(maxlen=STEP_TIME_WINDOW))
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+        return self.rate_at(1.0)
+
+    def rate_at(self, acceptance_factor: float) -> float:
+        """Tokens/s had its accepted draft tokens been `acceptance_factor` times as many (1: `rate`)."""
+        if not self.steps or not self.step_seconds:
+            return 0.0
+        tokens_per_step = (self.tokens - self.accepted + acceptance_factor * self.accepted) / self.steps
+        return tokens_per_step / statistics.median(self.step_seconds)
 
 
 @dataclass
@@ -135,7 +162,9 @@ class BudgetChooser:
     profile: HardwareProfile
     max_budget: int = 64
     prior_acceptance: float = field(default=0.6, metadata={"help": "per-token acceptance assumed before measuring"})
-    explore_steps: int = field(default=3, metadata={"help": "steps to measure each promising budget"})
+    explore_steps: int = field(default=8, metadata={
+        "help": "steps to measure each promising budget (acceptance is noisy: a budget accepting 0.3 tokens per "
+                "step accepts none in 3 steps a third of the time)"})
     revisit: float = field(default=0.05, metadata={"help": "chance of re-measuring a rival budget"})
     revisit_min_steps: int = field(default=10, metadata={
         "help": "a measured budget stays a revisit candidate until it has this many steps ..."})
@@ -145,16 +174,28 @@ class BudgetChooser:
     plain_hold_steps: int = field(default=4, metadata={
         "help": "further steps kept on plain decoding once budget 0 is chosen: the caller may skip the drafter "
                 "for them (a remote drafter saves its round trip), their records are credited to budget 0"})
+    recent_decay: float = field(default=0.8, metadata={
+        "help": "per step, the weight the acceptance evidence of earlier steps keeps in `acceptance_factor` "
+                "(0.8: about the last 5 steps count)"})
+    recent_prior: float = field(default=2.0, metadata={
+        "help": "accepted tokens of prior evidence that `acceptance_factor` is average (1): one unlucky step "
+                "does not stop drafting, and during plain decoding the factor returns toward 1"})
     seed: int = 0
     # State, not settings (not constructor arguments): measured throughput per budget, this step's decision.
     arms: dict[int, _Arm] = field(default_factory=dict, init=False)
     current: int = field(default=1, init=False)
     held: int = field(default=0, init=False)  # steps after the current one that are plain decoding by this decision
     owed: float = field(default=0.0, init=False)  # steps whose records are still to be credited to `current`
+    # Decayed sums over recent records: accepted draft tokens, and what their budgets' arms average.
+    recent_accepted: float = field(default=0.0, init=False)
+    recent_expected: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         if self.max_budget < 1:
             raise ValueError(f"max_budget must be >= 1, got {self.max_budget}")
+        if not 0.0 <= self.recent_decay < 1.0 or self.recent_prior <= 0:
+            raise ValueError(f"recent_decay must lie in [0, 1) and recent_prior be > 0, got "
+                             f"{self.recent_decay}, {self.recent_prior}")
         self._rng = random.Random(self.seed)
         self.candidates = [b for b in CANDIDATE_BUDGETS if b <= self.max_budget]
         ranked = sorted(self.candidates, key=self.predicted_rate, reverse=True)
@@ -173,7 +214,8 @@ class BudgetChooser:
             if self.arms.get(budget, _Arm()).steps < self.explore_steps:
                 return budget
         measured = [b for b in self.arms if self.arms[b].steps]
-        best = max(measured, key=lambda b: self.arms[b].rate)
+        factor = self.acceptance_factor
+        best = max(measured, key=lambda b: self.arms[b].rate_at(factor))
         if self._rng.random() < self.revisit:
             # Re-measure the least-measured rival (the best's neighbours and every measured budget not yet
             # clearly worse): a rival whose few early steps were unlucky is not locked out by the greedy
@@ -186,6 +228,11 @@ class BudgetChooser:
             if rivals:
                 return min(rivals, key=lambda b: (self.arms[b].steps if b in self.arms else 0.0, b))
         return best
+
+    @property
+    def acceptance_factor(self) -> float:
+        """Recent accepted draft tokens over what the budgets used average (1 = an average stretch)."""
+        return (self.recent_accepted + self.recent_prior) / (self.recent_expected + self.recent_prior)
 
     def next_budget(self) -> int:
         """Choose this step's budget; the records of this step (and of the `held` plain steps after it,
@@ -208,16 +255,25 @@ class BudgetChooser:
 
     def observe(self, record: StepRecord) -> None:
         """Credit one sequence's record to the current budget (records of steps it did not decide are
-        ignored). Draft and score times cover the whole
-        batched step, so a record of a B-sequence step carries 1/B of them: the arm's rate is then the
-        step's total emitted tokens over its wall time."""
+        ignored). A record of a B-sequence step counts 1/B step: the arm's rate is then the step's total
+        emitted tokens over its wall time (draft and score times cover the whole step, verify_ms is per
+        sequence)."""
         share = 1.0 / max(1, record.batch_size)
         if self.owed < share / 2:  # not a step this chooser decided
             return
         self.owed -= share
         arm = self.arms.setdefault(self.current, _Arm())
+        # Recent acceptance against this budget's average so far (a budget's first record has none: skipped).
+        # Plain steps only decay the evidence.
+        decay = self.recent_decay ** share
+        self.recent_accepted *= decay
+        self.recent_expected *= decay
+        if self.current > 0 and arm.steps:
+            self.recent_accepted += record.accepted
+            self.recent_expected += share * arm.accepted / arm.steps
         arm.tokens += record.emitted
-        arm.seconds += ((record.draft_ms + record.score_ms) * share + record.verify_ms) / 1e3
+        arm.accepted += record.accepted
+        arm.step_seconds.append((record.draft_ms + record.score_ms + record.verify_ms * record.batch_size) / 1e3)
         arm.steps += share
 
     def summary(self) -> dict[int, float]:

@@ -130,7 +130,9 @@ class LocalDrafter:
             self.batch_budgets[bucket] = BudgetChooser(b.profile, max_budget=self.batch_chain_depth,
                                                        prior_acceptance=b.prior_acceptance,
                                                        explore_steps=b.explore_steps, revisit=b.revisit,
-                                                       plain_hold_steps=b.plain_hold_steps, seed=b.seed)
+                                                       plain_hold_steps=b.plain_hold_steps,
+                                                       recent_decay=b.recent_decay, recent_prior=b.recent_prior,
+                                                       seed=b.seed)
         self._batch_chooser = self.batch_budgets[bucket]
         depth = self._batch_chooser.next_budget()
         self.hold_steps = self._batch_chooser.held

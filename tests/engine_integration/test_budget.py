@@ -34,7 +34,7 @@ def test_explores_plain_decoding_then_keeps_the_fastest_measured_budget():
 
 def test_falls_back_to_plain_decoding_when_drafting_never_pays():
     chooser = BudgetChooser(PROFILE, max_budget=8, revisit=0.0)
-    for _ in range(30):
+    for _ in range(60):
         builder = chooser.builder_for(ChainBuilder(length=4))
         chooser.observe(record(1, 40.0) if builder is None else record(1, 60.0))
     assert chooser.choose() == 0
@@ -50,7 +50,7 @@ def test_plain_decoding_is_held_and_its_records_credited():
     for _ in range(4):  # the decided step and the 3 held ones
         chooser.observe(record(1, 40.0))
     chooser.observe(record(1, 1000.0))  # not decided by the chooser: ignored
-    assert chooser.arms[0].steps == 14 and abs(chooser.arms[0].seconds - 0.56) < 1e-9
+    assert chooser.arms[0].steps == 14 and list(chooser.arms[0].step_seconds)[-4:] == [0.04] * 4
     chooser.arms[2] = _arm(30, 600.0, steps=15)  # drafting now measured faster: no hold once it is chosen
     assert chooser.builder_for(ChainBuilder(length=4)) is not None and chooser.current == 2 and chooser.held == 0
 
@@ -71,7 +71,9 @@ def test_revisits_an_unlucky_rival_not_only_neighbours():
 def _arm(tokens: int, ms: float, steps: int):
     from treeserve.engine.budget import _Arm
 
-    return _Arm(tokens=tokens, seconds=ms / 1e3, steps=float(steps))
+    arm = _Arm(tokens=tokens, steps=float(steps))
+    arm.step_seconds.extend([ms / 1e3 / steps] * steps)
+    return arm
 
 
 def test_a_well_measured_clearly_slower_budget_is_not_revisited():
@@ -89,3 +91,38 @@ def test_a_well_measured_clearly_slower_budget_is_not_revisited():
         chooser.observe(record(1, 1e3 / rate))  # each arm keeps its measured rate
     assert 8 not in picked  # 15 tok/s vs 30, 20 steps: clearly worse and well measured
     assert {1, 2, 6} <= picked  # the neighbour, a close rival, an under-measured one
+
+
+def test_a_stretch_of_rejected_drafts_falls_back_to_plain_decoding_and_drafting_resumes():
+    """Budget 2 is faster on average (1.5 tokens per 50 ms vs 1 per 40 ms), but a stretch where its drafts are
+    all rejected makes the recent acceptance factor drop until plain decoding wins; plain steps let the
+    evidence decay back toward average, and drafting is tried again."""
+    chooser = BudgetChooser(PROFILE, max_budget=8, revisit=0.0, plain_hold_steps=0)
+    chooser._to_explore = []
+    chooser.arms = {0: _arm(20, 800.0, steps=20), 2: _arm(30, 1000.0, steps=20)}
+    chooser.arms[2].accepted = 10
+    assert chooser.next_budget() == 2 and chooser.acceptance_factor == 1.0
+    chooser.observe(record(1, 50.0))
+    rejected = 1
+    while chooser.next_budget() == 2:
+        chooser.observe(record(1, 50.0))
+        rejected += 1
+        assert rejected <= 12
+    low = chooser.acceptance_factor
+    assert low < 0.6
+    plain = 0
+    while chooser.next_budget() == 0:
+        chooser.observe(record(1, 40.0))
+        plain += 1
+        assert plain <= 12
+    assert low < chooser.acceptance_factor < 1.0 and plain >= 1
+
+
+def test_a_stalled_step_does_not_rule_a_budget_out():
+    """The step cost is the median of recent step times: one 10x stall among three steps leaves it at 50 ms."""
+    chooser = BudgetChooser(PROFILE, max_budget=8, revisit=0.0, explore_steps=3)
+    chooser._to_explore = [2]
+    for ms in (50.0, 500.0, 50.0):
+        assert chooser.next_budget() == 2
+        chooser.observe(record(2, ms))
+    assert abs(chooser.arms[2].rate - 2 / 0.05) < 1e-9
