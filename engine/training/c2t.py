@@ -113,7 +113,7 @@ def train_classifier(features: torch.Tensor, labels: torch.Tensor, config: C2TTr
         "recall_at_beta": round(float(keep[pos].float().mean()), 4),
         "kept_fraction_at_beta": round(float(keep.float().mean()), 4),
         "precision_at_beta": round(float((labels[keep] > 0.5).float().mean()) if keep.any() else math.nan, 4),
-        "beta": config.beta,
+        "report_beta": config.beta,  # the threshold of the three figures above, not the one C2T runs at
     }
     log(f"C2T classifier: {stats}")
     return model, stats
