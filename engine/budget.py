@@ -157,7 +157,8 @@ class _Arm:
 
 @dataclass
 class BudgetChooser:
-    """Chooses each step's draft budget from the hardware profile and measured throughput per budget."""
+    """Chooses each step's draft budget from the hardware profile and the throughput measured per budget,
+    rescaled by the recent acceptance (`acceptance_factor`)."""
 
     profile: HardwareProfile
     max_budget: int = 64

@@ -7,6 +7,7 @@ Drafter deployment serves the same `draft`/`release` over gRPC, so both paths bu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -126,13 +127,8 @@ class LocalDrafter:
             return min([self.batch_chain_depth, *explicit])
         bucket = batch_size_bucket(batch_size)
         if bucket not in self.batch_budgets:
-            b = self.budget
-            self.batch_budgets[bucket] = BudgetChooser(b.profile, max_budget=self.batch_chain_depth,
-                                                       prior_acceptance=b.prior_acceptance,
-                                                       explore_steps=b.explore_steps, revisit=b.revisit,
-                                                       plain_hold_steps=b.plain_hold_steps,
-                                                       recent_decay=b.recent_decay, recent_prior=b.recent_prior,
-                                                       seed=b.seed)
+            # Same settings, its own measurements (replace() starts a dataclass's init=False state afresh).
+            self.batch_budgets[bucket] = dataclasses.replace(self.budget, max_budget=self.batch_chain_depth)
         self._batch_chooser = self.batch_budgets[bucket]
         depth = self._batch_chooser.next_budget()
         self.hold_steps = self._batch_chooser.held
