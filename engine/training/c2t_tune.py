@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     classifier.save(path)
     card_path = path.with_suffix(".json")
     card = json.loads(card_path.read_text()) if card_path.is_file() else {}
-    card.pop("default_beta", None), card.pop("default_beta_choice", None)  # the older free-text record
+    for older in ("default_beta", "default_beta_choice"):  # the older free-text record of the choice
+        card.pop(older, None)
     card["beta_tuning"] = {
         "chosen_beta": beta, "reached_reference": reached, "candidate_fraction": args.candidate_fraction,
         "prompts": len(prompts), "prompt_source": str(args.prompts_file or "built-in hand-written (never the dev set)"),
