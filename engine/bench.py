@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from treeserve.engine.training.agreement_command import DEV_PROMPTS
 
     parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS, help="Spec-Bench-format jsonl")
-    parser.add_argument("--num-prompts", type=int, default=24, help="prompts used, spread over categories")
+    parser.add_argument("--num-prompts", type=int, default=24, help="prompts used, balanced over categories")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
                         help="METHOD[:BUDGET] entries; BUDGET is an integer or 'auto' (hardware-aware)")

@@ -34,3 +34,25 @@ def test_train_c2t_rejects_a_bad_prompts_file(tmp_path):
         out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "train-c2t", "--prompts-file", str(path),
                               "--target", str(tmp_path / "no-model")], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "--prompts-file" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_prompts_are_balanced_over_categories(tmp_path):
+    """Spec-Bench's shape: two large categories and small ones. Every category gets its share, spread over
+    its rows, in file order; a category that runs out leaves its turns to the others."""
+    import pytest
+
+    from treeserve.engine.training.agreement_command import load_prompts
+
+    rows = ([{"question_id": i, "category": "writing"} for i in range(3)]
+            + [{"question_id": 10 + i, "category": "qa"} for i in range(40)]
+            + [{"question_id": 100 + i, "category": "math"} for i in range(40)])
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ids = [r["question_id"] for r in load_prompts(path, 9)]
+    assert ids == [0, 1, 2, 10, 23, 36, 100, 113, 126]
+    picked = load_prompts(path, 20)
+    assert [sum(r["category"] == c for r in picked) for c in ("writing", "qa", "math")] == [3, 9, 8]
+    assert [r["question_id"] for r in picked] == sorted(r["question_id"] for r in picked)
+    assert len(load_prompts(path, 500)) == len(rows)
+    with pytest.raises(ValueError, match=">= 1"):
+        load_prompts(path, 0)
