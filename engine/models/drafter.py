@@ -27,7 +27,7 @@ _EMBED_KEY = "model.embed_tokens.weight"
 
 @dataclass
 class DrafterOutput:
-    logits: torch.Tensor  # [B, T, V_draft] logits over vocab_ids
+    logits: torch.Tensor  # [B, T_kept, V_draft] logits over vocab_ids (T_kept: see forward's logits_to_keep)
     past_key_values: object
 
 
@@ -45,10 +45,12 @@ class RestrictedVocabDrafter(nn.Module):
         self.target_vocab_size = target_vocab_size
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache: bool = False) -> DrafterOutput:
+                use_cache: bool = False, logits_to_keep: int = 0) -> DrafterOutput:
+        """`logits_to_keep` as in transformers' causal LMs: logits of the last that many rows only (0: all)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, use_cache=use_cache)
-        return DrafterOutput(logits=self.head(out.last_hidden_state), past_key_values=out.past_key_values)
+        return DrafterOutput(logits=self.head(out.last_hidden_state[:, -logits_to_keep:]),
+                             past_key_values=out.past_key_values)
 
     @classmethod
     def from_target(cls, target, layer_ids: list[int], vocab_ids: torch.Tensor) -> "RestrictedVocabDrafter":

@@ -34,7 +34,7 @@ DEFAULT_EAGLE_DRAFTER_DIR = Path(__file__).parent / "default_eagle_drafter"
 
 @dataclass
 class EagleOutput:
-    logits: torch.Tensor  # [B, T, V_draft] logits over vocab_ids
+    logits: torch.Tensor  # [B, T_kept, V_draft] logits over vocab_ids (T_kept: see forward's logits_to_keep)
     hidden: torch.Tensor  # [B, T, H] predicted target features (what a child node reads)
     past_key_values: object
 
@@ -56,15 +56,17 @@ class EagleDrafter(nn.Module):
         self.target_vocab_size = target_vocab_size
 
     def forward(self, input_ids, parent_features, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache: bool = False) -> EagleOutput:
+                use_cache: bool = False, logits_to_keep: int = 0) -> EagleOutput:
         """input_ids [B, T]; parent_features [B, T, H]: the target's (or a parent node's predicted) feature
-        of the position before each token."""
+        of the position before each token. Logits only for the last `logits_to_keep` rows (0: all, as in
+        transformers); `hidden` always covers every row (each is a child's parent feature)."""
         embeds = self.model.embed_tokens(input_ids)
         fused = self.fc(torch.cat([embeds, parent_features.to(embeds.dtype)], dim=-1))
         out = self.model(inputs_embeds=fused, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, use_cache=use_cache)
         hidden = out.last_hidden_state
-        return EagleOutput(logits=self.head(hidden), hidden=hidden, past_key_values=out.past_key_values)
+        return EagleOutput(logits=self.head(hidden[:, -logits_to_keep:]), hidden=hidden,
+                           past_key_values=out.past_key_values)
 
     @classmethod
     def from_target(cls, target, layer_id: int, vocab_ids: torch.Tensor) -> "EagleDrafter":

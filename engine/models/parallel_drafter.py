@@ -70,10 +70,12 @@ class ParallelDrafterModel(nn.Module):
         return emb
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache: bool = False) -> DrafterOutput:
+                use_cache: bool = False, logits_to_keep: int = 0) -> DrafterOutput:
+        """`logits_to_keep` as in transformers' causal LMs: logits of the last that many rows only (0: all)."""
         out = self.model(inputs_embeds=self.embed(input_ids), attention_mask=attention_mask,
                          position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)
-        return DrafterOutput(logits=self.head(out.last_hidden_state), past_key_values=out.past_key_values)
+        return DrafterOutput(logits=self.head(out.last_hidden_state[:, -logits_to_keep:]),
+                             past_key_values=out.past_key_values)
 
     def hidden(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Last hidden states [B, T, hidden] without the head (training applies it to labelled rows only)."""

@@ -222,3 +222,34 @@ def test_release_frees_the_row_and_the_last_release_the_pool(tiny):
     lm.begin("d", [6, 7])
     logits = lm.extend([ExtendRequest("d", [7], [-1])])[0]
     check_tree_logits(tiny, [6, 7], [7], [-1], logits)
+
+
+def test_head_runs_only_on_new_nodes(tiny):
+    """A prefill asks the model for logits of the new nodes alone (the head over every prompt row was a
+    quarter of a long prefill); with rows of different prefix lengths the kept window reaches back to the
+    earliest new node, and each request still gets its own nodes' logits."""
+    lm = CachedLM(tiny)
+    kept = []
+    forward = tiny.forward
+
+    def recording_forward(*args, **kwargs):
+        kept.append(kwargs.get("logits_to_keep"))
+        return forward(*args, **kwargs)
+
+    rng = random.Random(3)
+    vocab = tiny.config.vocab_size
+    contexts = [[rng.randrange(vocab) for _ in range(n)] for n in (20, 6)]
+    trees = [random_tree(rng, size, vocab) for size in (3, 4)]
+    for s, (context, (tokens, _)) in enumerate(zip(contexts, trees)):
+        tokens[0] = context[-1]
+        lm.begin(f"s{s}", context)
+    tiny.forward = recording_forward
+    try:
+        out = lm.extend([ExtendRequest(f"s{s}", t, p) for s, (t, p) in enumerate(trees)])
+    finally:
+        del tiny.forward
+    # Row 0 feeds 19 context tokens + 3 nodes (width 22), row 1 5 + 4: logits from position 5 on.
+    assert kept == [22 - 5]
+    for context, (tokens, parents), logits in zip(contexts, trees, out):
+        assert logits.shape[0] == len(tokens)
+        check_tree_logits(tiny, context, tokens, parents, logits)
