@@ -1,7 +1,10 @@
-"""C2T classifier training on the tiny pair: collection (full EAGLE-2 trees verified by the target) and
-training run end to end, and the labels are accepted paths."""
+"""C2T classifier training on the tiny pair: collection (full EAGLE-2 trees labelled against the target's
+greedy answer) and training run end to end, and the labels are what greedy verification accepts."""
 
 import json
+
+import pytest
+import torch
 import subprocess
 import sys
 
@@ -9,14 +12,18 @@ from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.training.c2t import C2TTrainConfig, collect, train_classifier
+from treeserve.engine.builders import Eagle2Builder
+from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.training.c2t import C2TTrainConfig, accepted_mask, answer_positions, collect, greedy_answer, train_classifier
+from treeserve.engine.verify import verify_tree
+from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.training.c2t_tune import SweepPoint, choose_beta
 
 
 def test_collect_and_train_end_to_end(tiny_target_dir, tiny_drafter_dir):
     target = load_causal_lm(tiny_target_dir)
     drafter = DrafterRunner(load_causal_lm(tiny_drafter_dir).model, target.model.config.vocab_size)
-    config = C2TTrainConfig(depth=3, top_k=3, steps_per_prompt=4, epochs=3)
+    config = C2TTrainConfig(depth=3, top_k=3, answer_tokens=8, trees_per_prompt=4, epochs=3)
     prompts = [target.tokenizer(text)["input_ids"] for text in ("Once upon a time", "def add(a, b):")]
     features, labels = collect(TargetRunner(target.model), drafter, prompts, config, {target.tokenizer.eos_token_id})
     assert features.shape == (len(labels), 3) and len(labels) > 0
@@ -67,3 +74,31 @@ def test_tune_c2t_rejects_bad_betas(tmp_path):
     out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "tune-c2t", "--betas", "0.2", "1.5",
                           "--target", str(tmp_path / "no-model")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--betas" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_labels_against_the_greedy_answer_are_what_verification_accepts(tiny_target_dir, tiny_drafter_dir):
+    """For trees drafted at several positions of the target's greedy answer, `accepted_mask` marks exactly
+    the root and the nodes `verify_tree` accepts when the target scores the tree."""
+    target = load_causal_lm(tiny_target_dir)
+    drafter = DrafterRunner(load_causal_lm(tiny_drafter_dir).model, target.model.config.vocab_size)
+    runner, greedy = TargetRunner(target.model), SamplingParams()
+    prompt = target.tokenizer("Once upon a time")["input_ids"]
+    answer, features = greedy_answer(runner, "answer", prompt, 16, set())
+    assert len(answer) == 16 and features.shape[0] == len(prompt) + len(answer) - 1
+    builder = Eagle2Builder(budget=60, depth=4, top_k=3, rerank=False)
+    accepted_somewhere = 0
+    for t in (1, 3, 6, 10):
+        context = prompt + answer[:t]
+        tree = builder.build(context[-1], drafter.begin("d", context, greedy), greedy, torch.Generator())
+        dists = runner.score([ScoreRequest(f"v{t}", context, tree, greedy)])[0]
+        accepted = verify_tree(tree, dists, greedy, torch.Generator()).accepted_nodes
+        mask = accepted_mask(tree, answer[t:])
+        assert torch.nonzero(mask).flatten().tolist() == [0, *accepted]
+        accepted_somewhere += len(accepted)
+    assert accepted_somewhere > 0  # the check compared some accepted paths, not only roots
+
+
+@pytest.mark.parametrize("length, count, expected", [(1, 4, []), (5, 10, [1, 2, 3, 4]), (65, 3, [1, 33, 64]),
+                                                     (65, 1, [1])])
+def test_answer_positions_leave_a_token_after_each_root(length, count, expected):
+    assert answer_positions(length, count) == expected

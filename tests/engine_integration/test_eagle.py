@@ -184,7 +184,7 @@ def test_c2t_collection_with_an_eagle_drafter(target):
                               max_seq_len=64, holdout_fraction=0.2)
     model, _ = train_eagle(target.model, data, features, config, [], log=lambda _: None)
     drafter = DrafterRunner(model, target.model.config.vocab_size)
-    c2t = C2TTrainConfig(depth=3, top_k=3, steps_per_prompt=4, epochs=3)
+    c2t = C2TTrainConfig(depth=3, top_k=3, answer_tokens=8, trees_per_prompt=4, epochs=3)
     node_features, labels = collect(TargetRunner(target.model), drafter, prompts, c2t, set())
     assert node_features.shape == (len(labels), 3) and labels.sum() > 0
     assert node_features[:, 2].min() == 1 and node_features[:, 2].max() <= c2t.depth
