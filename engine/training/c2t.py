@@ -121,8 +121,8 @@ def collect(target: TargetRunner, drafter: DrafterRunner, prompts: list[list[int
             future = answer[t:t + config.depth]
             decided = torch.nonzero(tree.depth[1:] <= len(future)).flatten() + 1  # node ids
             parents = tree.parents[decided].tolist()
-            entropy = dict(zip(sorted(set(parents)),
-                               top_entropy(torch.stack([oracle.rows[n] for n in sorted(set(parents))])).tolist()))
+            expanded = sorted(set(parents))  # entropy once per expanded node, not once per child
+            entropy = dict(zip(expanded, top_entropy(torch.stack([oracle.rows[n] for n in expanded])).tolist()))
             feats.append(c2t_features(tree.log_joint[decided].exp(), torch.tensor([entropy[n] for n in parents]),
                                       tree.depth[decided].float()))
             labels.append(accepted_mask(tree, future)[decided].float())

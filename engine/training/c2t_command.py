@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="classifier file (default: the drafter's own, c2t.safetensors in its directory, "
                              "which the engine then uses for that drafter)")
-    parser.add_argument("--num-prompts", type=int, default=60,
+    parser.add_argument("--num-prompts", type=int, default=150,
                         help="training prompts (Python docs, HumanEval, Debian text; never the dev set)")
     parser.add_argument("--prompts-file", type=Path, default=None,
                         help="JSON list of prompt texts to label instead of the built-in sources (e.g. the "

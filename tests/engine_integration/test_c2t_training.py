@@ -102,3 +102,9 @@ def test_labels_against_the_greedy_answer_are_what_verification_accepts(tiny_tar
                                                      (65, 1, [1])])
 def test_answer_positions_leave_a_token_after_each_root(length, count, expected):
     assert answer_positions(length, count) == expected
+
+
+@pytest.mark.parametrize("field", ["depth", "top_k", "answer_tokens", "trees_per_prompt", "hidden", "epochs"])
+def test_train_config_rejects_sizes_below_one(field):
+    with pytest.raises(ValueError, match=f"{field} must be >= 1"):
+        C2TTrainConfig(**{field: 0})
