@@ -7,9 +7,8 @@ target's context is exactly its own greedy answer, so the accepted path of a tre
 answer tokens is the longest root path whose tokens equal the answer's tokens t+1, t+2, ... . So the target
 decodes each prompt greedily once (`greedy_answer`, which also gives the features an EAGLE drafter reads),
 and trees drafted at many positions of that answer are labelled against it (`accepted_mask`), with no target
-forward per tree: the labels are those `verify_tree` gives, at a fraction of the cost (a target forward over
-a 328-node tree costs ~15 plain steps on a 2-core CPU, so the earlier collection labelled ten trees per
-prompt; this one labels one per answer token). Features are exactly those the C2T builder computes at
+forward per tree: the labels are those `verify_tree` gives, while the target's cost is one plain decode per
+prompt whatever the number or size of the trees (`trees_per_prompt` positions of the answer). Features are exactly those the C2T builder computes at
 inference (`c2t_features`: the node's joint draft probability, the top-1000 entropy of its parent's draft
 distribution, its depth). Negatives far outnumber positives, so they are subsampled (negative sampling)
 before training the FFN with binary cross-entropy.
