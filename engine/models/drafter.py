@@ -90,7 +90,11 @@ def is_restricted_drafter(model_dir: Path) -> bool:
 
 def save_without_embeddings(module: nn.Module, out_dir: Path, config: dict) -> None:
     """Write config.json and float16 weights, leaving out the target's shared input embeddings."""
+    from treeserve.engine.models.loading import portable_path
+
     out_dir.mkdir(parents=True, exist_ok=True)
+    if "_name_or_path" in config:  # the target's directory: relative to the cache, not this machine's path
+        config = {**config, "_name_or_path": portable_path(config["_name_or_path"])}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: (v if k == "vocab_ids" else v.to(torch.float16)).contiguous()
              for k, v in module.state_dict().items() if k != _EMBED_KEY}

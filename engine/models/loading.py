@@ -31,6 +31,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("TREESERVE_CACHE", Path.home() / ".cache" / "treeserve"))
 
 
+def portable_path(path: str | os.PathLike) -> str:
+    """How a training card records a path so that it means the same on every machine: inside the cache as
+    `$TREESERVE_CACHE/<relative path>`, inside this checkout relative to its root, a shipped drafter name or
+    any other non-path string unchanged, and anything else as its last component only (a directory of the
+    machine it was trained on names nothing elsewhere)."""
+    text = str(path)
+    expanded = os.path.expanduser(text)
+    if not text or not (os.path.isabs(expanded) or os.path.exists(expanded)):  # a name, not a path
+        return text
+    resolved = Path(expanded).resolve()
+    for root, prefix in ((cache_root().expanduser().resolve(), "$TREESERVE_CACHE/"),
+                         (Path(__file__).resolve().parents[2], "")):
+        if resolved == root or root in resolved.parents:
+            return prefix + (resolved.relative_to(root).as_posix() or ".")
+    return resolved.name
+
+
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -11,7 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
-DEV_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench_dev.jsonl"
+# The vendored Spec-Bench dev questions (benchmarks/data/README.md), inside the checkout: this file is
+# engine/training/agreement_command.py, so parents[2] is the repository root.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEV_PROMPTS = REPO_ROOT / "benchmarks" / "data" / "spec_bench_dev.jsonl"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +40,8 @@ def load_prompts(path: Path, limit: int) -> list[dict]:
     math_reasoning, one each for seven categories and none for extraction: per-category speedups were
     single-prompt readings, one category unmeasured."""
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+        hint = " (the checkout's benchmarks/data; pass --prompts FILE)" if Path(path) == DEV_PROMPTS else ""
+        raise FileNotFoundError(f"prompt file {path} does not exist{hint}")
     if limit < 1:
         raise ValueError(f"the number of prompts must be >= 1, got {limit}")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

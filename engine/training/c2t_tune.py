@@ -18,7 +18,7 @@ prompts, greedy, one engine:
 
 Tuning prompts are hand-written chat requests in the Spec-Bench categories (writing, roleplay, reasoning,
 math, coding, extraction, STEM, humanities, grade-school math, open-domain QA), none taken from
-`shared/data`; `--prompts-file` replaces them.
+the dev questions (`benchmarks/data`); `--prompts-file` replaces them.
 """
 
 from __future__ import annotations

@@ -11,6 +11,23 @@ from pathlib import Path
 from treeserve.engine.training.distill_data import DistillDataConfig
 
 
+# Card fields that hold paths: written as names relative to the cache or the checkout (portable_path), never
+# as absolute paths of the machine a drafter was trained on.
+CARD_PATH_KEYS = frozenset({"target", "data_path", "init_from", "init", "path"})
+
+
+def portable_card(card):
+    """`card` with every CARD_PATH_KEYS string value made portable, at any depth."""
+    from treeserve.engine.models.loading import portable_path
+
+    if isinstance(card, dict):
+        return {k: portable_path(v) if k in CARD_PATH_KEYS and isinstance(v, str) else portable_card(v)
+                for k, v in card.items()}
+    if isinstance(card, list):
+        return [portable_card(v) for v in card]
+    return card
+
+
 def _add_dataclass_options(parser: argparse.ArgumentParser, cls, title: str, skip=()) -> None:
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
@@ -98,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     drafter, stats = train_drafter(target.model, data, train_config, specials)
     card = {"target": str(args.target), "data": dataclasses.asdict(data_config),
             "data_generation_minutes": round(data_minutes, 1), "training": stats}
+    card = portable_card(card)
     drafter.save(args.out, card=card)
     (args.out / "training.json").write_text(json.dumps(card, indent=2))
     print(f"drafter written to {args.out}; measure dev agreement with `treeserve agreement --drafter {args.out}`")
@@ -128,6 +146,7 @@ def run_parallel(args: argparse.Namespace) -> int:
     drafter, stats = train_parallel_drafter(target.model, data, train_config, specials)
     card = {"target": str(args.target), "data_path": str(data_path), "data": dataclasses.asdict(data_config),
             "data_generation_minutes": round(data_minutes, 1), "training": stats}
+    card = portable_card(card)
     drafter.save(out, card=card)
     (out / "training.json").write_text(json.dumps(card, indent=2))
     print(f"parallel drafter written to {out}; per-position dev agreement: "
@@ -163,6 +182,7 @@ def run_eagle(args: argparse.Namespace) -> int:
             "data_generation_minutes": round(data_minutes, 1),
             "feature_minutes": round((time.time() - started) / 60 - stats["train_minutes"], 1), "training": stats,
             "config": dataclasses.asdict(train_config)}
+    card = portable_card(card)
     drafter.save(out, card=card)
     (out / "training.json").write_text(json.dumps(card, indent=2))
     print(f"EAGLE drafter written to {out}; measure it with `treeserve bench --drafter {out}`")

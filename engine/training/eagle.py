@@ -1,6 +1,6 @@
 """Training of the EAGLE drafter (engine/models/eagle_drafter.py) on the self-distillation data.
 
-EAGLE (Li et al., 2024; its paper is not in ../shared/papers, C2T's section 5.1 uses its drafters): the
+EAGLE (Li et al., 2024; not among the papers DESIGN.md cites, C2T's section 5.1 uses its drafters): the
 drafter reads (token x_j, target feature f_{j-1}) and is trained to predict f_j, with the loss of EAGLE's
 "training of the draft models": L = L_reg + w_cls * L_cls, L_reg = SmoothL1(f_j, f^_j), L_cls = cross-entropy
 between the target's next-token distribution softmax(head(f_j)) and the drafter's softmax(head(f^_j))

@@ -1,4 +1,4 @@
-"""Diverse training prompts from offline sources, never from the evaluation set (`shared/data`).
+"""Diverse training prompts from offline sources, never from the evaluation set (`benchmarks/data`).
 
 A drafter distilled on templated prompts learns the templates, not the target (41% greedy agreement on
 held-out templates, 22% on Spec-Bench), so prompts come from several unrelated sources:

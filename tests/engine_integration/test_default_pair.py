@@ -1,7 +1,6 @@
 """The shipped default pair: the drafter loads, agrees with the target, and greedy output is the target's."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -10,8 +9,9 @@ from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.pipeline import build_engine
 from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.training.agreement_command import DEV_PROMPTS
 
-DEV = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench_dev.jsonl"
+DEV = DEV_PROMPTS  # the vendored Spec-Bench dev questions (benchmarks/data)
 pytestmark = pytest.mark.slow
 
 

@@ -4,7 +4,6 @@ parallel drafting is the target's own, and draft tokens are accepted."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,9 @@ from treeserve.engine.bench import greedy_reference
 from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
 from treeserve.engine.pipeline import build_engine
 from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.training.agreement_command import DEV_PROMPTS
 
-DEV = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench_dev.jsonl"
+DEV = DEV_PROMPTS  # the vendored Spec-Bench dev questions (benchmarks/data)
 pytestmark = pytest.mark.slow
 shipped = pytest.mark.skipif(not (DEFAULT_PARALLEL_DRAFTER_DIR / "model.safetensors").is_file(),
                              reason="no default parallel drafter shipped")

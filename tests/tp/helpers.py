@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
 from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.training.agreement_command import DEV_PROMPTS
 from treeserve.engine.tree import TokenTree
-
-DEV_PROMPTS = Path("/work/shared/data/spec_bench_dev.jsonl")
 
 # (tokens offsets, parents) of three tree shapes: branching, chain, single root.
 _SHAPES = [
