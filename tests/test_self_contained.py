@@ -81,7 +81,7 @@ def test_trainers_write_portable_paths(tmp_path, monkeypatch):
 
 @needs_git
 def test_a_clone_finds_its_default_prompts_inside_itself(tmp_path):
-    """Clone into an empty directory (no ../shared beside it) and resolve the default prompt file of the
+    """Clone into an empty directory (no sibling folders beside it) and resolve the default prompt file of the
     clone's own code: it must exist and lie inside the clone."""
     clone = tmp_path / "alone" / "treeserve"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
