@@ -8,7 +8,9 @@ This is the only place that turns the plain replica classes into Serve deploymen
   per-deployment settings of the YAML (autoscaling_config, ray_actor_options, ...) are applied here.
 
 The Router gets the Drafter and Target handles only to discover their replicas' gRPC addresses; per-step
-traffic goes over direct channels (services/grpc_clients.py).
+traffic goes over direct channels (services/grpc_clients.py), authenticated with a per-build secret
+(services/internal_auth.py). The public API is the Router replica's own gRPC server (services/api_server.py),
+not Serve's gRPC proxy.
 """
 
 from __future__ import annotations
@@ -68,21 +70,27 @@ def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str])
     return options
 
 
-def _bind(args: Mapping[str, Any], overrides: dict[str, dict[str, Any]]):
+def _bind(args: Mapping[str, Any], overrides: dict[str, dict[str, Any]], internal_secret: str | None = None):
+    """The three deployments. Each build gets a fresh internal secret (services/internal_auth.py), handed to every
+    replica as an init argument: through Ray's control plane, never over the replicas' own gRPC channels."""
     from ray import serve
 
     from treeserve.services.drafter_service import DrafterReplica
+    from treeserve.services.internal_auth import generate_secret
     from treeserve.services.router import RouterReplica
     from treeserve.services.target_service import TargetReplica
 
     config = AppConfig.from_args(dict(args))
     args = dict(args)
-    target = serve.deployment(TargetReplica, name="Target").options(**overrides.get("Target", {})).bind(args)
+    secret = internal_secret or generate_secret()
+    target = serve.deployment(TargetReplica, name="Target").options(**overrides.get("Target", {})).bind(
+        args, internal_secret=secret)
     drafter = None
     if config.speculation.method != "autoregressive":
-        drafter = serve.deployment(DrafterReplica, name="Drafter").options(**overrides.get("Drafter", {})).bind(args)
+        drafter = serve.deployment(DrafterReplica, name="Drafter").options(**overrides.get("Drafter", {})).bind(
+            args, internal_secret=secret)
     return serve.deployment(RouterReplica, name="Router").options(**overrides.get("Router", {})).bind(
-        args, drafter, target)
+        args, drafter, target, internal_secret=secret)
 
 
 def build_app(args: Mapping[str, Any] | None = None):
@@ -94,12 +102,14 @@ def build_app(args: Mapping[str, Any] | None = None):
                               for name in ("Router", "Drafter", "Target")})
 
 
-def build_app_from_config(app: ApplicationConfig, args: Mapping[str, Any] | None = None):
+def build_app_from_config(app: ApplicationConfig, args: Mapping[str, Any] | None = None,
+                          internal_secret: str | None = None):
     """The application with the YAML's per-deployment settings applied (for `serve.run`). `args` are the raw
-    `args` mapping (defaults to the parsed config's, re-serialised)."""
+    `args` mapping (defaults to the parsed config's, re-serialised). `internal_secret`: tests pass their own to
+    call the replicas' internal rpcs; otherwise a fresh one is generated."""
     env = dict(app.runtime_env.env_vars) if app.runtime_env is not None else {}
     overrides = {name: _deployment_options(app.deployment(name), env) for name in ("Router", "Drafter", "Target")}
-    return _bind(args if args is not None else config_to_args(app.args), overrides)
+    return _bind(args if args is not None else config_to_args(app.args), overrides, internal_secret)
 
 
 def config_to_args(config: AppConfig) -> dict[str, Any]:

@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("treeserve.services.serve_command", "start the Ray Serve + gRPC service from a Serve config"),
     "generate": ("treeserve.services.generate_command", "generate a completion (via the service or in-process)"),
     "bench": ("treeserve.engine.bench", "benchmark autoregressive vs speculative methods on Spec-Bench prompts"),
+    "make-corpus": ("treeserve.engine.training.corpus_command", "have the target answer >= 10k conversations (drafter training data)"),
     "train-drafter": ("treeserve.engine.training.drafter_command", "self-distil a drafter from the target"),
     "train-c2t": ("treeserve.engine.training.c2t_command", "train the C2T pruning classifier"),
     "tune-c2t": ("treeserve.engine.training.c2t_tune", "choose a C2T classifier's threshold against EAGLE-2"),

@@ -23,6 +23,9 @@ TREESERVE_SERVICER = "treeserve.v1.generation_pb2_grpc.add_TreeServeServicer_to_
 DEPLOYMENT_NAMES = ("Router", "Drafter", "Target")
 METHODS = ("autoregressive", "chain", "static", "eagle2", "dyspec", "dyspec_threshold", "opt_tree", "c2t")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Tree nodes a step feeds at most when the budget is "auto" (the largest budget engine/budget.py's chooser
+# tries, plus the root): what a session's KV row needs beyond its prompt and answer.
+AUTO_BUDGET_MAX_NODES = 65
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
@@ -94,10 +97,24 @@ class ModelConfig:
     model_facts: Optional[str] = _help("a config.json with the model's facts, for validation and "
                                        "memory estimates when `path` is not readable (relative to the "
                                        "Serve config file)", default=None)
+    max_sessions: Optional[int] = _help(
+        "sessions whose KV cache one replica (each TP rank) holds at once: the KV pool, preallocated at start as "
+        "max_sessions x max_context_tokens slots, never grown. A new session beyond it takes the row of the least "
+        "recently used session not in the current step (rebuilt from context if it comes back); a step that "
+        "needs more rows, or a sequence longer than max_context_tokens, is refused with RESOURCE_EXHAUSTED. "
+        "Default limits.max_batch_size; at least that (one router's batch), more when several routers share "
+        "a replica", default=None)
+    gpu_memory_fraction: Optional[float] = _help(
+        "share of each of its GPUs' memory this model's process (each TP rank) may take: weights, KV pool and "
+        "activations, enforced with torch.cuda.set_per_process_memory_fraction; the KV pool is refused at start "
+        "if it does not fit. Required, and at most the Ray GPU share, when the model has a fractional GPU "
+        "(sharing a GPU with another model); null = no cap (the whole GPU)", default=None)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         _positive(self, path, "tensor_parallel_size", "max_context_tokens")
-        _positive_opt(self, path, "num_attention_heads", "num_key_value_heads")
+        _positive_opt(self, path, "num_attention_heads", "num_key_value_heads", "max_sessions")
+        if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"{path}.gpu_memory_fraction: must lie in (0, 1], got {self.gpu_memory_fraction}")
         if self.path != "default" and "://" in self.path:
             raise ValueError(f"{path}.path: must be 'default' or a local directory, got {self.path!r}")
         # Resolved once against the config file's folder, so later callers need no base_dir.
@@ -195,6 +212,84 @@ class InternalGrpcConfig:
                              f"got {self.max_message_bytes}")
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class ApiConfig:
+    """The public gRPC API (treeserve.v1.TreeServe), served by the Router replica's own grpc.aio server.
+
+    Not Ray Serve's gRPC proxy: its `gRPCOptions` has only a port, servicers, a timeout and reflection (no TLS,
+    no interceptors, no message-size cap), and it queues requests in front of the router up to the Router's
+    max_ongoing_requests, so overload could not be refused at once (services/api_server.py).
+    """
+
+    host: str = _help("address the public API listens on: 127.0.0.1 (this machine only, the local default) or "
+                      "0.0.0.0 / a pod IP (reachable from the network: needs security.tls_cert_file unless "
+                      "security.allow_insecure)", default="127.0.0.1")
+    port: int = _help("TCP port of the public API (every Router replica listens on it; several on one node share "
+                      "it through SO_REUSEPORT)", default=9000)
+    max_request_bytes: int = _help("largest request message accepted, in bytes; a bigger one is refused by the "
+                                   "gRPC transport with RESOURCE_EXHAUSTED before it is read into memory",
+                                   default=DEFAULT_MAX_REQUEST_BYTES)
+    enable_reflection: bool = _help("serve gRPC server reflection (grpcurl, grpcui) on the public port; behind "
+                                    "the same TLS and token checks as the API", default=False)
+
+    def _check(self, path: str, base_dir: Optional[Path]) -> None:
+        _port(self.port, f"{path}.port")
+        if not self.host:
+            raise ValueError(f"{path}.host: must not be empty (127.0.0.1 for this machine only, 0.0.0.0 for all "
+                             "interfaces)")
+        if not 1024 <= self.max_request_bytes <= 256 * 1024 * 1024:
+            raise ValueError(f"{path}.max_request_bytes: must lie in 1024..268435456 (256 MiB), got "
+                             f"{self.max_request_bytes}")
+
+    @property
+    def loopback_only(self) -> bool:
+        return self.host in LOOPBACK_HOSTS or self.host.startswith("127.")
+
+
+@dataclass
+class SecurityConfig:
+    """TLS and bearer tokens of the public API. The files are read by the Router replica when it starts (they are
+    typically a Kubernetes secret mounted into the pod; the chart mounts them), so they need not exist where the
+    config is validated. Token and certificate files are re-read when they change (secret rotation).
+
+    The internal Drafter / Target servers need nothing here: every internal rpc carries a token derived from a
+    per-application secret that the app builder generates and hands to the replicas through Ray (deployment init
+    arguments), bound to the replica's own address (services/internal_auth.py)."""
+
+    tls_cert_file: Optional[str] = _help("PEM certificate chain of the public API (server certificate first); with "
+                                         "tls_key_file it turns TLS on", default=None)
+    tls_key_file: Optional[str] = _help("PEM private key of tls_cert_file", default=None)
+    tls_client_ca_file: Optional[str] = _help("PEM CA bundle: when set, clients must present a certificate signed "
+                                              "by it (mutual TLS)", default=None)
+    auth_token_file: Optional[str] = _help("file of accepted bearer tokens, one per line ('#' comments and blank "
+                                           "lines ignored); when set every call needs the metadata "
+                                           "'authorization: Bearer <token>' (else UNAUTHENTICATED)", default=None)
+    allow_insecure: bool = _help("allow a plaintext public API on a non-loopback api.host (e.g. TLS terminated by "
+                                 "an ingress in front); refused otherwise", default=False)
+
+    def _check(self, path: str, base_dir: Optional[Path]) -> None:
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file"):
+            value = getattr(self, name)
+            if value is not None:
+                if not value.strip():
+                    raise ValueError(f"{path}.{name}: must be a file path, got an empty string")
+                if base_dir is not None and not Path(value).is_absolute():
+                    setattr(self, name, str(base_dir / value))
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(f"{path}: set tls_cert_file and tls_key_file together (got only "
+                             f"{'tls_cert_file' if self.tls_cert_file else 'tls_key_file'})")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError(f"{path}.tls_client_ca_file: needs tls_cert_file and tls_key_file (mutual TLS is TLS)")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+
 @dataclass
 class AppConfig:
     target: ModelConfig = _help("the model whose output is served", default_factory=ModelConfig)
@@ -202,6 +297,10 @@ class AppConfig:
     speculation: SpeculationConfig = _help("tree method and budget", default_factory=SpeculationConfig)
     limits: LimitsConfig = _help("request and batching limits", default_factory=LimitsConfig)
     grpc: InternalGrpcConfig = _help("replica-to-replica channels", default_factory=InternalGrpcConfig)
+    api: ApiConfig = _help("the public gRPC API's server (address, port, request-size cap, reflection)",
+                           default_factory=ApiConfig)
+    security: SecurityConfig = _help("TLS and bearer-token authentication of the public API",
+                                     default_factory=SecurityConfig)
 
     @classmethod
     def from_args(cls, args: Optional[Mapping[str, Any]], path: str = "args",
@@ -209,13 +308,30 @@ class AppConfig:
         """Parse the Serve application's `args` (None or {} gives the local CPU defaults)."""
         return _build(cls, args or {}, path, base_dir)
 
+    def kv_sessions(self, role: str) -> int:
+        """KV pool rows of the target's or the drafter's replicas (`max_sessions`, default limits.max_batch_size)."""
+        return getattr(self, role).max_sessions or self.limits.max_batch_size
+
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
-        need = self.limits.max_prompt_tokens + self.limits.max_new_tokens
-        if need > self.target.max_context_tokens:
-            raise ValueError(f"{path}.limits: max_prompt_tokens + max_new_tokens = {need} exceeds "
-                             f"target.max_context_tokens={self.target.max_context_tokens}")
+        # A session's KV row holds its prompt, its answer and the step's tree (the pool is capped at
+        # max_context_tokens slots per session, so the last step's tree must fit too).
+        tree = AUTO_BUDGET_MAX_NODES if self.speculation.budget == "auto" else self.speculation.budget + 1
+        need = self.limits.max_prompt_tokens + self.limits.max_new_tokens + tree
+        for role in ("target", "drafter"):
+            model = getattr(self, role)
+            if need > model.max_context_tokens:
+                raise ValueError(f"{path}.limits: max_prompt_tokens + max_new_tokens + tree nodes per step "
+                                 f"({self.limits.max_prompt_tokens} + {self.limits.max_new_tokens} + {tree}) = {need} "
+                                 f"exceeds {role}.max_context_tokens={model.max_context_tokens}")
+            if model.max_sessions is not None and model.max_sessions < self.limits.max_batch_size:
+                raise ValueError(f"{path}.{role}.max_sessions: {model.max_sessions} is below limits.max_batch_size="
+                                 f"{self.limits.max_batch_size}: a full batch on one replica could never be scored")
         if self.drafter.tensor_parallel_size != 1:
             raise ValueError(f"{path}.drafter.tensor_parallel_size: the drafter is not sharded; must be 1")
+        if not self.api.loopback_only and not self.security.tls and not self.security.allow_insecure:
+            raise ValueError(f"{path}.api.host: {self.api.host} is reachable from the network but the API would be "
+                             "plaintext; set security.tls_cert_file and security.tls_key_file (or "
+                             "security.allow_insecure: true when TLS is terminated in front of it)")
         if self.drafter.reads_target_features() and self.target.tensor_parallel_size > 1:
             raise ValueError(f"{path}.target.tensor_parallel_size: {self.drafter.path} is an EAGLE drafter, which "
                              "reads the target's features; the tensor-parallel target does not return them, so "
@@ -267,11 +383,20 @@ class RayActorOptions:
     num_gpus: float = _help("GPUs per replica actor (TP ranks get theirs from placement_group_bundles)",
                             default=0.0)
     memory: Optional[int] = _help("bytes of heap memory reserved for the replica", default=None)
+    resources: dict[str, float] = _help(
+        "custom Ray resources each replica needs, e.g. {TreeServeDrafter: 1}: the Helm chart's worker groups "
+        "advertise them, so a replica only lands on the pods meant for it", default_factory=dict)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         for name in ("num_cpus", "num_gpus"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
+            raise ValueError(f"{path}.num_gpus: above 1 it must be a whole number, got {self.num_gpus}")
+        for key, value in self.resources.items():
+            if key in ("CPU", "GPU", "memory") or value <= 0:
+                raise ValueError(f"{path}.resources.{key}: custom resources only (num_cpus / num_gpus / memory "
+                                 f"have their own fields), each > 0; got {value}")
 
 
 @dataclass
@@ -304,6 +429,11 @@ class DeploymentConfig:
         bundles = self.placement_group_bundles
         return sum(b.get("GPU", 0.0) for b in bundles) if bundles else self.ray_actor_options.num_gpus
 
+    def rank_gpu_shares(self) -> list[float]:
+        """GPU share of each placement-group bundle that has one (one per TP rank; below 1 where a rank shares
+        its GPU with another model)."""
+        return [float(b["GPU"]) for b in self.placement_group_bundles or [] if b.get("GPU", 0) > 0]
+
 
 @dataclass
 class RuntimeEnv:
@@ -328,11 +458,31 @@ class ApplicationConfig:
                 raise ValueError(f"{path}.deployments[{i}].name: {name} listed twice")
         target = self.deployment("Target")
         if target is not None and self.args.target.device == "cuda":
+            tp = self.args.target.tensor_parallel_size
             gpus = target.gpus_per_replica()
-            if gpus != self.args.target.tensor_parallel_size:
-                raise ValueError(f"{path}.deployments[{names.index('Target')}]: reserves {gpus:g} GPUs per "
-                                 f"replica but args.target.tensor_parallel_size="
-                                 f"{self.args.target.tensor_parallel_size}")
+            shares = target.rank_gpu_shares()
+            where = f"{path}.deployments[{names.index('Target')}]"
+            if len(shares) != tp or any(s > 1 for s in shares):
+                raise ValueError(f"{where}: reserves {gpus:g} GPUs per replica in {len(shares)} GPU bundles but "
+                                 f"args.target.tensor_parallel_size={tp} (one bundle of at most 1 GPU per rank)")
+        self._check_gpu_shares(path)
+
+    def _check_gpu_shares(self, path: str) -> None:
+        """A model on a fraction of a GPU shares that GPU's memory: it must state how much it may take, and no
+        more than its Ray share (Ray packs fractional shares of one GPU up to 1.0, so the stated memory
+        fractions of whatever lands together then sum to at most 1)."""
+        for role, name in (("target", "Target"), ("drafter", "Drafter")):
+            model = getattr(self.args, role)
+            deployment = self.deployment(name)
+            if model.device != "cuda" or deployment is None:
+                continue
+            share = min(deployment.rank_gpu_shares() or [deployment.ray_actor_options.num_gpus])
+            if 0 < share < 1:
+                fraction = model.gpu_memory_fraction
+                if fraction is None or fraction > share + 1e-9:
+                    raise ValueError(f"{path}.args.{role}.gpu_memory_fraction: the {name} has {share:g} of a GPU "
+                                     f"(shared with another model); state its memory share, at most {share:g} "
+                                     f"(got {fraction})")
 
     def deployment(self, name: str) -> Optional[DeploymentConfig]:
         return next((d for d in self.deployments if d.name == name), None)
@@ -349,15 +499,23 @@ class HttpOptions:
 
 @dataclass
 class GrpcOptions:
-    port: int = _help("public gRPC port of the Serve proxy", default=9000)
-    grpc_servicer_functions: list[str] = _help("servicers the proxy registers",
-                                               default_factory=lambda: [TREESERVE_SERVICER])
+    """Ray Serve's own gRPC proxy. TreeServe does not use it: the public API is the Router's own server
+    (`args.api`, services/api_server.py). With no servicers listed Serve starts no gRPC proxy at all."""
+
+    port: int = _help("port of Serve's gRPC proxy (unused by TreeServe; its API port is args.api.port)",
+                      default=9000)
+    grpc_servicer_functions: list[str] = _help("servicers Serve's proxy registers; must not include the TreeServe "
+                                               "API", default_factory=list)
     request_timeout_s: Optional[float] = _help("proxy-side deadline per request", default=None)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         _port(self.port, f"{path}.port")
-        if TREESERVE_SERVICER not in self.grpc_servicer_functions:
-            raise ValueError(f"{path}.grpc_servicer_functions: must include {TREESERVE_SERVICER}")
+        if TREESERVE_SERVICER in self.grpc_servicer_functions:
+            raise ValueError(
+                f"{path}.grpc_servicer_functions: {TREESERVE_SERVICER} must not be registered on Serve's gRPC proxy: "
+                "the Router serves the API itself (args.api, args.security); the proxy has no TLS, no token check "
+                "and no request-size cap, and it queues requests in front of the router's limit "
+                "(limits.max_concurrent_requests) instead of refusing them")
 
 
 @dataclass

@@ -40,6 +40,9 @@ def limit_threads() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)
+    from treeserve.services.grpc_clients import quiet_poller_noise
+
+    quiet_poller_noise()
 
 
 def session_ids_of(obj: Any) -> list[str]:
@@ -198,15 +201,25 @@ class GrpcReplica:
     server: ReplicaServer
     heartbeat: Heartbeat | None = None
 
-    def _start_server(self, add_servicer, max_message_bytes: int) -> None:
+    def _start_server(self, add_servicer, max_message_bytes: int, internal_secret: str | None) -> None:
+        """Start the replica's gRPC server on this node's own address. Inside Serve the application secret is
+        required: every internal rpc is authenticated with it (services/internal_auth.py)."""
+        from treeserve.services.internal_auth import registry_scope
+
         app, deployment, replica_id = replica_identity()
+        if not internal_secret and Registry.available():
+            raise ValueError(f"{deployment} replica started without the application's internal secret; build the "
+                             "application with treeserve.services.app (build_app / build_app_from_config)")
         self.replica_id = replica_id
         self.servicer.replica_id = replica_id
-        self.server = ReplicaServer(add_servicer, self.servicer, max_message_bytes).start()
+        self.server = ReplicaServer(add_servicer, self.servicer, max_message_bytes,
+                                    internal_secret=internal_secret).start()
         self.servicer.address = self.server.address
         if Registry.available():
-            self.heartbeat = Heartbeat(Registry(app, deployment), replica_id, self.server.address)
-        log.info("%s replica %s serving gRPC on %s", deployment, replica_id, self.server.address)
+            self.heartbeat = Heartbeat(Registry(app, deployment, registry_scope(internal_secret)), replica_id,
+                                       self.server.address)
+        log.info("%s replica %s serving gRPC on %s (internal rpcs %s)", deployment, replica_id, self.server.address,
+                 "authenticated" if internal_secret else "NOT authenticated")
 
     async def address(self) -> tuple[str, str]:
         """(replica id, host:port of this replica's gRPC server): discovery through the Serve handle."""
@@ -233,7 +246,8 @@ class GrpcReplica:
 class DrafterReplica(GrpcReplica):
     """Serve deployment class (wrapped by services/app.py): loads the drafter from the app `args`."""
 
-    def __init__(self, args: dict | None = None, drafter: LocalDrafter | None = None, vocab_size: int | None = None):
+    def __init__(self, args: dict | None = None, drafter: LocalDrafter | None = None, vocab_size: int | None = None,
+                 internal_secret: str | None = None):
         limit_threads()
         from treeserve.services.config import AppConfig
 
@@ -241,7 +255,7 @@ class DrafterReplica(GrpcReplica):
         if drafter is None:
             drafter, vocab_size = load_drafter_from_config(config)
         self.servicer = DrafterServicer(drafter, int(vocab_size), default_method=config.speculation.method)
-        self._start_server(pb_grpc.add_DrafterServicer_to_server, config.grpc.max_message_bytes)
+        self._start_server(pb_grpc.add_DrafterServicer_to_server, config.grpc.max_message_bytes, internal_secret)
 
 
 def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:

@@ -60,6 +60,29 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
             ("grpc.enable_retries", 0)]
 
 
+class _PollerNoiseFilter(logging.Filter):
+    """grpc.aio used from more than one event loop in a process (a replica's server loop beside Serve's own)
+    makes every loop but one find the completion queue's wake-up byte already read: a harmless BlockingIOError
+    in PollerCompletionQueue._handle_events, logged by asyncio as an error each time (grpc/grpc#25364, the fix
+    grpc/grpc#36096 is not released). Drop exactly those records."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BlockingIOError) and "_handle_events" in record.getMessage():
+            return False
+        return True
+
+
+_POLLER_FILTER = _PollerNoiseFilter()
+
+
+def quiet_poller_noise() -> None:
+    """Install the filter on asyncio's logger (idempotent; uvloop logs through the same logger)."""
+    logger = logging.getLogger("asyncio")
+    if _POLLER_FILTER not in logger.filters:
+        logger.addFilter(_POLLER_FILTER)
+
+
 def node_ip() -> str:
     try:
         import ray
@@ -73,15 +96,32 @@ def node_ip() -> str:
 
 # ================================================================================================ server side
 class ReplicaServer:
-    """A grpc.aio server on its own thread and event loop; `address` is `host:port` once started."""
+    """A grpc.aio server on its own thread and event loop; `address` is `host:port` once started.
+
+    It listens on `host` only (default: this node's own address, never all interfaces unless `bind_host` says
+    "0.0.0.0"). With `internal_secret` every rpc must carry the address-bound internal token
+    (services/internal_auth.py); `credentials` (grpc.ServerCredentials) turn TLS on; `interceptors` run before
+    the servicer (the public API's token check)."""
 
     def __init__(self, add_servicer: Callable[[Any, Any], None], servicer: Any,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, host: str | None = None, port: int = 0):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, host: str | None = None, port: int = 0,
+                 *, bind_host: str | None = None, internal_secret: str | None = None,
+                 credentials: Any = None, interceptors: Iterable[Any] = (), options: Iterable[tuple] = (),
+                 maximum_concurrent_rpcs: int | None = None):
         self._add = add_servicer
         self._servicer = servicer
-        self._options = channel_options(max_message_bytes)
-        self._bind = f"[::]:{port}"
+        self._options = [o for o in channel_options(max_message_bytes)
+                         if o[0] not in {k for k, _ in options}] + list(options)
         self._host = host or node_ip()
+        self._bind_host = bind_host or self._host
+        self._port_wanted = port
+        self._credentials = credentials
+        self._interceptors = list(interceptors)
+        if internal_secret:
+            from treeserve.services.internal_auth import InternalAuthInterceptor
+
+            self._interceptors.insert(0, InternalAuthInterceptor(internal_secret, lambda: self.address))
+        self._max_rpcs = maximum_concurrent_rpcs
         self.port = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
@@ -121,9 +161,18 @@ class ReplicaServer:
             self._ready.set()
 
     async def _serve(self) -> None:
-        self._server = grpc.aio.server(options=self._options)
+        quiet_poller_noise()
+        self._server = grpc.aio.server(options=self._options, interceptors=self._interceptors or None,
+                                       maximum_concurrent_rpcs=self._max_rpcs)
         self._add(self._servicer, self._server)
-        self.port = self._server.add_insecure_port(self._bind)
+        host = f"[{self._bind_host}]" if ":" in self._bind_host else self._bind_host
+        bind = f"{host}:{self._port_wanted}"
+        if self._credentials is not None:
+            self.port = self._server.add_secure_port(bind, self._credentials)
+        else:
+            self.port = self._server.add_insecure_port(bind)
+        if not self.port:
+            raise RuntimeError(f"cannot listen on {bind}")
         self._stopping = asyncio.Event()
         await self._server.start()
         self._ready.set()
@@ -171,12 +220,14 @@ class Endpoint:
 
 
 class Registry:
-    """Replica addresses in Ray's internal KV: key treeserve/<app>/<deployment>/<replica>, value JSON."""
+    """Replica addresses in Ray's internal KV: key replicas/<app>/<scope>/<deployment>/<replica>, value JSON.
+    `scope` (internal_auth.registry_scope of the application secret) separates application builds: a router
+    lists only the replicas that accept its tokens."""
 
     NAMESPACE = "treeserve"
 
-    def __init__(self, app: str, deployment: str):
-        self.prefix = f"replicas/{app}/{deployment}/"
+    def __init__(self, app: str, deployment: str, scope: str = ""):
+        self.prefix = f"replicas/{app}/{scope + '/' if scope else ''}{deployment}/"
 
     @staticmethod
     def available() -> bool:
@@ -236,20 +287,27 @@ class Heartbeat:
         self.registry.withdraw(self.replica_id)
 
 
-def serve_discovery(app: str, deployment: str, handle: Any = None) -> Callable[[], Awaitable[list[Endpoint]]]:
-    """Discovery for a pool: the registry, and the deployment handle when the registry is empty (the handle
-    call also waits for a replica to come up)."""
-    registry = Registry(app, deployment)
+def serve_discovery(app: str, deployment: str, handle: Any = None,
+                    scope: str = "") -> Callable[[], Awaitable[list[Endpoint]]]:
+    """Discovery for a pool: the registry (every replica publishes itself there as soon as its server is up);
+    the deployment handle only where there is no registry (no Ray KV).
+
+    The handle is never asked while the registry is reachable: with no replica running (one was killed and Serve
+    is restarting it), a handle call waits until one comes up, and a step waiting on it would freeze every
+    stream, where an empty list lets the drafter client fall back to plain decoding at once."""
+    registry = Registry(app, deployment, scope)
 
     async def discover() -> list[Endpoint]:
-        found = await asyncio.to_thread(registry.list) if Registry.available() else []
-        if not found and handle is not None:
-            try:
-                replica_id, address = await asyncio.wait_for(handle.address.remote(), timeout=10.0)
-                found = [Endpoint(replica_id, address)]
-            except Exception as exc:
-                log.warning("no %s replica reachable through its handle: %s", deployment, exc)
-        return found
+        if Registry.available():
+            return await asyncio.to_thread(registry.list)
+        if handle is None:
+            return []
+        try:
+            replica_id, address = await asyncio.wait_for(handle.address.remote(), timeout=10.0)
+            return [Endpoint(replica_id, address)]
+        except Exception as exc:
+            log.warning("no %s replica reachable through its handle: %s", deployment, exc)
+            return []
 
     def forget(endpoint: Endpoint) -> None:
         # A dead replica's entry; a live one re-publishes within its heartbeat period anyway.
@@ -293,6 +351,7 @@ class ReplicaPool:
     cooldown_s: float = 10.0  # a dropped replica is not re-probed before this
     refresh_period_s: float = 5.0  # background refresh (scale-out) at most this often
     probe_timeout_s: float = 2.0
+    internal_secret: str | None = None  # signs every call (services/internal_auth.py)
     live: dict[str, _Live] = field(default_factory=dict)
     _dropped: dict[str, float] = field(default_factory=dict)
     _ring: list[tuple[int, str]] = field(default_factory=list)
@@ -358,7 +417,10 @@ class ReplicaPool:
             self._rebuild_ring()
 
     async def _probe(self, endpoint: Endpoint) -> _Live | None:
-        channel = grpc.aio.insecure_channel(endpoint.address, options=channel_options(self.max_message_bytes))
+        from treeserve.services.internal_auth import client_interceptors
+
+        channel = grpc.aio.insecure_channel(endpoint.address, options=channel_options(self.max_message_bytes),
+                                            interceptors=client_interceptors(self.internal_secret, endpoint.address))
         stub = self.stub_class(channel)
         try:
             await stub.Health(pb.HealthRequest(), timeout=self.probe_timeout_s)

@@ -1,8 +1,26 @@
-"""Router metrics through `ray.util.metrics` (Ray exports them to Prometheus as `ray_treeserve_*`).
+"""Router metrics through `ray.util.metrics`; Ray's metrics agent exports them in Prometheus format on each node's
+metrics export port, each name prefixed with `ray_` (`ray_treeserve_requests_total`, ...).
 
 Names follow DESIGN.md section 7: MAL = tokens emitted per target forward (bonus token included); tree size
-= candidate (draft) tokens sent to the target per step. Outside a Ray worker (unit tests, `--in-process`)
-every metric is a no-op, so callers never check.
+= candidate (draft) tokens sent to the target per step. Series (tags in brackets):
+
+- treeserve_requests_total [code, method]: finished requests by final gRPC status (OK, INVALID_ARGUMENT,
+  UNAUTHENTICATED, RESOURCE_EXHAUSTED, CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE, INTERNAL); rejected requests
+  count with method "none" when they never got as far as a method.
+- treeserve_mean_accepted_length [method]: per finished request.
+- treeserve_tree_size_tokens [method]: per sequence per step (the le=0.5 bucket counts plain steps).
+- treeserve_draft_latency_ms, treeserve_score_latency_ms: per batch step; treeserve_verify_latency_ms: per
+  sequence per step.
+- treeserve_time_to_first_token_ms [method]: request arrival to its first streamed token.
+- treeserve_inter_token_latency_ms [method]: gap between consecutive stream messages divided by the tokens the
+  later one carries (observed once per token: a token-weighted distribution).
+- treeserve_queue_depth (admitted requests waiting to join the batch), treeserve_active_sessions (sequences in
+  the running batch), treeserve_batch_size, treeserve_generated_tokens_total, treeserve_steps_total,
+  treeserve_replica_retries_total [deployment].
+
+Metrics that cannot be created are an error (the Router replica fails to start with the reason): a service that
+silently exports nothing is worse than one that does not start. `RouterMetrics(enabled=False)` (unit tests,
+in-process use) is explicitly a no-op.
 """
 
 from __future__ import annotations
@@ -11,9 +29,27 @@ import logging
 
 log = logging.getLogger("treeserve.metrics")
 
-LATENCY_MS_BOUNDARIES = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
-TREE_SIZE_BOUNDARIES = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
+# Ray's Histogram wants strictly positive, increasing boundaries.
+LATENCY_MS_BOUNDARIES = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000]
+TREE_SIZE_BOUNDARIES = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 MAL_BOUNDARIES = [1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8]
+BATCH_SIZE_BOUNDARIES = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64]
+ALL_BOUNDARIES = {"latency_ms": LATENCY_MS_BOUNDARIES, "tree_size": TREE_SIZE_BOUNDARIES, "mal": MAL_BOUNDARIES,
+                  "batch_size": BATCH_SIZE_BOUNDARIES}
+
+SERIES = ("treeserve_requests_total", "treeserve_generated_tokens_total", "treeserve_steps_total",
+          "treeserve_mean_accepted_length", "treeserve_tree_size_tokens", "treeserve_draft_latency_ms",
+          "treeserve_score_latency_ms", "treeserve_verify_latency_ms", "treeserve_time_to_first_token_ms",
+          "treeserve_inter_token_latency_ms", "treeserve_queue_depth", "treeserve_active_sessions",
+          "treeserve_batch_size", "treeserve_replica_retries_total")
+
+
+def check_boundaries(boundaries: list[float], name: str) -> None:
+    """Raise ValueError unless the boundaries are positive and strictly increasing (what Ray accepts)."""
+    if not boundaries or any(b <= 0 for b in boundaries):
+        raise ValueError(f"{name}: histogram boundaries must be positive, got {boundaries}")
+    if any(b >= c for b, c in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"{name}: histogram boundaries must increase strictly, got {boundaries}")
 
 
 class _Noop:
@@ -23,6 +59,8 @@ class _Noop:
 
 
 class RouterMetrics:
+    """`enabled=None`: on inside a Ray worker, off elsewhere. Enabled metrics that cannot be created raise."""
+
     def __init__(self, enabled: bool | None = None):
         if enabled is None:
             try:
@@ -35,46 +73,71 @@ class RouterMetrics:
         if self.enabled:
             try:
                 self._create()
-                return
-            except Exception as exc:  # pragma: no cover - metrics must never take the router down
-                log.warning("metrics disabled: %s", exc)
-                self.enabled = False
-        self.requests = self.tokens = self.steps = _Noop()
+            except Exception as exc:
+                raise RuntimeError(f"cannot create the router's metrics ({type(exc).__name__}: {exc}); the "
+                                   "service refuses to run without them") from exc
+            # Gauges appear in the export only once set.
+            self.queue_depth.set(0)
+            self.active.set(0)
+            return
+        self.requests = self.tokens = self.steps = self.retries = _Noop()
         self.mal = self.tree_size = self.draft_ms = self.score_ms = self.verify_ms = _Noop()
-        self.queue_depth = self.active = self.batch_size = self.retries = _Noop()
+        self.ttft_ms = self.itl_ms = self.queue_depth = self.active = self.batch_size = _Noop()
 
     def _create(self) -> None:
         from ray.util.metrics import Counter, Gauge, Histogram
 
-        self.requests = Counter("treeserve_requests_total", "requests finished, by gRPC status code",
+        for name, boundaries in ALL_BOUNDARIES.items():
+            check_boundaries(boundaries, name)
+        self.requests = Counter("treeserve_requests_total", "requests finished, by final gRPC status code",
                                 tag_keys=("code", "method"))
         self.tokens = Counter("treeserve_generated_tokens_total", "tokens streamed to clients")
         self.steps = Counter("treeserve_steps_total", "speculation steps (batched target forwards)")
         self.mal = Histogram("treeserve_mean_accepted_length", "per request: tokens emitted per target forward "
-                             "(bonus included)", boundaries=MAL_BOUNDARIES)
+                             "(bonus included)", boundaries=MAL_BOUNDARIES, tag_keys=("method",))
         self.tree_size = Histogram("treeserve_tree_size_tokens", "draft (candidate) tokens per sequence per step",
-                                   boundaries=TREE_SIZE_BOUNDARIES)
+                                   boundaries=TREE_SIZE_BOUNDARIES, tag_keys=("method",))
         self.draft_ms = Histogram("treeserve_draft_latency_ms", "drafting time of a batch step",
                                   boundaries=LATENCY_MS_BOUNDARIES)
         self.score_ms = Histogram("treeserve_score_latency_ms", "target scoring time of a batch step",
                                   boundaries=LATENCY_MS_BOUNDARIES)
         self.verify_ms = Histogram("treeserve_verify_latency_ms", "verification time per sequence",
                                    boundaries=LATENCY_MS_BOUNDARIES)
-        self.batch_size = Histogram("treeserve_batch_size", "sequences per step",
-                                    boundaries=[1, 2, 3, 4, 6, 8, 12, 16, 32, 64])
-        self.queue_depth = Gauge("treeserve_queue_depth", "requests waiting to join the batch")
-        self.active = Gauge("treeserve_active_sequences", "sequences in the running batch")
+        self.ttft_ms = Histogram("treeserve_time_to_first_token_ms", "request arrival to its first streamed token",
+                                 boundaries=LATENCY_MS_BOUNDARIES, tag_keys=("method",))
+        self.itl_ms = Histogram("treeserve_inter_token_latency_ms", "time between streamed tokens (per token)",
+                                boundaries=LATENCY_MS_BOUNDARIES, tag_keys=("method",))
+        self.batch_size = Histogram("treeserve_batch_size", "sequences per step", boundaries=BATCH_SIZE_BOUNDARIES)
+        self.queue_depth = Gauge("treeserve_queue_depth", "admitted requests waiting to join the batch")
+        self.active = Gauge("treeserve_active_sessions", "sequences (sessions) in the running batch")
         self.retries = Counter("treeserve_replica_retries_total", "calls re-sent to another replica",
                                tag_keys=("deployment",))
 
     def record_step(self, records: list, batch_size: int) -> None:
-        """One batch step: `records` are the StepRecords it appended (one per sequence)."""
+        """One batch step: `records` are (method, StepRecord) of the sequences it advanced."""
         if not self.enabled or not records:
             return
         self.steps.inc()
         self.batch_size.observe(batch_size)
-        self.draft_ms.observe(records[0].draft_ms)
-        self.score_ms.observe(records[0].score_ms)
-        for record in records:
-            self.tree_size.observe(record.tree_size)
+        self.draft_ms.observe(records[0][1].draft_ms)
+        self.score_ms.observe(records[0][1].score_ms)
+        for method, record in records:
+            self.tree_size.observe(record.tree_size, tags={"method": method})
             self.verify_ms.observe(record.verify_ms)
+
+    def record_request(self, code: str, method: str | None) -> None:
+        self.requests.inc(tags={"code": code, "method": method or "none"})
+
+    def record_tokens(self, method: str, count: int, gap_ms: float | None) -> None:
+        """A stream message of `count` tokens; `gap_ms` since the request arrived (first message) or since the
+        previous message, None for the first."""
+        if count <= 0:
+            return
+        self.tokens.inc(count)
+        if gap_ms is not None:
+            per_token = gap_ms / count
+            for _ in range(count):
+                self.itl_ms.observe(per_token, tags={"method": method})
+
+    def record_first_token(self, method: str, ttft_ms: float) -> None:
+        self.ttft_ms.observe(ttft_ms, tags={"method": method})

@@ -1,4 +1,4 @@
-"""The Router: public gRPC API (Generate / GenerateStream), validation, continuous batching, streaming.
+"""The Router: request admission, continuous batching and streaming over the speculative engine.
 
 One background step loop per router drives `SpeculativeEngine.step` on the batch of active sequences:
 requests join and leave only at step boundaries, so the batch changes continuously; at batch size 1 the
@@ -8,17 +8,19 @@ Drafter are gRPC clients of the replicas (services/grpc_clients.py); in unit tes
 runners. Verification, emission and stop conditions are the engine's own (`start`, `step`, `result`);
 the router only turns what each step emitted into stream messages.
 
-Errors: bad input -> INVALID_ARGUMENT; over the configured limits or too many requests in flight ->
-RESOURCE_EXHAUSTED; the per-request deadline (limits.request_timeout_s) -> DEADLINE_EXCEEDED. A client
-that cancels (or whose own deadline expires) leaves the batch at the next step boundary and its session is
-released on every replica.
+The public gRPC API in front of it (TLS, tokens, payload decoding, status codes, one log line per rejected
+request) is services/api_server.py; what a valid request is, services/validation.py (shared with any other
+front end). Errors: bad input -> INVALID_ARGUMENT; over the configured limits -> RESOURCE_EXHAUSTED, and
+with limits.max_concurrent_requests requests in flight the next one gets RESOURCE_EXHAUSTED at once (nothing
+queues in front of this check: the API server is the Router's own, not Serve's proxy); the per-request deadline
+(limits.request_timeout_s) -> DEADLINE_EXCEEDED. A client that cancels (or whose own deadline expires) leaves
+the batch at the next step boundary and its session is released on every replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,39 +31,16 @@ import grpc
 from treeserve.engine.drafting import AUTOREGRESSIVE
 from treeserve.engine.generate import Sequence, SpeculativeEngine
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult
-from treeserve.engine.sampling import SamplingParams
 from treeserve.services.config import LimitsConfig
 from treeserve.services.metrics import RouterMetrics
+from treeserve.services.validation import (MAX_BUDGET_TOKENS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,  # noqa: F401
+                                           METHOD_ENUMS, METHOD_NAMES, ROLES, RequestError, RequestValidator)
 from treeserve.v1 import generation_pb2 as gen
-from treeserve.v1 import generation_pb2_grpc as gen_grpc
 
 log = logging.getLogger("treeserve.router")
 
-METHOD_NAMES = {
-    gen.TREE_METHOD_AUTOREGRESSIVE: "autoregressive", gen.TREE_METHOD_CHAIN: "chain",
-    gen.TREE_METHOD_STATIC: "static", gen.TREE_METHOD_EAGLE2: "eagle2", gen.TREE_METHOD_DYSPEC: "dyspec",
-    gen.TREE_METHOD_DYSPEC_THRESHOLD: "dyspec_threshold", gen.TREE_METHOD_OPT_TREE: "opt_tree",
-    gen.TREE_METHOD_C2T: "c2t",
-}
-METHOD_ENUMS = {name: value for value, name in METHOD_NAMES.items()}
 FINISH = {FinishReason.LENGTH: gen.FINISH_REASON_LENGTH, FinishReason.EOS: gen.FINISH_REASON_EOS,
           FinishReason.STOP_STRING: gen.FINISH_REASON_STOP_STRING}
-MAX_BUDGET_TOKENS = 1024
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-ROLES = ("system", "user", "assistant")
-
-
-class RequestError(Exception):
-    """A request-level failure with its gRPC status code."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-    def __reduce__(self):  # Serve pickles exceptions raised in a replica across processes
-        return RequestError, (self.code, self.message)
 
 
 @dataclass
@@ -69,13 +48,16 @@ class _Job:
     request: GenerationRequest
     method: str
     deadline: float  # time.monotonic()
+    arrival: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None
     sent_tokens: int = 0
     sent_text: str = ""
+    last_emit: float | None = None  # when the last message with tokens was queued
     cancelled: bool = False
     done: bool = False
     result: GenerationResult | None = None
+    status: str | None = None  # final status code name once the job left
 
 
 class Router:
@@ -85,6 +67,7 @@ class Router:
                  metrics: RouterMetrics | None = None, clients: list[Any] = (), router_id: str | None = None):
         self.engine = engine
         self.limits = limits or LimitsConfig()
+        self.validator = RequestValidator(engine, self.limits)
         self.metrics = metrics or RouterMetrics(enabled=False)
         self.clients = [c for c in clients if c is not None]
         self.router_id = router_id or uuid.uuid4().hex[:8]
@@ -96,43 +79,31 @@ class Router:
         self._retries_seen: dict[int, int] = {}
         self.steps = 0
 
-    # ------------------------------------------------------------------ Serve gRPC ingress
-    async def Generate(self, request: gen.GenerateRequest, grpc_context=None) -> gen.GenerateResponse:
-        try:
-            return await self.generate(request)
-        except RequestError as exc:
-            _set_status(grpc_context, exc)
-            raise
-
-    async def GenerateStream(self, request: gen.GenerateRequest, grpc_context=None) -> AsyncIterator[gen.GenerateStreamResponse]:
-        try:
-            async for message in self.stream(request):
-                yield message
-        except RequestError as exc:
-            _set_status(grpc_context, exc)
-            raise
-
     async def check_health(self) -> None:
         if self._task is not None and self._task.done():
             raise RuntimeError(f"router step loop stopped: {self._task.exception()!r}")
 
     # ------------------------------------------------------------------ API
     async def generate(self, request: gen.GenerateRequest) -> gen.GenerateResponse:
-        job = await self._submit(request)
+        return await self.collect(await self.submit(request))
+
+    async def stream(self, request: gen.GenerateRequest) -> AsyncIterator[gen.GenerateStreamResponse]:
+        job = await self.submit(request)
+        async for message in self.drain(job):
+            yield message
+
+    async def collect(self, job: _Job) -> gen.GenerateResponse:
+        """Drain a submitted job into one unary reply."""
         tokens: list[int] = []
         last = None
-        async for message in self._drain(job):
+        async for message in self.drain(job):
             tokens.extend(message.token_ids)
             last = message
         return gen.GenerateResponse(text=job.result.text, token_ids=tokens, finish_reason=last.finish_reason,
                                     stats=last.stats)
 
-    async def stream(self, request: gen.GenerateRequest) -> AsyncIterator[gen.GenerateStreamResponse]:
-        job = await self._submit(request)
-        async for message in self._drain(job):
-            yield message
-
-    async def _drain(self, job: _Job) -> AsyncIterator[gen.GenerateStreamResponse]:
+    async def drain(self, job: _Job) -> AsyncIterator[gen.GenerateStreamResponse]:
+        """The job's stream messages until the final one; raises its RequestError if it fails."""
         try:
             while True:
                 kind, payload = await job.queue.get()
@@ -166,106 +137,34 @@ class Router:
 
     # ------------------------------------------------------------------ validation
     def parse(self, message: gen.GenerateRequest) -> tuple[GenerationRequest, str]:
-        """GenerateRequest -> (engine request, method name); RequestError for bad or oversized input."""
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
-        too_big = grpc.StatusCode.RESOURCE_EXHAUSTED
-        limits = self.limits
-        which = message.WhichOneof("prompt")
-        if which is None:
-            raise RequestError(invalid, "prompt: set one of text, chat or token_ids")
-        if which == "text":
-            if not message.text.strip():
-                raise RequestError(invalid, "prompt: text must not be empty")
-            if len(message.text) > limits.max_prompt_tokens * 64:  # cheap guard before tokenising
-                raise RequestError(too_big, f"prompt: text longer than the limit of {limits.max_prompt_tokens} tokens")
-            prompt = self.engine.encode_chat(message.text)
-        elif which == "chat":
-            turns = list(message.chat.messages)
-            if not turns or not any(t.content.strip() for t in turns):
-                raise RequestError(invalid, "prompt: chat must hold at least one non-empty message")
-            for i, turn in enumerate(turns):
-                if turn.role not in ROLES:
-                    raise RequestError(invalid, f"prompt: chat.messages[{i}].role must be one of {', '.join(ROLES)}, "
-                                                f"got {turn.role!r}")
-            prompt = self.engine.encode_chat([{"role": t.role, "content": t.content} for t in turns])
-        else:
-            prompt = list(message.token_ids.ids)
-            if not prompt:
-                raise RequestError(invalid, "prompt: token_ids must not be empty")
-            vocab = self.engine.target.vocab_size
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise RequestError(invalid, f"prompt: token ids must lie in [0, {vocab})")
-        if len(prompt) > limits.max_prompt_tokens:
-            raise RequestError(too_big, f"prompt: {len(prompt)} tokens exceed the limit of {limits.max_prompt_tokens}")
-        if message.max_new_tokens <= 0:
-            raise RequestError(invalid, f"max_new_tokens: must be > 0, got {message.max_new_tokens}")
-        if message.max_new_tokens > limits.max_new_tokens:
-            raise RequestError(too_big, f"max_new_tokens: {message.max_new_tokens} exceeds the limit of "
-                                        f"{limits.max_new_tokens}")
-        if len(prompt) + message.max_new_tokens > self.engine.max_context_tokens:
-            raise RequestError(too_big, f"prompt ({len(prompt)} tokens) + max_new_tokens ({message.max_new_tokens}) "
-                                        f"exceeds the context window of {self.engine.max_context_tokens}")
-        sampling = self._sampling(message.sampling)
-        stops = list(message.stop_strings)
-        if len(stops) > MAX_STOP_STRINGS:
-            raise RequestError(invalid, f"stop_strings: at most {MAX_STOP_STRINGS}, got {len(stops)}")
-        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
-            raise RequestError(invalid, f"stop_strings: each must hold 1..{MAX_STOP_STRING_CHARS} characters")
-        tree, method = self._tree(message.speculation)
-        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=message.max_new_tokens, sampling=sampling,
-                                    stop_strings=tuple(stops), seed=message.sampling.seed or None, tree=tree)
-        try:
-            self.engine.validate(request)
-        except ValueError as exc:
-            raise RequestError(invalid, str(exc)) from None
-        return request, method
-
-    @staticmethod
-    def _sampling(message: gen.SamplingParams) -> SamplingParams:
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
-        if not math.isfinite(message.temperature) or message.temperature < 0:
-            raise RequestError(invalid, f"sampling.temperature: must be >= 0, got {message.temperature}")
-        if not math.isfinite(message.top_p) or not 0 <= message.top_p <= 1:
-            raise RequestError(invalid, f"sampling.top_p: must lie in (0, 1] (0 = unset), got {message.top_p}")
-        if message.top_k < 0:
-            raise RequestError(invalid, f"sampling.top_k: must be >= 0 (0 = unset), got {message.top_k}")
-        return SamplingParams(temperature=float(message.temperature), top_k=int(message.top_k),
-                              top_p=float(message.top_p) or 1.0)
-
-    def _tree(self, message: gen.SpeculationParams):
-        from treeserve.engine.builders import TreeConfig
-        from treeserve.engine.pipeline import tree_config
-
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
-        if message.method != gen.TREE_METHOD_UNSPECIFIED and message.method not in METHOD_NAMES:
-            raise RequestError(invalid, f"speculation.method: unknown tree method {message.method}")
-        if not 0 <= message.budget_tokens <= MAX_BUDGET_TOKENS:
-            raise RequestError(invalid, f"speculation.budget_tokens: must lie in 1..{MAX_BUDGET_TOKENS} "
-                                        f"(0 = server choice), got {message.budget_tokens}")
-        if message.method == gen.TREE_METHOD_UNSPECIFIED and not message.budget_tokens:
-            return None, self.engine.tree.method
-        name = METHOD_NAMES.get(message.method, self.engine.tree.method)
-        if name == AUTOREGRESSIVE:
-            return TreeConfig(method=AUTOREGRESSIVE), name
-        if message.budget_tokens:
-            return tree_config(name, int(message.budget_tokens)), name
-        if name == self.engine.tree.method:
-            return self.engine.tree, name
-        return tree_config(name, "auto"), name
+        """GenerateRequest -> (engine request, method name); RequestError for bad or oversized input
+        (services/validation.py)."""
+        return self.validator.from_proto(message)
 
     # ------------------------------------------------------------------ admission
-    async def _submit(self, message: gen.GenerateRequest) -> _Job:
+    @property
+    def in_flight(self) -> int:
+        return len(self._active) + len(self._waiting)
+
+    async def submit(self, message: gen.GenerateRequest) -> _Job:
+        """Admit a request or refuse it at once: RESOURCE_EXHAUSTED when limits.max_concurrent_requests requests
+        are already in flight (checked before any tokenising, so an overloaded router spends nothing on the
+        requests it refuses), else the validator's verdict."""
         await self.start()
-        request, method = self.parse(message)
-        if len(self._active) + len(self._waiting) >= self.limits.max_concurrent_requests:
-            self.metrics.requests.inc(tags={"code": "RESOURCE_EXHAUSTED", "method": method})
+        limit = self.limits.max_concurrent_requests
+        if self.in_flight >= limit:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"too many concurrent requests (limit {self.limits.max_concurrent_requests})")
+                               f"too many concurrent requests: {self.in_flight} in flight, the limit is {limit}; "
+                               "retry later")
+        request, method = self.parse(message)  # synchronous: nothing else is admitted meanwhile
         job = _Job(request, method, deadline=time.monotonic() + self.limits.request_timeout_s)
         self._waiting.append(job)
         self.metrics.queue_depth.set(len(self._waiting))
         self._wake.set()
         return job
+
+    # Back-compatible name.
+    _submit = submit
 
     def _admit_and_prune(self) -> None:
         now = time.monotonic()
@@ -305,13 +204,17 @@ class Router:
             except Exception as exc:  # the engine already retried on other replicas: fail this batch
                 from treeserve.services.grpc_clients import NoReplicaError
 
-                log.exception("step failed for %d sequences", len(batch))
-                code = grpc.StatusCode.UNAVAILABLE if isinstance(exc, NoReplicaError) else grpc.StatusCode.INTERNAL
+                if isinstance(exc, NoReplicaError):  # an outage, not a bug: one line, no traceback
+                    log.error("step failed for %d sequences: %s", len(batch), exc)
+                    code = grpc.StatusCode.UNAVAILABLE
+                else:
+                    log.exception("step failed for %d sequences", len(batch))
+                    code = grpc.StatusCode.INTERNAL
                 for job in jobs:
                     self._fail(job, RequestError(code, f"generation step failed: {exc}"))
                 continue
             self.steps += 1
-            self.metrics.record_step([s.steps[-1] for s in batch if s.steps], len(batch))
+            self.metrics.record_step([(j.method, j.seq.steps[-1]) for j in jobs if j.seq.steps], len(batch))
             self._count_retries()
             for job in jobs:
                 if job in self._active:
@@ -325,11 +228,23 @@ class Router:
                 self.metrics.retries.inc(retries - seen, tags={"deployment": client.pool.name})
                 self._retries_seen[id(client)] = retries
 
+    def _emitted(self, job: _Job, count: int) -> None:
+        """Latency metrics of a stream message carrying `count` tokens."""
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if job.last_emit is None:
+            self.metrics.record_first_token(job.method, (now - job.arrival) * 1e3)
+            self.metrics.record_tokens(job.method, count, None)
+        else:
+            self.metrics.record_tokens(job.method, count, (now - job.last_emit) * 1e3)
+        job.last_emit = now
+
     def _publish(self, job: _Job) -> None:
         s = job.seq
         tokens = s.emitted[job.sent_tokens:]
         job.sent_tokens = len(s.emitted)
-        self.metrics.tokens.inc(len(tokens))
+        self._emitted(job, len(tokens))
         if s.finish is None:
             visible = self._visible_text(s)
             delta = visible[len(job.sent_text):] if visible.startswith(job.sent_text) else ""
@@ -344,7 +259,7 @@ class Router:
                                            finish_reason=FINISH[job.result.finish_reason],
                                            stats=self._stats(job))
         job.queue.put_nowait(("message", final))
-        self.metrics.mal.observe(job.result.mean_accepted_length)
+        self.metrics.mal.observe(job.result.mean_accepted_length, tags={"method": job.method})
         self._leave(job, "OK")
 
     def _visible_text(self, s: Sequence) -> str:
@@ -372,12 +287,13 @@ class Router:
         self._leave(job, error.code.name)
 
     def _leave(self, job: _Job, code: str) -> None:
+        """The job is over (`code`: its final status); the API layer counts it (services/api_server.py)."""
         job.done = True
+        job.status = code
         if job in self._active:
             self._active.remove(job)
         if job in self._waiting:
             self._waiting.remove(job)
-        self.metrics.requests.inc(tags={"code": code, "method": job.method})
         if job.seq is not None:
             task = asyncio.ensure_future(self._release(job.seq))
             self._background.add(task)
@@ -396,60 +312,49 @@ class Router:
             log.warning("release of %s failed: %s", seq.session_id, exc)
 
 
-def _set_status(grpc_context, exc: RequestError) -> None:
-    """Serve's gRPC context: a code set before raising is what the client receives."""
-    if grpc_context is not None:
-        grpc_context.set_code(exc.code)
-        grpc_context.set_details(exc.message)
-
-
-class RouterServicer(gen_grpc.TreeServeServicer):
-    """The public API on a plain grpc.aio server (tests, in-process serving): same Router, `abort` for errors."""
-
-    def __init__(self, router: Router):
-        self.router = router
-
-    async def Generate(self, request, context):
-        try:
-            return await self.router.generate(request)
-        except RequestError as exc:
-            await context.abort(exc.code, exc.message)
-
-    async def GenerateStream(self, request, context):
-        try:
-            async for message in self.router.stream(request):
-                yield message
-        except RequestError as exc:
-            await context.abort(exc.code, exc.message)
+# The public API's servicer lives with its server; re-exported here for existing imports.
+from treeserve.services.api_server import RouterServicer  # noqa: E402,F401
 
 
 class RouterReplica(Router):
-    """Serve deployment class (wrapped by services/app.py): the engine's Target and Drafter are gRPC clients
-    of the Target / Drafter replicas, found through the registry and the Serve handles. With an EAGLE drafter
-    the target clients ask for features and the drafter client passes them on (services/grpc_clients.py)."""
+    """Serve deployment class (wrapped by services/app.py). It serves the public API on its own grpc.aio server
+    (services/api_server.py: TLS, bearer tokens, request-size cap, status codes), whose event loop also runs
+    the step loop and the replica clients. The engine's Target and Drafter are gRPC clients of the Target /
+    Drafter replicas, found through the registry (scoped to this application build) and authenticated with the
+    application's internal secret. With an EAGLE drafter the target clients ask for features and the drafter
+    client passes them on (services/grpc_clients.py).
 
-    def __init__(self, args: dict | None, drafter_handle: Any = None, target_handle: Any = None):
+    Losing this replica ends its streams with UNAVAILABLE (their connections close with the process); Serve
+    starts a new one, which listens on the same port, and new requests succeed once it is up."""
+
+    def __init__(self, args: dict | None, drafter_handle: Any = None, target_handle: Any = None,
+                 internal_secret: str | None = None, serve_api: bool = True):
         from treeserve.engine.pipeline import tree_config
         from treeserve.services.config import AppConfig
         from treeserve.services.drafter_service import limit_threads
-        from treeserve.services.grpc_clients import (RemoteDrafter, RemoteTarget, ReplicaPool, replica_identity,
-                                                     serve_discovery)
+        from treeserve.services.grpc_clients import (RemoteDrafter, RemoteTarget, ReplicaPool, Registry,
+                                                     replica_identity, serve_discovery)
+        from treeserve.services.internal_auth import registry_scope
         from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
         limit_threads()
         config = AppConfig.from_args(args)
+        if not internal_secret and Registry.available():
+            raise ValueError("Router replica started without the application's internal secret; build the "
+                             "application with treeserve.services.app (build_app / build_app_from_config)")
         tokenizer, vocab_size = load_tokenizer(config.target.path)
         app, _, replica_id = replica_identity()
+        scope = registry_scope(internal_secret)
         max_bytes = config.grpc.max_message_bytes
         timeout = config.limits.request_timeout_s
-        target_pool = ReplicaPool("Target", pb_grpc.TargetStub, serve_discovery(app, "Target", target_handle),
-                                  max_bytes, refresh_period_s=1.0)
+        target_pool = ReplicaPool("Target", pb_grpc.TargetStub, serve_discovery(app, "Target", target_handle, scope),
+                                  max_bytes, refresh_period_s=1.0, internal_secret=internal_secret)
         target = RemoteTarget(target_pool, vocab_size, call_timeout_s=timeout, retry_timeout_s=timeout)
         drafter = None
         if drafter_handle is not None and config.speculation.method != AUTOREGRESSIVE:
             drafter_pool = ReplicaPool("Drafter", pb_grpc.DrafterStub,
-                                       serve_discovery(app, "Drafter", drafter_handle), max_bytes,
-                                       refresh_period_s=1.0)
+                                       serve_discovery(app, "Drafter", drafter_handle, scope), max_bytes,
+                                       refresh_period_s=1.0, internal_secret=internal_secret)
             drafter = RemoteDrafter(drafter_pool, call_timeout_s=timeout,
                                     reads_target_features=config.drafter.reads_target_features())
             # Rows the target recomputes (a replica rebuilt the session) must reach the drafter replicas too.
@@ -457,7 +362,39 @@ class RouterReplica(Router):
         engine = SpeculativeEngine(target, drafter, tokenizer,
                                    tree_config(config.speculation.method, config.speculation.budget),
                                    config.target.max_context_tokens)
-        super().__init__(engine, config.limits, RouterMetrics(), clients=[target, drafter], router_id=replica_id)
+        super().__init__(engine, config.limits, RouterMetrics(enabled=Registry.available()),
+                         clients=[target, drafter], router_id=replica_id)
+        self.config = config
+        self.api_server = None
+        if serve_api:
+            from treeserve.services.api_server import start_api_server
+
+            self.api_server = start_api_server(self, config.api, config.security)
+            # The step loop and the replica clients live on the API server's loop, where requests arrive.
+            asyncio.run_coroutine_threadsafe(self.start(), self.api_server.loop).result(30)
+            log.info("Router %s serving the public API on %s", replica_id, self.api_server.describe())
+
+    async def check_health(self) -> None:
+        if self.api_server is not None and not self.api_server.alive():
+            raise RuntimeError("the public API server is not running")
+        await super().check_health()
+
+    async def ready(self) -> int:
+        """Readiness through the real pipeline: a one-token generation on the API server's loop (drafter, target
+        and verification all answer). Returns the tokens generated. `treeserve serve` waits on it."""
+        message = gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1]), max_new_tokens=1)
+        loop = self.api_server.loop if self.api_server is not None else asyncio.get_running_loop()
+        future = asyncio.run_coroutine_threadsafe(self.generate(message), loop)
+        reply = await asyncio.wrap_future(future)
+        return len(reply.token_ids)
+
+    def __del__(self) -> None:
+        server = getattr(self, "api_server", None)
+        if server is not None:
+            try:
+                server.stop(0.5)
+            except Exception:
+                pass
 
 
 def load_tokenizer(path: str) -> tuple[Any, int]:

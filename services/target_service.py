@@ -103,14 +103,14 @@ class TargetServicer(pb_grpc.TargetServicer):
 class TargetReplica(GrpcReplica):
     """Serve deployment class (wrapped by services/app.py): loads the target from the app `args`."""
 
-    def __init__(self, args: dict | None = None, runner: Any = None):
+    def __init__(self, args: dict | None = None, runner: Any = None, internal_secret: str | None = None):
         limit_threads()
         from treeserve.services.config import AppConfig
 
         config = AppConfig.from_args(args)
         self.runner = runner if runner is not None else load_target_from_config(config)
         self.servicer = TargetServicer(self.runner)
-        self._start_server(pb_grpc.add_TargetServicer_to_server, config.grpc.max_message_bytes)
+        self._start_server(pb_grpc.add_TargetServicer_to_server, config.grpc.max_message_bytes, internal_secret)
 
     async def check_health(self) -> None:
         await super().check_health()

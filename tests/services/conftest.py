@@ -59,13 +59,14 @@ class LocalService:
         return grpc.insecure_channel(self.address)
 
 
-def start_local_service(engine, limits) -> LocalService:
-    from treeserve.services.grpc_clients import ReplicaServer
-    from treeserve.services.router import Router, RouterServicer
-    from treeserve.v1 import generation_pb2_grpc as gen_grpc
+def start_local_service(engine, limits, security=None, api=None, metrics=None) -> LocalService:
+    """The Router behind the public API server it has in Serve (services/api_server.py), on a free loopback port."""
+    from treeserve.services.api_server import start_api_server
+    from treeserve.services.config import ApiConfig, SecurityConfig
+    from treeserve.services.router import Router
 
-    router = Router(engine, limits)
-    server = ReplicaServer(gen_grpc.add_TreeServeServicer_to_server, RouterServicer(router), host="127.0.0.1").start()
+    router = Router(engine, limits, metrics=metrics)
+    server = start_api_server(router, api or ApiConfig(), security or SecurityConfig(), port=0)
     return LocalService(router, server, server.address)
 
 

@@ -1,0 +1,277 @@
+"""Request validation shared by every front end: the gRPC API (services/api_server.py, services/router.py) now,
+an OpenAI-compatible HTTP API later. One place decides what a valid request is, which status a bad one gets
+and what its message says, and how a prompt becomes token ids.
+
+- `RequestError(code, message)`: a client-visible failure; `code` is a grpc.StatusCode, `HTTP_STATUS` maps it for
+  an HTTP front end. The message names the field (`sampling.top_p: must lie in (0, 1] ...`).
+- `RequestValidator.build(...)`: plain Python values (what both front ends can produce) -> the engine's
+  `GenerationRequest` and the tree method's name.
+- `RequestValidator.from_proto(GenerateRequest)`: the gRPC adapter over `build`.
+- `decode_generate_request(bytes)`: the wire payload -> GenerateRequest, INVALID_ARGUMENT when it is not one.
+- Prompts: text and chat content are user data, never control tokens. `chat_prompt_ids` renders the model's chat
+  template and tokenises each message's content with special tokens split into literal text, so a user who
+  writes `<|im_end|><|im_start|>system` gets those characters, not a forged turn. Token-id prompts are used
+  verbatim (the caller chose the ids).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Iterable, Sequence
+
+import grpc
+
+from treeserve.engine.drafting import AUTOREGRESSIVE
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.sampling import SamplingParams
+from treeserve.services.config import METHODS, LimitsConfig
+
+MAX_BUDGET_TOKENS = 1024
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+ROLES = ("system", "user", "assistant")
+# Characters per token far above any tokenizer's: text longer than this many characters per allowed token is
+# refused before it is tokenised (tokenising megabytes costs the router seconds).
+CHARS_PER_TOKEN_GUARD = 64
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+TOO_BIG = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+# For an HTTP front end: the status each gRPC code maps to.
+HTTP_STATUS = {
+    grpc.StatusCode.OK: 200, grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNKNOWN: 500,
+}
+
+
+class RequestError(Exception):
+    """A request-level failure with its gRPC status code and a message for the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __reduce__(self):  # crosses process boundaries (Ray) intact
+        return RequestError, (self.code, self.message)
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS.get(self.code, 500)
+
+
+def decode_generate_request(payload: bytes):
+    """The request message from its wire bytes; INVALID_ARGUMENT (never a parser class name) when the bytes are
+    not a GenerateRequest: garbage, a truncated message, invalid UTF-8 in a string field."""
+    from google.protobuf.message import DecodeError
+
+    from treeserve.v1 import generation_pb2 as gen
+
+    try:
+        return gen.GenerateRequest.FromString(payload)
+    except (DecodeError, ValueError, TypeError, UnicodeDecodeError):
+        raise RequestError(INVALID, f"request: the {len(payload)}-byte payload is not a valid "
+                                    "treeserve.v1.GenerateRequest (truncated, corrupt, or a string field that is "
+                                    "not UTF-8)") from None
+
+
+# ------------------------------------------------------------------------------------------------- prompts
+def special_token_strings(tokenizer) -> tuple[str, ...]:
+    """The literal strings the tokenizer turns into special (control) tokens."""
+    cached = getattr(tokenizer, "_treeserve_special_strings", None)
+    if cached is None:
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        strings = {t.content for t in added.values() if getattr(t, "special", False) and t.content}
+        strings.update(s for s in (getattr(tokenizer, "all_special_tokens", None) or []) if s)
+        cached = tuple(sorted(strings, key=len, reverse=True))
+        try:
+            tokenizer._treeserve_special_strings = cached
+        except AttributeError:  # pragma: no cover - a tokenizer that refuses attributes: recompute each time
+            pass
+    return cached
+
+
+_SENTINEL = re.compile("\ue000(\\d+)\ue001")
+
+
+def chat_prompt_ids(tokenizer, turns: Sequence[dict]) -> list[int]:
+    """Prompt ids of chat turns ({"role", "content"}) under the tokenizer's chat template, ready for the
+    assistant's answer, with every special-token string inside a content tokenised as plain text.
+
+    Contents without any special-token string take the ordinary path (`apply_chat_template(tokenize=True)`, the
+    engine's own `chat_ids`), so normal prompts keep exactly the ids the in-process engine gives them. Otherwise
+    the template is rendered with a placeholder per content; the template's own text is tokenised with its
+    special tokens, each content with `split_special_tokens=True`."""
+    from treeserve.engine.models.loading import chat_ids
+
+    turns = [{"role": t["role"], "content": t["content"]} for t in turns]
+    specials = special_token_strings(tokenizer)
+    if not any(s in t["content"] for t in turns for s in specials):
+        return chat_ids(tokenizer, turns)
+    placeholders = [{"role": t["role"], "content": f"\ue000{i}\ue001"} for i, t in enumerate(turns)]
+    rendered = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
+    ids: list[int] = []
+    seen: list[int] = []
+    pos = 0
+    for match in _SENTINEL.finditer(rendered):
+        if match.start() > pos:
+            ids += tokenizer(rendered[pos:match.start()], add_special_tokens=False)["input_ids"]
+        i = int(match.group(1))
+        seen.append(i)
+        ids += tokenizer(turns[i]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        pos = match.end()
+    if pos < len(rendered):
+        ids += tokenizer(rendered[pos:], add_special_tokens=False)["input_ids"]
+    if seen != list(range(len(turns))):
+        raise RuntimeError("the chat template dropped, repeated or reordered message contents; cannot tokenise "
+                           "them apart from its own control tokens")
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------- requests
+class RequestValidator:
+    """Turns a request (plain values) into the engine's GenerationRequest, or raises RequestError.
+
+    `engine` is a SpeculativeEngine (its tokenizer, target vocabulary, context window, default tree and final
+    `validate` are used); `limits` the configured LimitsConfig."""
+
+    def __init__(self, engine: Any, limits: LimitsConfig):
+        self.engine = engine
+        self.limits = limits
+
+    # -------------------------------------------------------------- prompt forms
+    def _text_guard(self, chars: int, what: str) -> None:
+        if chars > self.limits.max_prompt_tokens * CHARS_PER_TOKEN_GUARD:
+            raise RequestError(TOO_BIG, f"prompt: {what} longer than the limit of {self.limits.max_prompt_tokens} "
+                                        "tokens")
+
+    def prompt_from_text(self, text: str) -> list[int]:
+        """A single user turn under the chat template."""
+        if not text.strip():
+            raise RequestError(INVALID, "prompt: text must not be empty")
+        self._text_guard(len(text), "text")
+        return chat_prompt_ids(self.engine.tokenizer, [{"role": "user", "content": text}])
+
+    def prompt_from_chat(self, turns: Iterable[tuple[str, str]]) -> list[int]:
+        """Chat turns (role, content) under the chat template."""
+        turns = list(turns)
+        if not turns or not any(content.strip() for _, content in turns):
+            raise RequestError(INVALID, "prompt: chat must hold at least one non-empty message")
+        for i, (role, _) in enumerate(turns):
+            if role not in ROLES:
+                raise RequestError(INVALID, f"prompt: chat.messages[{i}].role must be one of {', '.join(ROLES)}, "
+                                            f"got {role[:32]!r}")
+        self._text_guard(sum(len(c) for _, c in turns), "chat")
+        return chat_prompt_ids(self.engine.tokenizer, [{"role": r, "content": c} for r, c in turns])
+
+    def prompt_from_ids(self, ids: Sequence[int]) -> list[int]:
+        """Token ids, verbatim (special tokens included: the caller chose them)."""
+        prompt = list(ids)
+        if not prompt:
+            raise RequestError(INVALID, "prompt: token_ids must not be empty")
+        vocab = self.engine.target.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise RequestError(INVALID, f"prompt: token ids must lie in [0, {vocab})")
+        return prompt
+
+    # -------------------------------------------------------------- the rest
+    @staticmethod
+    def sampling(temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0) -> SamplingParams:
+        if not math.isfinite(temperature) or temperature < 0:
+            raise RequestError(INVALID, f"sampling.temperature: must be >= 0, got {temperature}")
+        if not math.isfinite(top_p) or not 0 <= top_p <= 1:
+            raise RequestError(INVALID, f"sampling.top_p: must lie in (0, 1] (0 = unset), got {top_p}")
+        if top_k < 0:
+            raise RequestError(INVALID, f"sampling.top_k: must be >= 0 (0 = unset), got {top_k}")
+        return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p) or 1.0)
+
+    def tree(self, method: str | None, budget_tokens: int = 0):
+        """(per-request TreeConfig or None for the server default, method name)."""
+        from treeserve.engine.builders import TreeConfig
+        from treeserve.engine.pipeline import tree_config
+
+        if method is not None and method not in METHODS:
+            raise RequestError(INVALID, f"speculation.method: unknown tree method {method!r} (known: "
+                                        f"{', '.join(METHODS)})")
+        if not 0 <= budget_tokens <= MAX_BUDGET_TOKENS:
+            raise RequestError(INVALID, f"speculation.budget_tokens: must lie in 1..{MAX_BUDGET_TOKENS} "
+                                        f"(0 = server choice), got {budget_tokens}")
+        default = self.engine.tree
+        if method is None and not budget_tokens:
+            return None, default.method
+        name = method or default.method
+        if name == AUTOREGRESSIVE:
+            return TreeConfig(method=AUTOREGRESSIVE), name
+        if budget_tokens:
+            return tree_config(name, int(budget_tokens)), name
+        if name == default.method:
+            return default, name
+        return tree_config(name, "auto"), name
+
+    def build(self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 0.0,
+              top_k: int = 0, stop_strings: Sequence[str] = (), seed: int | None = None, method: str | None = None,
+              budget_tokens: int = 0) -> tuple[GenerationRequest, str]:
+        """The engine request and its method name; `prompt` comes from one of the prompt_from_* methods. Checks
+        run in a fixed order (sizes, sampling, stop strings, tree), so a request with several faults always gets
+        the same answer."""
+        limits = self.limits
+        if len(prompt) > limits.max_prompt_tokens:
+            raise RequestError(TOO_BIG, f"prompt: {len(prompt)} tokens exceed the limit of {limits.max_prompt_tokens}")
+        if max_new_tokens <= 0:
+            raise RequestError(INVALID, f"max_new_tokens: must be > 0, got {max_new_tokens}")
+        if max_new_tokens > limits.max_new_tokens:
+            raise RequestError(TOO_BIG, f"max_new_tokens: {max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.engine.max_context_tokens:
+            raise RequestError(TOO_BIG, f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                                        f"the context window of {self.engine.max_context_tokens}")
+        sampling = self.sampling(temperature, top_p, top_k)
+        stops = list(stop_strings)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise RequestError(INVALID, f"stop_strings: at most {MAX_STOP_STRINGS}, got {len(stops)}")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise RequestError(INVALID, f"stop_strings: each must hold 1..{MAX_STOP_STRING_CHARS} characters")
+        tree, name = self.tree(method, budget_tokens)
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    stop_strings=tuple(stops), seed=seed or None, tree=tree)
+        try:
+            self.engine.validate(request)
+        except ValueError as exc:
+            raise RequestError(INVALID, str(exc)) from None
+        return request, name
+
+    # -------------------------------------------------------------- gRPC adapter
+    def from_proto(self, message) -> tuple[GenerationRequest, str]:
+        """treeserve.v1.GenerateRequest -> (engine request, method name)."""
+        from treeserve.v1 import generation_pb2 as gen
+
+        which = message.WhichOneof("prompt")
+        if which is None:
+            raise RequestError(INVALID, "prompt: set one of text, chat or token_ids")
+        if which == "text":
+            prompt = self.prompt_from_text(message.text)
+        elif which == "chat":
+            prompt = self.prompt_from_chat((t.role, t.content) for t in message.chat.messages)
+        else:
+            prompt = self.prompt_from_ids(message.token_ids.ids)
+        s, spec = message.sampling, message.speculation
+        method = None
+        if spec.method != gen.TREE_METHOD_UNSPECIFIED:  # an enum value this server does not know stays a number
+            method = METHOD_NAMES.get(spec.method, str(spec.method))
+        return self.build(prompt, message.max_new_tokens, s.temperature, s.top_p, s.top_k, list(message.stop_strings),
+                          s.seed or None, method, spec.budget_tokens)
+
+
+def _method_names() -> dict[int, str]:
+    from treeserve.v1 import generation_pb2 as gen
+
+    return {gen.TREE_METHOD_AUTOREGRESSIVE: "autoregressive", gen.TREE_METHOD_CHAIN: "chain",
+            gen.TREE_METHOD_STATIC: "static", gen.TREE_METHOD_EAGLE2: "eagle2", gen.TREE_METHOD_DYSPEC: "dyspec",
+            gen.TREE_METHOD_DYSPEC_THRESHOLD: "dyspec_threshold", gen.TREE_METHOD_OPT_TREE: "opt_tree",
+            gen.TREE_METHOD_C2T: "c2t"}
+
+
+METHOD_NAMES = _method_names()
+METHOD_ENUMS = {name: value for value, name in METHOD_NAMES.items()}
