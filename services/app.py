@@ -49,6 +49,8 @@ def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str])
         actor = {"num_cpus": config.ray_actor_options.num_cpus, "num_gpus": config.ray_actor_options.num_gpus}
         if config.ray_actor_options.memory is not None:
             actor["memory"] = config.ray_actor_options.memory
+        if config.ray_actor_options.resources:  # custom resources pin replicas to their worker group's pods
+            actor["resources"] = dict(config.ray_actor_options.resources)
         options["ray_actor_options"] = actor
         options["max_ongoing_requests"] = config.max_ongoing_requests
         if config.num_replicas is not None:
