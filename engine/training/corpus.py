@@ -1,0 +1,249 @@
+"""Self-distillation corpus at scale: the target answers >= 10k conversations, in resumable chunks.
+
+What an EAGLE drafter must predict is the target's own continuation, so the labels are the target's answers
+(EAGLE, Li et al. 2024, section 4 "training": fixed dataset answered by the target; EAGLE-3, Li et al. 2025,
+section 3.3 trains on target-generated responses). A quarter of the conversations are sampled at
+temperature > 0, as EAGLE's authors recommend against exposure bias, the rest greedy (what TreeServe's
+greedy verification accepts).
+
+Generation is batched and KV-cached (`decode_batch`): one prefill per left-padded batch, then one forward
+per token for the whole batch; rows that finish leave the batch (their KV rows are dropped), so a long answer
+does not keep 47 finished rows computing. Batches are formed from length-sorted prompts.
+
+Chunks: `<out>/chunk-NNNNN.safetensors` holds `tokens` [T] (uint16 for vocabularies under 65,536, else int32), `seq_offsets` [S+1] int64 and
+`answer_mask` [T] uint8 (1 at target-written answer tokens) for the chunk's conversations, with the
+conversation kinds and generation statistics in its metadata. Chunk i's prompts depend only on (seed, i),
+so an interrupted run continues with the first missing chunk; a chunk is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from treeserve.engine.models.loading import chat_ids
+from treeserve.engine.training import prompt_mix
+from treeserve.engine.training.prompts import clean_instruction
+
+
+@dataclass
+class CorpusConfig:
+    """Size and mix of the self-distillation corpus."""
+
+    num_conversations: int = field(default=12_000, metadata={"help": "conversations in the whole corpus (before deduplication)"})
+    chunk_size: int = field(default=400, metadata={"help": "conversations per chunk file (the unit of resumption)"})
+    batch_size: int = field(default=48, metadata={"help": "rows decoded together (KV-cached, finished rows leave the batch)"})
+    max_new_tokens: int = field(default=320, metadata={"help": "longest answer per turn, in tokens"})
+    max_prompt_tokens: int = field(default=768, metadata={"help": "longest prompt (history included); longer ones are cut on the left"})
+    multi_turn_fraction: float = field(default=0.25, metadata={"help": "share of conversations with a second user turn"})
+    sampled_fraction: float = field(default=0.25, metadata={"help": "share of conversations answered by sampling"})
+    temperature: float = field(default=0.8, metadata={"help": "temperature of the sampled share"})
+    instruction_tokens: int = field(default=64, metadata={"help": "longest self-written instruction, in tokens"})
+    seed: int = field(default=0, metadata={"help": "seed of the prompt mix and the sampling"})
+
+
+def chunk_path(out: Path, index: int) -> Path:
+    return out / f"chunk-{index:05d}.safetensors"
+
+
+@torch.inference_mode()
+def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatures: list[float],
+                 eos_ids: set[int], pad_id: int, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Continue every prompt (left-padded into one batch) until EOS or `max_new_tokens`; returns the new
+    tokens of each row (EOS included). Rows with temperature 0 are greedy, the others sampled."""
+    from transformers import DynamicCache
+
+    batch = len(prompts)
+    width = max(map(len, prompts))
+    ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    temps = torch.tensor(temperatures, dtype=torch.float32)
+    eos = torch.tensor(sorted(eos_ids))
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    active = torch.arange(batch)  # original row of each live batch row
+    next_pos = positions[:, -1] + 1
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    for step in range(max_new_tokens):
+        tokens = _choose(logits, temps[active], generator)
+        for row, token in zip(active.tolist(), tokens.tolist()):
+            outputs[row].append(token)
+        done = torch.isin(tokens, eos) | (step + 1 >= max_new_tokens)
+        if bool(done.all()):
+            break
+        if bool(done.any()):
+            # Finished rows leave the batch: their KV rows, mask and positions are dropped.
+            keep = (~done).nonzero().squeeze(-1)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, keep)
+                layer.values = layer.values.index_select(0, keep)
+            active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
+        mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1].float()
+        next_pos = next_pos + 1
+    return outputs
+
+
+def _choose(logits: torch.Tensor, temps: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy where the row's temperature is 0, a sample from softmax(logits / T) elsewhere."""
+    choice = logits.argmax(-1)
+    sampled = temps > 0
+    if bool(sampled.any()):
+        probs = torch.softmax(logits[sampled] / temps[sampled, None], dim=-1)
+        choice[sampled] = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return choice
+
+
+def generate_all(model, prompts: list[list[int]], temperatures: list[float], config: CorpusConfig,
+                 eos_ids: set[int], pad_id: int, generator: torch.Generator, desc: str,
+                 max_new_tokens: int | None = None) -> list[list[int]]:
+    """`decode_batch` over length-sorted batches, results in the order of `prompts`."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[list[int]] = [[] for _ in prompts]
+    for start in tqdm(range(0, len(order), config.batch_size), desc=desc, leave=False):
+        rows = order[start:start + config.batch_size]
+        outs = decode_batch(model, [prompts[i] for i in rows], max_new_tokens or config.max_new_tokens,
+                            [temperatures[i] for i in rows], eos_ids, pad_id, generator)
+        for i, out in zip(rows, outs):
+            results[i] = out
+    return results
+
+
+def _strip_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    return tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens
+
+
+def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_instructions: set[str],
+                   exclude: frozenset[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Chunk `index`: self-written instructions, first answers, follow-up answers; tensors and metadata."""
+    specs = prompt_mix.prompt_mix(config.seed * 100_003 + index, config.chunk_size, config.multi_turn_fraction,
+                                  config.sampled_fraction, config.temperature, exclude)
+    generator = torch.Generator().manual_seed(config.seed * 100_003 + index)
+    eos_ids = {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])}
+    eos_ids.discard(None)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    started = time.time()
+    generated = 0
+
+    meta_rows = [i for i, s in enumerate(specs) if s.kind == prompt_mix.SELF_INSTRUCT]
+    written = generate_all(model, [chat_ids(tokenizer, specs[i].first_turn) for i in meta_rows],
+                           [1.0] * len(meta_rows), config, eos_ids, pad_id, generator, "instructions",
+                           config.instruction_tokens)
+    generated += sum(map(len, written))
+    dropped = set()
+    for i, tokens in zip(meta_rows, written):
+        text = clean_instruction(tokenizer.decode(_strip_eos(tokens, eos_ids), skip_special_tokens=True))
+        key = prompt_mix.instruction_key(text) if text else ""
+        if not text or key in seen_instructions or prompt_mix.normalise(text) in exclude:
+            dropped.add(i)
+            continue
+        seen_instructions.add(key)
+        specs[i].meta["meta_prompt"] = specs[i].first_turn
+        specs[i].first_turn = text
+    specs = [s for i, s in enumerate(specs) if i not in dropped]
+
+    def prompt_of(messages):
+        return chat_ids(tokenizer, messages)[-config.max_prompt_tokens:]
+
+    firsts = [prompt_of([{"role": "user", "content": s.first_turn}]) for s in specs]
+    answers = generate_all(model, firsts, [s.temperature for s in specs], config, eos_ids, pad_id, generator,
+                           f"chunk {index} answers")
+    sequences = [(p, a) for p, a in zip(firsts, answers)]
+    follow_rows = [i for i, s in enumerate(specs) if s.follow_up and answers[i] and answers[i][-1] in eos_ids]
+    seconds = [prompt_of([{"role": "user", "content": specs[i].first_turn},
+                          {"role": "assistant", "content": tokenizer.decode(_strip_eos(answers[i], eos_ids))},
+                          {"role": "user", "content": specs[i].follow_up}]) for i in follow_rows]
+    second_answers = generate_all(model, seconds, [specs[i].temperature for i in follow_rows], config, eos_ids,
+                                  pad_id, generator, f"chunk {index} follow-ups")
+    generated += sum(map(len, answers)) + sum(map(len, second_answers))
+    kinds = [s.kind for s in specs] + [f"{specs[i].kind}+follow_up" for i in follow_rows]
+    temps = [s.temperature for s in specs] + [specs[i].temperature for i in follow_rows]
+    sequences += list(zip(seconds, second_answers))
+
+    tokens, offsets, answer_mask = [], [0], []
+    for prompt, answer in sequences:
+        tokens += prompt + answer
+        answer_mask += [0] * len(prompt) + [1] * len(answer)
+        offsets.append(len(tokens))
+    seconds_taken = time.time() - started
+    answer_tokens = sum(answer_mask)
+    stats = {"chunk": index, "conversations": len(specs), "sequences": len(sequences), "kinds": kinds,
+             "temperatures": temps, "answer_tokens": answer_tokens, "generated_tokens": generated,
+             "seconds": round(seconds_taken, 1), "tokens_per_second": round(generated / seconds_taken, 1),
+             "batch_size": config.batch_size, "threads": torch.get_num_threads(),
+             "self_instruct_kept": len(meta_rows) - len(dropped), "self_instruct_dropped": len(dropped)}
+    # uint16 halves the files of vocabularies under 65,536 tokens (the chunks are committed with the drafter).
+    token_dtype = torch.uint16 if len(tokenizer) <= 65_536 else torch.int32
+    tensors = {"tokens": torch.tensor(tokens, dtype=token_dtype),
+               "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
+               "answer_mask": torch.tensor(answer_mask, dtype=torch.uint8)}
+    return tensors, stats
+
+
+def chunk_stats(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["stats"])
+
+
+def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: frozenset[str] = frozenset(),
+                 max_chunks: int | None = None) -> list[Path]:
+    """Generate every missing chunk of the corpus into `out` (resuming), return all chunk paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = out / "corpus.json"
+    if recipe.is_file():
+        saved = json.loads(recipe.read_text())
+        if saved != asdict(config):
+            raise ValueError(f"{out} holds a corpus made with other settings ({recipe}); use another --out "
+                             "or the same settings to resume it")
+    else:
+        recipe.write_text(json.dumps(asdict(config), indent=2) + "\n")
+    n_chunks = -(-config.num_conversations // config.chunk_size)
+    seen: set[str] = set()
+    for index in range(n_chunks):
+        path = chunk_path(out, index)
+        if path.is_file():
+            seen.update(chunk_stats(path).get("instruction_keys", []))
+    made = 0
+    progress = tqdm(range(n_chunks), desc="corpus chunks")
+    for index in progress:
+        path = chunk_path(out, index)
+        if path.is_file():
+            continue
+        if max_chunks is not None and made >= max_chunks:
+            break
+        before = set(seen)
+        tensors, stats = generate_chunk(model, tokenizer, config, index, seen, exclude)
+        stats["instruction_keys"] = sorted(seen - before)
+        tmp = path.with_suffix(".partial")
+        save_file(tensors, str(tmp), metadata={"stats": json.dumps(stats)})
+        os.replace(tmp, path)
+        made += 1
+        progress.set_postfix(tokens_per_s=stats["tokens_per_second"], answer_tokens=stats["answer_tokens"])
+    return [chunk_path(out, i) for i in range(n_chunks) if chunk_path(out, i).is_file()]
+
+
+def corpus_summary(out: Path) -> dict:
+    """Totals over the chunks written so far (for the model card and the command's report)."""
+    totals = {"chunks": 0, "sequences": 0, "answer_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "kinds": {}}
+    for path in sorted(out.glob("chunk-*.safetensors")):
+        stats = chunk_stats(path)
+        totals["chunks"] += 1
+        for key in ("sequences", "answer_tokens", "generated_tokens", "seconds"):
+            totals[key] += stats[key]
+        for kind in stats["kinds"]:
+            totals["kinds"][kind] = totals["kinds"].get(kind, 0) + 1
+    return totals

@@ -1,0 +1,57 @@
+"""`treeserve make-corpus`: the target answers >= 10k diverse conversations (resumable chunks on disk)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from treeserve.engine.training.corpus import CorpusConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Where the shipped drafters' corpus lives: committed chunk by chunk, so a later run (or session) resumes it.
+DEFAULT_CORPUS_DIR = REPO_ROOT / "engine" / "training" / "corpus_chunks" / "smollm2-135m-instruct-seed0"
+EVALUATION_PROMPTS = REPO_ROOT / "benchmarks" / "data" / "spec_bench_dev.jsonl"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from treeserve.engine.training.drafter_command import _add_dataclass_options as add_dataclass_options
+
+    parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
+    parser.add_argument("--out", type=Path, default=DEFAULT_CORPUS_DIR,
+                        help=f"corpus directory; existing chunks are kept and the next missing one is generated "
+                             f"(default: {DEFAULT_CORPUS_DIR.relative_to(REPO_ROOT)})")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 leaves a core free on a 2-core box; default: 1)")
+    parser.add_argument("--max-chunks", type=int, default=None,
+                        help="stop after generating this many new chunks (default: until the corpus is complete)")
+    parser.add_argument("--summary", action="store_true", help="only print the totals of the chunks on disk")
+    add_dataclass_options(parser, CorpusConfig, "corpus")
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.training.corpus import build_corpus, corpus_summary
+    from treeserve.engine.training.prompt_mix import evaluation_texts
+
+    if args.summary:
+        print(json.dumps(corpus_summary(args.out), indent=2))
+        return 0
+    config = CorpusConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CorpusConfig)})
+    if config.batch_size < 1 or config.chunk_size < 1 or config.num_conversations < 1:
+        raise ValueError("--batch-size, --chunk-size and --num-conversations must be >= 1")
+    torch.set_num_threads(args.threads)
+    target = load_causal_lm(args.target)
+    # SDPA: generation needs no tree mask, and batched decoding is faster under it than under eager.
+    model = AutoModelForCausalLM.from_pretrained(target.path, local_files_only=True, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    build_corpus(model, target.tokenizer, config, args.out, exclude=evaluation_texts(EVALUATION_PROMPTS),
+                 max_chunks=args.max_chunks)
+    totals = corpus_summary(args.out)
+    print(json.dumps({k: v for k, v in totals.items() if k != "kinds"}, indent=2))
+    return 0
