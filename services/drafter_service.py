@@ -25,6 +25,7 @@ import torch
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.drafting import DraftRequest, LocalDrafter
 from treeserve.engine.generate import CommittedFeatures
+from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.services import wire
 from treeserve.services.grpc_clients import Heartbeat, Registry, ReplicaServer, Worker, replica_identity
 from treeserve.v1 import internal_pb2 as pb
@@ -172,6 +173,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             return await self.worker.run(self._draft, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KVPoolExhausted as exc:  # the bounded KV pool (max_sessions x max_context_tokens) is full
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     def _release(self, ids: list[str]) -> int:
         released = 0
@@ -263,9 +266,15 @@ def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:
     shares its embeddings, and budget "auto" times the target's forward once (cached per machine)."""
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.pipeline import build_local_drafter, parse_dtype
+    from treeserve.engine.runners.kv_pool import limit_gpu_memory
 
     dtype = parse_dtype(config.drafter.dtype)
+    limit_gpu_memory(config.drafter.device, config.drafter.gpu_memory_fraction)
     target = load_causal_lm(config.target.path, config.drafter.device, dtype)
     drafter = build_local_drafter(config.drafter.path, target.model, config.drafter.device, dtype,
                                   config.speculation.budget)
+    # The KV pool is preallocated now: max_sessions x max_context_tokens (treeserve memory-estimate).
+    lm = drafter.runner.lm if hasattr(drafter, "runner") else drafter.lm
+    lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
+    lm.warm_up()
     return drafter, int(target.model.config.vocab_size)

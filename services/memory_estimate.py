@@ -1,11 +1,21 @@
-"""`treeserve memory-estimate`: weights + KV cache + margin per GPU for deploy layouts, FITS or not.
+"""`treeserve memory-estimate`: the peak memory of every process on every GPU of a layout, FITS or not.
 
-Answers "does this layout fit before I rent 5 A100s?" from the models' config.json facts alone (no
-weights needed: the layouts point at deploy/models/*/config.json). The numbers are deliberately
-conservative: embeddings, LM head and norms are counted on every TP rank because the TP plan shards
-only attention and MLP projections (colwise q/k/v/gate/up, rowwise o/down), and the KV cache is sized
-for every batch slot at full context. `--write` stores the report next to each layout
-(`<layout>.memory.txt`); a test keeps the committed reports equal to fresh output.
+Answers "does this layout fit before I rent the GPUs?" from the models' config.json facts alone (no weights
+needed: the layouts point at deploy/models/*/config.json). Per process (a target TP rank, a drafter replica):
+
+- weights: embeddings, LM head and norms are counted on every TP rank (the TP plan shards only attention and
+  MLP projections: colwise q/k/v/gate/up, rowwise o/down);
+- KV pool: exactly what the replica preallocates at start and never grows, `max_sessions x max_context_tokens`
+  slots (engine/runners/kv_pool.py): 2 x layers x kv_heads/TP x head_dim x dtype bytes per slot;
+- activations of the largest forward (a full prompt prefill or a batch of trees: MLP and attention inputs,
+  eager attention scores against the whole context, fp32 logits, and the one-layer gather of the batch's KV
+  rows that a non-consecutive batch makes) plus a fixed margin per process (CUDA context, NCCL, allocator).
+
+Where the processes sit follows the Serve config: target rank r on cuda:r; the drafter on the GPU of a target
+rank whose Ray GPU share leaves room for the drafter's fractional share (the one-node 4xA100 layouts), else on
+a GPU of its own. A process FITS when its peak is within its `gpu_memory_fraction` of the GPU (the cap the
+replica sets with torch.cuda.set_per_process_memory_fraction), a GPU when its processes together fit in it.
+`--write` stores the report next to each layout (`<layout>.memory.txt`); a test keeps those files fresh.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from treeserve.services.config import DTYPE_BYTES, ModelConfig, ModelFacts, ServeConfigFile, load_serve_config
+from treeserve.services.config import DTYPE_BYTES, AppConfig, ModelConfig, ModelFacts, ServeConfigFile, load_serve_config
 
 GIB = 1024**3
 # Tree nodes per step assumed for activations when the budget is "auto" (the GPU cost curve is flat
@@ -23,23 +33,25 @@ AUTO_BUDGET_NODES = 64
 
 
 @dataclass
-class DeviceRow:
+class ProcessRow:
+    """One process's peak on one device."""
+
     device: str
     role: str
     weights: int
-    kv_cache: int
+    kv_pool: int
     margin: int
-    capacity: int | None  # None: a CPU row, not checked
+    limit: int | None  # bytes it may take (its memory fraction of the GPU, or the whole GPU); None: host RAM
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.margin
+        return self.weights + self.kv_pool + self.margin
 
     @property
     def verdict(self) -> str:
-        if self.capacity is None:
+        if self.limit is None:
             return "n/a (host RAM)"
-        return "FITS" if self.total <= self.capacity else "DOES NOT FIT"
+        return "FITS" if self.total <= self.limit else "DOES NOT FIT"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="memory per GPU in GiB (default 80: A100 80GB)")
     parser.add_argument("--overhead-gib", type=float, default=2.0,
-                        help="fixed per-device margin: CUDA context, NCCL buffers, allocator slack")
+                        help="fixed margin per process: CUDA context, NCCL buffers, allocator slack")
     parser.add_argument("--write", action="store_true",
                         help="also write <layout>.memory.txt next to each layout")
 
@@ -93,23 +105,63 @@ def param_counts(facts: ModelFacts) -> tuple[int, int]:
     return sharded, embeddings + norms
 
 
-def model_rows(role: str, model: ModelConfig, facts: ModelFacts, config: ServeConfigFile, tp: int,
-               devices: list[str], overhead: int, capacity: int | None) -> list[DeviceRow]:
-    limits, spec = config.app.args.limits, config.app.args.speculation
+def kv_pool_bytes(facts: ModelFacts, tp: int, dtype_bytes: int, sessions: int, context: int) -> int:
+    """The preallocated pool of one process (engine/runners/kv_pool.py pool_bytes)."""
+    return 2 * facts.num_hidden_layers * (facts.num_key_value_heads // tp) * facts.head_dim * dtype_bytes \
+        * sessions * context
+
+
+def activation_bytes(facts: ModelFacts, model: ModelConfig, args: AppConfig, tp: int) -> int:
+    """Peak activations of the largest forward one process runs."""
+    limits, spec = args.limits, args.speculation
     dtype = DTYPE_BYTES[model.dtype]
-    sharded, replicated = param_counts(facts)
-    weights = (sharded // tp + replicated) * dtype
-    tokens = limits.max_batch_size * model.max_context_tokens
-    kv = 2 * facts.num_hidden_layers * (facts.num_key_value_heads // tp) * facts.head_dim * dtype * tokens
-    # Peak activations of the largest forward: a full prompt prefill or a batch of trees, with eager
-    # attention scores and fp32 logits for every scored token.
     nodes = AUTO_BUDGET_NODES if spec.budget == "auto" else spec.budget
     fwd = max(limits.max_prompt_tokens, limits.max_batch_size * nodes)
-    act = (fwd * (4 * facts.hidden_size + 2 * facts.intermediate_size // tp) * dtype
-           + (facts.num_attention_heads // tp) * fwd * model.max_context_tokens * 4
-           + fwd * facts.vocab_size * 4)
-    label = f"{role} rank ({tp} ranks)" if tp > 1 else role
-    return [DeviceRow(d, label, weights, kv, overhead + act, capacity) for d in devices]
+    context = model.max_context_tokens
+    hidden = fwd * (4 * facts.hidden_size + 2 * facts.intermediate_size // tp) * dtype
+    scores = (facts.num_attention_heads // tp) * fwd * context * 4
+    logits = fwd * facts.vocab_size * 4
+    # A batch over non-consecutive pool rows gathers one layer's keys and values of every row it holds.
+    gather = 2 * limits.max_batch_size * (facts.num_key_value_heads // tp) * facts.head_dim * dtype * context
+    return hidden + scores + logits + gather
+
+
+@dataclass
+class _Placed:
+    role: str
+    model: ModelConfig
+    tp: int
+    devices: list[str]
+    shares: list[float]  # Ray GPU share per device (1.0 = the whole GPU)
+
+
+def placement(config: ServeConfigFile) -> list[_Placed]:
+    """Which device each process sits on, from the Serve config (see the module docstring)."""
+    args, app = config.app.args, config.app
+    placed = []
+    target = args.target
+    if target.device == "cuda":
+        deployment = app.deployment("Target")
+        shares = (deployment.rank_gpu_shares() if deployment is not None else []) or \
+            [deployment.ray_actor_options.num_gpus if deployment is not None and target.tensor_parallel_size == 1
+             else 1.0] * target.tensor_parallel_size
+        placed.append(_Placed("target", target, target.tensor_parallel_size,
+                              [f"cuda:{i}" for i in range(len(shares))], shares))
+    else:
+        placed.append(_Placed("target", target, 1, ["cpu"], [0.0]))
+    drafter = args.drafter
+    if drafter.device == "cuda":
+        deployment = app.deployment("Drafter")
+        share = deployment.ray_actor_options.num_gpus if deployment is not None else 1.0
+        host = None
+        if share < 1 and target.device == "cuda":
+            host = next((d for d, s in reversed(list(zip(placed[0].devices, placed[0].shares)))
+                         if s + share <= 1 + 1e-9), None)
+        device = host or f"cuda:{len(placed[0].devices) if target.device == 'cuda' else 0}"
+        placed.append(_Placed("drafter", drafter, 1, [device], [share]))
+    else:
+        placed.append(_Placed("drafter", drafter, 1, ["cpu"], [0.0]))
+    return placed
 
 
 def report(path: Path, gpu_memory_gib: float, overhead_gib: float) -> tuple[str, bool]:
@@ -117,40 +169,60 @@ def report(path: Path, gpu_memory_gib: float, overhead_gib: float) -> tuple[str,
     args = config.app.args
     capacity = int(gpu_memory_gib * GIB)
     overhead = int(overhead_gib * GIB)
-    lines = [f"# {Path(path).name}: memory per device, generated by "
+    lines = [f"# {Path(path).name}: peak memory per process and per device, generated by "
              f"`treeserve memory-estimate --write` (do not edit)",
-             f"# GPU memory {gpu_memory_gib:g} GiB, fixed margin {overhead_gib:g} GiB per device; "
-             f"KV cache = 2 x layers x kv_heads/TP x head_dim x dtype bytes x max_batch_size x context",
+             f"# GPU memory {gpu_memory_gib:g} GiB, fixed margin {overhead_gib:g} GiB per process; KV pool = "
+             f"2 x layers x kv_heads/TP x head_dim x dtype bytes x max_sessions x max_context_tokens, preallocated "
+             f"at start; a process may take its gpu_memory_fraction of a GPU (all of it when unset)",
              ""]
-    rows: list[DeviceRow] = []
-    next_gpu = 0
-    for role, model in (("target", args.target), ("drafter", args.drafter)):
+    rows: list[ProcessRow] = []
+    for placed in placement(config):
+        model, role, tp = placed.model, placed.role, placed.tp
         facts = model.facts(path=f"args.{role}")
-        tp = model.tensor_parallel_size
-        if model.device == "cuda":
-            devices = [f"cuda:{next_gpu + i}" for i in range(tp)]
-            next_gpu += tp
-        else:
-            devices = ["cpu"]
         if facts is None:
-            lines.append(f"{role}: {model.path} ({model.dtype}): no config.json or model_facts, "
-                         f"not estimated")
+            lines.append(f"{role}: {model.path} ({model.dtype}): no config.json or model_facts, not estimated")
             continue
         sharded, replicated = param_counts(facts)
-        lines.append(f"{role}: {model.path} ({model.dtype}, TP={tp}, {(sharded + replicated) / 1e9:.2f}B "
-                     f"params, {facts.num_hidden_layers} layers, {facts.num_key_value_heads} KV heads, "
-                     f"context {model.max_context_tokens} x batch {args.limits.max_batch_size})")
-        rows += model_rows(role, model, facts, config, tp if model.device == "cuda" else 1, devices,
-                           overhead if model.device == "cuda" else 0,
-                           capacity if model.device == "cuda" else None)
+        sessions = args.kv_sessions(role)
+        cuda = model.device == "cuda"
+        shares = ", ".join(f"{s:g}" for s in placed.shares) if cuda else "-"
+        fraction = f"{model.gpu_memory_fraction:g}" if model.gpu_memory_fraction is not None else "all"
+        lines.append(f"{role}: {model.path} ({model.dtype}, TP={tp}, {(sharded + replicated) / 1e9:.2f}B params, "
+                     f"{facts.num_hidden_layers} layers, {facts.num_key_value_heads} KV heads; KV pool {sessions} "
+                     f"sessions x {model.max_context_tokens} tokens; GPU share {shares}, memory fraction "
+                     f"{fraction if cuda else '-'})")
+        dtype = DTYPE_BYTES[model.dtype]
+        weights = (sharded // tp + replicated) * dtype
+        kv = kv_pool_bytes(facts, tp, dtype, sessions, model.max_context_tokens)
+        margin = activation_bytes(facts, model, args, tp) + (overhead if cuda else 0)
+        limit = None
+        if cuda:
+            limit = int(capacity * model.gpu_memory_fraction) if model.gpu_memory_fraction is not None else capacity
+        for rank, device in enumerate(placed.devices):
+            label = f"{role} rank {rank}/{tp}" if tp > 1 else role
+            rows.append(ProcessRow(device, label, weights, kv, margin, limit))
     lines.append("")
-    header = ("device", "role", "weights", "kv-cache", "act+margin", "total", "capacity", "verdict")
-    table = [header] + [(r.device, r.role, _gib(r.weights), _gib(r.kv_cache), _gib(r.margin), _gib(r.total),
-                         "-" if r.capacity is None else _gib(r.capacity), r.verdict) for r in rows]
+    header = ("device", "process", "weights", "kv-pool", "act+margin", "peak", "may take", "verdict")
+    table = [header]
+    ok = all(r.verdict != "DOES NOT FIT" for r in rows)
+    devices = sorted({r.device for r in rows}, key=lambda d: (d == "cpu", len(d), d))
+    for device in devices:
+        here = [r for r in rows if r.device == device]
+        for r in here:
+            table.append((r.device, r.role, _gib(r.weights), _gib(r.kv_pool), _gib(r.margin), _gib(r.total),
+                          "-" if r.limit is None else _gib(r.limit), r.verdict))
+        if device != "cpu" and len(here) > 1:
+            total = sum(r.total for r in here)
+            verdict = "FITS" if total <= capacity else "DOES NOT FIT"
+            ok &= verdict == "FITS"
+            table.append((device, "= GPU total", _gib(sum(r.weights for r in here)),
+                          _gib(sum(r.kv_pool for r in here)), _gib(sum(r.margin for r in here)), _gib(total),
+                          _gib(capacity), verdict))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
-    ok = all(r.verdict != "DOES NOT FIT" for r in rows)
-    lines += ["", f"layout: {'FITS' if ok else 'DOES NOT FIT'}"]
+    gpus = [d for d in devices if d != "cpu"]
+    lines += ["", f"layout: {'FITS' if ok else 'DOES NOT FIT'}"
+              + (f" ({len(gpus)} GPU{'s' if len(gpus) != 1 else ''} of {gpu_memory_gib:g} GiB)" if gpus else "")]
     return "\n".join(lines) + "\n", ok
 
 

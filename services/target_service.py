@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from treeserve.engine.drafting import root_only
+from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.sampling import SamplingParams
 from treeserve.services import wire
@@ -63,6 +64,8 @@ class TargetServicer(pb_grpc.TargetServicer):
             return await self.worker.run(self._score, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KVPoolExhausted as exc:  # the bounded KV pool (max_sessions x max_context_tokens) is full
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except FeaturesUnavailable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
@@ -80,6 +83,8 @@ class TargetServicer(pb_grpc.TargetServicer):
             return await self.worker.run(self._prefill, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KVPoolExhausted as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     def _release(self, ids: list[str]) -> int:
         released = 0
@@ -122,14 +127,23 @@ class TargetReplica(GrpcReplica):
 def load_target_from_config(config) -> Any:
     """TargetRunner for tensor_parallel_size 1; the tensor-parallel target (services/tp_target.py) above."""
     target = config.target
+    # The KV pool is preallocated at start: max_sessions x max_context_tokens (treeserve memory-estimate).
+    sessions = config.kv_sessions("target")
     if target.tensor_parallel_size > 1:
         from treeserve.services.tp_target import TensorParallelTarget  # lazy: needs Ray and torch.distributed
 
-        return TensorParallelTarget(target.path, target.tensor_parallel_size, target.device, target.dtype)
+        return TensorParallelTarget(target.path, target.tensor_parallel_size, target.device, target.dtype,
+                                    max_sessions=sessions, max_context_tokens=target.max_context_tokens,
+                                    gpu_memory_fraction=target.gpu_memory_fraction)
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.pipeline import parse_dtype
+    from treeserve.engine.runners.kv_pool import limit_gpu_memory
     from treeserve.engine.runners.target import TargetRunner
 
     dtype = parse_dtype(target.dtype)
+    limit_gpu_memory(target.device, target.gpu_memory_fraction)
     loaded = load_causal_lm(target.path, target.device, dtype)
-    return TargetRunner(loaded.model, target.device, dtype)
+    runner = TargetRunner(loaded.model, target.device, dtype, max_sessions=sessions)
+    runner.lm.bound(sessions, target.max_context_tokens)
+    runner.lm.warm_up()
+    return runner

@@ -10,8 +10,9 @@ FAILED_PRECONDITION.
 How it is laid out:
 
 - **Placement.** Inside a Serve replica that was given `placement_group_bundles` (DESIGN.md; on cuda the
-  replica holds no GPU itself), the rank actors are scheduled into the replica's own placement group (any
-  bundle with room: one GPU bundle each). Anywhere else it creates its own placement group of N bundles,
+  replica holds no GPU itself), the rank actors are scheduled into the replica's own placement group: on
+  cuda rank r into the r-th bundle that has a GPU, asking for that bundle's GPU share (below 1 where the
+  rank shares its GPU with a drafter, as in the one-node 4xA100 layouts), elsewhere any bundle with room. Anywhere else it creates its own placement group of N bundles,
   `{"CPU": cpus_per_rank}` on cpu and `{"GPU": 1, "CPU": cpus_per_rank}` on cuda, `STRICT_PACK` by default so
   NCCL ranks share a node. Its own group is removed by `shutdown()`.
 - **Process group.** Rank 0 picks its node IP and a free TCP port at run time (it hosts the rendezvous
@@ -75,6 +76,24 @@ def tp_placement_bundles(tensor_parallel_size: int, device: str = "cpu", cpus_pe
     return bundles
 
 
+def rank_bundles(specs: list[dict[str, float]], n: int, accel: bool, own: bool,
+                 cpus_per_rank: float) -> list[tuple[int, float, float]]:
+    """(bundle index, CPUs, GPUs) of each rank's actor in a placement group whose bundles are `specs`.
+
+    Its own group: one bundle per rank. A Serve replica's group on cuda: rank r takes the r-th bundle with a GPU
+    and asks for that bundle's GPU share (a rank sharing its GPU with a drafter has less than 1) and at most its
+    CPUs; otherwise (cpu) any bundle with room (-1)."""
+    if own:
+        return [(rank, cpus_per_rank, 1.0 if accel else 0.0) for rank in range(n)]
+    if not accel:
+        return [(-1, cpus_per_rank, 0.0)] * n
+    gpu = [i for i, b in enumerate(specs) if b.get("GPU", 0) > 0]
+    if len(gpu) != n:
+        raise TPGroupError(f"the replica's placement group has {len(gpu)} GPU bundles for {n} ranks: give the Target "
+                           "one placement_group_bundles entry with a GPU per rank")
+    return [(i, min(cpus_per_rank, float(specs[i].get("CPU", 0.0))), float(specs[i]["GPU"])) for i in gpu]
+
+
 class TPGroupError(RuntimeError):
     """A rank is dead or the group is broken; the holder must be replaced (its state is lost)."""
 
@@ -96,7 +115,8 @@ class _Rank:
             return ip, s.getsockname()[1]
 
     def setup(self, init_method: str, backend: str, model_dir: str, device: str, dtype: torch.dtype,
-              max_sessions: int, timeout_s: float, from_slices: bool = True) -> dict[str, Any]:
+              max_sessions: int, timeout_s: float, from_slices: bool = True, max_context_tokens: int | None = None,
+              gpu_memory_fraction: float | None = None) -> dict[str, Any]:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -108,6 +128,9 @@ class _Rank:
             # Ray gives each rank actor its own accelerator (visible as index 0).
             dev = torch.device(dev.type, dev.index or 0)
             torch.accelerator.set_device_index(dev.index)
+        from treeserve.engine.runners.kv_pool import limit_gpu_memory
+
+        limit_gpu_memory(dev, gpu_memory_fraction)  # before the weights: this rank's share of a shared GPU
         start = time.perf_counter()
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=timeout_s))
@@ -115,6 +138,9 @@ class _Rank:
         init_s = time.perf_counter() - start
         model, _, info = load_tp_shard(model_dir, mesh, dev, dtype, from_slices=from_slices)
         self.runner = TargetRunner(model, dev, dtype, max_sessions)
+        if max_context_tokens is not None:  # the bounded KV pool, allocated now (every rank at once: collectives)
+            self.runner.lm.bound(max_sessions, max_context_tokens)
+            self.runner.lm.warm_up()
         return {"rank": self.rank, "init_s": init_s, "load_s": info.load_s, "mode": info.mode,
                 "local_param_bytes": info.local_param_bytes, "full_param_bytes": info.full_param_bytes,
                 "pid": os.getpid()}
@@ -166,7 +192,8 @@ class TensorParallelTarget:
 
     def __init__(self, model_path: str | os.PathLike = "default", tensor_parallel_size: int = 2,
                  device: str = "cpu", dtype: str | torch.dtype = "float32", *, cpus_per_rank: float = 1.0,
-                 max_sessions: int = 256, num_threads: int = 1, placement_strategy: str = "STRICT_PACK",
+                 max_sessions: int = 256, max_context_tokens: int | None = None,
+                 gpu_memory_fraction: float | None = None, num_threads: int = 1, placement_strategy: str = "STRICT_PACK",
                  start_timeout_s: float = 600.0, step_timeout_s: float = 600.0,
                  health_timeout_s: float = 30.0, load_from_slices: bool = True):
         from transformers import AutoConfig
@@ -179,6 +206,8 @@ class TensorParallelTarget:
         self.step_timeout_s = step_timeout_s
         self.health_timeout_s = health_timeout_s
         self.load_from_slices = load_from_slices
+        self.max_context_tokens = max_context_tokens
+        self.gpu_memory_fraction = gpu_memory_fraction
         self.actors: list = []
         self.load_info: list[dict[str, Any]] = []
         self._own_pg = None
@@ -219,19 +248,20 @@ class TensorParallelTarget:
                                    f"the cluster lacks the resources") from None
         env = {"OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads),
                "TOKENIZERS_PARALLELISM": "false"}
-        for rank in range(n):
+        slots = rank_bundles(pg.bundle_specs, n, accel, own=self._own_pg is not None, cpus_per_rank=cpus_per_rank)
+        for rank, (bundle, cpus, gpus) in enumerate(slots):
             strategy_ = PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=rank if self._own_pg is not None else -1,
-                placement_group_capture_child_tasks=False)
+                pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=False)
             self.actors.append(_RankActor.options(
-                num_cpus=cpus_per_rank, num_gpus=1 if accel else 0, scheduling_strategy=strategy_,
+                num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy_,
                 runtime_env={"env_vars": env}, max_restarts=0,
             ).remote(rank, n, num_threads))
         ip, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=timeout_s)
         init_method = f"tcp://{ip}:{port}"
         backend = backend_for(self.device)
         refs = [a.setup.remote(init_method, backend, str(model_dir), self.device, self.dtype, max_sessions,
-                               self.step_timeout_s, self.load_from_slices) for a in self.actors]
+                               self.step_timeout_s, self.load_from_slices, self.max_context_tokens,
+                               self.gpu_memory_fraction) for a in self.actors]
         self.load_info = self._gather(refs, timeout_s)
         self.init_method, self.backend = init_method, backend
 

@@ -18,6 +18,14 @@ current tree (node 0, the root, first), left-aligned in the session's row of a s
    straight into its pool row by `PoolCache`; nothing else is copied back.
 
 The model is called as a plain transformers causal LM, so it stays tensor-parallel agnostic.
+
+Bounds (`max_sessions`, `max_context_tokens`): at most `max_sessions` sessions hold a pool row. A new session
+beyond that takes the row of the least recently used session that is not part of the current step (begun
+since the last forward); it is rebuilt from its next request's context if it comes back. When every row
+belongs to the current step, or one sequence would outgrow `max_context_tokens`, `KVPoolExhausted` is raised
+and nothing is fed. With `max_context_tokens` set the pool is preallocated (`warm_up`) and never grows; a
+forward whose rows would together span more slots than that (a long session batched with a long prefill) is
+run as several smaller forwards instead, so only a single sequence's own length can exhaust it.
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ from torch import Tensor
 
 from treeserve.engine.models.attention import use_grouped_attention
 from treeserve.engine.models.layout import use_fast_cpu_linears
+
+
+class KVPoolExhausted(RuntimeError):
+    """A step needs more KV rows or slots than the bounded pool holds (the servicers: RESOURCE_EXHAUSTED)."""
 
 
 @dataclass
@@ -69,18 +81,42 @@ class CachedLM:
     """Runs `model` over token trees for many sessions, keeping each session's KV cache."""
 
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, max_sessions: int = 256):
-        from treeserve.engine.runners.kv_pool import KVPool  # imports transformers: only where a model runs
-
+                 dtype: torch.dtype = torch.float32, max_sessions: int = 256, max_context_tokens: int | None = None):
         # Same function, faster on CPU: oneDNN linears on packed weights (a small tree costs about one
         # row), attention without repeat_kv.
         self.model = use_grouped_attention(use_fast_cpu_linears(model))
         self.device = torch.device(device)
         self.dtype = dtype
-        self.max_sessions = max_sessions
-        self.sessions: dict[str, SessionCache] = {}
-        self.pool = KVPool(max_rows=max_sessions)
+        self.sessions: dict[str, SessionCache] = {}  # least recently begun first
+        self._step: set[str] = set()  # sessions begun since the last forward: never evicted for a newcomer
         self.forward_seconds = 0.0  # total time inside model forwards (lets callers separate overheads)
+        self.bound(max_sessions, max_context_tokens)
+
+    def bound(self, max_sessions: int, max_context_tokens: int | None = None) -> None:
+        """Size the KV pool: `max_sessions` rows; with `max_context_tokens`, a bounded pool of that many slots
+        per row (preallocated by the next forward, see `warm_up`). Drops every session."""
+        from treeserve.engine.runners.kv_pool import KVPool  # imports transformers: only where a model runs
+
+        self.max_sessions = max_sessions
+        self.max_context_tokens = max_context_tokens
+        self.sessions.clear()
+        self._step.clear()
+        self.pool = KVPool(max_rows=max_sessions, max_capacity=max_context_tokens)
+
+    def warm_up(self) -> int:
+        """One 1-token forward: allocates a bounded pool in full now (an out-of-memory error surfaces at start,
+        not under load) and returns the pool's bytes."""
+        session = "__treeserve_warm_up__"
+        try:
+            self.begin(session, [0])
+            self.extend([ExtendRequest(session, [0], [-1])])
+        except torch.OutOfMemoryError as exc:
+            raise RuntimeError(f"the KV pool ({self.max_sessions} sessions x {self.max_context_tokens} tokens: "
+                               "max_sessions x max_context_tokens) does not fit in this process's share of "
+                               f"{self.device} (gpu_memory_fraction): {exc}") from None
+        finally:
+            self.release(session)
+        return self.pool.nbytes
 
     @property
     def kv_heads(self) -> int:
@@ -97,20 +133,29 @@ class CachedLM:
         tree was pruned and re-indexed after it fed the nodes only knows its own node order)."""
         if not context:
             raise ValueError("context must hold at least the root token")
-        cache = self.sessions.get(session_id)
+        cache = self.sessions.pop(session_id, None)  # re-inserted last: the dict is in LRU order
         if cache is None:
             if len(self.sessions) >= self.max_sessions:
-                # Evict the oldest session: its owner will rebuild it from the next request's context.
-                self.sessions.pop(next(iter(self.sessions)))
+                # Evict the least recently used session outside this step: its owner rebuilds it from the
+                # next request's context. Every row in this step's use: nothing can give way.
+                idle = next((s for s in self.sessions if s not in self._step), None)
+                if idle is None:
+                    self._step.clear()
+                    raise KVPoolExhausted(f"all {self.max_sessions} KV rows (max_sessions) hold sessions of this "
+                                          f"step; session {session_id} cannot join it")
+                self.sessions.pop(idle)
             used = {c.row for c in self.sessions.values()}
-            cache = self.sessions[session_id] = SessionCache(row=min(set(range(len(used) + 1)) - used))
+            cache = SessionCache(row=min(set(range(len(used) + 1)) - used))
+        self.sessions[session_id] = cache
+        self._step.add(session_id)
         if cache.pending_tokens:
             self._compact(cache, self._accepted_path(cache, context, accepted_nodes))
         self._reconcile(cache, context[:-1])
 
     def release(self, session_id: str) -> bool:
-        """Forget a session; its pool row goes to the next new session (the pool is freed with the last)."""
+        """Forget a session; its pool row goes to the next new session (a growing pool is freed with the last)."""
         released = self.sessions.pop(session_id, None) is not None
+        self._step.discard(session_id)
         if not self.sessions:
             self.pool.clear()
         return released
@@ -165,14 +210,53 @@ class CachedLM:
         new nodes per request ([M_i, V] float32, in request order)."""
         return [out.logits for out in self.extend_outputs(requests)]
 
-    @torch.inference_mode()
     def extend_outputs(self, requests: list[ExtendRequest], hidden: bool = False) -> list[ExtendOutput]:
         """`extend`, also returning each fed row's last hidden state when `hidden` (the target features an
         EAGLE drafter reads) or when the model reports it (an EAGLE drafter's predicted features)."""
+        try:
+            if len({r.session_id for r in requests}) != len(requests):
+                raise ValueError("extend takes each session at most once per call")
+            groups = self._groups(requests)
+            if len(groups) == 1:
+                return self._forward(requests, hidden)
+            results: list[ExtendOutput | None] = [None] * len(requests)
+            for group in groups:
+                for i, out in zip(group, self._forward([requests[i] for i in group], hidden)):
+                    results[i] = out
+            return results
+        finally:
+            self._step.clear()
+
+    def _groups(self, requests: list[ExtendRequest]) -> list[list[int]]:
+        """Request indices per forward: one forward unless the rows would together span more slots than a
+        bounded pool's rows hold (max(slots) + max(fed tokens) > max_context_tokens)."""
+        cap = self.max_context_tokens
+        if cap is None:
+            return [list(range(len(requests)))]
+        need = []
+        for i, r in enumerate(requests):
+            cache = self.sessions[r.session_id]
+            fed = len(cache.extension) + len(r.tokens)
+            if cache.slots + fed > cap:
+                raise KVPoolExhausted(f"session {r.session_id} would hold {cache.slots + fed} tokens; a KV row holds "
+                                      f"max_context_tokens={cap}")
+            need.append((cache.slots, fed, i))
+        groups: list[list[int]] = []
+        top_slots = top_fed = 0
+        for slots, fed, i in sorted(need):
+            if groups and max(top_slots, slots) + max(top_fed, fed) <= cap:
+                groups[-1].append(i)
+                top_slots, top_fed = max(top_slots, slots), max(top_fed, fed)
+            else:
+                groups.append([i])
+                top_slots, top_fed = slots, fed
+        return groups
+
+    @torch.inference_mode()
+    def _forward(self, requests: list[ExtendRequest], hidden: bool) -> list[ExtendOutput]:
+        """One model forward over `requests` (each session at most once, every row fits the pool)."""
         from treeserve.engine.runners.kv_pool import PoolCache
 
-        if len({r.session_id for r in requests}) != len(requests):
-            raise ValueError("extend takes each session at most once per call")
         # Batch rows follow pool rows, so consecutive sessions read their KV as a view of the pool.
         order = sorted(range(len(requests)), key=lambda i: self.sessions[requests[i].session_id].row)
         caches = [self.sessions[requests[i].session_id] for i in order]

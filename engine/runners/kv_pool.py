@@ -5,15 +5,23 @@ one row and its `slots` valid KV entries are left-aligned there ([0, slots)), so
 tokens' KV (`PoolCache.update`) and a compaction only moves the few accepted tree nodes (`move`): the
 committed context is never copied.
 
-The tensors are allocated lazily from the first states each model layer hands to the cache, so kv heads,
-head dim, dtype and device are the model's own (a tensor-parallel rank sees its share of the KV heads only).
-They are zero-filled: slots nobody wrote yet are masked, but must stay finite, since a NaN times a zero
-attention weight is still NaN.
+The tensors are allocated from the first states each model layer hands to the cache, so kv heads, head dim,
+dtype and device are the model's own (a tensor-parallel rank sees its share of the KV heads only). They are
+zero-filled: slots nobody wrote yet are masked, but must stay finite, since a NaN times a zero attention
+weight is still NaN.
 
-Memory: rows x capacity slots per layer, whatever the sessions' own lengths, where rows is the highest
-session row + 1 and capacity the longest span a forward needed, each doubled when outgrown (one copy,
-amortised). The pool never shrinks while any session lives; `clear` (called by CachedLM when the last
-session is released or evicted) frees it all, and the next forward allocates it afresh.
+Two ways to size it:
+
+- **Bounded** (`max_capacity` set, what the services use): the pool is `max_rows` x `max_capacity` slots per
+  layer, allocated in full by the first forward (`CachedLM.warm_up` runs one at replica start, so a pool that
+  does not fit fails there, not under load) and never grown, copied or freed while the replica lives. That is
+  exactly `max_sessions x max_context_tokens` of the config, what `treeserve memory-estimate` counts. A
+  forward that would need more rows or slots raises `KVPoolExhausted` (the servicers answer
+  RESOURCE_EXHAUSTED).
+- **Growing** (`max_capacity` None: the in-process engine, bench, tests): rows x capacity where rows is the
+  highest session row + 1 and capacity the longest span a forward needed, each doubled when outgrown (rows
+  never past `max_rows`). While growing, the old and the new tensors of a layer coexist for one copy. `clear`
+  (called by CachedLM when the last session is released) frees it all.
 """
 
 from __future__ import annotations
@@ -22,12 +30,17 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
+from treeserve.engine.runners.cached_lm import KVPoolExhausted  # defined there: importable without transformers
+
 
 class KVPool:
-    """Rows of KV slots for many sessions; grows by doubling, see the module docstring."""
+    """Rows of KV slots for many sessions; bounded or growing, see the module docstring."""
 
-    def __init__(self, max_rows: int):
-        self.max_rows = max_rows  # rows never double past this (CachedLM's max_sessions)
+    def __init__(self, max_rows: int, max_capacity: int | None = None):
+        if max_rows < 1 or (max_capacity is not None and max_capacity < 1):
+            raise ValueError(f"max_rows and max_capacity must be >= 1, got {max_rows} and {max_capacity}")
+        self.max_rows = max_rows  # CachedLM's max_sessions
+        self.max_capacity = max_capacity  # slots per row when bounded (max_context_tokens), else None
         self.rows = 0
         self.capacity = 0
         # Per layer [rows, kv_heads, capacity, head_dim]; None until the layer's first forward.
@@ -35,14 +48,33 @@ class KVPool:
         self.values: list[Tensor | None] = []
 
     @property
+    def bounded(self) -> bool:
+        return self.max_capacity is not None
+
+    @property
     def kv_heads(self) -> int:
         """KV heads held per layer (0 before the first forward)."""
         return self.keys[0].shape[1] if self.keys and self.keys[0] is not None else 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool's tensors take now."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
     def reserve(self, rows: int, capacity: int) -> None:
         """Make room for `rows` rows of `capacity` slots, keeping the contents."""
+        if self.bounded:
+            if rows > self.max_rows or capacity > self.max_capacity:
+                raise KVPoolExhausted(f"a forward needs {rows} KV rows x {capacity} slots; the pool holds "
+                                      f"{self.max_rows} sessions x {self.max_capacity} tokens (max_sessions x "
+                                      f"max_context_tokens)")
+            # Allocated in full once (by `layer`, from the first forward's states); never resized.
+            self.rows, self.capacity = self.max_rows, self.max_capacity
+            return
         new_rows = _grown(self.rows, rows, self.max_rows)
         new_capacity = _grown(self.capacity, capacity)
+        if new_rows < rows:
+            raise KVPoolExhausted(f"a forward needs {rows} KV rows; the pool holds at most {self.max_rows}")
         if (new_rows, new_capacity) == (self.rows, self.capacity):
             return
         self.keys = [_resized(t, new_rows, new_capacity) for t in self.keys]
@@ -50,6 +82,9 @@ class KVPool:
         self.rows, self.capacity = new_rows, new_capacity
 
     def clear(self) -> None:
+        """Forget every session. A bounded pool keeps its memory (it was reserved for the replica's life)."""
+        if self.bounded:
+            return
         self.rows = self.capacity = 0
         self.keys, self.values = [], []
 
@@ -73,6 +108,24 @@ class KVPool:
             if tensor is not None:
                 index = torch.tensor(sources, device=tensor.device)
                 tensor[row, :, target:target + len(sources)] = tensor[row].index_select(1, index)
+
+
+def pool_bytes(rows: int, capacity: int, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of a bounded pool: keys and values of every layer, rows x capacity slots each."""
+    return 2 * layers * rows * kv_heads * capacity * head_dim * dtype_bytes
+
+
+def limit_gpu_memory(device: str | torch.device, fraction: float | None) -> None:
+    """Cap this process's share of a CUDA device's memory (config `gpu_memory_fraction`; None: no cap).
+
+    Call it before the weights are loaded: two models sharing a GPU (the drafter on a fraction of a target
+    rank's GPU) then cannot take each other's memory, and whichever outgrows its share fails alone."""
+    device = torch.device(device)
+    if fraction is None or device.type != "cuda":
+        return
+    if not 0 < fraction <= 1:
+        raise ValueError(f"gpu_memory_fraction must lie in (0, 1], got {fraction}")
+    torch.cuda.set_per_process_memory_fraction(fraction, device.index or 0)
 
 
 class PoolCache(Cache):
@@ -123,7 +176,8 @@ def _grown(current: int, needed: int, limit: int | None = None) -> int:
     if needed <= current:
         return current
     doubled = 2 * current if limit is None else min(2 * current, limit)
-    return max(needed, doubled)
+    grown = max(needed, doubled)
+    return grown if limit is None else min(grown, limit)
 
 
 def _resized(tensor: Tensor | None, rows: int, capacity: int) -> Tensor | None:

@@ -37,23 +37,85 @@ def test_layout_accepted_by_ray_serve_schema(path):
 
 def test_local_cpu_fits_two_cores():
     config = load_serve_config(DEPLOY / "local-cpu.yaml")
-    assert config.grpc_options.port == 9000
+    assert config.app.args.api.port == 9000 and config.app.args.api.loopback_only
     assert sum(d.ray_actor_options.num_cpus for d in config.app.deployments) <= 2
     assert all(d.ray_actor_options.num_gpus == 0 for d in config.app.deployments)
     assert all(d.autoscaling_config.max_replicas in (1, 2) for d in config.app.deployments)
 
 
-@pytest.mark.parametrize("name, heads, kv_heads", [("llama2-70b-4xa100.yaml", 64, 8), ("vicuna-33b-4xa100.yaml", 52, 52)])
-def test_gpu_layouts(name, heads, kv_heads):
+# layout -> (query heads, KV heads, GPUs of the target's node, the drafter's GPU share)
+GPU_LAYOUTS = {"llama2-70b-4xa100.yaml": (64, 8, 4, 0.45), "llama2-70b-5xa100.yaml": (64, 8, 4, 1.0),
+               "vicuna-33b-4xa100.yaml": (52, 52, 4, 0.45)}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_LAYOUTS))
+def test_gpu_layouts(name):
+    heads, kv_heads, node_gpus, drafter_share = GPU_LAYOUTS[name]
     app = load_serve_config(DEPLOY / name).app
     target = app.args.target
     assert (target.device, target.dtype, target.tensor_parallel_size) == ("cuda", "bfloat16", 4)
     facts = target.facts()
     assert (facts.num_attention_heads, facts.num_key_value_heads) == (heads, kv_heads)
-    assert app.deployment("Target").gpus_per_replica() == 4
-    assert app.deployment("Target").placement_group_strategy == "STRICT_PACK"
-    assert app.deployment("Drafter").ray_actor_options.num_gpus == 1
+    deployment = app.deployment("Target")
+    assert deployment.placement_group_strategy == "STRICT_PACK"
+    shares = deployment.rank_gpu_shares()
+    assert len(shares) == 4 and all(0 < s <= 1 for s in shares)
+    drafter = app.deployment("Drafter").ray_actor_options
+    assert drafter.num_gpus == drafter_share
+    if drafter_share < 1:
+        # One node: the fractional rank and the drafter fill exactly one GPU, the node's GPUs are all used.
+        assert sum(shares) + drafter_share == pytest.approx(node_gpus)
+        assert min(shares) + drafter_share == pytest.approx(1.0)
+        assert target.gpu_memory_fraction <= min(shares) and app.args.drafter.gpu_memory_fraction <= drafter_share
+    else:
+        assert sum(shares) == node_gpus
     assert app.args.drafter.facts() is not None
+    # Each replica is pinned to the pods meant for it by a custom resource (the chart's worker groups
+    # advertise them): the target's coordinator bundle holds the node's target slot.
+    assert deployment.placement_group_bundles[0].get("TreeServeTarget") == 1
+    assert drafter.resources == {"TreeServeDrafter": 1.0}
+    assert app.deployment("Router").ray_actor_options.resources == {"TreeServeRouter": 1.0}
+
+
+def _fits_in_any_order(gpus: int, requests: list[float]) -> bool:
+    """Ray's GPU instance allocation: a whole-GPU request takes a free GPU, a fractional one the first GPU with
+    room for it. True when every allocation order of `requests` succeeds on `gpus` GPUs."""
+    import itertools
+
+    for order in set(itertools.permutations(requests)):
+        free = [1.0] * gpus
+        for request in order:
+            if request >= 1:
+                whole = [i for i, f in enumerate(free) if f >= 1 - 1e-9][:int(request)]
+                if len(whole) < request:
+                    return False
+                for i in whole:
+                    free[i] = 0.0
+            else:
+                room = next((i for i, f in enumerate(free) if f >= request - 1e-9), None)
+                if room is None:
+                    return False
+                free[room] -= request
+    return True
+
+
+@pytest.mark.parametrize("name", ["llama2-70b-4xa100.yaml", "vicuna-33b-4xa100.yaml"])
+def test_one_node_layouts_fit_one_4_gpu_node_in_any_start_order(name):
+    app = load_serve_config(DEPLOY / name).app
+    requests = app.deployment("Target").rank_gpu_shares() + [app.deployment("Drafter").ray_actor_options.num_gpus]
+    assert _fits_in_any_order(4, requests)
+    assert not _fits_in_any_order(4, requests + [0.45])  # no room for a second drafter: max_replicas is 1
+    assert app.deployment("Drafter").autoscaling_config.max_replicas == 1
+    # The old layout (a whole GPU for the drafter) needs a fifth GPU.
+    assert not _fits_in_any_order(4, [1.0] * 4 + [1.0]) and _fits_in_any_order(5, [1.0] * 5)
+
+
+def test_fractional_drafter_must_state_its_memory_share(tmp_path):
+    def edit(d):
+        d["applications"][0]["args"]["drafter"].pop("gpu_memory_fraction")
+    path = _mutated(tmp_path, "llama2-70b-4xa100.yaml", edit)
+    with pytest.raises(ValueError, match=r"args.drafter.gpu_memory_fraction: the Drafter has 0.45 of a GPU"):
+        load_serve_config(path)
 
 
 def _mutated(tmp_path, name, edit):
@@ -75,6 +137,12 @@ def _mutated(tmp_path, name, edit):
      "applications[0].args.speculation.budget"),
     (lambda d: d["applications"][0]["deployments"][2]["placement_group_bundles"].pop(),
      "applications[0].deployments[2]: reserves 3 GPUs per replica"),
+    (lambda d: d["applications"][0]["args"]["target"].update(gpu_memory_fraction=0.6),
+     "applications[0].args.target.gpu_memory_fraction: the Target has 0.55 of a GPU"),
+    (lambda d: d["applications"][0]["args"]["drafter"].update(max_sessions=4),
+     "applications[0].args.drafter.max_sessions: 4 is below limits.max_batch_size=8"),
+    (lambda d: d["applications"][0]["args"]["limits"].update(max_new_tokens=2048),
+     "exceeds target.max_context_tokens=4096"),
     (lambda d: d["applications"][0]["args"]["target"].update(max_context_tokens=8192),
      "applications[0].args.target.max_context_tokens: 8192 exceeds"),
 ])

@@ -32,16 +32,71 @@ def test_committed_report_is_fresh(layout):
     assert committed.read_text() == text, f"{committed.name} is stale: run `treeserve memory-estimate --write`"
 
 
-def test_report_rows_and_kv_formula():
-    text, ok = me.report(DEPLOY / "llama2-70b-4xa100.yaml", 80.0, 2.0)
-    assert ok and text.count("target rank (4 ranks)") == 4 and "cuda:4  drafter" in text
-    # KV per rank: 2 x 80 layers x 8/4 kv heads x 128 x 2 bytes x 16 x 4096 tokens = 5 GiB
-    assert "5.00 GiB" in text
+def _rows(text: str) -> dict[tuple[str, str], list[str]]:
+    """(device, process) -> the table's cells after them."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c for c in line.split("  ") if c.strip()]
+        if line.startswith(("cuda:", "cpu ")):
+            rows[(cells[0].strip(), cells[1].strip())] = [c.strip() for c in cells[2:]]
+    return rows
+
+
+def test_five_gpu_layout_rows_and_kv_pool_formula():
+    text, ok = me.report(DEPLOY / "llama2-70b-5xa100.yaml", 80.0, 2.0)
+    rows = _rows(text)
+    assert ok and [k for k in rows if k[1].startswith("target rank")] == [
+        (f"cuda:{r}", f"target rank {r}/4") for r in range(4)]
+    # KV pool per rank: 2 x 80 layers x 8/4 kv heads x 128 x 2 bytes x 16 sessions x 4096 tokens = 5 GiB
+    assert rows[("cuda:0", "target rank 0/4")][1] == "5.00 GiB"
+    # The drafter on a GPU of its own: 2 x 32 layers x 32 heads x 128 x 2 bytes x 16 x 4096 = 32 GiB
+    assert rows[("cuda:4", "drafter")][1] == "32.00 GiB"
+    assert "layout: FITS (5 GPUs of 80 GiB)" in text
+
+
+@pytest.mark.parametrize("name", ["llama2-70b-4xa100.yaml", "vicuna-33b-4xa100.yaml"])
+def test_one_node_layouts_count_the_drafter_on_the_shared_gpu(name):
+    text, ok = me.report(DEPLOY / name, 80.0, 2.0)
+    rows = _rows(text)
+    assert ok and {device for device, _ in rows} == {"cuda:0", "cuda:1", "cuda:2", "cuda:3"}
+    assert ("cuda:3", "drafter") in rows and ("cuda:3", "= GPU total") in rows
+    gib = lambda cell: float(cell.split()[0])  # noqa: E731
+    shared = [rows[("cuda:3", "target rank 3/4")], rows[("cuda:3", "drafter")]]
+    total = rows[("cuda:3", "= GPU total")]
+    assert gib(total[3]) == pytest.approx(sum(gib(r[3]) for r in shared), abs=0.02) and gib(total[3]) <= 80
+    # Each process within its own memory fraction: 0.55 and 0.45 of 80 GiB.
+    assert [r[4] for r in shared] == ["44.00 GiB", "36.00 GiB"] and all(r[5] == "FITS" for r in shared)
+
+
+def test_the_peak_is_the_preallocated_pool():
+    """The KV column is exactly the pool a replica preallocates (engine/runners/kv_pool.py pool_bytes)."""
+    from treeserve.engine.runners.kv_pool import pool_bytes
+
+    args = load_serve_config(DEPLOY / "llama2-70b-4xa100.yaml").app.args
+    facts = args.drafter.facts()
+    expected = pool_bytes(args.kv_sessions("drafter"), args.drafter.max_context_tokens, facts.num_hidden_layers,
+                          facts.num_key_value_heads, facts.head_dim, 2)
+    assert me.kv_pool_bytes(facts, 1, 2, 8, 4096) == expected == 16 * me.GIB
 
 
 def test_small_gpu_does_not_fit(capsys):
     assert me.run(_args(str(DEPLOY / "llama2-70b-4xa100.yaml"), "--gpu-memory-gib", "40")) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_a_process_over_its_share_does_not_fit(tmp_path):
+    """The GPU as a whole could hold it, but the drafter outgrows the 0.45 it may take."""
+    import yaml
+
+    data = yaml.safe_load((DEPLOY / "llama2-70b-4xa100.yaml").read_text())
+    data["applications"][0]["args"]["drafter"]["max_sessions"] = 10  # 20 GiB of KV: 36.4 GiB > 36 GiB
+    layout = tmp_path / "shared.yaml"
+    layout.write_text(yaml.safe_dump(data))
+    (tmp_path / "models").symlink_to(DEPLOY / "models")
+    text, ok = me.report(layout, 80.0, 2.0)
+    rows = _rows(text)
+    assert not ok and rows[("cuda:3", "drafter")][5] == "DOES NOT FIT"
+    assert rows[("cuda:3", "= GPU total")][5] == "FITS"
 
 
 def test_bad_input():
