@@ -85,18 +85,21 @@ class RouterServicer:
     def metrics(self):
         return self.router.metrics
 
-    @staticmethod
-    async def _begin(request: Any, context, rid: str) -> gen.GenerateRequest:
+    async def _admit(self, request: Any, context, rid: str):
+        """Decode and submit; once the router admitted the request, send the initial metadata (the request id):
+        a client that sees initial metadata knows its request holds one of the router's slots."""
+        message = decode_generate_request(request) if isinstance(request, (bytes, bytearray)) else request
+        job = await self.router.submit(message)
         try:
             await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
-        except Exception:  # pragma: no cover - metadata already sent or the call already ended
+        except Exception:  # pragma: no cover - the call already ended
             pass
-        return decode_generate_request(request) if isinstance(request, (bytes, bytearray)) else request
+        return job
 
     async def _reject(self, rid: str, exc: RequestError, method: str | None, context) -> None:
         log_rejection(rid, exc.code, exc.message, _peer(context))
         self.metrics.record_request(exc.code.name, method)
-        await context.abort(exc.code, exc.message)
+        await context.abort(exc.code, exc.message, trailing_metadata=((REQUEST_ID_KEY, rid),))
 
     def _gone(self, job: Any, context) -> None:
         """The client left (cancel or its deadline): count it; the router frees the session."""
@@ -109,7 +112,7 @@ class RouterServicer:
     async def Generate(self, request, context):
         rid, job = request_id(context.invocation_metadata()), None
         try:
-            job = await self.router.submit(await self._begin(request, context, rid))
+            job = await self._admit(request, context, rid)
             reply = await self.router.collect(job)
         except RequestError as exc:
             await self._reject(rid, exc, getattr(job, "method", None), context)
@@ -123,7 +126,7 @@ class RouterServicer:
     async def GenerateStream(self, request, context):
         rid, job = request_id(context.invocation_metadata()), None
         try:
-            job = await self.router.submit(await self._begin(request, context, rid))
+            job = await self._admit(request, context, rid)
             async for reply in self.router.drain(job):
                 yield reply
         except RequestError as exc:

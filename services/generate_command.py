@@ -20,7 +20,16 @@ METHODS = ("autoregressive", "chain", "static", "eagle2", "dyspec", "dyspec_thre
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="the prompt (wrapped in the chat template as a user turn)")
     parser.add_argument("--address", default="localhost:9000", help="TreeServe gRPC address (host:port)")
-    parser.add_argument("--application", default=None, help="Serve application name (needed when several run)")
+    parser.add_argument("--application", default=None, help="sent as 'application' metadata (ignored by TreeServe's "
+                        "own API server; kept for proxies that route on it)")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CA roots")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA certificate(s) to trust (implies --tls)")
+    parser.add_argument("--tls-server-name", default=None,
+                        help="name to check the server certificate against when it differs from the address's host")
+    parser.add_argument("--tls-client-cert", default=None, help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert")
+    parser.add_argument("--token-file", default=None,
+                        help="file holding the bearer token (default: $TREESERVE_TOKEN, if set)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus mass in (0, 1]; 0 = unset")
@@ -42,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_request(args: argparse.Namespace):
-    from treeserve.services.router import METHOD_ENUMS
+    from treeserve.services.validation import METHOD_ENUMS
     from treeserve.v1 import generation_pb2 as gen
 
     return gen.GenerateRequest(
@@ -52,16 +61,18 @@ def build_request(args: argparse.Namespace):
 
 
 def stream_completion(address: str, request, application: str | None = None, timeout_s: float = 300.0,
-                      out=sys.stdout):
-    """Call GenerateStream, write text deltas to `out` as they arrive; returns the final message."""
+                      out=sys.stdout, token: str | None = None, **tls):
+    """Call GenerateStream, write text deltas to `out` as they arrive; returns the final message. `tls`: the
+    keyword arguments of services/client.py open_channel (tls, tls_ca_file, server_name, client_cert_file,
+    client_key_file)."""
     import grpc
 
-    from treeserve.services.grpc_clients import channel_options
+    from treeserve.services.client import auth_metadata, open_channel
     from treeserve.v1 import generation_pb2_grpc as gen_grpc
 
-    metadata = [("application", application)] if application else None
+    metadata = auth_metadata(token) + ([("application", application)] if application else [])
     final = None
-    with grpc.insecure_channel(address, options=channel_options()) as channel:
+    with open_channel(address, **tls) as channel:
         try:
             for message in gen_grpc.TreeServeStub(channel).GenerateStream(request, metadata=metadata,
                                                                           timeout=timeout_s):
@@ -87,7 +98,12 @@ def run(args: argparse.Namespace) -> int:
         return _run_in_process(args)
     from treeserve.v1 import generation_pb2 as gen
 
-    final = stream_completion(args.address, build_request(args), args.application, args.timeout)
+    from treeserve.services.client import read_token
+
+    tls = dict(tls=args.tls, tls_ca_file=args.tls_ca, server_name=args.tls_server_name,
+               client_cert_file=args.tls_client_cert, client_key_file=args.tls_client_key)
+    final = stream_completion(args.address, build_request(args), args.application, args.timeout,
+                              token=read_token(args.token_file), **tls)
     print()
     if final is not None and not args.quiet:
         print(format_stats(final.stats, gen.FinishReason.Name(final.finish_reason)), file=sys.stderr)

@@ -1,5 +1,9 @@
-"""`treeserve serve --config deploy/local-cpu.yaml`: start Ray Serve with the config's gRPC options, run the
-TreeServe application built from it, wait until it answers, and block until Ctrl-C (then shut down).
+"""`treeserve serve --config deploy/local-cpu.yaml`: start Ray Serve, run the TreeServe application built from the
+config, wait until it answers, and block until Ctrl-C (then shut down).
+
+The public API is the Router replica's own gRPC server on `args.api.host:args.api.port` (services/api_server.py);
+Serve's gRPC proxy is not started. A Ray instance started here listens on 127.0.0.1 only (its GCS, raylet, metrics
+and agent ports); `--ray-address` joins an existing cluster instead, whose own settings then apply.
 
 `start_service` / `stop_service` are shared with `treeserve demo` and benchmarks/service_bench.py.
 """
@@ -25,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Serve config YAML (default: deploy/local-cpu.yaml; built-in defaults if absent)")
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster (e.g. 'auto'); default: start a local Ray instance")
-    parser.add_argument("--grpc-port", type=int, default=None, help="override grpc_options.port")
+    parser.add_argument("--grpc-port", type=int, default=None, help="override args.api.port (the public API's port)")
     parser.add_argument("--method", default=None, help="override args.speculation.method")
     parser.add_argument("--budget", default=None, help="override args.speculation.budget ('auto' or an integer)")
     parser.add_argument("--target", default=None, help="override args.target.path")
@@ -46,6 +50,17 @@ class Service:
     config: object  # ServeConfigFile
     started_ray: bool
 
+    @property
+    def tls(self) -> bool:
+        return self.config.app.args.security.tls
+
+
+def api_address(args) -> str:
+    """Where a client on this machine reaches the API of `args` (AppConfig)."""
+    host = args.api.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "localhost") else host
+    return f"[{host}]:{args.api.port}" if ":" in host else f"{host}:{args.api.port}"
+
 
 def load_config(path: str | None, method: str | None = None, budget: str | None = None, target: str | None = None,
                 drafter: str | None = None, grpc_port: int | None = None):
@@ -65,7 +80,9 @@ def load_config(path: str | None, method: str | None = None, budget: str | None 
         args.drafter.path = drafter
     config.app.args = AppConfig.from_args(config_to_args(args))
     if grpc_port is not None:
-        config.grpc_options.port = grpc_port
+        args = config_to_args(config.app.args)
+        args["api"]["port"] = grpc_port
+        config.app.args = AppConfig.from_args(args)
     _check_models(config.app.args)
     return config
 
@@ -120,28 +137,31 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
         if not ray.is_initialized():
             from treeserve.services.host_priority import REPLICA_SYSTEM_CONFIG
 
-            local = ray_address is None and not os.environ.get("RAY_ADDRESS") and control_plane_nice > 0
+            joining = ray_address is not None or bool(os.environ.get("RAY_ADDRESS"))
+            local = not joining and control_plane_nice > 0
+            # A Ray started here serves this machine only: node address 127.0.0.1 makes Ray bind its GCS,
+            # raylet, object manager, metrics and agent ports to loopback instead of every interface.
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=not quiet,
                      configure_logging=not quiet, runtime_env={"env_vars": env},
+                     _node_ip_address=None if joining else "127.0.0.1",
                      _system_config=REPLICA_SYSTEM_CONFIG if local else None)
             started = True
-        grpc_options = {"port": config.grpc_options.port,
-                        "grpc_servicer_functions": list(config.grpc_options.grpc_servicer_functions)}
-        if config.grpc_options.request_timeout_s is not None:
-            grpc_options["request_timeout_s"] = config.grpc_options.request_timeout_s
+        options: dict = {}
+        if config.grpc_options.grpc_servicer_functions:  # other servicers only: the TreeServe API is refused there
+            options["grpc_options"] = {"port": config.grpc_options.port,
+                                       "grpc_servicer_functions": list(config.grpc_options.grpc_servicer_functions)}
         serve.start(proxy_location=config.proxy_location,
                     http_options={"host": config.http_options.host, "port": config.http_options.port},
-                    grpc_options=grpc_options,
                     logging_config={"enable_access_log": config.logging_config.enable_access_log,
                                     "log_level": config.logging_config.log_level,
-                                    "encoding": config.logging_config.encoding})
+                                    "encoding": config.logging_config.encoding}, **options)
         serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
                   route_prefix=app.route_prefix)
         if started:
             from treeserve.services.host_priority import deprioritise_control_plane
 
             deprioritise_control_plane(control_plane_nice)
-        service = Service(f"127.0.0.1:{config.grpc_options.port}", app.name, config, started)
+        service = Service(api_address(app.args), app.name, config, started)
         wait_until_ready(service.address, app.name, ready_timeout_s)
     except (ValueError, FileNotFoundError, CliError):
         if started:
@@ -157,24 +177,25 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
 
 
 def wait_until_ready(address: str, app_name: str, timeout_s: float = 600.0) -> None:
-    """Until a one-token Generate succeeds (the proxy, the router and both model replicas are up)."""
-    import grpc
+    """Until the Router answers a one-token generation through the drafter and target replicas (its `ready`
+    method, called through Serve: it needs neither the API's TLS trust nor a token) and its public port accepts
+    TCP connections."""
+    import socket
 
-    from treeserve.v1 import generation_pb2 as gen
-    from treeserve.v1 import generation_pb2_grpc as gen_grpc
+    from ray import serve
 
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
-    with grpc.insecure_channel(address) as channel:
-        stub = gen_grpc.TreeServeStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                stub.Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1]), max_new_tokens=1),
-                              metadata=[("application", app_name)], timeout=min(60.0, timeout_s))
+    while time.monotonic() < deadline:
+        try:
+            handle = serve.get_deployment_handle("Router", app_name)
+            handle.ready.remote().result(timeout_s=min(60.0, max(1.0, deadline - time.monotonic())))
+            host, _, port = address.rpartition(":")
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
                 return
-            except grpc.RpcError as exc:
-                last = exc
-                time.sleep(0.5)
+        except Exception as exc:  # not deployed yet, replicas starting, port not bound yet
+            last = exc
+            time.sleep(0.5)
     raise TimeoutError(f"TreeServe at {address} did not answer within {timeout_s:.0f} s: {last}")
 
 
@@ -195,7 +216,10 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     service = start_service(config, args.ray_address, ready_timeout_s=args.ready_timeout,
                             control_plane_nice=args.control_plane_nice)
-    print(f"TreeServe is serving gRPC on {service.address} (application {service.app_name!r})", file=sys.stderr)
+    security = config.app.args.security
+    print(f"TreeServe is serving gRPC on {config.app.args.api.host}:{config.app.args.api.port} "
+          f"({'TLS' if security.tls else 'plaintext'}{', bearer tokens' if security.auth_token_file else ''}; "
+          f"application {service.app_name!r})", file=sys.stderr)
     if args.no_block:
         return 0
     stop = threading.Event()

@@ -87,10 +87,90 @@ def local_service(tiny_parts):
     service.server.stop(0.5)
 
 
+# ------------------------------------------------------------------------------------------ TLS material
+@dataclass
+class TestPki:
+    """A test CA, a server certificate for localhost / 127.0.0.1 and a client certificate, as PEM files."""
+
+    ca_cert: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+    other_ca_cert: str  # a CA that signed nothing here: trusting it alone must fail the handshake
+
+
+def make_pki(directory) -> TestPki:
+    import datetime
+    import ipaddress
+    from pathlib import Path
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory = Path(directory)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(stem, cert, key=None):
+        (directory / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        if key is not None:
+            (directory / f"{stem}.key").write_bytes(key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        return str(directory / f"{stem}.crt"), str(directory / f"{stem}.key")
+
+    def ca(cn):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(name(cn)).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                             data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                             crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+                .sign(key, hashes.SHA256()))
+        return cert, key
+
+    def leaf(cn, ca_cert, ca_key, server):
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_cert.subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server
+                                                         else ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return builder.sign(ca_key, hashes.SHA256()), key
+
+    ca_cert, ca_key = ca("TreeServe test CA")
+    other_cert, _ = ca("Some other CA")
+    ca_path, _ = write("ca", ca_cert)
+    other_path, _ = write("other-ca", other_cert)
+    server_cert, server_key = write("server", *leaf("localhost", ca_cert, ca_key, True))
+    client_cert, client_key = write("client", *leaf("test client", ca_cert, ca_key, False))
+    return TestPki(ca_path, server_cert, server_key, client_cert, client_key, other_path)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> TestPki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
 # ------------------------------------------------------------------------------------------ Ray / Serve
+METRICS_REPORT_INTERVAL_MS = 2000
+
+
 @pytest.fixture(scope="session")
 def ray_session():
-    """One light Ray instance for the whole test session (shared with other packages' fixtures)."""
+    """One light Ray instance for the whole test session (shared with other packages' fixtures). Its node
+    address is 127.0.0.1 (as `treeserve serve` starts it: Ray's ports on loopback only); its metrics are exported
+    on `ray_session.metrics_port` every 2 s."""
     import ray
 
     if ray.is_initialized():
@@ -101,8 +181,11 @@ def ray_session():
         env["TREESERVE_CACHE"] = os.environ["TREESERVE_CACHE"]
     from treeserve.services.host_priority import REPLICA_SYSTEM_CONFIG
 
+    metrics_port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": env}, _system_config=REPLICA_SYSTEM_CONFIG)
+             runtime_env={"env_vars": env}, _node_ip_address="127.0.0.1", _metrics_export_port=metrics_port,
+             _system_config={**REPLICA_SYSTEM_CONFIG, "metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS})
+    ray.metrics_port = metrics_port
     try:
         yield ray
     finally:
@@ -116,51 +199,95 @@ def ray_session():
 
 @dataclass
 class ServeService:
-    address: str  # public gRPC (Serve proxy)
+    address: str  # the public API (the Router replica's own server)
     app_name: str
     args: dict
+    internal_secret: str  # to call the replicas' internal rpcs as the router does
+    token: str | None = None
+    pki: TestPki | None = None
 
     def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address)
+        from treeserve.services.client import open_channel
+
+        if self.pki is not None:
+            return open_channel(self.address, tls_ca_file=self.pki.ca_cert)
+        return open_channel(self.address)
+
+    def metadata(self) -> list:
+        from treeserve.services.client import auth_metadata
+
+        return auth_metadata(self.token)
 
     def replicas(self, deployment: str) -> list:
         from treeserve.services.grpc_clients import Registry
+        from treeserve.services.internal_auth import registry_scope
 
-        return Registry(self.app_name, deployment).list()
+        return Registry(self.app_name, deployment, registry_scope(self.internal_secret)).list()
+
+    def internal_channel(self, address: str) -> grpc.Channel:
+        """A channel to a replica that signs every call with the application's token for that address."""
+        from treeserve.services.internal_auth import METADATA_KEY, address_token
+
+        token = address_token(self.internal_secret, address)
+
+        class _Sign(grpc.UnaryUnaryClientInterceptor):
+            def intercept_unary_unary(self, continuation, details, request):
+                metadata = list(details.metadata or ()) + [(METADATA_KEY, token)]
+                return continuation(details._replace(metadata=metadata), request)
+
+        return grpc.intercept_channel(grpc.insecure_channel(address), _Sign())
 
 
 SERVE_APP = "treeserve"
+SMALL_REPLICA = {"num_cpus": 0.25, "num_gpus": 0}
 
 
-@pytest.fixture(scope="session")
-def serve_service(ray_session, tiny_target_dir, tiny_drafter_dir):
+def deploy_app(name: str, args: dict, **service_kw) -> ServeService:
+    """Deploy a TreeServe application (one replica per deployment) with a known internal secret and wait until
+    it answers through its public port."""
     from ray import serve
 
     from treeserve.services.app import build_app_from_config
-    from treeserve.services.config import TREESERVE_SERVICER, load_serve_config
+    from treeserve.services.config import load_serve_config
+    from treeserve.services.internal_auth import generate_secret
 
-    grpc_port = free_port()
+    config = load_serve_config({"applications": [{
+        "name": name, "route_prefix": f"/{name}", "args": args,
+        "deployments": [{"name": d, "num_replicas": 1, "max_ongoing_requests": 32, "ray_actor_options": SMALL_REPLICA}
+                        for d in ("Router", "Drafter", "Target")]}]})
+    secret = generate_secret()
+    serve.run(build_app_from_config(config.app, args, internal_secret=secret), name=name, route_prefix=f"/{name}")
+    service = ServeService(f"127.0.0.1:{args['api']['port']}", name, args, secret, **service_kw)
+    wait_ready(service)
+    return service
+
+
+@pytest.fixture(scope="session")
+def serve_started(ray_session):
+    from ray import serve
+
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": [TREESERVE_SERVICER]},
                 logging_config={"enable_access_log": False, "log_level": "WARNING"})
-    args = {"target": {"path": str(tiny_target_dir), "max_context_tokens": 1024},
+    return serve
+
+
+def tiny_args(tiny_target_dir, tiny_drafter_dir, **limits) -> dict:
+    return {"target": {"path": str(tiny_target_dir), "max_context_tokens": 1024},
             "drafter": {"path": str(tiny_drafter_dir)},
             "speculation": {"method": "dyspec", "budget": 8},
             "limits": {"max_prompt_tokens": 256, "max_new_tokens": 128, "max_concurrent_requests": 12,
-                       "max_batch_size": 4, "request_timeout_s": 120}}
-    small = {"num_cpus": 0.25, "num_gpus": 0}
-    config = load_serve_config({"applications": [{
-        "name": SERVE_APP, "args": args,
-        "deployments": [{"name": name, "num_replicas": 1, "max_ongoing_requests": 32, "ray_actor_options": small}
-                        for name in ("Router", "Drafter", "Target")]}]})
-    serve.run(build_app_from_config(config.app, args), name=SERVE_APP, route_prefix="/")
-    service = ServeService(f"127.0.0.1:{grpc_port}", SERVE_APP, args)
-    wait_ready(service)
+                       "max_batch_size": 4, "request_timeout_s": 120, **limits},
+            "api": {"host": "127.0.0.1", "port": free_port()}}
+
+
+@pytest.fixture(scope="session")
+def serve_service(serve_started, tiny_target_dir, tiny_drafter_dir):
+    service = deploy_app(SERVE_APP, tiny_args(tiny_target_dir, tiny_drafter_dir))
     yield service
-    serve.delete(SERVE_APP)
+    serve_started.delete(SERVE_APP)
 
 
-def wait_ready(service, timeout_s: float = 120.0) -> None:
+def wait_ready(service, timeout_s: float = 180.0) -> None:
     """Until a one-token request succeeds through the public port."""
     from treeserve.v1 import generation_pb2 as gen
     from treeserve.v1 import generation_pb2_grpc as gen_grpc
@@ -171,7 +298,7 @@ def wait_ready(service, timeout_s: float = 120.0) -> None:
         try:
             with service.channel() as channel:
                 gen_grpc.TreeServeStub(channel).Generate(
-                    gen.GenerateRequest(text="hi", max_new_tokens=1), timeout=30)
+                    gen.GenerateRequest(text="hi", max_new_tokens=1), timeout=30, metadata=service.metadata())
             return
         except grpc.RpcError as exc:
             last = exc

@@ -21,8 +21,9 @@ PROMPTS = ["Tell me a story about a fox.", "2+2=?", "Write a poem about rain", "
            "List three fruits.", "Hello there", "What is a token tree?", "Explain speculative decoding."]
 
 
-def _health(address: str, stub_class) -> pb.HealthResponse:
-    with grpc.insecure_channel(address) as channel:
+def _health(service, address: str, stub_class) -> pb.HealthResponse:
+    """A replica's Health, called as the router calls it (with the application's internal token)."""
+    with service.internal_channel(address) as channel:
         return stub_class(channel).Health(pb.HealthRequest(), timeout=5)
 
 
@@ -31,7 +32,7 @@ def _live(service, deployment, stub_class):
     out = []
     for endpoint in service.replicas(deployment):
         try:
-            out.append(_health(endpoint.address, stub_class))
+            out.append(_health(service, endpoint.address, stub_class))
         except grpc.RpcError:
             pass
     return out
