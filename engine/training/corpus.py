@@ -56,9 +56,15 @@ def chunk_path(out: Path, index: int) -> Path:
 
 @torch.inference_mode()
 def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatures: list[float],
-                 eos_ids: set[int], pad_id: int, generator: torch.Generator | None = None) -> list[list[int]]:
+                 eos_ids: set[int], pad_id: int, generator: torch.Generator | None = None,
+                 feature_layers: tuple[int, ...] | None = None) -> list[list[int]] | tuple[list[list[int]], list[torch.Tensor]]:
     """Continue every prompt (left-padded into one batch) until EOS or `max_new_tokens`; returns the new
-    tokens of each row (EOS included). Rows with temperature 0 are greedy, the others sampled."""
+    tokens of each row (EOS included). Rows with temperature 0 are greedy, the others sampled.
+
+    With `feature_layers`, also returns each row's target features, captured from the very forwards that
+    generate (no second pass): [len(prompt) + len(new) , (len(feature_layers) + 1) * H] float16, the hidden
+    states `hidden_states[i]` for i in feature_layers (transformers' indexing: 0 = embeddings) followed by the
+    final post-norm hidden state, one row per token; the last new token is never fed, so its row is zero."""
     from transformers import DynamicCache
 
     batch = len(prompts)
@@ -72,9 +78,24 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     temps = torch.tensor(temperatures, dtype=torch.float32)
     eos = torch.tensor(sorted(eos_ids))
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    capture = feature_layers is not None
+    rows_features: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+
+    def keep_features(out, live: torch.Tensor, columns: slice) -> None:
+        states = out.hidden_states
+        fused = torch.cat([states[i][:, columns] for i in feature_layers] + [states[-1][:, columns]], dim=-1)
+        for b, row in enumerate(live.tolist()):
+            rows_features[row].append(fused[b].to(torch.float16))
+
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1, output_hidden_states=capture)
+    logits = out.logits[:, -1].float()
     active = torch.arange(batch)  # original row of each live batch row
+    if capture:
+        for row, prompt in enumerate(prompts):
+            states = out.hidden_states
+            rows_features[row].append(torch.cat([states[i][row, width - len(prompt):] for i in feature_layers]
+                                                + [states[-1][row, width - len(prompt):]], dim=-1).to(torch.float16))
     next_pos = positions[:, -1] + 1
     outputs: list[list[int]] = [[] for _ in range(batch)]
     for step in range(max_new_tokens):
@@ -92,10 +113,19 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
                 layer.values = layer.values.index_select(0, keep)
             active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1].float()
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                    past_key_values=cache, use_cache=True, output_hidden_states=capture)
+        logits = out.logits[:, -1].float()
+        if capture:
+            keep_features(out, active, slice(-1, None))
         next_pos = next_pos + 1
-    return outputs
+    if not capture:
+        return outputs
+    features = []
+    for row in range(batch):
+        fed = torch.cat(rows_features[row])  # every token but the last new one was fed
+        features.append(torch.cat([fed, fed.new_zeros(1, fed.shape[1])]))
+    return outputs, features
 
 
 def _choose(logits: torch.Tensor, temps: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -110,17 +140,23 @@ def _choose(logits: torch.Tensor, temps: torch.Tensor, generator: torch.Generato
 
 def generate_all(model, prompts: list[list[int]], temperatures: list[float], config: CorpusConfig,
                  eos_ids: set[int], pad_id: int, generator: torch.Generator, desc: str,
-                 max_new_tokens: int | None = None) -> list[list[int]]:
-    """`decode_batch` over length-sorted batches, results in the order of `prompts`."""
+                 max_new_tokens: int | None = None, feature_layers: tuple[int, ...] | None = None):
+    """`decode_batch` over length-sorted batches, results in the order of `prompts` (with the captured
+    features as a second list when `feature_layers` is given)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[list[int]] = [[] for _ in prompts]
+    features: list[torch.Tensor | None] = [None for _ in prompts]
     for start in tqdm(range(0, len(order), config.batch_size), desc=desc, leave=False):
         rows = order[start:start + config.batch_size]
         outs = decode_batch(model, [prompts[i] for i in rows], max_new_tokens or config.max_new_tokens,
-                            [temperatures[i] for i in rows], eos_ids, pad_id, generator)
+                            [temperatures[i] for i in rows], eos_ids, pad_id, generator, feature_layers)
+        if feature_layers is not None:
+            outs, feats = outs
+            for i, f in zip(rows, feats):
+                features[i] = f
         for i, out in zip(rows, outs):
             results[i] = out
-    return results
+    return results if feature_layers is None else (results, features)
 
 
 def _strip_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
@@ -128,8 +164,10 @@ def _strip_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
 
 
 def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_instructions: set[str],
-                   exclude: frozenset[str]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Chunk `index`: self-written instructions, first answers, follow-up answers; tensors and metadata."""
+                   exclude: frozenset[str], feature_layers: tuple[int, ...] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], dict, torch.Tensor | None]:
+    """Chunk `index`: self-written instructions, first answers, follow-up answers; tensors, metadata and
+    (with `feature_layers`) the target features of every token, [T, (len(feature_layers) + 1) * H] float16."""
     specs = prompt_mix.prompt_mix(config.seed * 100_003 + index, config.chunk_size, config.multi_turn_fraction,
                                   config.sampled_fraction, config.temperature, exclude)
     generator = torch.Generator().manual_seed(config.seed * 100_003 + index)
@@ -161,14 +199,18 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
 
     firsts = [prompt_of([{"role": "user", "content": s.first_turn}]) for s in specs]
     answers = generate_all(model, firsts, [s.temperature for s in specs], config, eos_ids, pad_id, generator,
-                           f"chunk {index} answers")
+                           f"chunk {index} answers", feature_layers=feature_layers)
+    if feature_layers is not None:
+        answers, first_features = answers
     sequences = [(p, a) for p, a in zip(firsts, answers)]
     follow_rows = [i for i, s in enumerate(specs) if s.follow_up and answers[i] and answers[i][-1] in eos_ids]
     seconds = [prompt_of([{"role": "user", "content": specs[i].first_turn},
                           {"role": "assistant", "content": tokenizer.decode(_strip_eos(answers[i], eos_ids))},
                           {"role": "user", "content": specs[i].follow_up}]) for i in follow_rows]
     second_answers = generate_all(model, seconds, [specs[i].temperature for i in follow_rows], config, eos_ids,
-                                  pad_id, generator, f"chunk {index} follow-ups")
+                                  pad_id, generator, f"chunk {index} follow-ups", feature_layers=feature_layers)
+    if feature_layers is not None:
+        second_answers, second_features = second_answers
     generated += sum(map(len, answers)) + sum(map(len, second_answers))
     kinds = [s.kind for s in specs] + [f"{specs[i].kind}+follow_up" for i in follow_rows]
     temps = [s.temperature for s in specs] + [specs[i].temperature for i in follow_rows]
@@ -191,7 +233,11 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
     tensors = {"tokens": torch.tensor(tokens, dtype=token_dtype),
                "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
                "answer_mask": torch.tensor(answer_mask, dtype=torch.uint8)}
-    return tensors, stats
+    features = None
+    if feature_layers is not None:
+        features = torch.cat(list(first_features) + list(second_features))
+        assert features.shape[0] == len(tokens)
+    return tensors, stats, features
 
 
 def chunk_stats(path: Path) -> dict:
@@ -199,9 +245,27 @@ def chunk_stats(path: Path) -> dict:
         return json.loads(f.metadata()["stats"])
 
 
+def features_path(features_dir: Path, chunk: Path) -> Path:
+    return features_dir / chunk.name
+
+
+def save_features(path: Path, features: torch.Tensor, feature_layers: tuple[int, ...]) -> None:
+    """[T, (n + 1) * H] captured rows -> `features` [T, n * H] (what EAGLE-3's fc reads) and `last_hidden`
+    [T, H] (the target's post-norm state: its LM head gives the training labels), float16, atomically."""
+    width = features.shape[1] // (len(feature_layers) + 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    save_file({"features": features[:, :-width].contiguous(), "last_hidden": features[:, -width:].contiguous()},
+              str(tmp), metadata={"feature_layers": json.dumps(list(feature_layers))})
+    os.replace(tmp, path)
+
+
 def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: frozenset[str] = frozenset(),
-                 max_chunks: int | None = None) -> list[Path]:
-    """Generate every missing chunk of the corpus into `out` (resuming), return all chunk paths."""
+                 max_chunks: int | None = None, features_dir: Path | None = None,
+                 feature_layers: tuple[int, ...] | None = None) -> list[Path]:
+    """Generate every missing chunk of the corpus into `out` (resuming), return all chunk paths. With
+    `features_dir` and `feature_layers`, the target features captured while generating are cached there
+    (`features.py` computes them for chunks that have none)."""
     out.mkdir(parents=True, exist_ok=True)
     recipe = out / "corpus.json"
     if recipe.is_file():
@@ -226,8 +290,11 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
         if max_chunks is not None and made >= max_chunks:
             break
         before = set(seen)
-        tensors, stats = generate_chunk(model, tokenizer, config, index, seen, exclude)
+        tensors, stats, features = generate_chunk(model, tokenizer, config, index, seen, exclude,
+                                                  feature_layers if features_dir is not None else None)
         stats["instruction_keys"] = sorted(seen - before)
+        if features is not None:
+            save_features(features_path(features_dir, path), features, feature_layers)
         tmp = path.with_suffix(".partial")
         save_file(tensors, str(tmp), metadata={"stats": json.dumps(stats)})
         os.replace(tmp, path)

@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-chunks", type=int, default=None,
                         help="stop after generating this many new chunks (default: until the corpus is complete)")
     parser.add_argument("--summary", action="store_true", help="only print the totals of the chunks on disk")
+    parser.add_argument("--feature-layers", type=int, nargs="*", default=None,
+                        help="target hidden_states indices captured while generating and cached for EAGLE-3 "
+                             "training (default: EAGLE-3's 2, N/2, N-3; none given: no capture)")
+    parser.add_argument("--features-dir", type=Path, default=None,
+                        help="where captured features are cached (default: <cache>/corpus_features/<corpus name>)")
     add_dataclass_options(parser, CorpusConfig, "corpus")
 
 
@@ -35,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.models.eagle3_drafter import default_feature_layers
+    from treeserve.engine.models.loading import cache_root, load_causal_lm
     from treeserve.engine.training.corpus import build_corpus, corpus_summary
     from treeserve.engine.training.prompt_mix import evaluation_texts
 
@@ -50,8 +56,12 @@ def run(args: argparse.Namespace) -> int:
     # SDPA: generation needs no tree mask, and batched decoding is faster under it than under eager.
     model = AutoModelForCausalLM.from_pretrained(target.path, local_files_only=True, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
+    layers = (default_feature_layers(model.config.num_hidden_layers) if args.feature_layers is None
+              else tuple(args.feature_layers))
+    features_dir = args.features_dir or cache_root() / "corpus_features" / args.out.name
     build_corpus(model, target.tokenizer, config, args.out, exclude=evaluation_texts(EVALUATION_PROMPTS),
-                 max_chunks=args.max_chunks)
+                 max_chunks=args.max_chunks, features_dir=features_dir if layers else None,
+                 feature_layers=layers or None)
     totals = corpus_summary(args.out)
     print(json.dumps({k: v for k, v in totals.items() if k != "kinds"}, indent=2))
     return 0

@@ -85,3 +85,18 @@ def test_corpus_chunks_resume_and_mark_answers(tiny, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         build_corpus(model, tokenizer, CorpusConfig(num_conversations=9, chunk_size=3), tmp_path)
     assert json.loads((tmp_path / "corpus.json").read_text())["chunk_size"] == 3
+
+
+def test_captured_features_equal_a_teacher_forced_forward(tiny):
+    model, _ = tiny
+    prompts = [[1, 5, 9, 200, 17], [3, 4]]
+    layers = (1, 2)
+    outs, feats = decode_batch(model, prompts, 5, [0.0, 0.0], set(), 0, feature_layers=layers)
+    for prompt, out, got in zip(prompts, outs, feats):
+        ids = torch.tensor([prompt + out])
+        with torch.inference_mode():
+            states = model(input_ids=ids, output_hidden_states=True).hidden_states
+        expected = torch.cat([states[i][0] for i in layers] + [states[-1][0]], dim=-1)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got[:-1].float(), expected[:-1], atol=2e-2, rtol=1e-2)
+        assert not got[-1].any()  # the last new token is never fed

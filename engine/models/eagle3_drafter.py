@@ -1,0 +1,236 @@
+"""EAGLE-3 drafter: one decoder layer over the fused low / middle / high features of the target.
+
+EAGLE-3 (Li et al., 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test", section 3 and figure 5): instead of extrapolating the target's top-layer feature
+(EAGLE-1/2, engine/models/eagle_drafter.py), the drafter reads the concatenation of the hidden states of a
+low, a middle and a high target layer, fused to the hidden size by `fc` (no bias). Its single layer takes
+[input_layernorm(embed(x_{j+1})), hidden_norm(g_j)] (2 x hidden) into q/k/v, so the token and the feature
+stay separate inputs; the layer's output (pre-norm) is what a deeper tree node reads in place of a target
+feature, and `norm` + `lm_head` over a reduced draft vocabulary give the draft distribution. Draft id d
+maps to target id d + d2t[d]; t2d[v] says whether target token v is in the draft vocabulary (probability
+exactly 0 elsewhere keeps verification lossless).
+
+Layout on disk: the published EAGLE-3 layout (SafeAILab/EAGLE `eagle/traineagle3/cnets.py` and
+`eagle/model/cnets.py`; SGLang / vLLM `llama_eagle3.py`): `config.json` with `architectures:
+["LlamaForCausalLMEagle3"]`, `draft_vocab_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`;
+`model.safetensors` with `fc.weight`, `midlayer.{hidden_norm, input_layernorm, self_attn.{q,k,v,o}_proj,
+post_attention_layernorm, mlp.{gate,up,down}_proj}.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
+The token embeddings are the target's and are not stored. Feature layer ids index transformers'
+`hidden_states` (0 = embeddings, i = output of layer i - 1), as EAGLE-3's default [2, N // 2, N - 3].
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from treeserve.engine.models.attention import grouped_attention
+from treeserve.engine.models.eagle_drafter import EagleOutput
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+DEFAULT_EAGLE3_DRAFTER_DIR = Path(__file__).parent / "default_eagle3_drafter"
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / middle / high layers: hidden_states indices (2, N // 2, N - 3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read 2 x hidden (token and feature halves side by side)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        self.q_proj = nn.Linear(2 * config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, 2H] -> rotated q [B, h, T, D], rotated k and v [B, h_kv, T, D]."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def forward(self, x, cos, sin, attention_mask, past_key_values=None):
+        """Inference: attention over the cache (a CachedLM pool or a transformers Cache) plus the new rows,
+        `attention_mask` additive [B, 1, T, past + T] (None: causal without past)."""
+        q, k, v = self.project(x, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, 0)
+        if attention_mask is None:
+            length = q.shape[2]
+            attention_mask = torch.full((length, length), torch.finfo(q.dtype).min, dtype=q.dtype,
+                                        device=q.device).triu(1)[None, None]
+        out, _ = grouped_attention(self, q, k, v, attention_mask, self.scaling)
+        return self.o_proj(out.reshape(*x.shape[:2], -1))
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's `midlayer`: hidden_norm(feature) and input_layernorm(embedding) into attention, the
+    feature as the residual, then a Llama MLP."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def attention_input(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+
+    def finish(self, features: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        hidden = features + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Drafter(nn.Module):
+    """fc(3 target features) -> midlayer(token, feature) -> norm -> draft-vocabulary head."""
+
+    reads_target_features = True  # runners pass `parent_features` and read `hidden` back
+
+    def __init__(self, config, d2t: torch.Tensor, target_vocab_size: int, feature_layers: tuple[int, ...]):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        self.config = config
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(target_vocab_size, hidden)  # the target's (loaded, not stored)
+        self.fc = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, len(d2t), bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", d2t.to(torch.long), persistent=True)  # [V_draft] target id - draft id
+        t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+        t2d[torch.arange(len(d2t)) + d2t.long()] = True
+        self.register_buffer("t2d", t2d, persistent=True)  # [V_target] in the draft vocabulary?
+        # [V_draft] target ids of the head's rows: what the runners and verification read.
+        self.register_buffer("vocab_ids", torch.arange(len(d2t)) + d2t.long(), persistent=False)
+        self.target_vocab_size = target_vocab_size
+
+    @property
+    def target_feature_size(self) -> int:
+        """Width of the target features this drafter reads: the fused layers side by side."""
+        return len(self.feature_layers) * self.config.hidden_size
+
+    def project_target_features(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., n_layers x H] target features -> [..., H] (EAGLE-3's fc): what a context row reads."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        return self.rotary_emb(hidden, position_ids)
+
+    def forward(self, input_ids, parent_features, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache: bool = False, logits_to_keep: int = 0) -> EagleOutput:
+        """input_ids [B, T]; parent_features [B, T, H]: fc(target features) for context rows, or a parent
+        node's `hidden` deeper in a tree. `hidden` (pre-norm layer output) covers every row."""
+        embeds = self.embed_tokens(input_ids)
+        features = parent_features.to(embeds.dtype)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+        cos, sin = self.rotary(embeds, position_ids)
+        layer = self.midlayer
+        attended = layer.self_attn(layer.attention_input(embeds, features), cos, sin, attention_mask,
+                                   past_key_values if use_cache else None)
+        hidden = layer.finish(features, attended)
+        logits = self.lm_head(self.norm(hidden[:, -logits_to_keep:]))
+        return EagleOutput(logits=logits, hidden=hidden, past_key_values=past_key_values)
+
+    # ------------------------------------------------------------------ construction and files
+    @classmethod
+    def from_target(cls, target, vocab_ids: torch.Tensor, feature_layers: tuple[int, ...] | None = None,
+                    init_layer: int | None = None) -> "Eagle3Drafter":
+        """A fresh drafter for `target`: embeddings, norm and head rows from the target; the layer's MLP
+        and o_proj from target layer `init_layer` (default N - 2), q/k/v from its weights on both halves
+        (feature half scaled by zero: the token half starts as the target's own attention input); fc as
+        the mean of the fused features."""
+        import copy
+
+        config = copy.deepcopy(target.config)
+        config.num_hidden_layers = 1
+        config.layer_types = None
+        n = target.config.num_hidden_layers
+        layers = tuple(feature_layers or default_feature_layers(n))
+        vocab_ids = vocab_ids.to(torch.long).sort().values
+        drafter = cls(config, vocab_ids - torch.arange(len(vocab_ids)), target.config.vocab_size, layers)
+        source = target.model.layers[init_layer if init_layer is not None else n - 2]
+        hidden = config.hidden_size
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            drafter.norm.weight.copy_(target.model.norm.weight)
+            drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab_ids])
+            mine = drafter.midlayer
+            mine.mlp.load_state_dict(source.mlp.state_dict())
+            mine.post_attention_layernorm.load_state_dict(source.post_attention_layernorm.state_dict())
+            mine.input_layernorm.load_state_dict(source.input_layernorm.state_dict())
+            mine.hidden_norm.load_state_dict(source.input_layernorm.state_dict())
+            for name in ("q_proj", "k_proj", "v_proj"):
+                theirs = getattr(source.self_attn, name).weight
+                getattr(mine.self_attn, name).weight.copy_(torch.cat([theirs, theirs], dim=1) / 2)
+            mine.self_attn.o_proj.weight.copy_(source.self_attn.o_proj.weight)
+            drafter.fc.weight.copy_(torch.cat([torch.eye(hidden)] * len(layers), dim=1) / len(layers))
+        return drafter
+
+    def save(self, out_dir: Path, card: dict | None = None) -> None:
+        """Write the published EAGLE-3 layout (see the module docstring), float16, without embeddings."""
+        from treeserve.engine.models.drafter import DRAFTER_KEY
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config = {k: v for k, v in self.config.to_dict().items() if k != "_name_or_path"}
+        config.update(architectures=[EAGLE3_ARCHITECTURE], num_hidden_layers=1, vocab_size=self.target_vocab_size,
+                      draft_vocab_size=len(self.d2t),
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)})
+        config[DRAFTER_KEY] = {"kind": "eagle3", **(card or {})}
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        state = {k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous()
+                 for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
+        save_file(state, str(out_dir / "model.safetensors"))
+
+    @classmethod
+    def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> "Eagle3Drafter":
+        """Load the published layout; the target's input embeddings [V_target, H] are put back in."""
+        from transformers import LlamaConfig
+
+        from treeserve.engine.models.drafter import DRAFTER_KEY
+
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        raw.pop(DRAFTER_KEY, None)
+        layers = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+        if raw.get("vocab_size") != target_embeddings.shape[0] or raw["hidden_size"] != target_embeddings.shape[1]:
+            raise ValueError(f"EAGLE-3 drafter {model_dir} was made for a target with a {raw.get('vocab_size')}-token "
+                             f"vocabulary and hidden size {raw['hidden_size']}; this target has "
+                             f"{target_embeddings.shape[0]} and {target_embeddings.shape[1]}")
+        state = load_file(str(Path(model_dir) / "model.safetensors"))
+        state.pop("embed_tokens.weight", None)
+        if layers is None:
+            raise ValueError(f"EAGLE-3 drafter {model_dir}: config.json names no eagle_aux_hidden_state_layer_ids")
+        drafter = cls(LlamaConfig(**{k: v for k, v in raw.items() if k not in ("eagle_config", "draft_vocab_size")}),
+                      state["d2t"], target_embeddings.shape[0], tuple(layers))
+        state["embed_tokens.weight"] = target_embeddings.detach().float()
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return drafter.to(device=device, dtype=dtype).eval()
+
+
+def is_eagle3_drafter(model_dir: Path) -> bool:
+    config = Path(model_dir) / "config.json"
+    return config.is_file() and EAGLE3_ARCHITECTURE in json.loads(config.read_text()).get("architectures", [])
