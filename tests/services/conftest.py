@@ -304,3 +304,22 @@ def wait_ready(service, timeout_s: float = 180.0) -> None:
             last = exc
             time.sleep(0.5)
     raise RuntimeError(f"service not ready: {last}")
+
+
+SECURE_APP = "treeserve-secure"
+SECURE_TOKEN = "test-token-3f9a1c"
+
+
+@pytest.fixture(scope="session")
+def secure_service(serve_started, tiny_target_dir, tiny_drafter_dir, pki, tmp_path_factory):
+    """A second application whose public API has TLS (test CA) and a bearer token, and room for only 2
+    requests in flight (1 in the batch): deterministic overload tests through the real Router replica."""
+    secrets_dir = tmp_path_factory.mktemp("secrets")
+    (secrets_dir / "tokens").write_text(f"# accepted tokens\n{SECURE_TOKEN}\n")
+    args = tiny_args(tiny_target_dir, tiny_drafter_dir, max_new_tokens=512, max_concurrent_requests=2,
+                     max_batch_size=1)
+    args["security"] = {"tls_cert_file": pki.server_cert, "tls_key_file": pki.server_key,
+                        "auth_token_file": str(secrets_dir / "tokens")}
+    service = deploy_app(SECURE_APP, args, token=SECURE_TOKEN, pki=pki)
+    yield service
+    serve_started.delete(SECURE_APP)

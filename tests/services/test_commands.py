@@ -23,6 +23,25 @@ def test_generate_reports_bad_input_in_one_line(serve_service, capsys):
     assert rc == 2 and "INVALID_ARGUMENT" in err and len(err.strip().splitlines()) == 1
 
 
+def test_generate_with_tls_and_token(secure_service, capsys, tmp_path, monkeypatch):
+    """`treeserve generate` against a TLS + token service: the CA and the token from the command line (or
+    $TREESERVE_TOKEN); without the token one line says UNAUTHENTICATED."""
+    token_file = tmp_path / "token"
+    token_file.write_text(secure_service.token + "\n")
+    base = ["generate", "--address", secure_service.address, "--tls-ca", secure_service.pki.ca_cert,
+            "--prompt", "Hello", "--max-new-tokens", "4"]
+    rc = main(base + ["--token-file", str(token_file)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "completion 4 tok" in out.err
+    monkeypatch.delenv("TREESERVE_TOKEN", raising=False)
+    rc = main(base)
+    err = capsys.readouterr().err
+    assert rc == 2 and "UNAUTHENTICATED" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("TREESERVE_TOKEN", secure_service.token)
+    assert main(base) == 0
+
+
 def test_generate_in_process(tiny_target_dir, tiny_drafter_dir, capsys):
     rc = main(["generate", "--in-process", "--target", str(tiny_target_dir), "--drafter", str(tiny_drafter_dir),
                "--method", "chain", "--budget", "3", "--prompt", "Hi", "--max-new-tokens", "6"])
@@ -35,7 +54,7 @@ def test_serve_config_overrides(tiny_target_dir, tiny_drafter_dir):
     config = load_config(str(DEFAULT_CONFIG), method="chain", budget="4", target=str(tiny_target_dir),
                          drafter=str(tiny_drafter_dir), grpc_port=9123)
     args = config.app.args
-    assert (args.speculation.method, args.speculation.budget, config.grpc_options.port) == ("chain", 4, 9123)
+    assert (args.speculation.method, args.speculation.budget, args.api.port) == ("chain", 4, 9123)
     assert args.target.path == str(tiny_target_dir)
     assert config.app.deployment("Target").autoscaling_config.max_replicas == 2
     with pytest.raises(ValueError, match="budget"):

@@ -25,10 +25,13 @@ def _error(data) -> str:
 def test_empty_config_gives_local_cpu_defaults():
     config = load_serve_config({})
     assert isinstance(config, ServeConfigFile)
-    assert config.grpc_options.port == 9000
-    assert config.grpc_options.grpc_servicer_functions == [cfg.TREESERVE_SERVICER]
+    assert config.grpc_options.grpc_servicer_functions == []  # no Serve gRPC proxy: the Router serves the API
     assert config.logging_config.enable_access_log is False
     args = config.app.args
+    # The public API: this machine only, plaintext, no token, reflection off, a 4 MiB request cap.
+    assert (args.api.host, args.api.port, args.api.enable_reflection) == ("127.0.0.1", 9000, False)
+    assert args.api.max_request_bytes == 4 * 1024 * 1024
+    assert not args.security.tls and args.security.auth_token_file is None
     assert (args.target.path, args.target.device, args.target.tensor_parallel_size) == ("default", "cpu", 1)
     assert args.speculation.budget == "auto" and args.speculation.batch_method == "c2t_chain"
 
@@ -47,7 +50,7 @@ def test_every_field_has_help():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
     for cls in (cfg.ModelFacts, cfg.ModelConfig, cfg.DrafterConfig, cfg.SpeculationConfig, cfg.LimitsConfig,
-                cfg.InternalGrpcConfig, AppConfig, cfg.AutoscalingConfig, cfg.RayActorOptions,
+                cfg.InternalGrpcConfig, cfg.ApiConfig, cfg.SecurityConfig, AppConfig, cfg.AutoscalingConfig, cfg.RayActorOptions,
                 cfg.DeploymentConfig, cfg.RuntimeEnv, cfg.ApplicationConfig, cfg.HttpOptions, cfg.GrpcOptions,
                 cfg.LoggingConfig, ServeConfigFile):
         walk(cls)
@@ -131,7 +134,9 @@ def test_model_facts_relative_to_the_config_file(tmp_path):
 
 
 def test_top_level_errors(tmp_path):
-    assert "grpc_options.grpc_servicer_functions: must include" in _error({"grpc_options": {"grpc_servicer_functions": []}})
+    # Serve's gRPC proxy would queue requests in front of the router's limit (and has no TLS/token/size cap).
+    message = _error({"grpc_options": {"grpc_servicer_functions": [cfg.TREESERVE_SERVICER]}})
+    assert "grpc_options.grpc_servicer_functions" in message and "queues requests" in message
     assert "grpc_options.port: must be a TCP port" in _error({"grpc_options": {"port": 70000}})
     assert "exactly one application" in _error({"applications": []})
     assert "proxy_location: must be one of" in _error({"proxy_location": "Everywhere"})
@@ -153,3 +158,31 @@ def test_eagle_drafter_needs_an_unsharded_target(tmp_path):
         message = _error(_app({"drafter": {"path": path}, "target": {"tensor_parallel_size": 3}}))
         assert "applications[0].args.target.tensor_parallel_size" in message and "EAGLE" in message
     assert not load_serve_config(_app({})).app.args.drafter.reads_target_features()
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"api": {"host": "0.0.0.0"}}, "applications[0].args.api.host: 0.0.0.0 is reachable from the network but the API "
+                                   "would be plaintext"),
+    ({"security": {"tls_cert_file": "/tls/tls.crt"}}, "set tls_cert_file and tls_key_file together"),
+    ({"security": {"tls_client_ca_file": "/tls/ca.crt"}}, "tls_client_ca_file: needs tls_cert_file"),
+    ({"security": {"auth_token_file": ""}}, "security.auth_token_file: must be a file path"),
+    ({"api": {"max_request_bytes": 100}}, "api.max_request_bytes: must lie in 1024..268435456"),
+    ({"api": {"port": 0}}, "api.port: must be a TCP port"),
+    ({"api": {"host": ""}}, "api.host: must not be empty"),
+    ({"security": {"tls": True}}, "security.tls: unknown field"),
+])
+def test_api_and_security_errors(args, message):
+    assert message in _error(_app(args))
+
+
+def test_api_and_security_accepted(tmp_path):
+    tls = {"tls_cert_file": "/etc/treeserve/tls/tls.crt", "tls_key_file": "/etc/treeserve/tls/tls.key"}
+    args = load_serve_config(_app({"api": {"host": "0.0.0.0"}, "security": tls})).app.args
+    assert args.security.tls and not args.api.loopback_only
+    # Plaintext on the network only when TLS is terminated in front (explicitly).
+    assert load_serve_config(_app({"api": {"host": "0.0.0.0"}, "security": {"allow_insecure": True}}))
+    # The files are read when the Router starts (mounted secrets), not when the config is validated; relative
+    # paths are resolved against the config file's folder.
+    path = tmp_path / "serve.yaml"
+    path.write_text("applications:\n- args:\n    security: {auth_token_file: secrets/tokens}\n")
+    assert load_serve_config(path).app.args.security.auth_token_file == str(tmp_path / "secrets" / "tokens")

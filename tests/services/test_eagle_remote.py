@@ -320,7 +320,7 @@ def test_router_replica_wires_features_for_an_eagle_config(tiny_target_dir):
     handle = object()  # discovery goes through the registry first and calls the handle only when it is empty
     for path, eagle in (("eagle", True), ("default", False)):
         args = {"target": {"path": str(tiny_target_dir)}, "drafter": {"path": path}}
-        router = RouterReplica(args, handle, handle)
+        router = RouterReplica(args, handle, handle, serve_api=False)
         engine = router.engine
         assert engine.carries_features is eagle and engine.drafter.reads_target_features is eagle
         assert engine.target.features_listener == engine.drafter.features_rewritten
