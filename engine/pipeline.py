@@ -17,7 +17,7 @@ from treeserve.engine.builders import TreeConfig
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafting import AUTOREGRESSIVE, LocalDrafter
 from treeserve.engine.generate import SpeculativeEngine
-from treeserve.engine.models.drafter import drafter_dir, load_drafter
+from treeserve.engine.models.drafter import drafter_dir, load_drafter, target_feature_layers
 from treeserve.engine.models.loading import LoadedModel, load_causal_lm
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
@@ -128,5 +128,7 @@ def build_engine(target_path: str = "default", drafter_path: str = "default", me
         profile = drafter.budget.profile if drafter.budget is not None else \
             measure_profile(target.model, drafter.model, device, torch_dtype)
         tree_overrides["delta"] = profile.opt_tree_delta()
-    return SpeculativeEngine(TargetRunner(target.model, device, torch_dtype), drafter, target.tokenizer,
+    feature_layers = target_feature_layers(drafter_path) if drafter is not None else None
+    return SpeculativeEngine(TargetRunner(target.model, device, torch_dtype, feature_layers=feature_layers),
+                             drafter, target.tokenizer,
                              tree_config(method, budget, **tree_overrides), max_context_tokens)

@@ -167,9 +167,11 @@ class DrafterConfig(ModelConfig):
 
     def reads_target_features(self) -> bool:
         """An EAGLE drafter (the shipped "eagle" or a saved one): it reads the target's features."""
+        from treeserve.engine.models.eagle3_drafter import is_eagle3_drafter
         from treeserve.engine.models.eagle_drafter import is_eagle_drafter
 
-        return self.path == "eagle" or is_eagle_drafter(Path(self.path).expanduser())
+        path = Path(self.path).expanduser()
+        return self.path in ("eagle", "eagle3") or is_eagle_drafter(path) or is_eagle3_drafter(path)
 
 
 @dataclass

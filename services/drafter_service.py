@@ -104,8 +104,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.address = ""
         self.default_method = default_method
         self.worker = Worker()
-        # Only an EAGLE drafter reads the target's features (as wide as the target's hidden state).
-        self.features = (FeatureStore(int(drafter.model.config.hidden_size))
+        # Only an EAGLE drafter reads the target's features (the hidden size, or 3x it for EAGLE-3's fused layers).
+        self.features = (FeatureStore(drafter.runner.target_feature_size)
                          if getattr(drafter, "reads_target_features", False) else None)
 
     def _requests(self, message: pb.DraftRequest) -> list[tuple[DraftRequest, tuple[torch.Tensor, int] | None]]:

@@ -143,7 +143,11 @@ def load_target_from_config(config) -> Any:
     dtype = parse_dtype(target.dtype)
     limit_gpu_memory(target.device, target.gpu_memory_fraction)
     loaded = load_causal_lm(target.path, target.device, dtype)
-    runner = TargetRunner(loaded.model, target.device, dtype, max_sessions=sessions)
+    from treeserve.engine.models.drafter import target_feature_layers
+
+    # An EAGLE-3 drafter fuses several target layers: the Target returns exactly those with its scores.
+    runner = TargetRunner(loaded.model, target.device, dtype, max_sessions=sessions,
+                          feature_layers=target_feature_layers(config.drafter.path))
     runner.lm.bound(sessions, target.max_context_tokens)
     runner.lm.warm_up()
     return runner

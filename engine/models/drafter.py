@@ -124,14 +124,15 @@ def load_with_target_embeddings(cls, model_dir: Path, target_embeddings: torch.T
 
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"
-SHIPPED_DRAFTERS = ("default", "eagle")  # names for the drafters shipped in engine/models
+SHIPPED_DRAFTERS = ("default", "eagle", "eagle3")  # names for the drafters shipped in engine/models
 
 
 def drafter_dir(path: str) -> Path:
-    """The directory a drafter name stands for: "default" and "eagle" are the shipped ones."""
+    """The directory a drafter name stands for: "default", "eagle" and "eagle3" are the shipped ones."""
+    from treeserve.engine.models.eagle3_drafter import DEFAULT_EAGLE3_DRAFTER_DIR
     from treeserve.engine.models.eagle_drafter import DEFAULT_EAGLE_DRAFTER_DIR
 
-    shipped = {"default": DEFAULT_DRAFTER_DIR, "eagle": DEFAULT_EAGLE_DRAFTER_DIR}
+    shipped = {"default": DEFAULT_DRAFTER_DIR, "eagle": DEFAULT_EAGLE_DRAFTER_DIR, "eagle3": DEFAULT_EAGLE3_DRAFTER_DIR}
     return shipped[path] if path in shipped else Path(path).expanduser()
 
 
@@ -143,16 +144,19 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
     All return an object with `.logits` [B, T, V] and `.past_key_values`; a restricted or EAGLE drafter's
     logits cover only its `vocab_ids`, and an EAGLE drafter also reads `parent_features`.
     """
+    from treeserve.engine.models.eagle3_drafter import Eagle3Drafter, is_eagle3_drafter
     from treeserve.engine.models.eagle_drafter import EagleDrafter, is_eagle_drafter
 
     model_dir = drafter_dir(path)
     if path in SHIPPED_DRAFTERS and not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no {path} drafter in {model_dir}; train one with `treeserve train-drafter"
-                                f"{' --kind eagle' if path == 'eagle' else ''}`")
+                                f"{' --kind ' + path if path.startswith('eagle') else ''}`")
     if not model_dir.exists():
         raise FileNotFoundError(f"drafter path {model_dir} does not exist")
     from treeserve.engine.models.loading import causal_lm_config, load_model, resolve_model_dir
 
+    if is_eagle3_drafter(model_dir):
+        return Eagle3Drafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
     if is_eagle_drafter(model_dir):
         return EagleDrafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
     if is_restricted_drafter(model_dir):
@@ -163,3 +167,15 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
         raise ValueError(f"drafter {model_dir} has a {vocab}-token vocabulary, the target has "
                          f"{target.config.vocab_size}")
     return load_model(model_dir, device, dtype)
+
+
+def target_feature_layers(path: str) -> tuple[int, ...] | None:
+    """The target hidden_states a drafter directory's EAGLE-3 head fuses (None: any other drafter, including
+    EAGLE-1/2, which reads the final state). Read from config.json alone, so a Target replica knows what to
+    return without loading the drafter."""
+    config = drafter_dir(path) / "config.json"
+    if not config.is_file():
+        return None
+    raw = json.loads(config.read_text())
+    layers = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(layers) if layers and "LlamaForCausalLMEagle3" in raw.get("architectures", []) else None

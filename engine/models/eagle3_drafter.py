@@ -36,8 +36,9 @@ DEFAULT_EAGLE3_DRAFTER_DIR = Path(__file__).parent / "default_eagle3_drafter"
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low / middle / high layers: hidden_states indices (2, N // 2, N - 3)."""
-    return (2, num_layers // 2, num_layers - 3)
+    """EAGLE-3's low / middle / high layers: hidden_states indices (2, N // 2, N - 3), kept inside 0..N for
+    targets of fewer than 5 layers (test models)."""
+    return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 0))
 
 
 class Eagle3Attention(nn.Module):

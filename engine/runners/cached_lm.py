@@ -90,6 +90,9 @@ class CachedLM:
         self.sessions: dict[str, SessionCache] = {}  # least recently begun first
         self._step: set[str] = set()  # sessions begun since the last forward: never evicted for a newcomer
         self.forward_seconds = 0.0  # total time inside model forwards (lets callers separate overheads)
+        # Features returned with `hidden`: None = the final post-norm state (EAGLE-1/2); else these
+        # `hidden_states` indices side by side (EAGLE-3's low / middle / high layers).
+        self.feature_layers: tuple[int, ...] | None = None
         self.bound(max_sessions, max_context_tokens)
 
     def bound(self, max_sessions: int, max_context_tokens: int | None = None) -> None:
@@ -295,7 +298,8 @@ class CachedLM:
         logits = out.logits.float()  # [B, width - kept_from, V]
         states = getattr(out, "hidden", None)
         if states is None and hidden:
-            states = out.hidden_states[-1]  # post-norm in transformers: what the LM head reads
+            states = (out.hidden_states[-1] if self.feature_layers is None  # post-norm: what the LM head reads
+                      else torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1))
         self.forward_seconds += time.perf_counter() - started
         results: list[ExtendOutput | None] = [None] * batch
         for b, (i, cache, (tokens, _, _)) in enumerate(zip(order, caches, inputs)):

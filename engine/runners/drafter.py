@@ -54,6 +54,9 @@ class DrafterRunner:
         ids = getattr(model, "vocab_ids", None)
         self.vocab_ids = None if ids is None else ids.cpu()  # [V_draft] target ids of the head's rows
         self.reads_target_features = bool(getattr(model, "reads_target_features", False))
+        self.projects_features = hasattr(model, "project_target_features")
+        # Width of the target features a request carries: fused layers for EAGLE-3, the hidden size otherwise.
+        self.target_feature_size = int(getattr(model, "target_feature_size", model.config.hidden_size))
         # Total time inside the runner's entry points: forwards with their KV cache upkeep and masks,
         # warping, full-vocabulary rows and summaries. A step's drafting time minus this is tree
         # construction (the builder, plus the oracle's walk to unfed ancestors, counted there).
@@ -79,7 +82,11 @@ class DrafterRunner:
         rows = features[max(first - 1, 0):]
         if first == 0:
             rows = torch.cat([features.new_zeros(1, features.shape[1]), rows])
-        oracle.context_features = rows.to(self.lm.device, self.lm.dtype)
+        rows = rows.to(self.lm.device, self.lm.dtype)
+        if self.projects_features:  # EAGLE-3: fc fuses the target's layers into one hidden-size row
+            with torch.inference_mode():
+                rows = self.lm.model.project_target_features(rows)
+        oracle.context_features = rows
         return oracle
 
     def release(self, session_id: str) -> bool:

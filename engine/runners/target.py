@@ -32,8 +32,15 @@ class TargetRunner:
     provides_features = True  # honours ScoreRequest.want_features (EAGLE drafters need it)
 
     def __init__(self, model: torch.nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_sessions: int = 256):
+                 max_sessions: int = 256, feature_layers: tuple[int, ...] | None = None):
+        """`feature_layers`: the hidden_states an EAGLE-3 drafter fuses (None: the final state, EAGLE-1/2)."""
         self.lm = CachedLM(model, device, dtype, max_sessions)
+        if feature_layers is not None:
+            n = model.config.num_hidden_layers
+            if any(not 0 <= i <= n for i in feature_layers):
+                raise ValueError(f"feature layers {list(feature_layers)} are not hidden_states indices of a "
+                                 f"{n}-layer target (0..{n})")
+            self.lm.feature_layers = tuple(feature_layers)
         self.vocab_size = model.config.vocab_size
 
     def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:

@@ -314,3 +314,32 @@ def corpus_summary(out: Path) -> dict:
         for kind in stats["kinds"]:
             totals["kinds"][kind] = totals["kinds"].get(kind, 0) + 1
     return totals
+
+
+@torch.inference_mode()
+def compute_chunk_features(model, chunk: Path, features_dir: Path, feature_layers: tuple[int, ...],
+                           batch_size: int = 8) -> Path:
+    """Features of a chunk that has none cached (a fresh machine, or a corpus made without capture): one
+    teacher-forced forward per batch of its sequences, written as `save_features` does."""
+    from safetensors.torch import load_file
+
+    data = load_file(str(chunk))
+    tokens, offsets = data["tokens"].long(), data["seq_offsets"].tolist()
+    spans = list(zip(offsets[:-1], offsets[1:]))
+    hidden = model.config.hidden_size
+    out = torch.zeros(len(tokens), (len(feature_layers) + 1) * hidden, dtype=torch.float16)
+    order = sorted(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
+    for start in tqdm(range(0, len(order), batch_size), desc=f"features {chunk.name}", leave=False):
+        rows = [spans[i] for i in order[start:start + batch_size]]
+        width = max(e - s for s, e in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, (s, e) in enumerate(rows):
+            ids[r, :e - s], mask[r, :e - s] = tokens[s:e], 1
+        states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1).hidden_states
+        fused = torch.cat([states[i] for i in feature_layers] + [states[-1]], dim=-1)
+        for r, (s, e) in enumerate(rows):
+            out[s:e - 1] = fused[r, :e - s - 1].to(torch.float16)  # the last token's row stays zero, as captured
+    path = features_path(features_dir, chunk)
+    save_features(path, out, feature_layers)
+    return path

@@ -1,0 +1,246 @@
+"""Training of the EAGLE-3 drafter (engine/models/eagle3_drafter.py) with training-time test.
+
+EAGLE-3 (Li et al., 2025), section 3.2 and figure 6, and its reference trainer (SafeAILab/EAGLE
+`eagle/traineagle3/cnets.py`, `Model.forward`):
+
+- **Inputs.** At position j the drafter reads g_j = fc([l_j, m_j, h_j]) (the target's low / middle / high
+  hidden states of token j) and the embedding of token x_{j+1}, and is trained to match the target's
+  distribution at position j + 1 (the distribution of x_{j+2}).
+- **Training-time test.** The drafter is unrolled for `ttt_steps` steps on its own outputs: at step k, the
+  feature input of position j is the layer output of step k - 1 at j (not a target feature), the token input
+  is x_{j+1+k}, and the label is the target's distribution at position j + 1 + k. The queries of step k attend
+  to step 0's keys causally (the real context up to j) and to the keys of steps 1..k at the same position j
+  only (the drafted chain above j), exactly the attention a depth-k tree node sees when serving.
+- **Loss.** Forward KL (soft cross-entropy) to the target's distribution renormalised over the draft
+  vocabulary, at positions whose target argmax lies in the draft vocabulary, weighted 0.8^k per step
+  (EAGLE-3's main.py); no feature-regression loss (EAGLE-3 drops EAGLE-1's L_reg).
+- **Draft vocabulary.** The `draft_vocab_size` most frequent answer tokens of the corpus (EAGLE-3's
+  `scandata`), mapped by d2t / t2d.
+
+Data: the self-distillation corpus (`corpus.py`: the target's own answers) with the features captured while
+generating (`features_dir`); labels come from the cached final hidden state through the target's LM head
+rows of the draft vocabulary, so training never runs the target. Losses at answer positions only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from treeserve.engine.models.eagle3_drafter import Eagle3Drafter
+from treeserve.engine.training.batches import SequenceBatches, cosine_lr
+
+
+@dataclass
+class Eagle3TrainConfig:
+    """Architecture and optimisation of an EAGLE-3 drafter."""
+
+    draft_vocab_size: int = field(default=8192, metadata={"help": "tokens the drafter head predicts (EAGLE-3: 32k of 128k)"})
+    ttt_steps: int = field(default=4, metadata={"help": "training-time-test unroll depth (EAGLE-3: 7)"})
+    step_decay: float = field(default=0.8, metadata={"help": "loss weight of step k is step_decay**k (EAGLE-3: 0.8)"})
+    minutes: float = field(default=60.0, metadata={"help": "wall-clock training budget"})
+    lr: float = field(default=6e-4, metadata={"help": "peak AdamW learning rate (cosine decay after a short warm-up)"})
+    batch_tokens: int = field(default=4096, metadata={"help": "tokens per optimisation step"})
+    max_seq_len: int = field(default=512, metadata={"help": "longest training window (the last tokens of a sequence)"})
+    holdout_sequences: int = field(default=200, metadata={"help": "sequences kept out of training to measure agreement"})
+    grad_clip: float = field(default=0.5, metadata={"help": "gradient-norm clip (EAGLE-3: 0.5)"})
+    init_from: str = field(default="", metadata={"help": "continue training this EAGLE-3 drafter directory (its vocabulary wins)"})
+    seed: int = field(default=0, metadata={"help": "shuffle seed"})
+
+
+@dataclass
+class Corpus:
+    """Chunks of the corpus concatenated: tokens [T], answer flags [T], features [T, 3H], final states [T, H]."""
+
+    tokens: torch.Tensor
+    answer_mask: torch.Tensor
+    features: torch.Tensor
+    last_hidden: torch.Tensor
+    spans: list[tuple[int, int]]
+    feature_layers: tuple[int, ...]
+
+
+def load_corpus(chunks: list[Path], features_dir: Path) -> Corpus:
+    """The chunks that have cached features (see corpus.build_corpus), concatenated."""
+    tokens, mask, feats, last, spans, layers, base = [], [], [], [], [], None, 0
+    for chunk in chunks:
+        cached = features_dir / chunk.name
+        if not cached.is_file():
+            continue
+        data, f = load_file(str(chunk)), load_file(str(cached))
+        from safetensors import safe_open
+
+        with safe_open(str(cached), framework="pt") as handle:
+            these = tuple(json.loads(handle.metadata()["feature_layers"]))
+        if layers is not None and these != layers:
+            raise ValueError(f"{cached} holds features of layers {these}, other chunks {layers}")
+        layers = these
+        offsets = data["seq_offsets"].tolist()
+        spans += [(base + s, base + e) for s, e in zip(offsets[:-1], offsets[1:])]
+        base += offsets[-1]
+        tokens.append(data["tokens"].long())
+        mask.append(data["answer_mask"].bool())
+        feats.append(f["features"])
+        last.append(f["last_hidden"])
+    if not tokens:
+        raise FileNotFoundError(f"no corpus chunk has cached features in {features_dir}; run `treeserve make-corpus`")
+    return Corpus(torch.cat(tokens), torch.cat(mask), torch.cat(feats), torch.cat(last), spans, layers)
+
+
+def choose_draft_vocab(corpus: Corpus, size: int, target_vocab: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent answer tokens (EAGLE-3's scandata), plus `always` (special tokens)."""
+    counts = torch.bincount(corpus.tokens[corpus.answer_mask], minlength=target_vocab).double()
+    counts[torch.tensor(always, dtype=torch.long)] = float("inf")
+    return counts.topk(min(size, target_vocab)).indices.sort().values
+
+
+def make_batch(corpus: Corpus, seq_ids: list[int], max_len: int):
+    """Right-padded windows (the last `max_len` tokens of each sequence): tokens [B, T], answer flags
+    [B, T], fused features [B, T, 3H], final states [B, T, H] (float32), valid [B, T]."""
+    windows = [(max(s, e - max_len), e) for s, e in (corpus.spans[i] for i in seq_ids)]
+    width = max(e - s for s, e in windows)
+    batch = len(windows)
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    answer = torch.zeros(batch, width, dtype=torch.bool)
+    valid = torch.zeros(batch, width, dtype=torch.bool)
+    features = torch.zeros(batch, width, corpus.features.shape[1])
+    last = torch.zeros(batch, width, corpus.last_hidden.shape[1])
+    for r, (s, e) in enumerate(windows):
+        n = e - s
+        tokens[r, :n], answer[r, :n], valid[r, :n] = corpus.tokens[s:e], corpus.answer_mask[s:e], True
+        features[r, :n], last[r, :n] = corpus.features[s:e].float(), corpus.last_hidden[s:e].float()
+    return tokens, answer, features, last, valid
+
+
+def shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """x[:, j + k] at column j (fill past the end)."""
+    if k == 0:
+        return x
+    pad = torch.full_like(x[:, :k], fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+@torch.no_grad()
+def target_labels(drafter: Eagle3Drafter, head_weight: torch.Tensor, last: torch.Tensor):
+    """Target distribution over the draft vocabulary at every position [B, T, V_draft], and whether the
+    target's argmax over its full vocabulary is in the draft vocabulary [B, T]."""
+    logits = last @ head_weight.T  # [B, T, V]
+    in_draft = drafter.t2d[logits.argmax(-1)]
+    return torch.softmax(logits[..., drafter.vocab_ids], dim=-1), in_draft
+
+
+def unroll(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor, steps: int):
+    """Training-time test's forward (module docstring): yields, per step k, the logits [B, T, V_draft] of
+    every column j (the drafter at depth k + 1 above the real context x_0..x_{j+1})."""
+    attn = drafter.midlayer.self_attn
+    layer = drafter.midlayer
+    batch, width = tokens.shape
+    positions = torch.arange(width)[None].expand(batch, width)
+    causal = torch.full((width, width), torch.finfo(torch.float32).min).triu(1)
+    group = attn.num_heads // attn.num_kv_heads
+    feat = drafter.project_target_features(features)
+    keys, values = [], []
+    for k in range(steps):
+        token_in = shift(tokens, 1 + k)
+        x = layer.attention_input(drafter.embed_tokens(token_in), feat)
+        cos, sin = drafter.rotary(x, positions + k)
+        q, kk, vv = attn.project(x, cos, sin)
+        keys.append(kk.repeat_interleave(group, dim=1))
+        values.append(vv.repeat_interleave(group, dim=1))
+        scores = [torch.matmul(q, keys[0].transpose(2, 3)) * attn.scaling + causal]
+        scores += [((q * ki).sum(-1) * attn.scaling)[..., None] for ki in keys[1:]]
+        weights = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+        out = torch.matmul(weights[..., :width], values[0])
+        for i, vi in enumerate(values[1:]):
+            out = out + weights[..., width + i, None] * vi
+        attended = attn.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+        hidden = layer.finish(feat, attended)
+        yield drafter.lm_head(drafter.norm(hidden))
+        feat = hidden
+
+
+def ttt_losses(drafter: Eagle3Drafter, tokens, answer, features, labels, in_draft, valid, steps: int):
+    """Per unrolled step k, (loss, positions where the drafter's top-1 is the target's, answer positions)."""
+    results = []
+    for k, logits in enumerate(unroll(drafter, tokens, features, steps)):
+        # Step k at column j predicts the token after x_{j+1+k}: the target's distribution at j + 1 + k.
+        label = shift(labels, 1 + k)
+        answered = shift(valid & answer, 2 + k, False)
+        counted = answered & shift(in_draft, 1 + k, False)  # a target argmax outside the draft vocabulary: no label
+        loss = -(label * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+        # Agreement counts every answer position (outside the draft vocabulary is a miss, as when serving).
+        results.append(((loss * counted).sum() / counted.sum().clamp(min=1),
+                        int(((logits.argmax(-1) == label.argmax(-1)) & counted).sum()), int(answered.sum())))
+    return results
+
+
+def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids: list[int],
+                 progress: bool = True) -> tuple[Eagle3Drafter, dict]:
+    """Train an EAGLE-3 drafter for `target` on `corpus` within `config.minutes`; returns it and statistics."""
+    generator = torch.Generator().manual_seed(config.seed)
+    if config.init_from:
+        drafter = Eagle3Drafter.load(Path(config.init_from), target.get_input_embeddings().weight)
+        if drafter.feature_layers != corpus.feature_layers:
+            raise ValueError(f"--init-from reads layers {drafter.feature_layers}, the corpus holds {corpus.feature_layers}")
+    else:
+        vocab = choose_draft_vocab(corpus, config.draft_vocab_size, target.config.vocab_size, special_ids)
+        drafter = Eagle3Drafter.from_target(target, vocab, corpus.feature_layers)
+    drafter.train()
+    drafter.embed_tokens.weight.requires_grad_(False)  # the target's own embeddings, frozen and not stored
+    head_weight = target.get_output_embeddings().weight.detach().float()
+    order = torch.randperm(len(corpus.spans), generator=generator).tolist()
+    holdout, train_ids = order[:config.holdout_sequences], order[config.holdout_sequences:]
+    batches = SequenceBatches(train_ids, corpus.spans, config.batch_tokens, config.max_seq_len, generator)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    weights = [config.step_decay ** k for k in range(config.ttt_steps)]
+    budget = config.minutes * 60
+    started, steps, tokens_seen = time.time(), 0, 0
+    bar = tqdm(total=int(budget), desc="EAGLE-3 training (s)", disable=not progress)
+    while time.time() - started < budget:
+        seq_ids, n = batches.next()
+        tokens, answer, features, last, valid = make_batch(corpus, seq_ids, config.max_seq_len)
+        labels, in_draft = target_labels(drafter, head_weight, last)
+        results = ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid, config.ttt_steps)
+        loss = sum(w * r[0] for w, r in zip(weights, results))
+        elapsed = time.time() - started
+        lr = cosine_lr(config.lr, elapsed, budget) * min(1.0, (steps + 1) / 20)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        optimizer.step()
+        steps += 1
+        tokens_seen += n
+        bar.n = int(min(budget, time.time() - started))
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{results[0][1] / max(1, results[0][2]):.3f}")
+    bar.close()
+    drafter.eval()
+    stats = {"steps": steps, "tokens_seen": tokens_seen, "minutes": round((time.time() - started) / 60, 1),
+             "train_sequences": len(train_ids), "holdout_sequences": len(holdout),
+             "holdout_step_accuracy": heldout_accuracy(drafter, corpus, holdout, head_weight, config)}
+    return drafter, stats
+
+
+@torch.no_grad()
+def heldout_accuracy(drafter: Eagle3Drafter, corpus: Corpus, seq_ids: list[int], head_weight: torch.Tensor,
+                     config: Eagle3TrainConfig) -> list[float]:
+    """Top-1 agreement with the target at each unrolled step on held-out sequences (step k: the drafter
+    fed its own k previous outputs, as a depth-(k+1) tree node)."""
+    correct, counted = [0] * config.ttt_steps, [0] * config.ttt_steps
+    for start in range(0, len(seq_ids), 8):
+        tokens, answer, features, last, valid = make_batch(corpus, seq_ids[start:start + 8], config.max_seq_len)
+        labels, in_draft = target_labels(drafter, head_weight, last)
+        for k, (_, c, n) in enumerate(ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid,
+                                                 config.ttt_steps)):
+            correct[k] += c
+            counted[k] += n
+    return [round(c / max(1, n), 4) for c, n in zip(correct, counted)]

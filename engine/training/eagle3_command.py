@@ -1,0 +1,71 @@
+"""`treeserve train-eagle3`: train (or continue) the EAGLE-3 drafter on the self-distillation corpus."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from treeserve.engine.training.corpus_command import DEFAULT_CORPUS_DIR, REPO_ROOT
+from treeserve.engine.training.eagle3 import Eagle3TrainConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from treeserve.engine.models.eagle3_drafter import DEFAULT_EAGLE3_DRAFTER_DIR
+    from treeserve.engine.training.drafter_command import _add_dataclass_options
+
+    parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS_DIR,
+                        help=f"corpus directory written by `treeserve make-corpus` "
+                             f"(default: {DEFAULT_CORPUS_DIR.relative_to(REPO_ROOT)})")
+    parser.add_argument("--features-dir", type=Path, default=None,
+                        help="cached target features of the corpus (default: <cache>/corpus_features/<corpus name>); "
+                             "chunks without them are computed first")
+    parser.add_argument("--out", type=Path, default=DEFAULT_EAGLE3_DRAFTER_DIR,
+                        help=f"where the drafter is written (default: the shipped {DEFAULT_EAGLE3_DRAFTER_DIR.name})")
+    parser.add_argument("--max-chunks", type=int, default=None, help="train on the first N chunks only")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    _add_dataclass_options(parser, Eagle3TrainConfig, "EAGLE-3 training")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from treeserve.engine.models.eagle3_drafter import default_feature_layers, is_eagle3_drafter
+    from treeserve.engine.models.loading import cache_root, load_causal_lm
+    from treeserve.engine.training.corpus import compute_chunk_features, corpus_summary, features_path
+    from treeserve.engine.training.eagle3 import load_corpus, train_eagle3
+
+    config = Eagle3TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Eagle3TrainConfig)})
+    if config.ttt_steps < 1 or config.draft_vocab_size < 2 or config.minutes <= 0:
+        raise ValueError("--ttt-steps must be >= 1, --draft-vocab-size >= 2 and --minutes > 0")
+    if config.init_from and not is_eagle3_drafter(Path(config.init_from)):
+        raise ValueError(f"--init-from {config.init_from} is not an EAGLE-3 drafter directory")
+    chunks = sorted(args.corpus.glob("chunk-*.safetensors"))[:args.max_chunks]
+    if not chunks:
+        raise FileNotFoundError(f"no corpus chunks in {args.corpus}; run `treeserve make-corpus` first")
+    torch.set_num_threads(args.threads)
+    target = load_causal_lm(args.target)
+    features_dir = args.features_dir or cache_root() / "corpus_features" / args.corpus.name
+    layers = default_feature_layers(target.model.config.num_hidden_layers)
+    started = time.time()
+    for chunk in chunks:
+        if not features_path(features_dir, chunk).is_file():
+            compute_chunk_features(target.model, chunk, features_dir, layers)
+    feature_minutes = (time.time() - started) / 60
+    corpus = load_corpus(chunks, features_dir)
+    specials = sorted({target.tokenizer.eos_token_id, *target.tokenizer.all_special_ids})
+    drafter, stats = train_eagle3(target.model, corpus, config, specials)
+    totals = corpus_summary(args.corpus)
+    card = {"target": str(args.target), "corpus": args.corpus.name, "corpus_chunks_used": len(chunks),
+            "corpus_totals": {k: v for k, v in totals.items() if k != "kinds"},
+            "feature_minutes": round(feature_minutes, 1), "training": stats,
+            "config": {**dataclasses.asdict(config),
+                       "init_from": Path(config.init_from).name if config.init_from else ""}}
+    drafter.save(args.out, card={"training": stats})
+    (args.out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(stats, indent=2))
+    print(f"EAGLE-3 drafter written to {args.out}; measure it with `treeserve agreement --drafter {args.out}`")
+    return 0

@@ -1,0 +1,110 @@
+"""EAGLE-3 on the tiny pair: training-time test equals serving-time drafting, the published layout round-trips,
+and a drafter trained end to end (corpus -> captured features -> training) drafts losslessly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from treeserve.engine.models.eagle3_drafter import Eagle3Drafter, default_feature_layers, is_eagle3_drafter
+from treeserve.engine.training.corpus import CorpusConfig, build_corpus, compute_chunk_features
+from treeserve.engine.training.eagle3 import Eagle3TrainConfig, load_corpus, train_eagle3, unroll
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def _random_drafter(model) -> Eagle3Drafter:
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter.from_target(model, torch.randperm(model.config.vocab_size)[:300])
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name != "embed_tokens.weight":
+                p.add_(torch.randn_like(p) * 0.05)
+    return drafter.eval()
+
+
+def test_training_time_test_sees_what_a_tree_node_sees(target):
+    """Step k of the unroll at column j == the drafter fed the real context through x_{j+1}, then a chain of
+    k drafted tokens each reading its parent's output feature (how the runner drafts a tree)."""
+    model, _ = target
+    drafter = _random_drafter(model)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 12))
+    features = torch.randn(1, 12, drafter.target_feature_size)
+    steps = 3
+    with torch.no_grad():
+        trained = list(unroll(drafter, tokens, features, steps))
+        for j in (0, 4, 7):
+            prefix_tokens = tokens[:, 1:j + 2]  # x_1 .. x_{j+1}
+            feats = drafter.project_target_features(features[:, :j + 1])  # g_0 .. g_j
+            out = drafter(prefix_tokens, feats)
+            torch.testing.assert_close(out.logits[:, -1], trained[0][:, j], atol=1e-4, rtol=1e-4)
+            for k in range(1, steps):
+                prefix_tokens = tokens[:, 1:j + 2 + k]  # the chain continues with x_{j+2} ... x_{j+1+k}
+                feats = torch.cat([feats, out.hidden[:, -1:]], dim=1)  # a node reads its parent's output
+                out = drafter(prefix_tokens, feats)
+                torch.testing.assert_close(out.logits[:, -1], trained[k][:, j], atol=1e-4, rtol=1e-4)
+
+
+def test_published_layout_round_trips(target, tmp_path):
+    from safetensors.torch import load_file
+
+    model, _ = target
+    drafter = _random_drafter(model)
+    drafter.save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(default_feature_layers(2))
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
+            "d2t", "t2d"} <= keys and "embed_tokens.weight" not in keys
+    assert is_eagle3_drafter(tmp_path)
+    loaded = Eagle3Drafter.load(tmp_path, model.get_input_embeddings().weight)
+    assert torch.equal(loaded.vocab_ids, drafter.vocab_ids)
+    ids, feats = torch.randint(0, 500, (1, 6)), torch.randn(1, 6, model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, feats).logits, drafter(ids, feats).logits, atol=2e-2, rtol=1e-2)
+
+
+def test_tiny_eagle3_trained_end_to_end_drafts_losslessly(target, tiny_target_dir, tmp_path):
+    from treeserve.engine.pipeline import build_engine
+
+    model, tokenizer = target
+    layers = default_feature_layers(model.config.num_hidden_layers)
+    corpus_dir, features_dir = tmp_path / "corpus", tmp_path / "features"
+    chunks = build_corpus(model, tokenizer, CorpusConfig(num_conversations=8, chunk_size=4, batch_size=4,
+                                                         max_new_tokens=24, instruction_tokens=8),
+                          corpus_dir, features_dir=features_dir, feature_layers=layers)
+    captured = (features_dir / chunks[0].name).read_bytes()
+    recomputed = compute_chunk_features(model, chunks[0], tmp_path / "recomputed", layers)
+    from safetensors.torch import load_file
+    torch.testing.assert_close(load_file(str(recomputed))["features"].float(),
+                               load_file(str(features_dir / chunks[0].name))["features"].float(), atol=5e-2, rtol=1e-2)
+    assert captured
+    corpus = load_corpus(chunks, features_dir)
+    config = Eagle3TrainConfig(draft_vocab_size=256, ttt_steps=3, minutes=0.05, batch_tokens=128,
+                               max_seq_len=96, holdout_sequences=2)
+    drafter, stats = train_eagle3(model, corpus, config, [tokenizer.eos_token_id], progress=False)
+    assert stats["steps"] >= 1 and len(stats["holdout_step_accuracy"]) == 3
+    drafter.save(tmp_path / "drafter")
+    from treeserve.engine.requests import GenerationRequest
+
+    def greedy(engine) -> tuple[list[int], float]:
+        request = GenerationRequest(prompt_ids=engine.encode_chat("Explain what a list is."), max_new_tokens=24)
+        result = engine.generate([request])[0]
+        return result.token_ids, result.mean_accepted_length
+
+    plain, _ = greedy(build_engine(str(tiny_target_dir), method="autoregressive"))
+    for method in ("dyspec", "c2t", "chain"):
+        engine = build_engine(str(tiny_target_dir), drafter_path=str(tmp_path / "drafter"), method=method, budget=6)
+        assert engine.target.lm.feature_layers == layers  # the target returns what the head fuses
+        tokens, mal = greedy(engine)
+        assert tokens == plain and mal >= 1.0
