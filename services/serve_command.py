@@ -2,8 +2,12 @@
 config, wait until it answers, and block until Ctrl-C (then shut down).
 
 The public API is the Router replica's own gRPC server on `args.api.host:args.api.port` (services/api_server.py);
-Serve's gRPC proxy is not started. A Ray instance started here listens on 127.0.0.1 only (its GCS, raylet, metrics
-and agent ports); `--ray-address` joins an existing cluster instead, whose own settings then apply.
+Serve's gRPC proxy is not started, and Serve's HTTP proxy listens where `http_options.host` says (127.0.0.1 in
+deploy/local-cpu.yaml). Ray's own ports (GCS, raylet, object manager, agents) are Ray's: ray 2.60 binds them to
+every interface (it even resolves a 127.0.0.1 node address to the reachable one) and protects them with its token
+authentication, which it enables for a locally started cluster unless RAY_AUTH_MODE says otherwise; its
+metrics export port serves read-only Prometheus text. Keep them behind a host firewall or a Kubernetes
+NetworkPolicy (only the API port needs to be reachable).
 
 `start_service` / `stop_service` are shared with `treeserve demo` and benchmarks/service_bench.py.
 """
@@ -139,11 +143,8 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
 
             joining = ray_address is not None or bool(os.environ.get("RAY_ADDRESS"))
             local = not joining and control_plane_nice > 0
-            # A Ray started here serves this machine only: node address 127.0.0.1 makes Ray bind its GCS,
-            # raylet, object manager, metrics and agent ports to loopback instead of every interface.
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=not quiet,
                      configure_logging=not quiet, runtime_env={"env_vars": env},
-                     _node_ip_address=None if joining else "127.0.0.1",
                      _system_config=REPLICA_SYSTEM_CONFIG if local else None)
             started = True
         options: dict = {}

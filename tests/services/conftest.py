@@ -168,9 +168,8 @@ METRICS_REPORT_INTERVAL_MS = 2000
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One light Ray instance for the whole test session (shared with other packages' fixtures). Its node
-    address is 127.0.0.1 (as `treeserve serve` starts it: Ray's ports on loopback only); its metrics are exported
-    on `ray_session.metrics_port` every 2 s."""
+    """One light Ray instance for the whole test session (shared with other packages' fixtures); its metrics are
+    exported on `ray_session.metrics_port` every 2 s."""
     import ray
 
     if ray.is_initialized():
@@ -183,7 +182,7 @@ def ray_session():
 
     metrics_port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": env}, _node_ip_address="127.0.0.1", _metrics_export_port=metrics_port,
+             runtime_env={"env_vars": env}, _metrics_export_port=metrics_port,
              _system_config={**REPLICA_SYSTEM_CONFIG, "metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS})
     ray.metrics_port = metrics_port
     try:
