@@ -19,8 +19,12 @@ DEV_PROMPTS = REPO_ROOT / "benchmarks" / "data" / "spec_bench_dev.jsonl"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
-    parser.add_argument("--drafter", nargs="+", default=["default"],
-                        help="drafter(s) ('default' or a directory); several are compared on the same target answers")
+    parser.add_argument("--drafter", nargs="+", default=None,
+                        help="drafter(s): shipped names (default, eagle, eagle3) or directories; several are compared "
+                             "on the same target answers (default: every shipped drafter)")
+    parser.add_argument("--depth", type=int, default=5,
+                        help="report the acceptance rate at chain depth 1..DEPTH given the tokens before were "
+                             "accepted (EAGLE-3's n-alpha table; default: 5)")
     parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS, help="Spec-Bench-format jsonl")
     parser.add_argument("--num-prompts", type=int, default=80, help="prompts used (balanced over categories)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="target tokens generated per prompt")
@@ -65,16 +69,20 @@ def load_prompts(path: Path, limit: int) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from treeserve.engine.models.drafter import load_drafter
+    from treeserve.engine.models.drafter import SHIPPED_DRAFTERS, drafter_dir, load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
+    from treeserve.engine.training.chain_acceptance import ChainCounts, chain_hits, target_features
 
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top_k < 1:
-        raise ValueError("--num-prompts, --max-new-tokens and --top-k must be >= 1")
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top_k < 1 or args.depth < 1:
+        raise ValueError("--num-prompts, --max-new-tokens, --top-k and --depth must be >= 1")
+    if args.drafter is None:
+        args.drafter = [n for n in SHIPPED_DRAFTERS if (drafter_dir(n) / "config.json").is_file()]
     if args.write_card and len(args.drafter) != 1:
         raise ValueError("--write-card takes exactly one --drafter")
     target = load_causal_lm(args.target)
     drafters = {name: load_drafter(name, target.model) for name in args.drafter}
     counts = {name: Counts() for name in drafters}
+    chains = {name: ChainCounts(args.depth) for name in drafters}
     with torch.inference_mode():
         for row in load_prompts(args.prompts, args.num_prompts):
             ids = chat_ids(target.tokenizer, row["turns"][0])
@@ -82,8 +90,11 @@ def run(args: argparse.Namespace) -> int:
                                         do_sample=False, top_p=None, top_k=None, temperature=None)[0]
             for name, drafter in drafters.items():
                 counts[name].add(drafter, out, len(ids), args.top_k, row.get("category", "all"), target.model)
+                features = (target_features(target.model, drafter, out)
+                            if getattr(drafter, "reads_target_features", False) else None)
+                chains[name].add(*chain_hits(drafter, out, len(ids), args.depth, features))
     for name, c in counts.items():
-        result = c.result(args)
+        result = {**c.result(args), "acceptance_by_depth": chains[name].rates()}
         if args.write_card:
             from treeserve.engine.models.drafter import drafter_dir
             from treeserve.engine.training.model_card import write_drafter_card
@@ -94,7 +105,19 @@ def run(args: argparse.Namespace) -> int:
               f"{label}{c.total} positions over {args.num_prompts} prompts: top-1 agreement "
               f"{c.hit1 / c.total:.1%}, top-{args.top_k} {c.hitk / c.total:.1%}; top-1 by category: "
               + ", ".join(f"{k} {v:.0%}" for k, v in result["top1_by_category"].items()))
+    if not args.json:
+        print(depth_table(chains, args.depth))
     return 0
+
+
+def depth_table(chains: dict, depth: int) -> str:
+    """Markdown table: acceptance at chain depth 1..depth (EAGLE-3's n-alpha, n = depth - 1) per drafter."""
+    head = "| drafter | " + " | ".join(f"depth {d} ({d - 1}-alpha)" for d in range(1, depth + 1)) + " |"
+    lines = [head, "|---" * (depth + 1) + "|"]
+    for name, counts in chains.items():
+        cells = [f"{r:.1%} ({n})" if r is not None else "-" for r, n in zip(counts.rates(), counts.reached)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 class Counts:
@@ -113,8 +136,12 @@ class Counts:
         inputs = {"input_ids": sequence[None, :-1]}
         if getattr(drafter, "reads_target_features", False):
             # EAGLE: every position reads the target's feature of the position before (the first token
-            # of a draft tree, whose parent is the root, sees exactly this).
-            features = target(**inputs, output_hidden_states=True).hidden_states[-1]
+            # of a draft tree, whose parent is the root, sees exactly this); EAGLE-3 fuses several layers.
+            from treeserve.engine.training.chain_acceptance import target_features
+
+            features = target_features(target, drafter, sequence[:-1])[None]
+            if hasattr(drafter, "project_target_features"):
+                features = drafter.project_target_features(features)
             inputs["parent_features"] = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
         logits = drafter(**inputs).logits[0, prompt_len - 1:]
         top = logits.topk(top_k, dim=-1).indices
