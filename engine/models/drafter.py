@@ -156,7 +156,8 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
     from treeserve.engine.models.loading import causal_lm_config, load_model, resolve_model_dir
 
     if is_eagle3_drafter(model_dir):
-        return Eagle3Drafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
+        return Eagle3Drafter.load(model_dir, target.get_input_embeddings().weight, device, dtype,
+                                  target_layers=target.config.num_hidden_layers)
     if is_eagle_drafter(model_dir):
         return EagleDrafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
     if is_restricted_drafter(model_dir):

@@ -208,28 +208,60 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
-             dtype: torch.dtype = torch.float32) -> "Eagle3Drafter":
-        """Load the published layout; the target's input embeddings [V_target, H] are put back in."""
+             dtype: torch.dtype = torch.float32, target_layers: int | None = None) -> "Eagle3Drafter":
+        """Load the published layout; the target's input embeddings [V_target, H] are put back in. Every
+        mismatch with the target (vocabulary, hidden size, feature layers beyond its `target_layers`, a d2t
+        map out of range, missing or unexpected weights) is a one-line ValueError, never a random weight."""
         from transformers import LlamaConfig
 
         from treeserve.engine.models.drafter import DRAFTER_KEY
 
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        model_dir = Path(model_dir)
+        raw = json.loads((model_dir / "config.json").read_text())
         raw.pop(DRAFTER_KEY, None)
-        layers = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-        if raw.get("vocab_size") != target_embeddings.shape[0] or raw["hidden_size"] != target_embeddings.shape[1]:
-            raise ValueError(f"EAGLE-3 drafter {model_dir} was made for a target with a {raw.get('vocab_size')}-token "
-                             f"vocabulary and hidden size {raw['hidden_size']}; this target has "
-                             f"{target_embeddings.shape[0]} and {target_embeddings.shape[1]}")
-        state = load_file(str(Path(model_dir) / "model.safetensors"))
-        state.pop("embed_tokens.weight", None)
+        vocab, hidden = target_embeddings.shape
+        where = f"EAGLE-3 drafter {model_dir}"
+        if raw.get("vocab_size") != vocab or raw.get("hidden_size") != hidden:
+            raise ValueError(f"{where} was made for a target with a {raw.get('vocab_size')}-token vocabulary and "
+                             f"hidden size {raw.get('hidden_size')}; this target has {vocab} and {hidden}")
+        layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if layers is None and target_layers is not None:
+            layers = list(default_feature_layers(target_layers))  # EAGLE-3's default when its config names none
         if layers is None:
-            raise ValueError(f"EAGLE-3 drafter {model_dir}: config.json names no eagle_aux_hidden_state_layer_ids")
-        drafter = cls(LlamaConfig(**{k: v for k, v in raw.items() if k not in ("eagle_config", "draft_vocab_size")}),
-                      state["d2t"], target_embeddings.shape[0], tuple(layers))
+            raise ValueError(f"{where}: config.json names no eagle_aux_hidden_state_layer_ids")
+        if target_layers is not None and any(not 0 <= i <= target_layers for i in layers):
+            raise ValueError(f"{where} reads target layers {layers}; the target has hidden states 0..{target_layers}")
+        state = _read_weights(model_dir)
+        state.pop("embed_tokens.weight", None)
+        if "d2t" not in state:
+            raise ValueError(f"{where} holds no d2t draft-to-target vocabulary map")
+        d2t = state["d2t"].long()
+        mapped = torch.arange(len(d2t)) + d2t
+        if len(d2t) != raw.get("draft_vocab_size", len(d2t)) or bool(((mapped < 0) | (mapped >= vocab)).any()):
+            raise ValueError(f"{where}: its d2t map ({len(d2t)} entries) sends draft ids outside the target's "
+                             f"{vocab}-token vocabulary or disagrees with draft_vocab_size {raw.get('draft_vocab_size')}")
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("eagle_config", "draft_vocab_size")})
+        drafter = cls(config, d2t, vocab, tuple(layers))
+        expected = set(drafter.state_dict()) - {"embed_tokens.weight"}
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(f"{where} does not hold an EAGLE-3 head for this config: missing {missing[:4]}, "
+                             f"unexpected {unexpected[:4]}")
+        for key, value in drafter.state_dict().items():
+            if key in state and state[key].shape != value.shape:
+                raise ValueError(f"{where}: {key} is {list(state[key].shape)}, the config needs {list(value.shape)}")
         state["embed_tokens.weight"] = target_embeddings.detach().float()
         drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         return drafter.to(device=device, dtype=dtype).eval()
+
+
+def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, else pytorch_model.bin (published heads ship either), loaded as tensors only."""
+    if (model_dir / "model.safetensors").is_file():
+        return load_file(str(model_dir / "model.safetensors"))
+    if (model_dir / "pytorch_model.bin").is_file():
+        return torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"EAGLE-3 drafter {model_dir} holds neither model.safetensors nor pytorch_model.bin")
 
 
 def is_eagle3_drafter(model_dir: Path) -> bool:

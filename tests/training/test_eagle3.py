@@ -108,3 +108,27 @@ def test_tiny_eagle3_trained_end_to_end_drafts_losslessly(target, tiny_target_di
         assert engine.target.lm.feature_layers == layers  # the target returns what the head fuses
         tokens, mal = greedy(engine)
         assert tokens == plain and mal >= 1.0
+
+
+def test_a_head_that_does_not_fit_is_refused_clearly(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, _ = target
+    embeddings = model.get_input_embeddings().weight
+    drafter = _random_drafter(model)
+    drafter.save(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+
+    def refused(match, state=state, config=config, **kwargs):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        save_file(state, str(tmp_path / "model.safetensors"))
+        with pytest.raises(ValueError, match=match):
+            Eagle3Drafter.load(tmp_path, embeddings, **kwargs)
+
+    refused("missing", state={k: v for k, v in state.items() if k != "midlayer.hidden_norm.weight"})
+    refused("unexpected", state={**state, "layers.0.extra": torch.zeros(2)})
+    refused("d2t", state={**state, "d2t": state["d2t"] + model.config.vocab_size})
+    refused("hidden size", config={**config, "hidden_size": 32})
+    refused("reads target layers", config={**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}},
+            target_layers=2)
