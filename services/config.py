@@ -463,6 +463,8 @@ class ApplicationConfig:
             tp = self.args.target.tensor_parallel_size
             gpus = target.gpus_per_replica()
             shares = target.rank_gpu_shares()
+            if tp == 1 and not target.placement_group_bundles and target.ray_actor_options.num_gpus > 0:
+                shares = [target.ray_actor_options.num_gpus]  # a TP=1 target runs in the replica: its GPU
             where = f"{path}.deployments[{names.index('Target')}]"
             if len(shares) != tp or any(s > 1 for s in shares):
                 raise ValueError(f"{where}: reserves {gpus:g} GPUs per replica in {len(shares)} GPU bundles but "

@@ -48,4 +48,20 @@ def test_readme_install_commands_render_and_load():
         config = load_serve_config(yaml.safe_load(service["spec"]["serveConfigV2"]))
         assert config.app.args.target.path
         assert f"Service/{args[2]}-grpc" in docs  # the README's port-forward target exists
-    assert "kubectl port-forward svc/treeserve-grpc 9000:9000" in (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "kubectl port-forward svc/treeserve-grpc 9000:9000" in readme
+    # The dashboard's Service is KubeRay's own <rayservice>-head-svc (kuberay_sim.head_service_name).
+    from kuberay_sim import head_service_name
+
+    assert f"kubectl port-forward svc/{head_service_name('treeserve')} 8265:8265" in readme
+    assert "helm test treeserve" in readme
+
+
+def test_docs_commands_exist():
+    """docs/kubernetes.md names make targets and presets that exist."""
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    for target in re.findall(r"\bmake ([a-z][\w-]*)", docs):
+        assert re.search(rf"(?m)^{re.escape(target)}:", makefile), f"docs/kubernetes.md: no make target {target!r}"
+    for name in re.findall(r"presets/([\w.-]+\.yaml)", docs):
+        assert (CHART / "presets" / name).is_file(), name
