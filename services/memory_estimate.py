@@ -164,6 +164,20 @@ def placement(config: ServeConfigFile) -> list[_Placed]:
     return placed
 
 
+def shipped_drafter_facts(model: ModelConfig, role: str) -> ModelFacts | None:
+    """Facts of a drafter shipped in the package ("default", "eagle", ...) from its own config.json. An EAGLE
+    drafter is counted as a plain model of its size (its embeddings are the target's: an over-estimate)."""
+    if role != "drafter" or model.path.startswith("/"):
+        return None
+    try:
+        from treeserve.engine.models.drafter import drafter_dir
+
+        config = drafter_dir(model.path) / "config.json"
+    except (ImportError, KeyError):
+        return None
+    return ModelFacts.from_file(config, f"args.{role}.path") if config.is_file() else None
+
+
 def report(path: Path, gpu_memory_gib: float, overhead_gib: float) -> tuple[str, bool]:
     config = load_serve_config(path)
     args = config.app.args
@@ -178,7 +192,7 @@ def report(path: Path, gpu_memory_gib: float, overhead_gib: float) -> tuple[str,
     rows: list[ProcessRow] = []
     for placed in placement(config):
         model, role, tp = placed.model, placed.role, placed.tp
-        facts = model.facts(path=f"args.{role}")
+        facts = model.facts(path=f"args.{role}") or shipped_drafter_facts(model, role)
         if facts is None:
             lines.append(f"{role}: {model.path} ({model.dtype}): no config.json or model_facts, not estimated")
             continue

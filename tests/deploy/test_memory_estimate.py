@@ -111,3 +111,18 @@ def test_write(tmp_path, capsys):
     layout.write_text((DEPLOY / "local-cpu.yaml").read_text())
     assert me.run(_args(str(layout), "--write")) == 0
     assert (tmp_path / "local-cpu.memory.txt").read_text() in capsys.readouterr().out
+
+
+def test_tree_room_matches_the_budget_chooser():
+    """The config reserves room in every KV row for the largest tree budget "auto" can choose (plus the root)."""
+    from treeserve.engine.budget import CANDIDATE_BUDGETS
+    from treeserve.services.config import AUTO_BUDGET_MAX_NODES
+
+    assert AUTO_BUDGET_MAX_NODES == max(CANDIDATE_BUDGETS) + 1
+    assert me.AUTO_BUDGET_NODES == max(CANDIDATE_BUDGETS)
+
+
+def test_shipped_drafters_are_estimated():
+    text, ok = me.report(DEPLOY / "local-cpu.yaml", 80.0, 2.0)
+    rows = _rows(text)
+    assert ok and ("cpu", "drafter") in rows and "drafter: eagle (float32, TP=1" in text
