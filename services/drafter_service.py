@@ -27,7 +27,7 @@ from treeserve.engine.drafting import DraftRequest, LocalDrafter
 from treeserve.engine.generate import CommittedFeatures
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.services import wire
-from treeserve.services.grpc_clients import Heartbeat, Registry, ReplicaServer, Worker, replica_identity
+from treeserve.services.grpc_clients import Heartbeat, Registry, ReplicaServer, SessionClock, Worker, replica_identity
 from treeserve.v1 import internal_pb2 as pb
 from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
@@ -104,6 +104,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.address = ""
         self.default_method = default_method
         self.worker = Worker()
+        self.clock = SessionClock()  # replicas set clock.idle_s: orphaned sessions are freed
         # Only an EAGLE drafter reads the target's features (the hidden size, or 3x it for EAGLE-3's fused layers).
         self.features = (FeatureStore(drafter.runner.target_feature_size)
                          if getattr(drafter, "reads_target_features", False) else None)
@@ -143,6 +144,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     def _draft(self, message: pb.DraftRequest) -> pb.DraftResponse:
         started = time.perf_counter()
+        self.clock.touch(item.session_id for item in message.items)
+        if self.clock.due():
+            self.sweep()
         items = self._requests(message)
         missing = [r.session_id for r, delta in items
                    if delta is not None and delta[1] > self.features.length(r.session_id)]
@@ -183,6 +187,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             if self.features is not None:
                 held = self.features.release(session_id) or held
             released += held
+        self.clock.forget(ids)
+        return released
+
+    def sweep(self) -> int:
+        """Free sessions idle past clock.idle_s (their router is gone). Runs on the model thread."""
+        stale = self.clock.stale()
+        released = self._release(stale) if stale else 0
+        if released:
+            log.info("released %d session(s) idle for more than %.0f s (their router went away)", released,
+                     self.clock.idle_s)
         return released
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -234,7 +248,10 @@ class GrpcReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metric (services/app.py session_autoscaling_policy): the per-step calls bypass
-        Serve, so load is the number of sessions this replica is serving."""
+        Serve, so load is the number of sessions this replica is serving. Also where idle sessions get swept
+        while no call arrives (the sweep runs on the model thread)."""
+        if self.servicer.clock.due():
+            self.servicer.worker.submit(self.servicer.sweep)
         return {"active_sessions": float(len(self.servicer.session_ids()))}
 
     def __del__(self) -> None:
@@ -258,6 +275,8 @@ class DrafterReplica(GrpcReplica):
         if drafter is None:
             drafter, vocab_size = load_drafter_from_config(config)
         self.servicer = DrafterServicer(drafter, int(vocab_size), default_method=config.speculation.method)
+        # No request outlives limits.request_timeout_s; a session unused for twice that has no router.
+        self.servicer.clock.idle_s = 2 * config.limits.request_timeout_s
         self._start_server(pb_grpc.add_DrafterServicer_to_server, config.grpc.max_message_bytes, internal_secret)
 
 

@@ -200,6 +200,42 @@ class Worker:
         self.calls += 1
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def submit(self, fn: Callable, *args) -> Any:
+        """Queue `fn` on the model thread from any thread, without waiting (a concurrent.futures.Future)."""
+        return self._pool.submit(fn, *args)
+
+
+class SessionClock:
+    """When each session was last used on a replica. A session nobody used for `idle_s` is an orphan: the
+    router that owned it died (its Release never came) or lost track of it. Replicas free such sessions
+    (`DrafterServicer.sweep`, `TargetServicer.sweep`), so a dead router's sessions neither hold KV-cache rows
+    nor keep the session-based autoscaling policy scaled up. `idle_s=None` never expires anything."""
+
+    def __init__(self, idle_s: float | None = None, period_s: float = 10.0):
+        self.idle_s = idle_s
+        self.period_s = period_s
+        self._last: dict[str, float] = {}
+        self._swept = time.monotonic()
+
+    def touch(self, session_ids: Iterable[str]) -> None:
+        now = time.monotonic()
+        for session_id in session_ids:
+            self._last[session_id] = now
+
+    def forget(self, session_ids: Iterable[str]) -> None:
+        for session_id in session_ids:
+            self._last.pop(session_id, None)
+
+    def due(self) -> bool:
+        return self.idle_s is not None and time.monotonic() - self._swept >= self.period_s
+
+    def stale(self) -> list[str]:
+        """Sessions idle for longer than idle_s (and marks a sweep done)."""
+        now = self._swept = time.monotonic()
+        if self.idle_s is None:
+            return []
+        return [s for s, t in list(self._last.items()) if now - t > self.idle_s]
+
 
 def replica_identity() -> tuple[str, str, str]:
     """(app name, deployment name, replica id) inside a Serve replica; a process-unique id elsewhere."""

@@ -20,7 +20,7 @@ from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.sampling import SamplingParams
 from treeserve.services import wire
 from treeserve.services.drafter_service import GrpcReplica, limit_threads, session_ids_of
-from treeserve.services.grpc_clients import Worker
+from treeserve.services.grpc_clients import SessionClock, Worker
 from treeserve.v1 import internal_pb2 as pb
 from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
@@ -39,18 +39,21 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.address = ""
         self.dense_dtype = dense_dtype
         self.worker = Worker()
+        self.clock = SessionClock()  # replicas set clock.idle_s: orphaned sessions are freed
         self._seen: set[str] = set()  # for runners that do not expose their sessions (TP)
 
     def _score(self, message: pb.ScoreRequest) -> pb.ScoreResponse:
         started = time.perf_counter()
+        self.clock.touch(item.session_id for item in message.items)
+        if self.clock.due():
+            self.sweep()
         requests = []
         for item in message.items:
             if not item.context:
                 raise ValueError(f"session {item.session_id}: empty context")
             if item.want_features and not getattr(self.runner, "provides_features", False):
                 raise FeaturesUnavailable(f"session {item.session_id}: want_features is set but this target "
-                                          f"({type(self.runner).__name__}) does not return its features; an "
-                                          "EAGLE drafter needs target.tensor_parallel_size 1")
+                                          f"({type(self.runner).__name__}) does not return its features")
             requests.append(ScoreRequest(item.session_id, list(item.context), wire.decode_tree(item.tree),
                                          wire.decode_sampling(item.sampling), wire.hint(item),
                                          want_features=item.want_features))
@@ -73,6 +76,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         context = list(message.context)
         if not context:
             raise ValueError("empty context")
+        self.clock.touch([message.session_id])
         # Scoring the root alone feeds the prompt; the next Score compacts the root into the cache.
         self.runner.score([ScoreRequest(message.session_id, context, root_only(context), SamplingParams())])
         self._seen.add(message.session_id)
@@ -91,6 +95,16 @@ class TargetServicer(pb_grpc.TargetServicer):
         for session_id in ids:
             released += bool(self.runner.release(session_id))
             self._seen.discard(session_id)
+        self.clock.forget(ids)
+        return released
+
+    def sweep(self) -> int:
+        """Free sessions idle past clock.idle_s (their router is gone). Runs on the model thread."""
+        stale = self.clock.stale()
+        released = self._release(stale) if stale else 0
+        if released:
+            log.info("released %d session(s) idle for more than %.0f s (their router went away)", released,
+                     self.clock.idle_s)
         return released
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -115,6 +129,8 @@ class TargetReplica(GrpcReplica):
         config = AppConfig.from_args(args)
         self.runner = runner if runner is not None else load_target_from_config(config)
         self.servicer = TargetServicer(self.runner)
+        # No request outlives limits.request_timeout_s; a session unused for twice that has no router.
+        self.servicer.clock.idle_s = 2 * config.limits.request_timeout_s
         self._start_server(pb_grpc.add_TargetServicer_to_server, config.grpc.max_message_bytes, internal_secret)
 
     async def check_health(self) -> None:
@@ -129,12 +145,17 @@ def load_target_from_config(config) -> Any:
     target = config.target
     # The KV pool is preallocated at start: max_sessions x max_context_tokens (treeserve memory-estimate).
     sessions = config.kv_sessions("target")
+    from treeserve.engine.models.drafter import target_feature_layers
+
+    # An EAGLE-3 drafter fuses several target layers: the Target returns exactly those with its scores (read
+    # from the drafter's config.json alone; EAGLE-1/2 and other drafters: None, the final state).
+    feature_layers = target_feature_layers(config.drafter.path, config.target.facts())
     if target.tensor_parallel_size > 1:
         from treeserve.services.tp_target import TensorParallelTarget  # lazy: needs Ray and torch.distributed
 
         return TensorParallelTarget(target.path, target.tensor_parallel_size, target.device, target.dtype,
                                     max_sessions=sessions, max_context_tokens=target.max_context_tokens,
-                                    gpu_memory_fraction=target.gpu_memory_fraction)
+                                    gpu_memory_fraction=target.gpu_memory_fraction, feature_layers=feature_layers)
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.pipeline import parse_dtype
     from treeserve.engine.runners.kv_pool import limit_gpu_memory
@@ -143,11 +164,7 @@ def load_target_from_config(config) -> Any:
     dtype = parse_dtype(target.dtype)
     limit_gpu_memory(target.device, target.gpu_memory_fraction)
     loaded = load_causal_lm(target.path, target.device, dtype)
-    from treeserve.engine.models.drafter import target_feature_layers
-
-    # An EAGLE-3 drafter fuses several target layers: the Target returns exactly those with its scores.
-    runner = TargetRunner(loaded.model, target.device, dtype, max_sessions=sessions,
-                          feature_layers=target_feature_layers(config.drafter.path))
+    runner = TargetRunner(loaded.model, target.device, dtype, max_sessions=sessions, feature_layers=feature_layers)
     runner.lm.bound(sessions, target.max_context_tokens)
     runner.lm.warm_up()
     return runner
