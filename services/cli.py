@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("treeserve.services.demo_command", "start the service on the default model, answer a prompt, stop"),
     "serve": ("treeserve.services.serve_command", "start the Ray Serve + gRPC service from a Serve config"),
     "generate": ("treeserve.services.generate_command", "generate a completion (via the service or in-process)"),
+    "loadtest": ("treeserve.services.loadtest_command", "bounded soak test of the gRPC API on this machine (mixed "
+                 "methods, malformed requests, cancels, a replica killed midway)"),
     "bench": ("treeserve.engine.bench", "benchmark autoregressive vs speculative methods on Spec-Bench prompts"),
     "make-corpus": ("treeserve.engine.training.corpus_command", "have the target answer >= 10k conversations (drafter training data)"),
     "train-drafter": ("treeserve.engine.training.drafter_command", "self-distil a drafter from the target"),
