@@ -57,11 +57,12 @@ RUN if command -v apt-get >/dev/null; then apt-get update \
 # against python-slim-like, ubuntu-24.04-like and already-done account databases.
 RUN set -eu; \
     user="$(getent passwd 1000 | cut -d: -f1 || true)"; \
-    if [ -n "$user" ] && [ "$user" != ray ]; then userdel --remove "$user" 2>/dev/null || userdel "$user"; fi; \
+    if [ -n "$user" ] && [ "$user" != ray ]; then userdel --remove "$user" 2>/dev/null || true; fi; \
     group="$(getent group 1000 | cut -d: -f1 || true)"; \
     if [ -n "$group" ] && [ "$group" != ray ]; then groupdel "$group"; fi; \
     if ! getent group ray >/dev/null; then groupadd --gid 1000 ray; fi; \
-    if ! id -u ray >/dev/null 2>&1; then useradd --create-home --uid 1000 --gid 1000 --shell /bin/bash ray; fi
+    if ! id -u ray >/dev/null 2>&1; then useradd --create-home --uid 1000 --gid 1000 --shell /bin/bash ray; fi; \
+    test "$(id -u ray):$(id -g ray)" = 1000:1000
 
 # torch first, from the variant's index, so `pip install .` below finds the pin satisfied.
 RUN pip install --upgrade pip setuptools wheel \

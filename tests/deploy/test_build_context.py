@@ -167,7 +167,7 @@ def user_step() -> str:
 # group when that group has its name (Ubuntu's USERGROUPS_ENAB).
 _STUBS = {
     "getent": r"""db="$FAKE/$1"; awk -F: -v k="$2" '$1==k || $2==k {print; f=1} END {exit !f}' "$db" || exit 2""",
-    "id": r"""[ "$1" = -u ] && awk -F: -v k="$2" '$1==k {print $2; f=1} END {exit !f}' "$FAKE/passwd" """,
+    "id": r"""f=2; [ "$1" = -g ] && f=3; awk -F: -v k="$2" -v f="$f" '$1==k {print $f; ok=1} END {exit !ok}' "$FAKE/passwd" """,
     "useradd": r"""for last; do :; done; uid=""; gid=""
 while [ $# -gt 1 ]; do case "$1" in --uid) uid=$2; shift;; --gid) gid=$2; shift;; esac; shift; done
 awk -F: -v u="$uid" -v n="$last" '$2==u || $1==n {f=1} END {exit !f}' "$FAKE/passwd" && { echo "useradd: UID $uid is not unique" >&2; exit 4; }
@@ -182,7 +182,7 @@ grep -v "^$last:" "$FAKE/group" > "$FAKE/g.new"; mv "$FAKE/g.new" "$FAKE/group";
 }
 
 
-def _run_user_step(tmp_path: Path, passwd: str, group: str) -> tuple[str, str, str]:
+def _run_user_step(tmp_path: Path, passwd: str, group: str, stubs: dict | None = None) -> tuple[str, str, str]:
     bash = shutil.which("bash")
     if bash is None:
         pytest.skip("no bash")
@@ -192,7 +192,7 @@ def _run_user_step(tmp_path: Path, passwd: str, group: str) -> tuple[str, str, s
     (fake / "passwd").write_text(passwd)
     (fake / "group").write_text(group)
     (fake / "log").write_text("")
-    for name, body in _STUBS.items():
+    for name, body in (stubs or _STUBS).items():
         (bin_dir / name).write_text("#!/bin/sh\n" + textwrap.dedent(body) + "\n")
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE": str(fake)}
@@ -213,6 +213,13 @@ def test_user_step_on_ubuntu_24_04(tmp_path):
     passwd, group, log = _run_user_step(tmp_path, "root:0:0\nubuntu:1000:1000\n", "root:0\nubuntu:1000\n")
     assert "ray:1000:1000" in passwd and "ubuntu" not in passwd and "ubuntu" not in group
     assert log.splitlines()[0] == "userdel ubuntu"
+
+
+def test_user_step_fails_loudly_when_uid_1000_cannot_be_freed(tmp_path):
+    """A base whose uid-1000 user cannot be removed: the build stops at this step, not later as a wrong uid."""
+    stubs = dict(_STUBS, userdel="exit 12")
+    with pytest.raises(AssertionError, match="UID 1000 is not unique"):
+        _run_user_step(tmp_path, "root:0:0\nubuntu:1000:1000\n", "root:0\nubuntu:1000\n", stubs)
 
 
 def test_user_step_is_idempotent(tmp_path):
