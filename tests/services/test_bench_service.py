@@ -1,0 +1,54 @@
+"""`treeserve bench --service`: concurrent GenerateStream calls measured from the client side (TTFT, ITL,
+errors, equality with in-process greedy), against the router on in-process runners (no Ray)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from treeserve.engine.bench import GreedyCheck, greedy_reference
+from treeserve.services.bench_service import (StreamRecord, inter_token_latencies, measure, percentile,
+                                              service_table, summarize_level)
+
+
+def test_inter_token_latency_spreads_a_message_over_its_tokens():
+    # first message at 1.0 s (TTFT), then 3 tokens 0.3 s later, then 1 token 0.1 s later
+    arrivals = [(1.0, 1), (1.3, 3), (1.4, 1)]
+    assert inter_token_latencies(arrivals) == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert inter_token_latencies(arrivals[:1]) == []
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and math.isnan(percentile([], 95))
+
+
+def test_level_summary_counts_errors_and_equality():
+    ok = StreamRecord(0, sent=0.0, arrivals=[(0.2, 1), (0.4, 2)], token_ids=[5, 6, 7], mal=1.5, ended=0.5)
+    failed = StreamRecord(1, sent=0.0, error="RESOURCE_EXHAUSTED", ended=0.01)
+    check = GreedyCheck()
+    check.compare([5, 6, 7], [1.0, 1.0, 1.0], ok.token_ids)
+    level = summarize_level(2, [ok, failed], wall_s=0.5, check=check)
+    assert level["errors"] == 1 and level["error_codes"] == {"RESOURCE_EXHAUSTED": 1}
+    assert level["tokens"] == 3 and level["tokens_per_s"] == pytest.approx(6.0)
+    assert level["ttft_ms_p50"] == pytest.approx(200.0) and level["itl_ms_p50"] == pytest.approx(100.0)
+    assert level["greedy_compared"] == 1 and level["greedy_mismatches"] == 0 and level["mal"] == 1.5
+    service_table([level], "t")  # renders
+
+
+def test_streams_through_grpc_equal_in_process_greedy(local_service, tiny_parts):
+    """Levels of 1 and 3 concurrent streams through the public gRPC API: no errors, every stream's tokens are
+    the target's own greedy answer, TTFT/ITL measured."""
+    tokenizer = tiny_parts.target.tokenizer
+    texts = ["Why is the sky blue?", "Name three rivers.", "Write a haiku about snow."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for t in texts]
+    references = [greedy_reference(tiny_parts.target.model, p, 24) for p in prompts]  # > one step (budget 8)
+    levels = measure(local_service.address, prompts, references, [1, 3], max_new_tokens=24, rounds=1, warmup=False,
+                     progress=False)
+    assert [lv["streams"] for lv in levels] == [1, 3]
+    for lv in levels:
+        assert lv["errors"] == 0 and lv["requests"] == lv["streams"]
+        assert lv["greedy_compared"] == lv["streams"] and lv["greedy_mismatches"] == 0
+        assert lv["tokens"] == sum(len(references[i][0]) for i in range(lv["streams"]))
+        assert lv["ttft_ms_p50"] > 0 and lv["ttft_ms_p95"] >= lv["ttft_ms_p50"]
+        assert lv["itl_ms_p95"] >= lv["itl_ms_p50"] > 0
+    with pytest.raises(ValueError, match="prompts"):
+        measure(local_service.address, prompts[:1], references[:1], [2], 8, progress=False)
