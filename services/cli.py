@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("treeserve.services.generate_command", "generate a completion (via the service or in-process)"),
     "loadtest": ("treeserve.services.loadtest_command", "bounded soak test of the gRPC API on this machine (mixed "
                  "methods, malformed requests, cancels, a replica killed midway)"),
-    "bench": ("treeserve.engine.bench", "benchmark autoregressive vs speculative methods on Spec-Bench prompts"),
+    "bench": ("treeserve.services.bench_command", "benchmark AR vs speculative methods and peers on Spec-Bench prompts (--service: via gRPC)"),
     "make-corpus": ("treeserve.engine.training.corpus_command", "have the target answer >= 10k conversations (drafter training data)"),
     "train-drafter": ("treeserve.engine.training.drafter_command", "self-distil a drafter from the target"),
     "train-c2t": ("treeserve.engine.training.c2t_command", "train the C2T pruning classifier"),
