@@ -149,7 +149,8 @@ def load_target_from_config(config) -> Any:
 
     # An EAGLE-3 drafter fuses several target layers: the Target returns exactly those with its scores (read
     # from the drafter's config.json alone; EAGLE-1/2 and other drafters: None, the final state).
-    feature_layers = target_feature_layers(config.drafter.path, config.target.facts())
+    facts = config.target.facts()
+    feature_layers = target_feature_layers(config.drafter.path, facts.num_hidden_layers if facts else None)
     if target.tensor_parallel_size > 1:
         from treeserve.services.tp_target import TensorParallelTarget  # lazy: needs Ray and torch.distributed
 

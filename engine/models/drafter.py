@@ -136,16 +136,21 @@ def drafter_dir(path: str) -> Path:
     return shipped[path] if path in shipped else Path(path).expanduser()
 
 
-def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a drafter for `target`: "default" (the shipped distilled drafter), "eagle" (the shipped EAGLE
-    drafter), a distilled or EAGLE drafter directory, or any local causal LM directory sharing the target's
-    vocabulary.
+def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 target_name: str | None = None) -> nn.Module:
+    """Load a drafter for `target`: "default" (the shipped distilled drafter), "eagle" / "eagle3" (the shipped
+    EAGLE drafters), a directory holding a TreeServe drafter, a published EAGLE-3 or EAGLE-1/2 head (detected
+    from its files: engine/models/drafter_check.py), or any local causal LM directory sharing the target's
+    tokenizer.
 
     All return an object with `.logits` [B, T, V] and `.past_key_values`; a restricted or EAGLE drafter's
-    logits cover only its `vocab_ids`, and an EAGLE drafter also reads `parent_features`.
+    logits cover only its `vocab_ids`, and an EAGLE drafter also reads `parent_features`. A directory that does
+    not fit the target (vocabulary, hidden size, tokenizer, feature layers, missing / unexpected / misshapen
+    weights) is refused with a one-line ValueError naming both models, never loaded with random weights.
     """
-    from treeserve.engine.models.eagle3_drafter import Eagle3Drafter, is_eagle3_drafter
-    from treeserve.engine.models.eagle_drafter import EagleDrafter, is_eagle_drafter
+    from treeserve.engine.models.drafter_check import check_drafter, detect_layout
+    from treeserve.engine.models.eagle3_drafter import Eagle3Drafter
+    from treeserve.engine.models.eagle_drafter import EagleDrafter
 
     model_dir = drafter_dir(path)
     if path in SHIPPED_DRAFTERS and not (model_dir / "config.json").is_file():
@@ -153,30 +158,41 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
                                 f"{' --kind ' + path if path.startswith('eagle') else ''}`")
     if not model_dir.exists():
         raise FileNotFoundError(f"drafter path {model_dir} does not exist")
-    from treeserve.engine.models.loading import causal_lm_config, load_model, resolve_model_dir
+    from treeserve.engine.models.loading import load_model, resolve_model_dir
 
-    if is_eagle3_drafter(model_dir):
-        return Eagle3Drafter.load(model_dir, target.get_input_embeddings().weight, device, dtype,
-                                  target_layers=target.config.num_hidden_layers)
-    if is_eagle_drafter(model_dir):
-        return EagleDrafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
-    if is_restricted_drafter(model_dir):
-        return RestrictedVocabDrafter.load(model_dir, target.get_input_embeddings().weight, device, dtype)
     model_dir = resolve_model_dir(model_dir)
-    vocab = causal_lm_config(model_dir).vocab_size
-    if vocab != target.config.vocab_size:
-        raise ValueError(f"drafter {model_dir} has a {vocab}-token vocabulary, the target has "
-                         f"{target.config.vocab_size}")
-    return load_model(model_dir, device, dtype)
+    target_dir = getattr(getattr(target, "config", None), "_name_or_path", "") or ""
+    target_name = target_name or target_dir or "the target"
+    facts = {**target.config.to_dict(), "_path": target_dir if Path(target_dir).is_dir() else None}
+    check_drafter(facts, model_dir, target_name=target_name, drafter_name=path)  # files only, before any tensor
+    layout = detect_layout(model_dir)
+    embeddings = target.get_input_embeddings().weight
+    if layout == "eagle3":
+        return Eagle3Drafter.load(model_dir, embeddings, device, dtype, target_layers=target.config.num_hidden_layers)
+    if layout == "treeserve_eagle":
+        return EagleDrafter.load(model_dir, embeddings, device, dtype)
+    if layout == "restricted":
+        return RestrictedVocabDrafter.load(model_dir, embeddings, device, dtype)
+    if layout == "eagle":
+        from treeserve.engine.models.eagle1_drafter import PublishedEagleDrafter
+
+        return PublishedEagleDrafter.load(model_dir, target, device, dtype, target_name=target_name)
+    if layout == "parallel":
+        raise ValueError(f"drafter {path} is a parallel drafter: set the drafter kind to parallel")
+    return load_model(model_dir, device, dtype, strict=True)
 
 
-def target_feature_layers(path: str) -> tuple[int, ...] | None:
+def target_feature_layers(path: str, target_layers: int | None = None) -> tuple[int, ...] | None:
     """The target hidden_states a drafter directory's EAGLE-3 head fuses (None: any other drafter, including
     EAGLE-1/2, which reads the final state). Read from config.json alone, so a Target replica knows what to
-    return without loading the drafter."""
+    return without loading the drafter; a head whose config names no layers reads EAGLE-3's default for a
+    `target_layers`-layer target."""
+    from treeserve.engine.models.eagle3_drafter import EAGLE3_ARCHITECTURE, feature_layers_from_config
+
     config = drafter_dir(path) / "config.json"
     if not config.is_file():
         return None
     raw = json.loads(config.read_text())
-    layers = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-    return tuple(layers) if layers and "LlamaForCausalLMEagle3" in raw.get("architectures", []) else None
+    if EAGLE3_ARCHITECTURE not in raw.get("architectures", []):
+        return None
+    return feature_layers_from_config(raw, target_layers)

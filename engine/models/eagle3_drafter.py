@@ -10,13 +10,25 @@ feature, and `norm` + `lm_head` over a reduced draft vocabulary give the draft d
 maps to target id d + d2t[d]; t2d[v] says whether target token v is in the draft vocabulary (probability
 exactly 0 elsewhere keeps verification lossless).
 
-Layout on disk: the published EAGLE-3 layout (SafeAILab/EAGLE `eagle/traineagle3/cnets.py` and
-`eagle/model/cnets.py`; SGLang / vLLM `llama_eagle3.py`): `config.json` with `architectures:
-["LlamaForCausalLMEagle3"]`, `draft_vocab_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`;
-`model.safetensors` with `fc.weight`, `midlayer.{hidden_norm, input_layernorm, self_attn.{q,k,v,o}_proj,
-post_attention_layernorm, mlp.{gate,up,down}_proj}.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
-The token embeddings are the target's and are not stored. Feature layer ids index transformers'
-`hidden_states` (0 = embeddings, i = output of layer i - 1), as EAGLE-3's default [2, N // 2, N - 3].
+Layout on disk: the published EAGLE-3 layout (SafeAILab/EAGLE `eagle/model/cnets.py`: `Model` with
+`midlayer = LlamaDecoderLayeremb`, `fc = nn.Linear(3 * hidden, hidden, bias=False)` (`target_hidden_size * 3`
+when the config names one), `norm`, `lm_head = nn.Linear(hidden, draft_vocab_size)`, buffers `d2t` [draft]
+int64 and `t2d` [vocab] bool; `eagle/traineagle3/cnets.py` saves it; SGLang
+`python/sglang/srt/models/llama_eagle3.py` and vLLM `vllm/model_executor/models/llama_eagle3.py` load it):
+`config.json` with `architectures: ["LlamaForCausalLMEagle3"]` and `draft_vocab_size`; `model.safetensors` or
+`pytorch_model.bin` with `fc.weight`, `midlayer.{hidden_norm, input_layernorm, self_attn.{q,k,v,o}_proj,
+post_attention_layernorm, mlp.{gate,up,down}_proj}.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
+(`embed_tokens.weight` too in heads saved by EAGLE's trainer: the target's embeddings, which are used
+instead). Options the references read: `bias` (an fc bias, SGLang), `norm_before_residual` (the residual is
+the normed feature, vLLM). Heads of one decoder layer only (SGLang's `additional_layers` are refused).
+
+Which target layers: ids here index transformers' `hidden_states` (0 = embeddings, i = output of decoder layer
+i - 1); EAGLE-3's own choice is [2, N // 2, N - 3] (`modeling_llama_kv.py` keeps the input of layers 2, N // 2
+and N - 3). Configs name them two ways, and `feature_layers_from_config` reads both: vLLM's top-level
+`eagle_aux_hidden_state_layer_ids` are `hidden_states` indices (`gpu_model_runner._get_eagle3_aux_layers_
+from_config`; llama.py keeps the input of layer idx), SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids`
+(what SpecForge writes) name the layer whose output is read, so `hidden_states` index = id + 1
+(`set_eagle3_layers_to_capture`: `[val + 1 for val in layer_ids]`). `save` writes both forms.
 """
 
 from __future__ import annotations
@@ -39,6 +51,20 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's low / middle / high layers: hidden_states indices (2, N // 2, N - 3), kept inside 0..N for
     targets of fewer than 5 layers (test models)."""
     return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 0))
+
+
+def feature_layers_from_config(raw: dict, target_layers: int | None = None) -> tuple[int, ...] | None:
+    """The `hidden_states` indices an EAGLE-3 config.json fuses: vLLM's top-level
+    `eagle_aux_hidden_state_layer_ids` as they are, else SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids`
+    + 1 (the module docstring), else EAGLE-3's default for a `target_layers`-layer target (None when that
+    is unknown)."""
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        return tuple(int(i) for i in top)
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        return tuple(int(i) + 1 for i in nested)
+    return default_feature_layers(target_layers) if target_layers is not None else None
 
 
 class Eagle3Attention(nn.Module):
@@ -88,6 +114,8 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
+        # vLLM's `norm_before_residual`: the residual is hidden_norm(feature) instead of the feature itself.
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Eagle3Attention(config)
@@ -98,7 +126,7 @@ class Eagle3Layer(nn.Module):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
 
     def finish(self, features: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        hidden = features + attended
+        hidden = (self.hidden_norm(features) if self.norm_before_residual else features) + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -115,7 +143,7 @@ class Eagle3Drafter(nn.Module):
         self.feature_layers = tuple(int(i) for i in feature_layers)
         hidden = config.hidden_size
         self.embed_tokens = nn.Embedding(target_vocab_size, hidden)  # the target's (loaded, not stored)
-        self.fc = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False)
+        self.fc = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=bool(getattr(config, "bias", False)))
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, len(d2t), bias=False)
@@ -199,7 +227,9 @@ class Eagle3Drafter(nn.Module):
         config = {k: v for k, v in self.config.to_dict().items() if k != "_name_or_path"}
         config.update(architectures=[EAGLE3_ARCHITECTURE], num_hidden_layers=1, vocab_size=self.target_vocab_size,
                       draft_vocab_size=len(self.d2t),
-                      eagle_config={"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)})
+                      eagle_aux_hidden_state_layer_ids=list(self.feature_layers))  # vLLM: hidden_states indices
+        if min(self.feature_layers) >= 1:  # SGLang / SpecForge: the decoder layer whose output is read
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.feature_layers]}
         config[DRAFTER_KEY] = {"kind": "eagle3", **(card or {})}
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         state = {k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous()
@@ -224,23 +254,37 @@ class Eagle3Drafter(nn.Module):
         if raw.get("vocab_size") != vocab or raw.get("hidden_size") != hidden:
             raise ValueError(f"{where} was made for a target with a {raw.get('vocab_size')}-token vocabulary and "
                              f"hidden size {raw.get('hidden_size')}; this target has {vocab} and {hidden}")
-        layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if layers is None and target_layers is not None:
-            layers = list(default_feature_layers(target_layers))  # EAGLE-3's default when its config names none
+        if raw.get("target_hidden_size", hidden) != hidden:
+            raise ValueError(f"{where} fuses features of hidden size {raw['target_hidden_size']}; this target's "
+                             f"hidden size is {hidden}")
+        if raw.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"{where} has {raw['num_hidden_layers']} decoder layers; only one-layer EAGLE-3 heads "
+                             "(midlayer) are supported")
+        layers = feature_layers_from_config(raw, target_layers)
         if layers is None:
-            raise ValueError(f"{where}: config.json names no eagle_aux_hidden_state_layer_ids")
+            raise ValueError(f"{where}: config.json names no eagle_aux_hidden_state_layer_ids and the target's "
+                             "layer count is unknown")
         if target_layers is not None and any(not 0 <= i <= target_layers for i in layers):
-            raise ValueError(f"{where} reads target layers {layers}; the target has hidden states 0..{target_layers}")
+            raise ValueError(f"{where} reads target hidden_states {list(layers)}; the target has hidden states "
+                             f"0..{target_layers}")
         state = _read_weights(model_dir)
-        state.pop("embed_tokens.weight", None)
+        embedded = state.pop("embed_tokens.weight", None)  # EAGLE's trainer saves the target's embeddings too
+        if embedded is not None and tuple(embedded.shape) != (vocab, hidden):
+            raise ValueError(f"{where}: its embed_tokens are {list(embedded.shape)}, the target's [{vocab}, {hidden}]")
+        draft_vocab = raw.get("draft_vocab_size") or vocab
         if "d2t" not in state:
-            raise ValueError(f"{where} holds no d2t draft-to-target vocabulary map")
+            if draft_vocab != vocab:
+                raise ValueError(f"{where} holds no d2t draft-to-target vocabulary map for its {draft_vocab}-token "
+                                 "draft vocabulary")
+            state["d2t"] = torch.zeros(vocab, dtype=torch.long)  # a full-vocabulary head: the identity map
+            state.setdefault("t2d", torch.ones(vocab, dtype=torch.bool))
         d2t = state["d2t"].long()
         mapped = torch.arange(len(d2t)) + d2t
-        if len(d2t) != raw.get("draft_vocab_size", len(d2t)) or bool(((mapped < 0) | (mapped >= vocab)).any()):
+        if len(d2t) != draft_vocab or bool(((mapped < 0) | (mapped >= vocab)).any()):
             raise ValueError(f"{where}: its d2t map ({len(d2t)} entries) sends draft ids outside the target's "
-                             f"{vocab}-token vocabulary or disagrees with draft_vocab_size {raw.get('draft_vocab_size')}")
-        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("eagle_config", "draft_vocab_size")})
+                             f"{vocab}-token vocabulary or disagrees with draft_vocab_size {draft_vocab}")
+        config = LlamaConfig(**{k: v for k, v in raw.items()
+                                if k not in ("eagle_config", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids")})
         drafter = cls(config, d2t, vocab, tuple(layers))
         expected = set(drafter.state_dict()) - {"embed_tokens.weight"}
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)

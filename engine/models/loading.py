@@ -137,13 +137,23 @@ def causal_lm_config(model_dir: Path):
     return config
 
 
-def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               strict: bool = False) -> torch.nn.Module:
+    """A causal LM from a local directory. `strict`: refuse a directory whose weights leave parameters of its
+    config uninitialised (transformers would fill them with random values and only print a report): a
+    published EAGLE head mistaken for a plain LM must never draft with noise."""
     from transformers import AutoModelForCausalLM
 
     causal_lm_config(model_dir)
-    # Eager attention: the 4D additive tree masks are exact there (DESIGN.md section 4).
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype,
-                                                 attn_implementation="eager")
+    # Eager attention: the 4D additive tree masks are exact there (DESIGN.md section 4); CachedLM picks the
+    # implementation it runs per device (engine/models/attention.py).
+    model, info = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype,
+                                                       attn_implementation="eager", output_loading_info=True)
+    if strict and (info.get("missing_keys") or info.get("mismatched_keys")):
+        missing = sorted(info.get("missing_keys") or [])
+        mismatched = [k for k, *_ in info.get("mismatched_keys") or []]
+        raise ValueError(f"{model_dir}: its weights do not fill its config.json's model (missing {missing[:4]}, "
+                         f"misshapen {mismatched[:4]}); refusing random weights")
     return model.to(device).eval()
 
 

@@ -61,7 +61,10 @@ def test_published_layout_round_trips(target, tmp_path):
     drafter.save(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(default_feature_layers(2))
+    # vLLM's top-level hidden_states indices; SGLang's eagle_config form (layer ids, index - 1) cannot name
+    # hidden_states[0], which the 2-layer default reads, so it is left out here
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(default_feature_layers(2))
+    assert "eagle_config" not in config
     keys = set(load_file(str(tmp_path / "model.safetensors")))
     assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
             "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
@@ -130,5 +133,5 @@ def test_a_head_that_does_not_fit_is_refused_clearly(target, tmp_path):
     refused("unexpected", state={**state, "layers.0.extra": torch.zeros(2)})
     refused("d2t", state={**state, "d2t": state["d2t"] + model.config.vocab_size})
     refused("hidden size", config={**config, "hidden_size": 32})
-    refused("reads target layers", config={**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}},
+    refused("reads target hidden_states", config={**config, "eagle_aux_hidden_state_layer_ids": [1, 2, 9]},
             target_layers=2)

@@ -1,0 +1,326 @@
+"""What a drafter directory holds and whether it fits a target, from its files alone (no weights loaded).
+
+Used where a pair must be refused before serving: config validation (services/config.py), `treeserve
+check-drafter`, and the memory estimate (what the drafter process holds). Loading (engine/models/drafter.py)
+checks the same things again on the real tensors, so nothing that passes here can turn into a randomly
+initialised weight or a shape error in the middle of a request.
+
+Layouts, detected from the files in this order:
+
+- `eagle3`: a published EAGLE-3 head (`architectures: ["LlamaForCausalLMEagle3"]`, engine/models/eagle3_drafter.py);
+- `treeserve_eagle`, `restricted`, `parallel`: TreeServe's own drafters (their config.json says so);
+- `eagle`: a published EAGLE-1/2 head (cnets1 layout: `fc.*`, `layers.0.*` beside a Llama config.json,
+  engine/models/eagle1_drafter.py);
+- `causal_lm`: any other causal LM directory, which must share the target's tokenizer.
+
+Every refusal is one line naming both models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+LAYOUT_NAMES = {
+    "eagle3": "EAGLE-3 head (published LlamaForCausalLMEagle3 layout)",
+    "eagle": "EAGLE-1/2 head (published cnets1 layout)",
+    "treeserve_eagle": "TreeServe EAGLE drafter",
+    "restricted": "TreeServe restricted-vocabulary drafter",
+    "parallel": "TreeServe parallel drafter",
+    "causal_lm": "causal LM sharing the target's vocabulary",
+}
+FEATURE_LAYOUTS = ("eagle3", "eagle", "treeserve_eagle")
+# Layouts a config can declare for a drafter whose files are not readable where it is validated.
+DECLARABLE = ("eagle", "eagle3")
+
+
+@dataclass
+class DrafterFacts:
+    """What `check_drafter` found."""
+
+    layout: str
+    draft_vocab: int  # rows of the drafter's head (the target's vocabulary for a full-vocabulary head)
+    target_vocab: int
+    # target hidden_states the drafter reads with each token: fused layers (EAGLE-3), (num_layers,) for the
+    # final post-norm state (EAGLE-1/2 and TreeServe's EAGLE), None for drafters that read none
+    feature_layers: tuple[int, ...] | None
+    own_params: int  # parameters the drafter itself stores
+    borrowed_params: int  # the target's embeddings / LM head the drafter process holds a copy of
+    kv_layers: int  # decoder layers with a KV cache
+
+    @property
+    def reads_target_features(self) -> bool:
+        return self.layout in FEATURE_LAYOUTS
+
+    @property
+    def params(self) -> int:
+        return self.own_params + self.borrowed_params
+
+    def describe(self) -> str:
+        layers = ("none" if self.feature_layers is None else
+                  "final state (hidden_states[-1])" if self.layout != "eagle3" else
+                  f"hidden_states {list(self.feature_layers)}")
+        return (f"layout: {LAYOUT_NAMES[self.layout]}; draft vocabulary {self.draft_vocab} of {self.target_vocab}; "
+                f"target features read: {layers}; parameters {self.own_params / 1e6:.1f}M own + "
+                f"{self.borrowed_params / 1e6:.1f}M from the target (embeddings / LM head)")
+
+
+def read_config(model_dir: Path) -> dict[str, Any] | None:
+    config = Path(model_dir) / "config.json"
+    return json.loads(config.read_text()) if config.is_file() else None
+
+
+def detect_layout(model_dir: Path, raw: Mapping[str, Any] | None = None) -> str:
+    """The layout of a drafter directory (see the module docstring); ValueError when it has no config.json."""
+    from treeserve.engine.models.drafter import DRAFTER_KEY
+    from treeserve.engine.models.eagle1_drafter import is_published_eagle
+    from treeserve.engine.models.eagle3_drafter import EAGLE3_ARCHITECTURE
+    from treeserve.engine.models.parallel_drafter import PARALLEL_KEY
+
+    raw = raw if raw is not None else read_config(model_dir)
+    if raw is None:
+        raise ValueError(f"drafter {model_dir} has no config.json")
+    if EAGLE3_ARCHITECTURE in raw.get("architectures", []):
+        return "eagle3"
+    if PARALLEL_KEY in raw:
+        return "parallel"
+    kind = (raw.get(DRAFTER_KEY) or {}).get("kind")
+    if kind == "eagle":
+        return "treeserve_eagle"
+    if kind == "restricted_vocab":
+        return "restricted"
+    if kind == "eagle3":
+        return "eagle3"
+    return "eagle" if is_published_eagle(model_dir) else "causal_lm"
+
+
+def layout_from_config(raw: Mapping[str, Any], declared: str | None = None) -> str | None:
+    """The layout a config.json alone shows (no weight files to look at): EAGLE-3 and TreeServe's own
+    drafters name themselves; a published EAGLE-1/2 head's config is a plain Llama config, so it must be
+    `declared` ("eagle"); None when undecidable (a causal LM, or an EAGLE-1/2 head nobody declared)."""
+    from treeserve.engine.models.drafter import DRAFTER_KEY
+    from treeserve.engine.models.eagle3_drafter import EAGLE3_ARCHITECTURE
+    from treeserve.engine.models.parallel_drafter import PARALLEL_KEY
+
+    if EAGLE3_ARCHITECTURE in raw.get("architectures", []):
+        found = "eagle3"
+    elif PARALLEL_KEY in raw:
+        found = "parallel"
+    else:
+        found = {"eagle": "treeserve_eagle", "restricted_vocab": "restricted", "eagle3": "eagle3"}.get(
+            (raw.get(DRAFTER_KEY) or {}).get("kind"))
+    if declared is not None and found is not None and found != declared:
+        raise ValueError(f"its config.json is a {LAYOUT_NAMES[found]}, not the declared {LAYOUT_NAMES[declared]}")
+    return found or declared
+
+
+def check_drafter(target: Mapping[str, Any], drafter_dir: Path | None = None, *, raw: Mapping[str, Any] | None = None,
+                  declared: str | None = None, target_name: str = "target", drafter_name: str | None = None,
+                  weights: bool = True) -> DrafterFacts:
+    """Check a drafter against a target's config.json facts (`target`: vocab_size, hidden_size,
+    num_hidden_layers, ...) and return what it is. `drafter_dir`: the drafter's directory when readable (its
+    weight names and shapes, d2t map and tokenizer are checked too with `weights`); else `raw`, its config.json
+    (e.g. a layout's model_facts), with the layout `declared` where the config cannot show it. Raises a
+    one-line ValueError naming both models for anything that does not fit."""
+    name = drafter_name or (str(drafter_dir) if drafter_dir is not None else "drafter")
+    try:
+        return _check(target, drafter_dir, raw, declared, target_name, name, weights)
+    except ValueError as exc:
+        raise ValueError(f"drafter {name} does not fit target {target_name}: {exc}") from None
+
+
+def _check(target, drafter_dir, raw, declared, target_name, name, weights) -> DrafterFacts:
+    if drafter_dir is not None:
+        raw = read_config(drafter_dir)
+        if raw is None:
+            raise ValueError("its directory has no config.json")
+        layout = detect_layout(drafter_dir, raw)
+        if declared is not None and layout != declared:
+            raise ValueError(f"its files hold a {LAYOUT_NAMES[layout]}, not the declared {LAYOUT_NAMES[declared]}")
+    else:
+        if raw is None:
+            raise ValueError("neither its directory nor its config.json is given")
+        layout = layout_from_config(raw, declared) or "causal_lm"
+    vocab, hidden, layers = int(target["vocab_size"]), int(target["hidden_size"]), int(target["num_hidden_layers"])
+    check = {"eagle3": _eagle3, "eagle": _eagle1, "treeserve_eagle": _own, "restricted": _own,
+             "parallel": _parallel, "causal_lm": _causal_lm}[layout]
+    facts = check(raw, vocab, hidden, layers)
+    facts.layout = layout
+    if weights and drafter_dir is not None and layout in ("eagle3", "eagle"):
+        _check_weights(drafter_dir, raw, layout, vocab, hidden, layers)
+    if weights and drafter_dir is not None and layout == "causal_lm" and target.get("_path"):
+        _check_tokenizer(Path(target["_path"]), Path(drafter_dir))
+    return facts
+
+
+def _fits(raw, vocab: int, hidden: int, what: str = "") -> None:
+    if raw.get("vocab_size") != vocab:
+        raise ValueError(f"its {what}vocabulary has {raw.get('vocab_size')} tokens, the target's {vocab}")
+    if raw.get("hidden_size") != hidden:
+        raise ValueError(f"its hidden size is {raw.get('hidden_size')}, the target's {hidden}")
+
+
+def _layer_params(raw, q_in: int) -> int:
+    h, i = raw["hidden_size"], raw["intermediate_size"]
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or h // heads
+    kv = raw.get("num_key_value_heads") or heads
+    return q_in * head_dim * (heads + 2 * kv) + heads * head_dim * h + 3 * h * i + 2 * h
+
+
+def _eagle3(raw, vocab, hidden, layers) -> DrafterFacts:
+    from treeserve.engine.models.eagle3_drafter import feature_layers_from_config
+
+    _fits(raw, vocab, hidden)
+    if raw.get("target_hidden_size", hidden) != hidden:
+        raise ValueError(f"it fuses features of hidden size {raw['target_hidden_size']}, the target's is {hidden}")
+    if raw.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"it has {raw['num_hidden_layers']} decoder layers; only one-layer EAGLE-3 heads are supported")
+    fused = feature_layers_from_config(raw, layers)
+    if any(not 0 <= i <= layers for i in fused):
+        raise ValueError(f"it reads target hidden_states {list(fused)}, the target has hidden states 0..{layers} "
+                         f"({layers} layers)")
+    draft = raw.get("draft_vocab_size") or vocab
+    if draft > vocab:
+        raise ValueError(f"its draft vocabulary ({draft}) is larger than the target's ({vocab})")
+    own = len(fused) * hidden * hidden + _layer_params(raw, 2 * hidden) + hidden + draft * hidden
+    return DrafterFacts("eagle3", draft, vocab, tuple(fused), own, vocab * hidden, 1)
+
+
+def _eagle1(raw, vocab, hidden, layers) -> DrafterFacts:
+    _fits(raw, vocab, hidden)
+    n = raw.get("num_hidden_layers", 1)
+    own = 2 * hidden * hidden + hidden + n * _layer_params(raw, hidden)
+    return DrafterFacts("eagle", vocab, vocab, (layers,), own, 2 * vocab * hidden, n)
+
+
+def _own(raw, vocab, hidden, layers) -> DrafterFacts:
+    from treeserve.engine.models.drafter import DRAFTER_KEY
+
+    info = raw.get(DRAFTER_KEY) or {}
+    if info.get("target_vocab_size") != vocab or raw.get("hidden_size") != hidden:
+        raise ValueError(f"it was made for a target with a {info.get('target_vocab_size')}-token vocabulary and "
+                         f"hidden size {raw.get('hidden_size')}; the target has {vocab} and {hidden}")
+    eagle = info.get("kind") == "eagle"
+    n = raw.get("num_hidden_layers", 1)
+    draft = int(info.get("draft_vocab_size", vocab))
+    own = n * _layer_params(raw, hidden) + hidden + draft * hidden + (2 * hidden * hidden + hidden if eagle else 0)
+    return DrafterFacts("", draft, vocab, (layers,) if eagle else None, own, vocab * hidden, n)
+
+
+def _parallel(raw, vocab, hidden, layers) -> DrafterFacts:
+    if raw.get("hidden_size") != hidden:
+        raise ValueError(f"its hidden size is {raw.get('hidden_size')}, the target's {hidden}")
+    n = raw.get("num_hidden_layers", 1)
+    return DrafterFacts("", vocab, vocab, None, n * _layer_params(raw, hidden), vocab * hidden, n)
+
+
+def _causal_lm(raw, vocab, hidden, layers) -> DrafterFacts:
+    if raw.get("vocab_size") != vocab:
+        raise ValueError(f"its vocabulary has {raw.get('vocab_size')} tokens, the target's {vocab}")
+    n, h = raw.get("num_hidden_layers", 0), raw.get("hidden_size", 0)
+    tied = raw.get("tie_word_embeddings", False)
+    try:
+        own = n * _layer_params(raw, h) + h + vocab * h * (1 if tied else 2)
+    except (KeyError, TypeError):  # not a Llama-style config: its size is not estimated here
+        own = 0
+    return DrafterFacts("", vocab, vocab, None, own, 0, n)
+
+
+def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: int) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape a published head with this config.json must hold (built on the meta device from
+    the same modules that load it, so the two cannot disagree)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**{k: v for k, v in raw.items()
+                            if k not in ("architectures", "eagle_config", "draft_vocab_size", "bias",
+                                         "eagle_aux_hidden_state_layer_ids")})
+    config.layer_types = None
+    with torch.device("meta"):
+        if layout == "eagle3":
+            from treeserve.engine.models.eagle3_drafter import Eagle3Drafter, feature_layers_from_config
+
+            config.bias = bool(raw.get("bias", False))
+            draft = raw.get("draft_vocab_size") or vocab
+            module = Eagle3Drafter(config, torch.zeros(draft, dtype=torch.long), vocab,
+                                   feature_layers_from_config(raw, layers))
+            return {k: tuple(v.shape) for k, v in module.state_dict().items() if k != "embed_tokens.weight"}
+        from treeserve.engine.models.eagle1_drafter import PublishedEagleDrafter, _published_name
+
+        module = PublishedEagleDrafter(config, vocab, bool(raw.get("bias", True)))
+        return {_published_name(k): tuple(v.shape) for k, v in module.state_dict().items()
+                if k not in ("model.embed_tokens.weight", "head.weight")}
+
+
+def _check_weights(model_dir: Path, raw, layout: str, vocab: int, hidden: int, layers: int) -> None:
+    from treeserve.engine.models.eagle1_drafter import weight_files
+
+    files = weight_files(model_dir)
+    if not files:
+        raise ValueError("its directory holds neither model.safetensors nor pytorch_model.bin")
+    shapes, d2t = _weight_shapes(files[0])
+    shapes.pop("embed_tokens.weight", None)  # the target's embeddings, saved by EAGLE's trainers
+    raw = dict(raw)
+    if layout == "eagle" and "bias" not in raw:
+        raw["bias"] = "fc.bias" in shapes  # a config that does not say follows the file (as loading does)
+    expected = expected_weights(raw, layout, vocab, layers)
+    if layout == "eagle3" and "d2t" not in shapes and (raw.get("draft_vocab_size") or vocab) == vocab:
+        expected = {k: v for k, v in expected.items() if k not in ("d2t", "t2d")}  # full vocabulary: identity map
+    present = {k for k in shapes if not k.endswith("rotary_emb.inv_freq")}
+    missing, unexpected = sorted(set(expected) - present), sorted(present - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"its weights do not match its config.json ({LAYOUT_NAMES[layout]}): missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    for key, shape in expected.items():
+        if tuple(shapes[key]) != shape:
+            raise ValueError(f"its {key} is {list(shapes[key])}, its config.json needs {list(shape)}")
+    if d2t is not None:
+        mapped = torch.arange(len(d2t)) + d2t.long()
+        if bool(((mapped < 0) | (mapped >= vocab)).any()):
+            raise ValueError(f"its d2t map sends draft ids to target ids {int(mapped.min())}..{int(mapped.max())}, "
+                             f"outside the target's {vocab}-token vocabulary")
+
+
+def _weight_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], torch.Tensor | None]:
+    """Name -> shape of every tensor in a weight file, and its d2t map if any, without reading the rest."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            return shapes, (f.get_tensor("d2t") if "d2t" in shapes else None)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # an old (non-zip) torch.save file cannot be memory-mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    return {k: tuple(v.shape) for k, v in state.items()}, state.get("d2t")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def _check_tokenizer(target_dir: Path, drafter_dir: Path) -> None:
+    """A causal-LM drafter must tokenize as the target does: same tokenizer file, else the same vocabulary."""
+    theirs = [f for f in _TOKENIZER_FILES if (drafter_dir / f).is_file()]
+    mine = [f for f in _TOKENIZER_FILES if (target_dir / f).is_file()]
+    if not theirs or not mine:
+        return  # nothing to compare (a drafter that ships no tokenizer uses the target's)
+    common = [f for f in theirs if f in mine]
+    if common and all(_digest(target_dir / f) == _digest(drafter_dir / f) for f in common):
+        return
+    from transformers import AutoTokenizer
+
+    a = AutoTokenizer.from_pretrained(target_dir, local_files_only=True).get_vocab()
+    b = AutoTokenizer.from_pretrained(drafter_dir, local_files_only=True).get_vocab()
+    if a != b:
+        diff = len(set(a.items()) ^ set(b.items()))
+        raise ValueError(f"its tokenizer differs from the target's ({diff} token/id pairs differ)")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
