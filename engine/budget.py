@@ -23,6 +23,14 @@ about the price of one) and on the drafter (how many extra tokens a bigger tree 
    driven draft length of dynamic speculation (e.g. transformers' assisted generation heuristic), applied
    to the measured cost of each budget.
    Output is unaffected: verification is lossless for every budget.
+4. Hybrid drafting (engine/lookup.py) adds steps without the model drafter: a tree of candidates copied from
+   the context costs no drafter forward, and how much it is worth is known before the step (the sum of its
+   nodes' calibrated path probabilities, OPT-Tree's E(A)). `next_hybrid` prices the best lookup-only tree of
+   each size n at (1 + E_n * a) / (T(n + 1) * s) tokens per ms (T: the profiled target curve, s: the measured
+   ratio of no-drafter step times to that curve, a: accepted over predicted lookup tokens, both recent) and
+   takes it when it beats every measured budget's rate; otherwise the budget the measurements choose, whose
+   trees merge lookup candidates with the model's drafts. Plain decoding is then never held (the lookup is
+   checked every step).
 """
 
 from __future__ import annotations
@@ -128,6 +136,7 @@ def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, de
 
 
 STEP_TIME_WINDOW = 64  # recent step times per budget whose median is its step cost
+LOOKUP_ONLY = -1  # `BudgetChooser.current` of a step drafted by the lookup source alone
 
 
 @dataclass
@@ -190,6 +199,12 @@ class BudgetChooser:
     # Decayed sums over recent records: accepted draft tokens, and what their budgets' arms average.
     recent_accepted: float = field(default=0.0, init=False)
     recent_expected: float = field(default=0.0, init=False)
+    # Lookup-only steps (`next_hybrid`): measured step time over the profile's target time of steps without the
+    # drafter (lookup-only and plain), and decayed sums of accepted and predicted lookup tokens.
+    cost_ratios: deque = field(default_factory=lambda: deque(maxlen=STEP_TIME_WINDOW), init=False)
+    lookup_accepted: float = field(default=0.0, init=False)
+    lookup_predicted: float = field(default=0.0, init=False)
+    _lookup_gain: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         if self.max_budget < 1:
@@ -243,15 +258,56 @@ class BudgetChooser:
         self.owed = 1.0 + self.held
         return self.current
 
+    # ------------------------------------------------------------------ hybrid (model + lookup) steps
+    @property
+    def cost_scale(self) -> float:
+        """Measured no-drafter step time over the profile's target time (1 until measured)."""
+        return statistics.median(self.cost_ratios) if self.cost_ratios else 1.0
+
+    @property
+    def lookup_factor(self) -> float:
+        """Accepted over predicted lookup tokens on recent lookup-only steps (pulled toward 1 by `recent_prior`)."""
+        return (self.lookup_accepted + self.recent_prior) / (self.lookup_predicted + self.recent_prior)
+
+    def lookup_rate(self, gain: float, nodes: int) -> float:
+        """Predicted tokens/s of a lookup-only step of `nodes` draft nodes expected to accept `gain` tokens."""
+        ms = self.profile.target_time_ms(nodes + 1) * self.cost_scale
+        return 1e3 * (1.0 + gain * self.lookup_factor) / ms
+
+    def next_hybrid(self, gains: list[float], model: bool = True) -> tuple[int, int]:
+        """This step's (model budget, lookup-only nodes), at most one of them non-zero (both 0: plain decoding).
+        `gains[n - 1]`: expected accepted tokens of the best n-node lookup-only tree (engine.lookup.LookupPlan).
+        `model` False: no model drafter to weigh against (method "lookup"). Never holds plain steps."""
+        nodes, best = 0, 0.0
+        for n, gain in enumerate(gains, start=1):
+            rate = self.lookup_rate(gain, n)
+            if rate > best:
+                nodes, best = n, rate
+        budget = self.choose() if model else 0
+        factor = self.acceptance_factor
+        measured = [self.arms[b].rate_at(factor) for b in self.arms if self.arms[b].steps and (model or b == 0)]
+        reference = max(measured, default=self.lookup_rate(0.0, 0))
+        self.held, self.owed = 0, 1.0
+        if nodes and best > reference:
+            self.current, self._lookup_gain = LOOKUP_ONLY, gains[nodes - 1]
+            return 0, nodes
+        self.current = budget
+        return budget, 0
+
     def builder_for(self, builder):
         """`builder` with this step's budget (a chain's length), or None for no drafting this step;
         builders without a budget are unchanged."""
         if self.next_budget() == 0:
             return None
+        return self.resized(builder, self.current)
+
+    @staticmethod
+    def resized(builder, budget: int):  # type: ignore[no-untyped-def]
+        """`builder` with `budget` draft nodes (a chain's length); builders without a budget are unchanged."""
         if hasattr(builder, "budget"):
-            return dataclasses.replace(builder, budget=self.current)
+            return dataclasses.replace(builder, budget=budget)
         if hasattr(builder, "length"):
-            return dataclasses.replace(builder, length=self.current)
+            return dataclasses.replace(builder, length=budget)
         return builder
 
     def observe(self, record: StepRecord) -> None:
@@ -263,6 +319,14 @@ class BudgetChooser:
         if self.owed < share / 2:  # not a step this chooser decided
             return
         self.owed -= share
+        seconds = (record.draft_ms + record.score_ms + record.verify_ms * record.batch_size) / 1e3
+        if self.current <= 0 and record.batch_size == 1:  # no drafter forward: calibrates lookup-only pricing
+            self.cost_ratios.append(1e3 * seconds / self.profile.target_time_ms(record.tree_size + 1))
+        if self.current == LOOKUP_ONLY:
+            decay = self.recent_decay
+            self.lookup_accepted = decay * self.lookup_accepted + record.accepted
+            self.lookup_predicted = decay * self.lookup_predicted + self._lookup_gain
+            return
         arm = self.arms.setdefault(self.current, _Arm())
         # Recent acceptance against this budget's average so far (a budget's first record has none: skipped).
         # Plain steps only decay the evidence.
@@ -274,7 +338,7 @@ class BudgetChooser:
             self.recent_expected += share * arm.accepted / arm.steps
         arm.tokens += record.emitted
         arm.accepted += record.accepted
-        arm.step_seconds.append((record.draft_ms + record.score_ms + record.verify_ms * record.batch_size) / 1e3)
+        arm.step_seconds.append(seconds)
         arm.steps += share
 
     def summary(self) -> dict[int, float]:

@@ -3,6 +3,13 @@
 `LocalDrafter` owns the drafter runner, one tree builder per tree configuration, the C2T classifier for
 batched chain mode and the hardware-aware budget chooser. The in-process engine calls it directly; the
 Drafter deployment serves the same `draft`/`release` over gRPC, so both paths build identical trees.
+
+Methods "lookup" and "<builder>+lookup" also draft from the request's own tokens (engine/lookup.py): the
+drafter keeps a suffix index per session, updated with the tokens each call's context adds, and scores the
+previous step's lookup candidates against them. At batch size 1 with an auto budget the chooser decides each
+step between a lookup-only tree (no drafter forward), the builder's tree over merged candidates (the model's
+and the lookup's) at a measured budget, and plain decoding (engine/budget.py, `next_hybrid`); above 1 a
+sequence's lookup chain joins its C2T chain in one tree (or replaces it where the lookup is confident).
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import torch
 
 from treeserve.engine.batch_draft import draft_c2t_chains
 from treeserve.engine.budget import BudgetChooser
-from treeserve.engine.builders import TreeConfig, make_builder
+from treeserve.engine.builders import LOOKUP, TreeConfig, make_builder, split_method
 from treeserve.engine.builders.base import check_positive
 from treeserve.engine.c2t_classifier import C2TClassifier
+from treeserve.engine.lookup import (HybridOracle, LookupSession, LookupSettings, LookupSources, head_index,
+                                     lookup_chain, merge_chains, plan_lookup)
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.sampling import SamplingParams
@@ -50,8 +59,12 @@ def root_only(context: list[int]) -> TokenTree:
 
 class LocalDrafter:
     def __init__(self, runner: DrafterRunner, classifier: C2TClassifier | None = None,
-                 budget: BudgetChooser | None = None, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5):
+                 budget: BudgetChooser | None = None, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5,
+                 lookup: LookupSettings | None = None):
         self.runner = runner
+        # Copy-from-context drafting (methods "lookup", "<builder>+lookup"): per-session suffix indexes.
+        self.lookups = LookupSources(lookup)
+        self._head_index = head_index(getattr(runner, "vocab_ids", None))
         self.classifier = classifier or C2TClassifier.joint_prob_prior()
         self.budget = budget
         self.batch_chain_depth = batch_chain_depth
@@ -96,25 +109,84 @@ class LocalDrafter:
         batch = batch_size or len(requests)
         if speculative and batch > 1:
             depth = self._batch_depth(batch, speculative)
+            lookups = self._lookup_chains(speculative)
+            modelled = [r for r in speculative if lookups.get(id(r), (None, True))[1]]
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
-                       for r in speculative]
-            if depth > 0:
-                chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in speculative],
+                       for r in modelled]
+            if depth > 0 and modelled:
+                chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in modelled],
                                           self.classifier, self.batch_chain_beta, depth)
-                trees = {id(r): t for r, t in zip(speculative, chains)}
+                trees = {id(r): t for r, t in zip(modelled, chains)}
+            for r in speculative:
+                if id(r) in lookups:
+                    (tokens, joints), _ = lookups[id(r)]
+                    chain = trees.get(id(r))
+                    trees[id(r)] = merge_chains(r.context[-1], chain.token_list[1:] if chain else [],
+                                                chain.log_joint.tolist()[1:] if chain else [], tokens, joints,
+                                                r.sampling.is_greedy)
+            if lookups:
+                self.hold_steps = 0  # the lookup is checked every step
         elif speculative:
             (r,) = speculative
-            oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
-            builder = self.builder(r.tree)
-            if self.budget is not None and r.tree.budget_auto:
-                builder = self.budget.builder_for(builder)
-                self.hold_steps = self.budget.held
-            if builder is not None:  # None: the chooser found that no drafting pays this step
-                generator = torch.Generator().manual_seed(r.seed)
-                trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
+            if split_method(r.tree.method)[1]:
+                tree = self._draft_hybrid(r)
+                if tree is not None:
+                    trees[id(r)] = tree
+            else:
+                oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
+                builder = self.builder(r.tree)
+                if self.budget is not None and r.tree.budget_auto:
+                    builder = self.budget.builder_for(builder)
+                    self.hold_steps = self.budget.held
+                if builder is not None:  # None: the chooser found that no drafting pays this step
+                    generator = torch.Generator().manual_seed(r.seed)
+                    trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
         self.last_model_ms = (self.runner.seconds - runner_seconds) * 1e3
         self.last_forward_ms = (self.runner.lm.forward_seconds - forward_seconds) * 1e3
         return [trees.get(id(r)) or root_only(r.context) for r in requests]
+
+    def _draft_hybrid(self, r: DraftRequest) -> TokenTree | None:
+        """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding)."""
+        session = self.lookups.session(r.session_id, r.context)
+        settings = self.lookups.settings
+        base = split_method(r.tree.method)[0]
+        root, greedy = r.context[-1], r.sampling.is_greedy
+        auto = self.budget is not None and r.tree.budget_auto
+        builder = self.builder(r.tree)
+        if auto:
+            plan = plan_lookup(session, root, settings.plan_nodes, settings.min_value)
+            budget, nodes = self.budget.next_hybrid(plan.gains(), model=base != LOOKUP)
+            if nodes:
+                return plan.tree(nodes, greedy)
+            if budget == 0:
+                return None
+            builder = self.budget.resized(builder, budget)
+        generator = torch.Generator().manual_seed(r.seed)
+        if base == LOOKUP:
+            return builder.build(root, HybridOracle(None, session, self.runner.vocab_size, model_enabled=False),
+                                 r.sampling, generator)
+        model = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
+        oracle = HybridOracle(model, session, self.runner.vocab_size, head_index=self._head_index)
+        return builder.build(root, oracle, r.sampling, generator)
+
+    def _lookup_chains(self, speculative: list[DraftRequest]) -> dict[int, tuple[tuple[list[int], list[float]], bool]]:
+        """Batched steps: each lookup request's copy chain (free to draft), and whether the model drafts a chain
+        for it too (not for method "lookup", nor where the chain's first token is confident)."""
+        settings = self.lookups.settings
+        out = {}
+        for r in speculative:
+            base, lookup = split_method(r.tree.method)
+            if not lookup:
+                continue
+            session = self.lookups.session(r.session_id, r.context)
+            chain = lookup_chain(session, self.batch_chain_depth, settings.chain_min_joint)
+            confident = bool(chain[1]) and chain[1][0] >= settings.skip_model_above
+            out[id(r)] = (chain, base != LOOKUP and not confident)
+        return out
+
+    def lookup_session(self, session_id: str) -> LookupSession | None:
+        """The lookup state of a session, if it has one (tests, stats)."""
+        return self.lookups._sessions.get(session_id)
 
     def _batch_depth(self, batch_size: int, speculative: list[DraftRequest]) -> int:
         """Chain depth for a batched step: chosen per batch-size bucket when every request leaves its budget
@@ -143,4 +215,5 @@ class LocalDrafter:
             chooser.observe(record)
 
     def release(self, session_id: str) -> bool:
-        return self.runner.release(session_id)
+        looked = self.lookups.release(session_id)
+        return self.runner.release(session_id) or looked

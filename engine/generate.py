@@ -153,10 +153,14 @@ class SpeculativeEngine:
                 s.features = s.features or CommittedFeatures()
                 s.features.commit(tree, dist, result.accepted_nodes)
             self._emit(s, result.tokens)
+            _, size_lookup, size_both = tree.count_sources()
+            _, accepted_lookup, accepted_both = tree.count_sources(result.accepted_nodes)
             s.steps.append(StepRecord(tree_size=tree.num_nodes - 1, accepted=result.num_accepted,
                                       emitted=len(result.tokens), batch_size=len(batch),
                                       draft_ms=(t1 - t0) * 1e3, draft_model_ms=draft_model_ms,
-                                      score_ms=(t2 - t1) * 1e3, verify_ms=0.0, draft_forward_ms=draft_forward_ms))
+                                      score_ms=(t2 - t1) * 1e3, verify_ms=0.0, draft_forward_ms=draft_forward_ms,
+                                      tree_size_lookup=size_lookup + size_both, accepted_lookup=accepted_lookup,
+                                      accepted_both=accepted_both))
         verify_ms = (time.perf_counter() - t2) * 1e3 / len(batch)
         for s in batch:
             s.steps[-1].verify_ms = verify_ms

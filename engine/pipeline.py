@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from treeserve.engine.budget import BudgetChooser, measure_profile
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.builders import TreeConfig, split_method
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafting import AUTOREGRESSIVE, LocalDrafter
 from treeserve.engine.generate import SpeculativeEngine
@@ -100,11 +100,12 @@ C2T_DEFAULTS = {"depth": 10, "top_k": 15}
 def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
     """TreeConfig for `method`; an integer budget is fixed (for a chain: its length), "auto" leaves it
     to the drafter's hardware-aware chooser."""
-    if method == "c2t":
+    base = split_method(method)[0]  # "c2t+lookup" shapes its tree as "c2t" does
+    if base == "c2t":
         overrides = {**C2T_DEFAULTS, **overrides}
     config = TreeConfig(method=method, **overrides)
     if isinstance(budget, int):
-        config = replace(config, budget=budget, depth=budget if method == "chain" else config.depth)
+        config = replace(config, budget=budget, depth=budget if base == "chain" else config.depth)
     else:
         config = replace(config, budget_auto=True)
     return config
@@ -117,12 +118,16 @@ def build_engine(target_path: str = "default", drafter_path: str = "default", me
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine.parallel_drafting)."""
     torch_dtype = parse_dtype(dtype)
+    base, lookup = split_method(method)
+    if lookup and drafter_kind != "autoregressive":
+        raise ValueError(f"method {method!r} drafts copy-from-context candidates with the autoregressive drafter, "
+                         f"not drafter_kind {drafter_kind!r}")
     target = target or load_causal_lm(target_path, device, torch_dtype)
     drafter = None
     if method != AUTOREGRESSIVE:
         drafter = build_local_drafter(drafter_path, target.model, device, torch_dtype, budget,
                                       drafter_kind=drafter_kind)
-    if drafter is not None and method == "opt_tree" and "delta" not in tree_overrides:
+    if drafter is not None and base == "opt_tree" and "delta" not in tree_overrides:
         # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens, whatever
         # the node budget (the profile is measured once per machine and cached).
         profile = drafter.budget.profile if drafter.budget is not None else \

@@ -40,6 +40,12 @@ class StepRecord:
     score_ms: float  # target forward wall time of the whole batch step
     verify_ms: float  # verification time per sequence
     draft_forward_ms: float = 0.0  # of draft_model_ms, the drafter's model forwards alone
+    # Hybrid trees (engine/lookup.py): of `tree_size` / `accepted`, the nodes the lookup source proposed (copied
+    # from the context), split into those the model's top-1 at the parent was not (LOOKUP) and was (BOTH); the
+    # rest came from the model drafter alone.
+    tree_size_lookup: int = 0
+    accepted_lookup: int = 0
+    accepted_both: int = 0
 
 
 @dataclass
@@ -59,6 +65,18 @@ class GenerationResult:
     @property
     def mean_tree_size(self) -> float:
         return sum(s.tree_size for s in self.steps) / max(1, len(self.steps))
+
+    def accepted_by_source(self) -> dict[str, int]:
+        """Accepted draft tokens by the source that proposed them: "model" (the drafter alone), "lookup" (copied
+        from the context, not the model's top-1) and "both" (copied, and the model's top-1)."""
+        lookup = sum(s.accepted_lookup for s in self.steps)
+        both = sum(s.accepted_both for s in self.steps)
+        return {"model": sum(s.accepted for s in self.steps) - lookup - both, "lookup": lookup, "both": both}
+
+    @property
+    def mean_tree_size_lookup(self) -> float:
+        """Lookup candidates (LOOKUP and BOTH nodes) per step."""
+        return sum(s.tree_size_lookup for s in self.steps) / max(1, len(self.steps))
 
     def mean_step_ms(self) -> tuple[float, float, float]:
         """Mean (drafting, target scoring, verification) milliseconds per step of this request."""

@@ -27,6 +27,17 @@ class ChildDraw(enum.IntEnum):
     GREEDY = 2  # argmax chain at temperature 0 (deterministic, so point-mass rule at T > 0)
 
 
+class Source(enum.IntEnum):
+    """Which draft source proposed a node (engine/lookup.py: hybrid trees). A LOOKUP or BOTH node is a
+    deterministic proposal (copied from the request's context): under a WITHOUT_REPLACEMENT parent it is
+    verified by the point-mass rule before the sampled siblings, which were drawn from the parent's draft
+    row with those tokens removed (DESIGN.md section 5; engine/verify.py)."""
+
+    MODEL = 0  # the model drafter alone
+    LOOKUP = 1  # copied from the context (the model's top-1 at the parent, if it ran there, was another token)
+    BOTH = 2  # copied from the context and the model's top-1 at the parent
+
+
 class cached_property:  # noqa: N801 - same role and name as functools.cached_property
     """functools.cached_property without its per-instance lock (Python 3.11 takes an RLock on every
     first access; a tree's five cached views cost more in locking than in computing them, and
@@ -87,6 +98,7 @@ class TokenTree:
     log_joint: Tensor  # FloatTensor [N]; sum of log q along the root path, 0 at the root
     draft_probs: Tensor | None = _DraftProbs()  # type: ignore[assignment]  # FloatTensor [E, V]; q at each expanded node that needs it
     draft_rows: Tensor | None = None  # LongTensor [N]; node -> row of draft_probs, or -1
+    sources: Tensor | None = None  # uint8 [N]; Source of each node (root: MODEL); None: every node is MODEL
 
     def __post_init__(self) -> None:
         self._validate()
@@ -100,13 +112,15 @@ class TokenTree:
         log_joint: Tensor,
         draft_probs: Tensor | list[Tensor] | None,
         draft_rows: Tensor | None,
+        sources: Tensor | None = None,
     ) -> "TokenTree":
         """Skip validation for trees that are valid by construction (builders, re-indexing of a
         validated tree): validation costs ~20 small tensor ops, more than building a small tree.
         draft_probs may be a non-empty list of [V] rows, stacked lazily (see `_DraftProbs`)."""
         tree = object.__new__(cls)
         for name, value in (("tokens", tokens), ("parents", parents), ("child_draw", child_draw),
-                            ("log_joint", log_joint), ("draft_probs", draft_probs), ("draft_rows", draft_rows)):
+                            ("log_joint", log_joint), ("draft_probs", draft_probs), ("draft_rows", draft_rows),
+                            ("sources", sources)):
             object.__setattr__(tree, name, value)
         return tree
 
@@ -119,9 +133,10 @@ class TokenTree:
         log_joint: Tensor | Sequence[float] | None = None,
         draft_probs: Tensor | None = None,
         draft_rows: Tensor | Sequence[int] | None = None,
+        sources: Tensor | Sequence[int] | None = None,
     ) -> "TokenTree":
         """Convert plain sequences to tensors and validate. A single ChildDraw applies to all nodes;
-        log_joint defaults to zeros (unknown)."""
+        log_joint defaults to zeros (unknown); sources to None (every node from the model drafter)."""
         tokens_t = _as_long("tokens", tokens)
         num = tokens_t.shape[0] if tokens_t.dim() == 1 else -1
         if isinstance(child_draw, (ChildDraw, int)):
@@ -130,7 +145,8 @@ class TokenTree:
             draw_t = _as_long("child_draw", child_draw).to(torch.uint8)
         lj = torch.zeros(max(num, 0)) if log_joint is None else torch.as_tensor(log_joint, dtype=torch.float32)
         rows = None if draft_rows is None else _as_long("draft_rows", draft_rows)
-        return cls(tokens_t, _as_long("parents", parents), draw_t, lj, draft_probs, rows)
+        src = None if sources is None else _as_long("sources", sources).to(torch.uint8)
+        return cls(tokens_t, _as_long("parents", parents), draw_t, lj, draft_probs, rows, src)
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -155,6 +171,12 @@ class TokenTree:
             raise ValueError(f"log_joint must be a FloatTensor [{num}], got {tuple(lj.shape)} {lj.dtype}")
         if bool(torch.isnan(lj).any() | (lj > 1e-4).any()):
             raise ValueError("log_joint must hold log-probabilities (<= 0, no NaN)")
+        src = self.sources
+        if src is not None:
+            if src.shape != (num,) or src.dtype != torch.uint8:
+                raise ValueError(f"sources must be a uint8 tensor [{num}], got {tuple(src.shape)} {src.dtype}")
+            if bool((src > max(Source)).any()) or int(src[0]) != Source.MODEL:
+                raise ValueError("sources must hold Source values, MODEL at the root")
         self._validate_draft(num)
 
     def _validate_draft(self, num: int) -> None:
@@ -221,6 +243,22 @@ class TokenTree:
     @cached_property
     def child_draw_list(self) -> list[int]:
         return self.child_draw.tolist()
+
+    @cached_property
+    def source_list(self) -> list[int] | None:
+        """sources as a Python list (cached), None when the tree has none."""
+        return None if self.sources is None else self.sources.tolist()
+
+    def count_sources(self, nodes: Sequence[int] | None = None) -> tuple[int, int, int]:
+        """(MODEL, LOOKUP, BOTH) counts over `nodes` (default: every draft node, root excluded)."""
+        src = self.source_list
+        nodes = range(1, self.num_nodes) if nodes is None else nodes
+        if src is None:
+            return (len(nodes), 0, 0)
+        counts = [0, 0, 0]
+        for n in nodes:
+            counts[src[n]] += 1
+        return counts[0], counts[1], counts[2]
 
     @cached_property
     def draft_row_list(self) -> list[int] | None:
@@ -336,7 +374,9 @@ class TokenTree:
                 probs = probs[old_rows[used]]
             rows = torch.full_like(old_rows, -1)
             rows[used] = torch.arange(int(used.sum()))
-        return TokenTree._trusted(self.tokens[order], parents, self.child_draw[order], self.log_joint[order], probs, rows)
+        sources = None if self.sources is None else self.sources[order]
+        return TokenTree._trusted(self.tokens[order], parents, self.child_draw[order], self.log_joint[order], probs, rows,
+                                  sources)
 
 
 def count_mask_blocks(mask: Tensor, block: int = 32) -> int:

@@ -17,6 +17,13 @@ Rules per node (DESIGN.md section 5):
   with residual norm(max(p - q, 0)).
 - TOP_K / GREEDY children (deterministic given the context): point-mass rule, accept child x w.p.
   p'(x); on rejection p'(x) <- 0 and renormalise; if none is accepted, sample from p'.
+- Hybrid trees (engine/lookup.py): under a WITHOUT_REPLACEMENT parent, children whose `TokenTree.sources`
+  is LOOKUP or BOTH are deterministic proposals copied from the context, and the sampled siblings were
+  drawn from D = norm(q with those tokens removed). Each lookup child is one point-mass stage on the
+  current R (accept y w.p. R[y]; on rejection R[y] <- 0, renormalise), each sampled child one stage of the
+  rule above with that D. Every stage leaves P(accept) * delta + P(reject) * R' = R, and the sampled
+  tokens do not depend on the lookup children's outcomes (they were drawn before verification, from a D
+  fixed by the lookup tokens alone), so chaining the stages in any order emits a token distributed as p.
 Edge cases: a residual that is all zero (only float error can cause it) falls back to the target
 distribution; a duplicate sibling token has p'(x) = 0 (point mass) or D[x] = 0 (residual) once its
 twin was rejected and is skipped.
@@ -130,6 +137,52 @@ def _point_mass_step(
     return None, picked[0]
 
 
+def _mixed_step(
+    p: Tensor, q: Tensor, kids: list[int], kid_tokens: list[int], kid_p: list[float], lookup: list[bool],
+    uniforms: list[float]
+) -> tuple[int | None, int]:
+    """A WITHOUT_REPLACEMENT node with lookup children (module docstring): point-mass stages for those,
+    SpecInfer stages for the sampled ones, whose D starts as q without the lookup tokens. R is kept
+    unnormalised as in `_residual_step` (R = Rr / sR), D likewise (Dr / sD)."""
+    kid_q = _values_at(q, kid_tokens)
+    looked = {tok: qv for tok, qv, is_lookup in zip(kid_tokens, kid_q, lookup) if is_lookup}
+    resid = p.double()
+    resid_sum = float(resid.sum())
+    draft: Tensor | None = None  # Dr, materialised at the first rejected sampled child
+    draft_sum = 1.0 - sum(looked.values())
+    rejected: set[int] = set()
+    for i, (kid, tok) in enumerate(zip(kids, kid_tokens)):
+        if tok in rejected:  # a duplicate of a rejected sibling: R[tok] = 0 (and D[tok] = 0)
+            continue
+        r = float(resid[tok]) / resid_sum
+        if lookup[i]:
+            if uniforms.pop() < r:
+                return kid, tok
+            resid_sum -= float(resid[tok])
+            resid[tok] = 0.0
+        else:
+            if tok in looked or draft_sum <= 1e-12:  # D[tok] = 0: it cannot have been drawn
+                continue
+            d = kid_q[i] / draft_sum
+            if d <= 0.0:
+                continue
+            if uniforms.pop() * d < r:
+                return kid, tok
+            if draft is None:
+                draft = q.double()
+                if looked:
+                    draft[torch.tensor(list(looked))] = 0.0
+            resid = torch.add(resid, draft, alpha=-resid_sum / draft_sum).clamp_(min=0.0)
+            resid_sum = float(resid.sum())
+            draft[tok] = 0.0
+            draft_sum -= kid_q[i]
+        rejected.add(tok)
+        if resid_sum <= 0.0:  # only float error: fall back to the target distribution
+            resid = p.double()
+            resid_sum = float(resid.sum())
+    return None, _draw(resid, uniforms)
+
+
 def _residual_step(
     p: Tensor, q: Tensor, kids: list[int], kid_tokens: list[int], kid_p: list[float], uniforms: list[float]
 ) -> tuple[int | None, int]:
@@ -178,7 +231,7 @@ def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, 
     if sampling.is_greedy:
         return _verify_greedy(tree, target.argmax)
     probs = target.probs
-    tokens, draw = tree.token_list, tree.child_draw_list
+    tokens, draw, sources = tree.token_list, tree.child_draw_list, tree.source_list
     # Enough uniforms for every child test plus the final draw (and one fallback), in one RNG call.
     uniforms = torch.rand(tree.num_nodes + 2, generator=generator, dtype=torch.float64).tolist()
     # p at every draft node's token under its parent's target row, in one gather for the tree.
@@ -196,7 +249,10 @@ def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, 
             return VerifyResult(accepted, out)
         kid_tokens = [tokens[k] for k in kids]
         kid_p = [child_p[k] for k in kids]
-        if draw[node] == ChildDraw.WITHOUT_REPLACEMENT:
+        lookup = None if sources is None else [sources[k] != 0 for k in kids]
+        if draw[node] == ChildDraw.WITHOUT_REPLACEMENT and lookup is not None and any(lookup):
+            chosen, token = _mixed_step(p, tree.draft_row(node), kids, kid_tokens, kid_p, lookup, uniforms)
+        elif draw[node] == ChildDraw.WITHOUT_REPLACEMENT:
             chosen, token = _residual_step(p, tree.draft_row(node), kids, kid_tokens, kid_p, uniforms)
         else:
             chosen, token = _point_mass_step(p, kids, kid_tokens, kid_p, uniforms)

@@ -113,23 +113,55 @@ class PartialTree:
         self.oracle = oracle
         self._summarize = getattr(oracle, "summarize", None)  # SummarizingOracle's fast path, if any
         self._sample = getattr(oracle, "sample", None)  # SamplingOracle's fast path, if any
+        # A hybrid oracle (engine/lookup.py, LookupOracle) also proposes tokens copied from the context.
+        self._lookup = getattr(oracle, "lookup", None)
         self.tokens: list[int] = [root_token]
         self.parents: list[int] = [-1]
         self.log_joint: list[float] = [0.0]
         self.draw: list[int] = [_TOP_K]
+        self.sources: list[int] = [0]  # Source set by the builder (sampled hybrid builders); see `finish`
         self.rows: dict[int, Tensor] = {}  # node -> draft row kept for verification
         self._unchecked: list[int] = []  # nodes whose kept row has not been checked to sum to 1
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int, log_q: float) -> int:
-        """Append a child of `parent`; returns its node index."""
+    def add(self, parent: int, token: int, log_q: float, source: int = 0) -> int:
+        """Append a child of `parent`; returns its node index. `source` (a tree.Source): who proposed it;
+        builders set it only for deterministic lookup children of a WITHOUT_REPLACEMENT parent (`finish`
+        labels the others)."""
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.log_joint.append(self.log_joint[parent] + log_q)
         self.draw.append(_TOP_K)  # overwritten by set_draw if it gets children
+        self.sources.append(source)
         return len(self.tokens) - 1
+
+    # ------------------------------------------------------------------ hybrid oracles (engine/lookup.py)
+    @property
+    def hybrid(self) -> bool:
+        """The oracle also proposes tokens copied from the context (a LookupOracle)."""
+        return self._lookup is not None
+
+    def lookup(self, node: int):  # type: ignore[no-untyped-def]
+        """`node`'s copy-from-context candidates (engine.lookup.LookupRow: tokens, calibrated probabilities,
+        descending), or None for an oracle without them."""
+        return None if self._lookup is None else self._lookup(self.tokens, self.parents, node)
+
+    def model_backed(self, node: int) -> bool:
+        """Whether the model drafter gives `node` a draft row (always, without a hybrid oracle; a hybrid oracle
+        skips the model below confident lookup nodes and on lookup-only steps)."""
+        return self._lookup is None or self.oracle.model_backed(self.tokens, self.parents, node)
+
+    def query_model(self, node_ids: Sequence[int]) -> Tensor:
+        """The model drafter's own rows [k, V] (no lookup mass mixed in): what sampled hybrid builders draw
+        from; `query` without a hybrid oracle."""
+        if self._lookup is None:
+            return self.query(node_ids)
+        out = self.oracle.model_probs(self.tokens, self.parents, node_ids)
+        if out.shape != (len(node_ids), self.oracle.vocab_size):
+            raise ValueError(f"oracle model_probs must have shape [{len(node_ids)}, {self.oracle.vocab_size}]")
+        return out
 
     def add_many(self, parent: int, tokens: Sequence[int], log_qs: Sequence[float]) -> int:
         """Append children of `parent` in order (same as `add` for each); returns the first new
@@ -145,6 +177,7 @@ class PartialTree:
         self.parents.extend(parents)
         joint.extend([joint[p] + lq for p, lq in zip(parents, log_qs)])
         self.draw.extend([_TOP_K] * len(tokens))
+        self.sources.extend([0] * len(tokens))
         return first
 
     def depth_of(self, node: int) -> int:
@@ -187,6 +220,7 @@ class PartialTree:
         self.parents.append(node)
         self.log_joint.append(self.log_joint[node] + (math.log(prob) if prob > 0.0 else -math.inf))
         self.draw.append(_TOP_K)
+        self.sources.append(0)
         return len(self.tokens) - 1
 
     def top(self, node_ids: Sequence[int], k: int, entropy: bool = False) -> RowSummary:
@@ -242,6 +276,7 @@ class PartialTree:
             for index, node in enumerate(nodes):
                 row_of[node] = index
         tokens, parents, draw, log_joint = self.tokens, self.parents, self.draw, self.log_joint
+        sources = self._final_sources()
         if keep is not None and not (probs and _WITHOUT_REPLACEMENT in draw):
             # Select in Python: for builder-sized trees a few list comprehensions beat the ~15
             # tensor ops of TokenTree.select. Same contract: ancestor-closed, old relative order.
@@ -254,6 +289,9 @@ class PartialTree:
                 raise ValueError("keep_nodes must be closed under ancestors")
             tokens, draw = [tokens[old] for old in order], [draw[old] for old in order]
             log_joint, row_of = [log_joint[old] for old in order], [row_of[old] for old in order]
+            if sources is not None:
+                sources = [sources[old] for old in order]
+                sources = sources if any(sources) else None
             if probs is not None:
                 used = [r for r in row_of if r >= 0]
                 probs = [probs[r] for r in used] or None
@@ -269,8 +307,25 @@ class PartialTree:
             torch.from_numpy(np.array(log_joint, dtype=np.float32)),
             probs,
             torch.from_numpy(np.array(row_of, dtype=np.int64)) if probs is not None else None,
+            torch.from_numpy(np.array(sources, dtype=np.uint8)) if sources is not None else None,
         )
         return tree if keep is None else tree.select(keep)
+
+    def _final_sources(self) -> list[int] | None:
+        """Each node's Source, or None if every node is the model's. A hybrid oracle labels the children of
+        deterministic parents (a token among the parent's lookup candidates is LOOKUP or BOTH); children of
+        WITHOUT_REPLACEMENT parents keep the builder's labels (`add(..., source)`): there a lookup child was
+        proposed before the sampled ones and is verified differently, whatever its token."""
+        labels = self.sources
+        source_of = getattr(self.oracle, "source_of", None)
+        if source_of is not None:
+            labels = list(labels)
+            draw, parents, tokens = self.draw, self.parents, self.tokens
+            for node in range(1, len(tokens)):
+                parent = parents[node]
+                if draw[parent] != _WITHOUT_REPLACEMENT:
+                    labels[node] = source_of(parent, tokens[node])
+        return labels if any(labels) else None
 
 
 class UniformStream:

@@ -8,6 +8,11 @@ How children are drawn (and hence the verification rule):
 - temperature > 0, `sampled=False`: deterministic top-1 of q -> ChildDraw.TOP_K (point-mass rule).
 The C2T chain is always deterministic top-1: its early exit looks at the chosen token's joint
 probability, and stopping on a *sampled* token's value would bias which samples survive.
+
+Over a hybrid oracle (engine/lookup.py) the deterministic chains follow the top-1 of the merged rows. The
+sampled chain follows a node's best lookup candidate (deterministic, point-mass rule) wherever it is at least
+as probable as everything the model could offer there (c >= 1 - w), or the model has no row there, and
+samples from the model's row elsewhere: the choice depends on the root path only.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.sampling import SamplingParams, sample_row
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 
@@ -35,6 +40,8 @@ class ChainBuilder:
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
         tree = PartialTree(root_token, oracle)
         node: int | None = 0
+        if self.sampled and not sampling.is_greedy and tree.hybrid:
+            return self._sampled_hybrid(tree, generator)
         if self.sampled and not sampling.is_greedy:
             for uniform in torch.rand(self.length, generator=generator, dtype=torch.float64).tolist():
                 node = tree.add_sampled_child(node, uniform)
@@ -48,6 +55,25 @@ class ChainBuilder:
             if prob <= 0.0:
                 break
             tree.set_draw(node, draw)
+            node = tree.add(node, token, safe_log(prob))
+        return tree.finish()
+
+    def _sampled_hybrid(self, tree: PartialTree, generator: torch.Generator) -> TokenTree:
+        node = 0
+        for uniform in torch.rand(self.length, generator=generator, dtype=torch.float64).tolist():
+            row = tree.lookup(node)
+            backed = tree.model_backed(node)
+            if row is not None and (not backed or row.values[0] >= 1.0 - row.total):
+                token = row.tokens[0]
+                node = tree.add(node, token, safe_log(row.values[0]), source=tree.oracle.source_of(node, token))
+                continue
+            if not backed:
+                break
+            q = tree.query_model([node])[0]
+            token, prob, total = sample_row(q, uniform)
+            if token is None:
+                break
+            tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, q, total)
             node = tree.add(node, token, safe_log(prob))
         return tree.finish()
 

@@ -14,6 +14,13 @@ How children are drawn (and hence the verification rule):
   residual) -> ChildDraw.TOP_K. The greedy then picks, among all candidate children, the one with
   the largest value v_n * q(next best token): exactly the greedy of appendix D.1, which is optimal
   (Theorem (B)): no tree with the same number of nodes has a larger sum of values.
+
+Over a hybrid oracle (engine/lookup.py) the greedy reads merged rows (lookup candidates mixed into q) and
+needs no change. Sampling does: a node's lookup candidates become its first children when its first
+position is popped (deterministic, each of value v * c, verified by the point-mass rule), then its children
+are sampled from q with those tokens removed, the position reached with v * (1 - w) * (mass left), w the
+lookup candidates' calibrated mass. Whether a node gets lookup children depends only on its root path,
+never on what is sampled there, so the verification stays exact (engine/verify.py).
 """
 
 from __future__ import annotations
@@ -56,7 +63,10 @@ class DySpecBuilder:
         tree = PartialTree(root_token, oracle)
         if sampling.is_greedy:
             return self._grow_greedy(tree)
-        self._grow_sampled(tree, UniformStream(generator, chunk=self.budget + 8))
+        if tree.hybrid:
+            self._grow_sampled_hybrid(tree, UniformStream(generator, chunk=self.budget + 8))
+        else:
+            self._grow_sampled(tree, UniformStream(generator, chunk=self.budget + 8))
         return tree.finish()
 
     def _depth_ok(self, depth: int) -> bool:
@@ -107,6 +117,65 @@ class DySpecBuilder:
                 heapq.heappush(heap, (-sibling_reach, seq, node))
             if self._depth_ok(depth[child] + 1):
                 heapq.heappush(heap, (-value * prob, seq + 1, child))  # v0 = v * R[y], line 8
+            seq += 2
+
+    def _grow_sampled_hybrid(self, tree: PartialTree, uniforms: UniformStream) -> None:
+        """Algorithm 1 at temperature > 0 over a hybrid oracle (module docstring). A node's first pop opens it:
+        lookup children appended and pushed, its model row fetched (with up to prefetch - 1 unopened
+        model-backed heap nodes) and its sampling position pushed; later pops draw from that row."""
+        residual: dict[int, ResidualRow] = {}
+        share: dict[int, float] = {}  # mass of the node's row left to the model after its lookup candidates
+        opened: set[int] = set()
+        depth = {0: 0}
+        heap = [(-1.0, 0, 0)]
+        seq = 1
+        oracle = tree.oracle
+        while heap and len(tree) - 1 < self.budget:
+            _, _, node = heapq.heappop(heap)
+            value = math.exp(tree.log_joint[node])
+            if node not in opened:
+                opened.add(node)
+                row = tree.lookup(node)
+                added: list[int] = []
+                if row is not None:
+                    for token, c in zip(row.tokens, row.values):
+                        if len(tree) - 1 >= self.budget:
+                            break
+                        child = tree.add(node, token, safe_log(c), source=oracle.source_of(node, token))
+                        added.append(token)
+                        depth[child] = depth[node] + 1
+                        if self._depth_ok(depth[child] + 1):
+                            heapq.heappush(heap, (-value * c, seq, child))
+                            seq += 1
+                if not tree.model_backed(node) or len(tree) - 1 >= self.budget:
+                    continue
+                if node not in residual:
+                    wanted = [node] + [item[2] for item in heap[: 4 * self.prefetch] if item[2] not in opened
+                                       and item[2] not in residual and tree.model_backed(item[2])]
+                    wanted = list(dict.fromkeys(wanted))[: self.prefetch]
+                    residual.update(zip(wanted, ResidualRow.for_rows(tree.query_model(wanted))))
+                res = residual[node]
+                for token in added:  # the model's children are drawn from q without the lookup tokens
+                    res.remove(token, float(res.row[token]))
+                share[node] = 1.0 - (row.total if row is not None else 0.0)
+                reach = value * share[node] * res.remaining
+                if reach > 0.0:
+                    heapq.heappush(heap, (-reach, seq, node))
+                    seq += 1
+                continue
+            res = residual[node]
+            picked = res.sample(uniforms.next())
+            if picked is None:
+                continue
+            token, prob = picked
+            tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
+            child = tree.add(node, token, safe_log(share[node] * prob))
+            depth[child] = depth[node] + 1
+            reach = value * share[node] * res.remaining
+            if reach > 0.0:
+                heapq.heappush(heap, (-reach, seq, node))
+            if self._depth_ok(depth[child] + 1):
+                heapq.heappush(heap, (-value * share[node] * prob, seq + 1, child))
             seq += 2
 
     def _grow_greedy(self, tree: PartialTree) -> TokenTree:
@@ -210,6 +279,9 @@ class DySpecThresholdBuilder:
         tree = PartialTree(root_token, oracle)
         greedy = sampling.is_greedy
         uniforms = UniformStream(generator, chunk=self.budget + 8)
+        if tree.hybrid and not greedy:
+            self._grow_sampled_hybrid(tree, uniforms)
+            return tree.finish()
         frontier, depth = [0], 0
         while frontier and len(tree) - 1 < self.budget and (self.max_depth is None or depth < self.max_depth):
             frontier.sort(key=lambda n: (-tree.log_joint[n], n))
@@ -232,6 +304,47 @@ class DySpecThresholdBuilder:
                     reach = value * res.remaining
             frontier, depth = nxt, depth + 1
         return tree.finish()
+
+    def _grow_sampled_hybrid(self, tree: PartialTree, uniforms: UniformStream) -> None:
+        """Algorithm 2 at temperature > 0 over a hybrid oracle: at each frontier node its lookup candidates whose
+        value v * c exceeds the threshold become children first (deterministic), then children are sampled
+        from q without them while v * (1 - w) * (mass left) exceeds it (DySpecBuilder's module docstring)."""
+        oracle = tree.oracle
+        frontier, depth = [0], 0
+        while frontier and len(tree) - 1 < self.budget and (self.max_depth is None or depth < self.max_depth):
+            frontier.sort(key=lambda n: (-tree.log_joint[n], n))
+            backed = [n for n in frontier if tree.model_backed(n)]
+            rows = dict(zip(backed, ResidualRow.for_rows(tree.query_model(backed), block_sums=True))) if backed else {}
+            nxt: list[int] = []
+            for node in frontier:
+                value = math.exp(tree.log_joint[node])
+                row = tree.lookup(node)
+                added: list[int] = []
+                if row is not None:
+                    for token, c in zip(row.tokens, row.values):
+                        if value * c <= self.threshold or len(tree) - 1 >= self.budget:
+                            break
+                        child = tree.add(node, token, safe_log(c), source=oracle.source_of(node, token))
+                        added.append(token)
+                        nxt.append(child)
+                res = rows.get(node)
+                if res is None:
+                    continue
+                for token in added:
+                    res.remove(token, float(res.row[token]))
+                share = 1.0 - (row.total if row is not None else 0.0)
+                reach = value * share * res.remaining
+                while reach > self.threshold and len(tree) - 1 < self.budget:
+                    picked = res.sample(uniforms.next())
+                    if picked is None:
+                        break
+                    token, prob = picked
+                    tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
+                    child = tree.add(node, token, safe_log(share * prob))
+                    if value * share * prob > self.threshold:
+                        nxt.append(child)
+                    reach = value * share * res.remaining
+            frontier, depth = nxt, depth + 1
 
     @staticmethod
     def _residuals(tree: PartialTree, frontier: list[int], greedy: bool) -> list[ResidualRow]:

@@ -1,0 +1,165 @@
+"""Hybrid drafting (engine/lookup.py) through the real engine on the tiny pair: greedy output equals the target's
+own greedy decoding for every lookup method, at batch size 1 (fixed and auto budgets) and in batched chain
+mode; lookup candidates are proposed, accepted and counted per source; the chooser drafts lookup-only steps
+when they pay and falls back to the model's when they do not."""
+
+import pytest
+import torch
+
+from treeserve.engine.budget import LOOKUP_ONLY, BudgetChooser, HardwareProfile
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.drafting import LocalDrafter
+from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.models.loading import chat_ids, load_causal_lm
+from treeserve.engine.requests import GenerationRequest, StepRecord
+from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.sampling import SamplingParams
+
+# The tiny random target soon repeats itself, and these prompts repeat themselves: both give the lookup matches.
+PROMPTS = ["one two three four five six. one two three four five six. one two three",
+           "The fox jumps. The fox jumps. The fox"]
+HYBRID = [
+    TreeConfig(method="lookup", budget=8),
+    TreeConfig(method="chain+lookup", depth=4),
+    TreeConfig(method="eagle2+lookup", budget=12, depth=4, top_k=4),
+    TreeConfig(method="dyspec+lookup", budget=10),
+    TreeConfig(method="dyspec_threshold+lookup", threshold=0.05, budget=16),
+    TreeConfig(method="opt_tree+lookup", budget=10, delta=0.05),
+    TreeConfig(method="c2t+lookup", budget=12, depth=4, top_k=4),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target_dir, tiny_drafter_dir):
+    return load_causal_lm(tiny_target_dir), load_causal_lm(tiny_drafter_dir).model
+
+
+def flat_profile() -> HardwareProfile:
+    """A machine where a target forward costs the same for any tree size: drafting anything with a chance of
+    acceptance pays, so a lookup-only tree beats plain decoding whenever the lookup proposes something."""
+    return HardwareProfile({1: 40.0, 64: 40.0}, drafter_step_ms=4.0, prefix_tokens=128)
+
+
+def make_engine(pair, tree, chooser=None):
+    target, drafter = pair
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=chooser)
+    return SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer, tree, max_context_tokens=2048)
+
+
+@torch.inference_mode()
+def reference(model, prompt_ids, n):
+    out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(pair):
+    """prompt text -> (chat prompt ids, the target's own greedy 24 tokens)."""
+    target = pair[0]
+    ids = {p: chat_ids(target.tokenizer, p) for p in PROMPTS}
+    return {p: (i, reference(target.model, i, 24)) for p, i in ids.items()}
+
+
+def check_greedy(engine, references, n=24):
+    """Greedy output equals the reference for every prompt; returns (lookup candidates, accepted copies)."""
+    copied = accepted_copies = 0
+    for text in PROMPTS:
+        prompt, expected = references[text]
+        result = engine.generate([GenerationRequest(prompt, max_new_tokens=n)])[0]
+        assert result.token_ids == expected[:len(result.token_ids)]
+        by_source = result.accepted_by_source()
+        assert sum(by_source.values()) == sum(s.accepted for s in result.steps)
+        assert all(v >= 0 for v in by_source.values())
+        copied += sum(s.tree_size_lookup for s in result.steps)
+        accepted_copies += by_source["lookup"] + by_source["both"]
+    return copied, accepted_copies
+
+
+@pytest.mark.parametrize("tree", HYBRID, ids=lambda t: t.method)
+def test_hybrid_greedy_equals_target_generate(pair, references, tree):
+    copied, accepted = check_greedy(make_engine(pair, tree), references)
+    assert copied > 0, "the lookup proposed nothing"
+    if tree.method in ("lookup", "opt_tree+lookup", "c2t+lookup", "eagle2+lookup"):
+        assert accepted > 0, "no copied token was accepted"
+
+
+def test_auto_budget_drafts_lookup_only_steps_and_stays_greedy_equal(pair, references):
+    chooser = BudgetChooser(flat_profile())
+    engine = make_engine(pair, TreeConfig(method="c2t+lookup", budget_auto=True, depth=4, top_k=4), chooser)
+    seen = []
+    original = chooser.next_hybrid
+
+    def spy(gains, model=True):
+        out = original(gains, model)
+        seen.append(out)
+        return out
+
+    chooser.next_hybrid = spy
+    check_greedy(engine, references)
+    assert any(nodes > 0 for _, nodes in seen), "no lookup-only step"
+    assert all(budget == 0 or nodes == 0 for budget, nodes in seen)
+    assert chooser.cost_ratios, "lookup-only steps did not calibrate their cost"
+    assert engine.drafter.hold_steps == 0
+
+
+def test_lookup_method_auto_never_calls_the_model(pair, references):
+    engine = make_engine(pair, TreeConfig(method="lookup", budget_auto=True), BudgetChooser(flat_profile()))
+    for text in PROMPTS:
+        prompt, expected = references[text]
+        result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
+        assert result.token_ids == expected[:len(result.token_ids)]
+        assert all(s.draft_forward_ms == 0 for s in result.steps)
+        assert any(s.tree_size > 0 for s in result.steps)
+
+
+def test_batched_hybrid_chains_equal_single(pair, references):
+    engine = make_engine(pair, TreeConfig(method="c2t+lookup", budget=8))
+    results = engine.generate([GenerationRequest(references[p][0], max_new_tokens=24) for p in PROMPTS])
+    for text, r in zip(PROMPTS, results):
+        assert r.token_ids == references[text][1][:len(r.token_ids)]
+    assert results[0].steps[1].batch_size == 2
+    assert sum(s.tree_size_lookup for r in results for s in r.steps) > 0
+
+
+def references_ids(engine):
+    return chat_ids(engine.tokenizer, PROMPTS[0])
+
+
+def test_sampled_hybrid_runs_and_is_reproducible(pair):
+    engine = make_engine(pair, TreeConfig(method="dyspec+lookup", budget=10))
+    request = GenerationRequest(references_ids(engine), max_new_tokens=16, sampling=SamplingParams(temperature=0.8), seed=7)
+    first = engine.generate([request])[0]
+    second = engine.generate([request])[0]
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 16
+
+
+def record(accepted: int, tree_size: int, ms: float) -> StepRecord:
+    return StepRecord(tree_size=tree_size, accepted=accepted, emitted=accepted + 1, batch_size=1, draft_ms=0.0,
+                      draft_model_ms=0.0, score_ms=ms, verify_ms=0.0)
+
+
+def test_chooser_prices_lookup_only_steps():
+    profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0, 16: 70.0}, drafter_step_ms=4.0, prefix_tokens=128)
+    chooser = BudgetChooser(profile, max_budget=8)
+    # Nothing to copy: the model's budgets (exploration first).
+    budget, nodes = chooser.next_hybrid([])
+    assert nodes == 0 and chooser.current == budget
+    # A confident copy of 6 tokens: expected ~4 accepted for ~1.2 plain steps beats any model budget.
+    gains = [0.9, 1.7, 2.4, 3.0, 3.5, 3.9]
+    budget, nodes = chooser.next_hybrid(gains)
+    assert budget == 0 and nodes == 6 and chooser.current == LOOKUP_ONLY and chooser.held == 0
+    chooser.observe(record(accepted=1, tree_size=6, ms=48.0))  # it accepted less than predicted
+    assert chooser.lookup_factor < 1.0 and chooser.cost_ratios[-1] == pytest.approx(48.0 / profile.target_time_ms(7))
+    # A weak copy does not beat a measured model budget that accepts well.
+    for _ in range(3):
+        chooser.current, chooser.owed = 4, 1.0
+        chooser.observe(StepRecord(tree_size=4, accepted=3, emitted=4, batch_size=1, draft_ms=10.0,
+                                   draft_model_ms=8.0, score_ms=45.0, verify_ms=0.0))
+    budget, nodes = chooser.next_hybrid([0.05])
+    assert nodes == 0
+    # Lookup-only method: plain decoding unless the copy pays.
+    alone = BudgetChooser(profile, max_budget=8)
+    assert alone.next_hybrid([0.001], model=False) in ((0, 0), (0, 1))
+    assert alone.next_hybrid([0.9, 1.7], model=False) == (0, 2)
