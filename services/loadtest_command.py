@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: deploy/local-cpu.yaml)")
     parser.add_argument("--address", default=None, help="test a service already running at this loopback address "
                         "instead of starting one")
+    parser.add_argument("--target", default=None, help="with --address: the served target model, for the "
+                        "in-process greedy answers (default: 'default', the embedded one)")
     parser.add_argument("--ray-address", default=None, help="with --address: the Ray cluster to kill a replica in "
                         "(e.g. 'auto'); without it --kill must be none")
     parser.add_argument("--streams", type=int, default=32, help="concurrent clients (default: %(default)s)")
@@ -108,6 +110,8 @@ class Outcome:
     details: str = ""
     expected_code: str = "OK"
     refusals: int = 0  # RESOURCE_EXHAUSTED (router full) before it was admitted
+    unavailable_retries: int = 0  # UNAVAILABLE before any token (no router listening): sent again
+    ended: float = 0.0
     verdict: str = ""  # for valid requests: ok / lost / corrupted / near_tie
 
 
@@ -281,6 +285,12 @@ class LoadTest:
                     out.refusals += 1
                     await asyncio.sleep(0.2 + 0.3 * self.rng.random())
                     continue
+                if out.code == "UNAVAILABLE" and not out.arrivals and not isinstance(message, bytes) and \
+                        time.monotonic() < deadline - 1:
+                    # Nothing received yet (no router listening, e.g. while Serve restarts it): safe to resend.
+                    out.unavailable_retries += 1
+                    await asyncio.sleep(0.5)
+                    continue
                 if out.code == "CANCELLED" and out.kind == "cancel":
                     return
                 return
@@ -310,6 +320,7 @@ class LoadTest:
                 self.started += 1
                 out, message = self._next()
                 await self._call(stub, channel, out, message)
+                out.ended = time.monotonic()
                 self.outcomes.append(out)
 
     async def _killer(self, at: float) -> None:
@@ -356,7 +367,10 @@ class LoadTest:
                     out.kind == "cancel" and out.code == "OK") else "unexpected_status"
                 continue
             if out.code != "OK" or out.finish == gen.FINISH_REASON_UNSPECIFIED:
-                out.verdict = "lost"
+                cut = (self.args.kill == "Router" and out.code == "UNAVAILABLE" and self.kill_time is not None
+                       and out.started <= self.kill_time <= out.ended)
+                # A Router's death ends the streams it carried (their connections die with it): by design.
+                out.verdict = "cut_by_router_kill" if cut else "lost"
                 continue
             consistent = (out.stats_tokens == len(out.tokens) <= out.max_new_tokens
                           and all(0 <= t < self.ref.vocab for t in out.tokens)
@@ -395,6 +409,9 @@ class LoadTest:
         refusals = sum(o.refusals for o in self.outcomes)
         if refusals:
             by_status["RESOURCE_EXHAUSTED (router full, retried)"] = refusals
+        unavailable = sum(o.unavailable_retries for o in self.outcomes)
+        if unavailable:
+            by_status["UNAVAILABLE before any token (retried)"] = unavailable
         verdicts = Counter(o.verdict for o in self.outcomes)
         ttft = [(o.arrivals[0][0] - o.started) * 1e3 for o in valid if o.code == "OK" and o.arrivals]
         itl: list[float] = []
@@ -421,6 +438,7 @@ class LoadTest:
             "valid": {"greedy": sum(o.kind == "greedy" for o in valid), "sampled": sum(o.kind == "sampled" for o in valid)},
             "lost": verdicts.get("lost", 0), "corrupted": verdicts.get("corrupted", 0),
             "near_tie": verdicts.get("near_tie", 0), "unexpected_status": verdicts.get("unexpected_status", 0),
+            "cut_by_router_kill": verdicts.get("cut_by_router_kill", 0),
             "lost_examples": [f"{o.kind} {o.method}: {o.code} {o.details[:120]}" for o in self.outcomes
                               if o.verdict == "lost"][:5],
             "corrupted_examples": [f"{o.kind} {o.method} prompt {o.prompt}" for o in self.outcomes
@@ -443,7 +461,9 @@ def format_report(r: dict) -> str:
     lines += ["", f"outputs: {r['valid']['greedy']} greedy (compared with in-process greedy), {r['valid']['sampled']} "
                   f"sampled (checked for consistency)",
               f"  lost {r['lost']}, corrupted {r['corrupted']}, near-tie divergences {r['near_tie']}, unexpected "
-              f"statuses {r['unexpected_status']}"]
+              f"statuses {r['unexpected_status']}"
+              + (f", ended by the Router's death (UNAVAILABLE) {r['cut_by_router_kill']}"
+                 if r["cut_by_router_kill"] else "")]
     for key in ("lost_examples", "corrupted_examples"):
         lines += [f"    {key[:-9]}: {e}" for e in r[key]]
     lines += ["", f"  {'latency (ms)':<24} {'p50':>8} {'p95':>8} {'p99':>8}"]
@@ -507,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
         config = _load(args)
         address = None
     # The reference answers first, before the service competes for the cores.
-    target_path = config.app.args.target.path if config is not None else "default"
+    target_path = config.app.args.target.path if config is not None else (args.target or "default")
     dtype = config.app.args.target.dtype if config is not None else "float32"
     print("computing the target's greedy answers in-process ...", file=sys.stderr)
     reference = Reference(target_path, dtype)

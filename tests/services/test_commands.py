@@ -69,7 +69,8 @@ def test_app_options_follow_the_yaml():
     config = load_config(str(DEFAULT_CONFIG), method="autoregressive")
     options = _deployment_options(config.app.deployment("Target"), {"OMP_NUM_THREADS": "1"})
     assert options["autoscaling_config"]["max_replicas"] == 2
-    assert options["ray_actor_options"]["num_cpus"] == 0.5
+    assert options["ray_actor_options"]["num_cpus"] == 0.4
+    assert options["autoscaling_config"]["min_replicas"] == 2  # a spare Target: streams move at once when one dies
     assert options["ray_actor_options"]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
     assert options["max_ongoing_requests"] == 8
 

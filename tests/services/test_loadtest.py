@@ -1,0 +1,42 @@
+"""`treeserve loadtest` (services/loadtest_command.py): a few seconds of it against the session's service, and
+its refusals (bounded, loopback only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treeserve.services.cli import main
+from treeserve.services.loadtest_command import load_prompts, percentile
+
+
+def test_short_loadtest_against_the_service(serve_service, tiny_target_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    rc = main(["loadtest", "--address", serve_service.address, "--target", str(tiny_target_dir), "--kill", "none",
+               "--streams", "3", "--duration", "6", "--prompts", "3", "--max-new-tokens", "4:10",
+               "--malformed", "0.3", "--cancel", "0.2", "--json", str(out)])
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert rc == 0, printed
+    assert report["lost"] == report["corrupted"] == report["unexpected_status"] == 0
+    assert report["requests"] > 0 and report["by_status"].get("OK", 0) > 0
+    assert report["valid"]["greedy"] + report["valid"]["sampled"] > 0
+    assert "time to first token" in printed and "requests by final status" in printed
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--address", "10.1.2.3:9000", "--kill", "none"], "loopback"),
+    (["--address", "127.0.0.1:9000"], "--kill needs --ray-address"),
+    (["--malformed", "1.5"], "--malformed must lie in [0, 1]"),
+    (["--max-new-tokens", "9:3"], "--max-new-tokens"),
+])
+def test_refusals(argv, words, capsys):
+    assert main(["loadtest", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_helpers():
+    prompts = load_prompts(10)
+    assert len(prompts) == 10 and len(set(prompts)) == 10
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 99) != percentile([], 99)  # nan when empty
