@@ -209,3 +209,40 @@ def test_not_pem_fails_loudly(tiny_parts, make_local_service, tmp_path):
     with pytest.raises(ValueError, match="is not a PEM file"):
         make_local_service(tiny_parts.engine(), LIMITS, security=SecurityConfig(
             tls_cert_file=str(tmp_path / "a.crt"), tls_key_file=str(tmp_path / "a.key")))
+
+
+def test_client_cancel_leaves_no_noise(tiny_parts, make_local_service, caplog):
+    """A client that cancels mid-stream: the session is freed and nothing is logged as an error (no "Task
+    exception was never retrieved", no traceback)."""
+    caplog.set_level(logging.DEBUG)
+    engine = tiny_parts.engine()
+    service = make_local_service(engine, LIMITS)
+    try:
+        with open_channel(service.address) as channel:
+            for _ in range(3):
+                stream = gen_grpc.TreeServeStub(channel).GenerateStream(
+                    gen.GenerateRequest(text="a long story", max_new_tokens=64), timeout=60)
+                next(stream)
+                stream.cancel()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (engine.target.lm.sessions or service.router._active):
+            time.sleep(0.05)
+        assert not engine.target.lm.sessions and not service.router._active
+    finally:
+        service.server.stop(0.5)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "never retrieved" not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_grpc_poller_noise_is_filtered_and_nothing_else():
+    from treeserve.services.grpc_clients import _PollerNoiseFilter
+
+    def record(message, exc):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, (), (type(exc), exc, None))
+
+    noise = record("Exception in callback PollerCompletionQueue._handle_events(<_UnixSelectorEventLoop>)()",
+                   BlockingIOError(11, "Resource temporarily unavailable"))
+    real = record("Exception in callback something_else()", BlockingIOError(11, "x"))
+    other = record("Exception in callback PollerCompletionQueue._handle_events()", ValueError("real bug"))
+    f = _PollerNoiseFilter()
+    assert not f.filter(noise) and f.filter(real) and f.filter(other)
