@@ -3,9 +3,12 @@
 `TensorParallelTarget` is what a Target deployment replica holds when `tensor_parallel_size > 1` (it is also
 usable directly, e.g. in tests). It exposes the same `score(requests)` / `release(session_id)` as
 `treeserve.engine.runners.target.TargetRunner`, so the Target deployment and the in-process engine can use
-either. It does not return the target's features (no `provides_features`): the config refuses an EAGLE
-drafter with `target.tensor_parallel_size` above 1, and its Target replica answers `want_features` items
-FAILED_PRECONDITION.
+either. Like TargetRunner it returns the target's features for an EAGLE drafter (`provides_features`):
+the row-parallel projections end in all-reduces, so every rank holds the full residual stream and the
+final post-norm state; rank 0 returns the rows it fed (context extension + tree nodes) of the final state
+(EAGLE-1/2) or of the fused `feature_layers` (EAGLE-3's hidden_states indices), on the CPU, as TargetRunner
+does, and the Target replica sends them on to the router, which forwards to each Drafter replica only the
+rows it lacks (services/grpc_clients.py).
 
 How it is laid out:
 
@@ -116,7 +119,8 @@ class _Rank:
 
     def setup(self, init_method: str, backend: str, model_dir: str, device: str, dtype: torch.dtype,
               max_sessions: int, timeout_s: float, from_slices: bool = True, max_context_tokens: int | None = None,
-              gpu_memory_fraction: float | None = None) -> dict[str, Any]:
+              gpu_memory_fraction: float | None = None,
+              feature_layers: tuple[int, ...] | None = None) -> dict[str, Any]:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -137,7 +141,7 @@ class _Rank:
         mesh = DeviceMesh(dev.type, list(range(self.world_size)))
         init_s = time.perf_counter() - start
         model, _, info = load_tp_shard(model_dir, mesh, dev, dtype, from_slices=from_slices)
-        self.runner = TargetRunner(model, dev, dtype, max_sessions)
+        self.runner = TargetRunner(model, dev, dtype, max_sessions, feature_layers=feature_layers)
         if max_context_tokens is not None:  # the bounded KV pool, allocated now (every rank at once: collectives)
             self.runner.lm.bound(max_sessions, max_context_tokens)
             self.runner.lm.warm_up()
@@ -146,9 +150,14 @@ class _Rank:
                 "pid": os.getpid()}
 
     def score(self, requests):
+        from dataclasses import replace
+
         with torch.no_grad():
             out = self.runner.score(requests)
-        return out if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        # Features leave the rank on the CPU (as the dists do): what the replica encodes for the router.
+        return [replace(d, features=d.features.cpu()) if d.features is not None else d for d in out]
 
     def score_logits(self, requests):
         """Raw logits [N, V] per request (what `score` warps): for equality checks against TP=1."""
@@ -190,8 +199,11 @@ _RankActor = ray.remote(concurrency_groups={"control": 1})(_Rank)
 class TensorParallelTarget:
     """`score`/`release` like TargetRunner, computed by `tensor_parallel_size` rank actors."""
 
+    provides_features = True  # honours ScoreRequest.want_features, as TargetRunner (EAGLE drafters need it)
+
     def __init__(self, model_path: str | os.PathLike = "default", tensor_parallel_size: int = 2,
                  device: str = "cpu", dtype: str | torch.dtype = "float32", *, cpus_per_rank: float = 1.0,
+                 feature_layers: tuple[int, ...] | None = None,
                  max_sessions: int = 256, max_context_tokens: int | None = None,
                  gpu_memory_fraction: float | None = None, num_threads: int = 1, placement_strategy: str = "STRICT_PACK",
                  start_timeout_s: float = 600.0, step_timeout_s: float = 600.0,
@@ -217,6 +229,12 @@ class TensorParallelTarget:
         model_dir = resolve_model_dir(model_path)
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         check_tp_size(config, tensor_parallel_size)
+        # The hidden_states an EAGLE-3 drafter fuses (None: the final state, EAGLE-1/2), checked here too.
+        layers = config.num_hidden_layers
+        if feature_layers is not None and any(not 0 <= i <= layers for i in feature_layers):
+            raise ValueError(f"feature layers {list(feature_layers)} are not hidden_states indices of a "
+                             f"{layers}-layer target (0..{layers})")
+        self.feature_layers = None if feature_layers is None else tuple(int(i) for i in feature_layers)
         self.model_dir = Path(model_dir)
         self.vocab_size = config.vocab_size
         accel = torch.device(device).type != "cpu"
@@ -261,7 +279,7 @@ class TensorParallelTarget:
         backend = backend_for(self.device)
         refs = [a.setup.remote(init_method, backend, str(model_dir), self.device, self.dtype, max_sessions,
                                self.step_timeout_s, self.load_from_slices, self.max_context_tokens,
-                               self.gpu_memory_fraction) for a in self.actors]
+                               self.gpu_memory_fraction, self.feature_layers) for a in self.actors]
         self.load_info = self._gather(refs, timeout_s)
         self.init_method, self.backend = init_method, backend
 

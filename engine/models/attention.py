@@ -12,6 +12,11 @@ matmul against K [B, H_kv, L, D], the additive mask broadcast over the g heads, 
 against V. These are eager's operations in eager's order, so the 4D additive tree masks behave exactly as
 there (DESIGN.md section 4); only matmul blocking differs (float rounding). Heads are whatever the module
 holds, so a tensor-parallel shard (fewer heads per rank) works unchanged.
+
+Which implementation runs is chosen per device (`attention_for`): this one on the CPU; on a GPU PyTorch's
+fused `scaled_dot_product_attention` ("sdpa"), where eager-style matmuls are the slow path. Both take the
+same additive float tree mask (transformers hands a 4D mask to the attention function as it is, and SDPA adds
+a float `attn_mask` to the scores), so the tree logits agree to float rounding (tests/runners/test_attention.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,24 @@ def grouped_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     probs = torch.softmax(scores.view(batch, kv_heads, groups * q_len, length), dim=-1, dtype=torch.float32)
     out = torch.matmul(probs.to(query.dtype), value).view(batch, heads, q_len, head_dim)
     return out.transpose(1, 2).contiguous(), None
+
+
+def attention_for(device: str | torch.device) -> str:
+    """The attention implementation a model runs on `device`: grouped (eager-style) on the CPU, SDPA elsewhere."""
+    return GROUPED_ATTENTION if torch.device(device).type == "cpu" else "sdpa"
+
+
+def use_attention(model: nn.Module, implementation: str) -> nn.Module:
+    """Run `model`'s attention through `implementation` ("treeserve_grouped", "sdpa" or "eager"); returns it."""
+    if implementation == GROUPED_ATTENTION:
+        return use_grouped_attention(model)
+    if implementation not in ("sdpa", "eager"):
+        raise ValueError(f"attention implementation must be {GROUPED_ATTENTION}, sdpa or eager, got {implementation!r}")
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = implementation
+    return model
 
 
 def use_grouped_attention(model: nn.Module) -> nn.Module:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from treeserve.engine.models.attention import use_grouped_attention
+from treeserve.engine.models.attention import attention_for, use_attention
 from treeserve.engine.models.layout import use_fast_cpu_linears
 
 
@@ -81,10 +81,12 @@ class CachedLM:
     """Runs `model` over token trees for many sessions, keeping each session's KV cache."""
 
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, max_sessions: int = 256, max_context_tokens: int | None = None):
+                 dtype: torch.dtype = torch.float32, max_sessions: int = 256, max_context_tokens: int | None = None,
+                 attention: str | None = None):
         # Same function, faster on CPU: oneDNN linears on packed weights (a small tree costs about one
-        # row), attention without repeat_kv.
-        self.model = use_grouped_attention(use_fast_cpu_linears(model))
+        # row), attention without repeat_kv; on a GPU fused SDPA (`attention`: override the per-device choice,
+        # engine/models/attention.py). Both read the same additive tree mask.
+        self.model = use_attention(use_fast_cpu_linears(model), attention or attention_for(device))
         self.device = torch.device(device)
         self.dtype = dtype
         self.sessions: dict[str, SessionCache] = {}  # least recently begun first
