@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from treeserve.engine.budget import BudgetChooser, measure_profile
-from treeserve.engine.builders import TreeConfig, split_method
+from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig, split_method
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafting import AUTOREGRESSIVE, LocalDrafter
 from treeserve.engine.generate import SpeculativeEngine
@@ -111,7 +111,7 @@ def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
     return config
 
 
-def build_engine(target_path: str = "default", drafter_path: str = "default", method: str = "dyspec",
+def build_engine(target_path: str = "default", drafter_path: str = "default", method: str = DEFAULT_METHOD,
                  budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
                  drafter_kind: str = "autoregressive", **tree_overrides) -> SpeculativeEngine:

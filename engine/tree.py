@@ -145,7 +145,10 @@ class TokenTree:
             draw_t = _as_long("child_draw", child_draw).to(torch.uint8)
         lj = torch.zeros(max(num, 0)) if log_joint is None else torch.as_tensor(log_joint, dtype=torch.float32)
         rows = None if draft_rows is None else _as_long("draft_rows", draft_rows)
-        src = None if sources is None else _as_long("sources", sources).to(torch.uint8)
+        src = None if sources is None else _as_long("sources", sources)
+        if src is not None and src.numel() and bool(((src < 0) | (src > max(Source))).any()):
+            raise ValueError("sources must hold Source values")
+        src = None if src is None else src.to(torch.uint8)
         return cls(tokens_t, _as_long("parents", parents), draw_t, lj, draft_probs, rows, src)
 
     # ------------------------------------------------------------------ validation

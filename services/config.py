@@ -18,10 +18,13 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 import yaml
 
+from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
+
 # The servicer the Serve gRPC proxy must register; without it the public API is not reachable.
 TREESERVE_SERVICER = "treeserve.v1.generation_pb2_grpc.add_TreeServeServicer_to_server"
 DEPLOYMENT_NAMES = ("Router", "Drafter", "Target")
-METHODS = ("autoregressive", "chain", "static", "eagle2", "dyspec", "dyspec_threshold", "opt_tree", "c2t")
+# Tree methods a request or config may name (engine/methods.py: builders, "lookup", "<builder>+lookup").
+METHODS = SERVED_METHODS
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Tree nodes a step feeds at most when the budget is "auto" (the largest budget engine/budget.py's chooser
 # tries, plus the root): what a session's KV row needs beyond its prompt and answer.
@@ -176,7 +179,7 @@ class DrafterConfig(ModelConfig):
 
 @dataclass
 class SpeculationConfig:
-    method: Literal[METHODS] = _help("tree shape at batch size 1: " + ", ".join(METHODS), default="dyspec")
+    method: Literal[METHODS] = _help("tree shape at batch size 1: " + ", ".join(METHODS), default=DEFAULT_METHOD)
     budget: Union[int, Literal["auto"]] = _help(
         '"auto" = follow the measured target cost curve, else max tree nodes per step (1..1024)',
         default="auto")

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import torch
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig
 from treeserve.engine.drafting import DraftRequest, LocalDrafter
 from treeserve.engine.generate import CommittedFeatures
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
@@ -97,7 +97,7 @@ class FeatureStore:
 
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, drafter: LocalDrafter, vocab_size: int, replica_id: str = "local",
-                 default_method: str = "dyspec"):
+                 default_method: str = DEFAULT_METHOD):
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.replica_id = replica_id

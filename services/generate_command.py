@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS as METHODS  # torch-free
 from treeserve.services.cli import CliError
-
-METHODS = ("autoregressive", "chain", "static", "eagle2", "dyspec", "dyspec_threshold", "opt_tree", "c2t")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus mass in (0, 1]; 0 = unset")
     parser.add_argument("--top-k", type=int, default=0, help="0 = unset")
     parser.add_argument("--seed", type=int, default=0, help="0 = random")
-    parser.add_argument("--method", choices=METHODS, default=None, help="tree method (default: the server's)")
+    parser.add_argument("--method", choices=METHODS, default=None, metavar="METHOD",
+                        help="tree method (default: the server's; in-process: %s): %s. 'lookup' drafts tokens copied "
+                             "from the prompt and answer alone; '<method>+lookup' merges them with the drafter's in "
+                             "one tree (hybrid drafting)" % (DEFAULT_METHOD, ", ".join(METHODS)))
     parser.add_argument("--budget", type=int, default=0, help="draft nodes per step; 0 = the server's choice")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline of the call in seconds")
@@ -51,13 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_request(args: argparse.Namespace):
-    from treeserve.services.validation import METHOD_ENUMS
+    from treeserve.services.validation import method_enum
     from treeserve.v1 import generation_pb2 as gen
 
+    method, lookup = method_enum(args.method) if args.method else (0, False)
     return gen.GenerateRequest(
         text=args.prompt, max_new_tokens=args.max_new_tokens, stop_strings=args.stop,
         sampling=gen.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
-        speculation=gen.SpeculationParams(method=METHOD_ENUMS.get(args.method, 0), budget_tokens=args.budget))
+        speculation=gen.SpeculationParams(method=method, budget_tokens=args.budget,
+                                          lookup=lookup and args.method != "lookup"))
 
 
 def stream_completion(address: str, request, application: str | None = None, timeout_s: float = 300.0,
@@ -90,7 +94,9 @@ def format_stats(stats, finish_reason: str) -> str:
     return (f"[{finish_reason}] prompt {stats.prompt_tokens} tok, completion {stats.completion_tokens} tok in "
             f"{stats.steps} steps, MAL {stats.mean_accepted_length:.2f}, tree {stats.mean_tree_size_tokens:.1f} "
             f"tok/step, {stats.wall_time_ms:.0f} ms ({tokens_per_s:.1f} tok/s); per step: draft "
-            f"{stats.mean_draft_ms:.1f} ms, score {stats.mean_score_ms:.1f} ms, verify {stats.mean_verify_ms:.2f} ms")
+            f"{stats.mean_draft_ms:.1f} ms, score {stats.mean_score_ms:.1f} ms, verify {stats.mean_verify_ms:.2f} ms"
+            + (f"; accepted by source: model {stats.accepted_tokens_model}, lookup {stats.accepted_tokens_lookup}, "
+               f"both {stats.accepted_tokens_both}" if stats.lookup else ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,11 +117,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_in_process(args: argparse.Namespace) -> int:
+    from treeserve.engine.methods import uses_lookup
     from treeserve.engine.pipeline import build_engine
     from treeserve.engine.requests import GenerationRequest
     from treeserve.engine.sampling import SamplingParams
 
-    engine = build_engine(args.target, args.drafter, args.method or "dyspec", args.budget or "auto", args.device,
+    engine = build_engine(args.target, args.drafter, args.method or DEFAULT_METHOD, args.budget or "auto", args.device,
                           args.dtype)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p or 1.0)
     request = GenerationRequest(engine.encode_chat(args.prompt), max_new_tokens=args.max_new_tokens,
@@ -126,6 +133,7 @@ def _run_in_process(args: argparse.Namespace) -> int:
         tokens_per_s = len(result.token_ids) / max(result.wall_time_s, 1e-9)
         print(f"[{result.finish_reason.name}] prompt {result.prompt_tokens} tok, completion {len(result.token_ids)} "
               f"tok in {len(result.steps)} steps, MAL {result.mean_accepted_length:.2f}, tree "
-              f"{result.mean_tree_size:.1f} tok/step, {result.wall_time_s * 1e3:.0f} ms ({tokens_per_s:.1f} tok/s)",
-              file=sys.stderr)
+              f"{result.mean_tree_size:.1f} tok/step, {result.wall_time_s * 1e3:.0f} ms ({tokens_per_s:.1f} tok/s)"
+              + ("; accepted by source: " + ", ".join(f"{k} {v}" for k, v in result.accepted_by_source().items())
+                 if uses_lookup(engine.tree.method) else ""), file=sys.stderr)
     return 0

@@ -34,7 +34,8 @@ from treeserve.engine.requests import FinishReason, GenerationRequest, Generatio
 from treeserve.services.config import LimitsConfig
 from treeserve.services.metrics import RouterMetrics
 from treeserve.services.validation import (MAX_BUDGET_TOKENS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,  # noqa: F401
-                                           METHOD_ENUMS, METHOD_NAMES, ROLES, RequestError, RequestValidator)
+                                           METHOD_ENUMS, METHOD_NAMES, ROLES, RequestError, RequestValidator,
+                                           method_enum)
 from treeserve.v1 import generation_pb2 as gen
 
 log = logging.getLogger("treeserve.router")
@@ -275,11 +276,16 @@ class Router:
     def _stats(self, job: _Job) -> gen.GenerationStats:
         r = job.result
         draft_ms, score_ms, verify_ms = r.mean_step_ms()
+        method, lookup = method_enum(job.method)  # "c2t+lookup": C2T with copy-from-context candidates
+        by_source = r.accepted_by_source()
         return gen.GenerationStats(prompt_tokens=r.prompt_tokens, completion_tokens=len(r.token_ids),
                                    steps=len(r.steps), mean_accepted_length=r.mean_accepted_length,
                                    mean_tree_size_tokens=r.mean_tree_size, wall_time_ms=r.wall_time_s * 1e3,
-                                   method=METHOD_ENUMS.get(job.method, gen.TREE_METHOD_UNSPECIFIED),
-                                   mean_draft_ms=draft_ms, mean_score_ms=score_ms, mean_verify_ms=verify_ms)
+                                   method=method, mean_draft_ms=draft_ms, mean_score_ms=score_ms,
+                                   mean_verify_ms=verify_ms, lookup=lookup,
+                                   accepted_tokens_model=by_source["model"], accepted_tokens_lookup=by_source["lookup"],
+                                   accepted_tokens_both=by_source["both"],
+                                   mean_tree_size_lookup_tokens=r.mean_tree_size_lookup)
 
     # ------------------------------------------------------------------ leaving
     def _fail(self, job: _Job, error: RequestError) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 import grpc
 
 from treeserve.engine.drafting import AUTOREGRESSIVE
+from treeserve.engine.methods import LOOKUP, split_method, with_lookup
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.sampling import SamplingParams
 from treeserve.services.config import METHODS, LimitsConfig
@@ -260,6 +261,8 @@ class RequestValidator:
         method = None
         if spec.method != gen.TREE_METHOD_UNSPECIFIED:  # an enum value this server does not know stays a number
             method = METHOD_NAMES.get(spec.method, str(spec.method))
+        if spec.lookup:  # hybrid drafting: "<method>+lookup" (the server default's when no method is named)
+            method = with_lookup(method or self.engine.tree.method, True)
         return self.build(prompt, message.max_new_tokens, s.temperature, s.top_p, s.top_k, list(message.stop_strings),
                           s.seed or None, method, spec.budget_tokens)
 
@@ -270,8 +273,15 @@ def _method_names() -> dict[int, str]:
     return {gen.TREE_METHOD_AUTOREGRESSIVE: "autoregressive", gen.TREE_METHOD_CHAIN: "chain",
             gen.TREE_METHOD_STATIC: "static", gen.TREE_METHOD_EAGLE2: "eagle2", gen.TREE_METHOD_DYSPEC: "dyspec",
             gen.TREE_METHOD_DYSPEC_THRESHOLD: "dyspec_threshold", gen.TREE_METHOD_OPT_TREE: "opt_tree",
-            gen.TREE_METHOD_C2T: "c2t"}
+            gen.TREE_METHOD_C2T: "c2t", gen.TREE_METHOD_LOOKUP: LOOKUP}
 
 
 METHOD_NAMES = _method_names()
 METHOD_ENUMS = {name: value for value, name in METHOD_NAMES.items()}
+
+
+def method_enum(name: str) -> tuple[int, bool]:
+    """A method name -> (TreeMethod, whether it drafts copy-from-context candidates): "c2t+lookup" -> (C2T,
+    True), "lookup" -> (LOOKUP, True); UNSPECIFIED for a name the enum lacks."""
+    base, lookup = split_method(name)
+    return METHOD_ENUMS.get(base, 0), lookup

@@ -109,6 +109,8 @@ def encode_tree(tree: TokenTree, dense_dtype: str = "float32") -> pb.TokenTree:
     if tree.draft_probs is not None:
         out.draft_probs.CopyFrom(encode_probs(tree.draft_probs, dense_dtype))
         out.draft_rows.extend(tree.draft_rows.tolist())
+    if tree.sources is not None:
+        out.sources.extend(tree.source_list)
     return out
 
 
@@ -118,7 +120,7 @@ def decode_tree(message: pb.TokenTree) -> TokenTree:
     probs = decode_probs(message.draft_probs) if message.HasField("draft_probs") else None
     rows = list(message.draft_rows) if probs is not None else None
     return TokenTree.build(list(message.tokens), list(message.parents), draws or 0, list(message.log_joint) or None,
-                           probs, rows)
+                           probs, rows, list(message.sources) or None)
 
 
 # ------------------------------------------------------------------------------------------ target output
@@ -186,14 +188,18 @@ def encode_observation(record: StepRecord) -> pb.StepObservation:
     return pb.StepObservation(tree_size_tokens=record.tree_size, accepted_tokens=record.accepted,
                               emitted_tokens=record.emitted, batch_size=record.batch_size,
                               draft_ms=record.draft_ms, score_ms=record.score_ms, verify_ms=record.verify_ms,
-                              draft_model_ms=record.draft_model_ms, draft_forward_ms=record.draft_forward_ms)
+                              draft_model_ms=record.draft_model_ms, draft_forward_ms=record.draft_forward_ms,
+                              tree_size_lookup_tokens=record.tree_size_lookup,
+                              accepted_lookup_tokens=record.accepted_lookup, accepted_both_tokens=record.accepted_both)
 
 
 def decode_observation(message: pb.StepObservation) -> StepRecord:
     return StepRecord(tree_size=message.tree_size_tokens, accepted=message.accepted_tokens,
                       emitted=message.emitted_tokens, batch_size=message.batch_size, draft_ms=message.draft_ms,
                       draft_model_ms=message.draft_model_ms, score_ms=message.score_ms,
-                      verify_ms=message.verify_ms, draft_forward_ms=message.draft_forward_ms)
+                      verify_ms=message.verify_ms, draft_forward_ms=message.draft_forward_ms,
+                      tree_size_lookup=message.tree_size_lookup_tokens, accepted_lookup=message.accepted_lookup_tokens,
+                      accepted_both=message.accepted_both_tokens)
 
 
 def hint(message, has_field: str = "has_accepted_nodes", field: str = "accepted_nodes") -> list[int] | None:

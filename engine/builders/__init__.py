@@ -15,39 +15,23 @@ from treeserve.engine.builders.eagle2 import Eagle2Builder
 from treeserve.engine.builders.opt_tree import OptTreeBuilder
 from treeserve.engine.builders.static import StaticTreeBuilder, binary_tree, named_tree, sequoia_tree
 from treeserve.engine.c2t_classifier import C2TClassifier
-
-BUILDERS = ("chain", "static", "eagle2", "dyspec", "dyspec_threshold", "opt_tree", "c2t", "c2t_chain")
-# Copy-from-context drafting (engine/lookup.py): "lookup" drafts lookup candidates alone (no model forward);
-# "<builder>+lookup" merges them with the model drafter's candidates in one tree shaped by that builder, and with
-# an auto budget the chooser may also draft a step from the lookup alone (engine/budget.py, next_hybrid).
-LOOKUP = "lookup"
-LOOKUP_SUFFIX = "+lookup"
-HYBRID_BUILDERS = ("chain", "eagle2", "dyspec", "dyspec_threshold", "opt_tree", "c2t", "c2t_chain")
-METHODS = BUILDERS + (LOOKUP,) + tuple(b + LOOKUP_SUFFIX for b in HYBRID_BUILDERS)
-# The method of `treeserve generate --in-process`, the Serve config and the drafter replica when none is named.
-# The hybrid (e.g. "c2t+lookup") becomes the default by changing this line once its bench numbers are in.
-DEFAULT_METHOD = "dyspec"
-
-
-def split_method(method: str) -> tuple[str, bool]:
-    """(builder name, whether lookup candidates join the tree): "c2t+lookup" -> ("c2t", True), "lookup" ->
-    ("lookup", True), "c2t" -> ("c2t", False)."""
-    if method == LOOKUP:
-        return LOOKUP, True
-    if method.endswith(LOOKUP_SUFFIX):
-        return method[: -len(LOOKUP_SUFFIX)], True
-    return method, False
-
-
-def uses_lookup(method: str) -> bool:
-    return split_method(method)[1]
+from treeserve.engine.methods import (  # the names of every tree method (torch-free, engine/methods.py)
+    BUILDERS,
+    DEFAULT_METHOD,
+    HYBRID_BUILDERS,
+    LOOKUP,
+    LOOKUP_SUFFIX,
+    METHODS,
+    split_method,
+    uses_lookup,
+)
 
 
 @dataclass
 class TreeConfig:
     """How the drafter shapes its tree; validated by `make_builder`."""
 
-    method: str = field(default="dyspec", metadata={"help": f"tree method, one of {', '.join(METHODS)}"})
+    method: str = field(default=DEFAULT_METHOD, metadata={"help": f"tree method, one of {', '.join(METHODS)}"})
     budget: int = field(default=64, metadata={"help": "draft nodes per tree (root excluded); cap for threshold methods"})
     budget_auto: bool = field(default=False, metadata={"help": "the drafter's hardware-aware chooser picks each step's budget (if it has one); False: `budget` is fixed"})
     depth: int = field(default=6, metadata={"help": "chain length / EAGLE-2 expansion rounds / max depth for c2t(_chain), binary static tree"})
