@@ -107,6 +107,11 @@ class ModelConfig:
         "needs more rows, or a sequence longer than max_context_tokens, is refused with RESOURCE_EXHAUSTED. "
         "Default limits.max_batch_size; at least that (one router's batch), more when several routers share "
         "a replica", default=None)
+    chat_template: Optional[str] = _help(
+        "target only: the chat template prompts are rendered with, replacing the tokenizer's own: a built-in "
+        "(vicuna_v1.1, llama-2-chat) or a Jinja template file (relative to the Serve config file). Needed for "
+        "models whose tokenizer ships none (Vicuna v1.3): such a target is refused without it",
+        default=None)
     gpu_memory_fraction: Optional[float] = _help(
         "share of each of its GPUs' memory this model's process (each TP rank) may take: weights, KV pool and "
         "activations, enforced with torch.cuda.set_per_process_memory_fraction; the KV pool is refused at start "
@@ -123,6 +128,16 @@ class ModelConfig:
         # Resolved once against the config file's folder, so later callers need no base_dir.
         if self.model_facts and base_dir is not None and not Path(self.model_facts).is_absolute():
             self.model_facts = str(base_dir / self.model_facts)
+        if self.chat_template is not None:
+            from treeserve.engine.chat_templates import check_setting, is_builtin_name
+
+            try:
+                check_setting(self.chat_template)
+            except ValueError as exc:
+                raise ValueError(f"{path}.chat_template: {exc}") from None
+            if not is_builtin_name(self.chat_template) and base_dir is not None \
+                    and not Path(self.chat_template).expanduser().is_absolute():
+                self.chat_template = str(base_dir / self.chat_template)
         facts = self.facts(base_dir, path)
         heads = {"num_attention_heads": self.num_attention_heads,
                  "num_key_value_heads": self.num_key_value_heads or self.num_attention_heads}
@@ -166,15 +181,24 @@ class DrafterConfig(ModelConfig):
         "autoregressive: one token per drafter forward; parallel: several tokens per forward "
         "(ParallelSpec-style mask tokens)", default="autoregressive")
 
+    layout: Optional[Literal["eagle", "eagle3"]] = _help(
+        "what `path` holds when it is not readable where the config is validated (model_facts then give its "
+        "config.json): eagle = a published EAGLE-1/2 head, eagle3 = a published EAGLE-3 head. Detected from the "
+        "files wherever they are readable, and refused when it disagrees with them", default=None)
+
     is_target = False
 
     def reads_target_features(self) -> bool:
-        """An EAGLE drafter (the shipped "eagle" or a saved one): it reads the target's features."""
-        from treeserve.engine.models.eagle3_drafter import is_eagle3_drafter
-        from treeserve.engine.models.eagle_drafter import is_eagle_drafter
-
+        """An EAGLE drafter (the shipped "eagle"/"eagle3", a saved one, or a published EAGLE-1/2 or EAGLE-3
+        head, declared by `layout` or detected from its files): it reads the target's features."""
+        if self.path in ("eagle", "eagle3") or self.layout is not None:
+            return True
         path = Path(self.path).expanduser()
-        return self.path in ("eagle", "eagle3") or is_eagle_drafter(path) or is_eagle3_drafter(path)
+        if not (path / "config.json").is_file():
+            return False
+        from treeserve.engine.models.drafter_check import FEATURE_LAYOUTS, detect_layout
+
+        return detect_layout(path) in FEATURE_LAYOUTS
 
 
 @dataclass
@@ -337,11 +361,53 @@ class AppConfig:
             raise ValueError(f"{path}.api.host: {self.api.host} is reachable from the network but the API would be "
                              "plaintext; set security.tls_cert_file and security.tls_key_file (or "
                              "security.allow_insecure: true when TLS is terminated in front of it)")
-        if self.drafter.reads_target_features() and self.target.tensor_parallel_size > 1:
-            raise ValueError(f"{path}.target.tensor_parallel_size: {self.drafter.path} is an EAGLE drafter, which "
-                             "reads the target's features; the tensor-parallel target does not return them, so "
-                             f"use tensor_parallel_size 1 (got {self.target.tensor_parallel_size}) or a drafter "
-                             "that is not EAGLE")
+        if self.drafter.chat_template is not None:
+            raise ValueError(f"{path}.drafter.chat_template: the chat template is the target's (its tokenizer renders "
+                             "every prompt): set target.chat_template")
+        self._check_chat_template(path)
+        self._check_pair(path, base_dir)
+
+    def _check_chat_template(self, path: str) -> None:
+        """A target whose tokenizer has no chat template needs `target.chat_template` (checked where readable)."""
+        model = Path(self.target.path).expanduser()
+        if self.target.chat_template is None and self.target.path != "default" \
+                and (model / "tokenizer_config.json").is_file():
+            from treeserve.engine.chat_templates import missing_template_message, model_has_template
+
+            if not model_has_template(model):
+                raise ValueError(f"{path}.target.chat_template: {missing_template_message(self.target.path)}")
+
+    def _check_pair(self, path: str, base_dir: Optional[Path]) -> None:
+        """The drafter must fit the target (vocabulary, hidden size, tokenizer, feature layers, weights): checked
+        from the files where they are readable, else from both models' model_facts, before anything serves."""
+        target = self.target.facts(base_dir, f"{path}.target")
+        drafter = self.drafter
+        if target is None or drafter.kind == "parallel":
+            return
+        if drafter.path in ("default", "eagle", "eagle3"):
+            from treeserve.engine.models.drafter import drafter_dir
+
+            where: Optional[Path] = drafter_dir(drafter.path)  # a shipped drafter not trained yet: nothing to check
+        else:
+            where = Path(drafter.path).expanduser()
+        raw = None
+        if not (where / "config.json").is_file():
+            if not drafter.model_facts:
+                return
+            try:
+                raw = json.loads(Path(drafter.model_facts).read_text())
+            except (OSError, json.JSONDecodeError):
+                return  # ModelConfig._check reports an unreadable model_facts file
+            where = None
+        from treeserve.engine.models.drafter_check import check_drafter
+
+        target_dir = Path(self.target.path).expanduser()
+        facts = {**dataclasses.asdict(target), "_path": str(target_dir) if target_dir.is_dir() else None}
+        try:
+            check_drafter(facts, where, raw=raw, declared=drafter.layout, target_name=self.target.path,
+                          drafter_name=drafter.path)
+        except ValueError as exc:
+            raise ValueError(f"{path}.drafter: {exc}") from None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
+# The names the drafter modules use (engine/models/drafter.py, eagle3_drafter.py, parallel_drafter.py), repeated
+# here so that config validation reads config.json files without importing torch (tests check they agree).
+DRAFTER_KEY = "treeserve_drafter"
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+PARALLEL_KEY = "treeserve_parallel_drafter"
 
 LAYOUT_NAMES = {
     "eagle3": "EAGLE-3 head (published LlamaForCausalLMEagle3 layout)",
@@ -77,11 +81,6 @@ def read_config(model_dir: Path) -> dict[str, Any] | None:
 
 def detect_layout(model_dir: Path, raw: Mapping[str, Any] | None = None) -> str:
     """The layout of a drafter directory (see the module docstring); ValueError when it has no config.json."""
-    from treeserve.engine.models.drafter import DRAFTER_KEY
-    from treeserve.engine.models.eagle1_drafter import is_published_eagle
-    from treeserve.engine.models.eagle3_drafter import EAGLE3_ARCHITECTURE
-    from treeserve.engine.models.parallel_drafter import PARALLEL_KEY
-
     raw = raw if raw is not None else read_config(model_dir)
     if raw is None:
         raise ValueError(f"drafter {model_dir} has no config.json")
@@ -96,6 +95,8 @@ def detect_layout(model_dir: Path, raw: Mapping[str, Any] | None = None) -> str:
         return "restricted"
     if kind == "eagle3":
         return "eagle3"
+    from treeserve.engine.models.eagle1_drafter import is_published_eagle
+
     return "eagle" if is_published_eagle(model_dir) else "causal_lm"
 
 
@@ -103,10 +104,6 @@ def layout_from_config(raw: Mapping[str, Any], declared: str | None = None) -> s
     """The layout a config.json alone shows (no weight files to look at): EAGLE-3 and TreeServe's own
     drafters name themselves; a published EAGLE-1/2 head's config is a plain Llama config, so it must be
     `declared` ("eagle"); None when undecidable (a causal LM, or an EAGLE-1/2 head nobody declared)."""
-    from treeserve.engine.models.drafter import DRAFTER_KEY
-    from treeserve.engine.models.eagle3_drafter import EAGLE3_ARCHITECTURE
-    from treeserve.engine.models.parallel_drafter import PARALLEL_KEY
-
     if EAGLE3_ARCHITECTURE in raw.get("architectures", []):
         found = "eagle3"
     elif PARALLEL_KEY in raw:
@@ -200,8 +197,6 @@ def _eagle1(raw, vocab, hidden, layers) -> DrafterFacts:
 
 
 def _own(raw, vocab, hidden, layers) -> DrafterFacts:
-    from treeserve.engine.models.drafter import DRAFTER_KEY
-
     info = raw.get(DRAFTER_KEY) or {}
     if info.get("target_vocab_size") != vocab or raw.get("hidden_size") != hidden:
         raise ValueError(f"it was made for a target with a {info.get('target_vocab_size')}-token vocabulary and "
@@ -235,6 +230,7 @@ def _causal_lm(raw, vocab, hidden, layers) -> DrafterFacts:
 def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: int) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape a published head with this config.json must hold (built on the meta device from
     the same modules that load it, so the two cannot disagree)."""
+    import torch
     from transformers import LlamaConfig
 
     config = LlamaConfig(**{k: v for k, v in raw.items()
@@ -258,6 +254,8 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
 
 
 def _check_weights(model_dir: Path, raw, layout: str, vocab: int, hidden: int, layers: int) -> None:
+    import torch
+
     from treeserve.engine.models.eagle1_drafter import weight_files
 
     files = weight_files(model_dir)
@@ -286,8 +284,10 @@ def _check_weights(model_dir: Path, raw, layout: str, vocab: int, hidden: int, l
                              f"outside the target's {vocab}-token vocabulary")
 
 
-def _weight_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], torch.Tensor | None]:
+def _weight_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], Any]:
     """Name -> shape of every tensor in a weight file, and its d2t map if any, without reading the rest."""
+    import torch
+
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 

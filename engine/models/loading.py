@@ -158,12 +158,15 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
 
 
 def load_causal_lm(path: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu",
-                   dtype: torch.dtype = torch.float32) -> LoadedModel:
+                   dtype: torch.dtype = torch.float32, chat_template: str | None = None) -> LoadedModel:
+    """`chat_template`: a built-in name or a template file replacing the tokenizer's own (engine/chat_templates.py)."""
     from transformers import AutoTokenizer
+
+    from treeserve.engine import chat_templates
 
     model_dir = resolve_model_dir(path)
     model = load_model(model_dir, device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = chat_templates.apply(AutoTokenizer.from_pretrained(model_dir, local_files_only=True), chat_template)
     return LoadedModel(model=model, tokenizer=tokenizer, path=model_dir)
 
 
@@ -172,5 +175,9 @@ def chat_ids(tokenizer, text_or_messages: str | list[dict]) -> list[int]:
     template, ready for the assistant's answer: how every prompt reaches a model here."""
     messages = [{"role": "user", "content": text_or_messages}] if isinstance(text_or_messages, str) \
         else text_or_messages
+    if not getattr(tokenizer, "chat_template", None):
+        from treeserve.engine.chat_templates import missing_template_message
+
+        raise ValueError(missing_template_message(getattr(tokenizer, "name_or_path", "") or "model"))
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=True)["input_ids"])

@@ -113,6 +113,8 @@ def test_model_config_json_is_the_source_of_truth(tmp_path):
         "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
         "intermediate_size": 1024, "vocab_size": 100, "max_position_embeddings": 512}))
     args = {"target": {"path": str(model), "tensor_parallel_size": 4, "max_context_tokens": 512},
+            # the drafter must fit the target (the shipped ones are SmolLM2's): the model drafts for itself
+            "drafter": {"path": str(model), "max_context_tokens": 512},
             "limits": {"max_prompt_tokens": 256, "max_new_tokens": 128}}
     assert "must divide num_key_value_heads=2" in _error(_app(args))
     args["target"]["tensor_parallel_size"] = 2
@@ -145,18 +147,16 @@ def test_top_level_errors(tmp_path):
     assert "cannot read Serve config" in _error(tmp_path / "absent.yaml")
 
 
-def test_eagle_drafter_needs_an_unsharded_target(tmp_path):
-    """An EAGLE drafter reads the target's features: the services pass them between replicas at
-    tensor_parallel_size 1; the tensor-parallel target does not return them, so the config refuses that."""
+def test_eagle_drafter_with_a_tensor_parallel_target(tmp_path):
+    """An EAGLE drafter reads the target's features, which the tensor-parallel target returns too: the config
+    takes it with any tensor_parallel_size that divides the heads (tests/tp/test_tp_features.py serves it)."""
     config = {"hidden_size": 576, "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3,
               "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
-              "treeserve_drafter": {"kind": "eagle"}}
+              "treeserve_drafter": {"kind": "eagle", "target_vocab_size": 49152, "draft_vocab_size": 49152}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     for path in ("eagle", str(tmp_path)):
-        args = load_serve_config(_app({"drafter": {"path": path}})).app.args
-        assert args.drafter.reads_target_features()
-        message = _error(_app({"drafter": {"path": path}, "target": {"tensor_parallel_size": 3}}))
-        assert "applications[0].args.target.tensor_parallel_size" in message and "EAGLE" in message
+        args = load_serve_config(_app({"drafter": {"path": path}, "target": {"tensor_parallel_size": 3}})).app.args
+        assert args.drafter.reads_target_features() and args.target.tensor_parallel_size == 3
     assert not load_serve_config(_app({})).app.args.drafter.reads_target_features()
 
 
