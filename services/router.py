@@ -348,7 +348,7 @@ class RouterReplica(Router):
         if not internal_secret and Registry.available():
             raise ValueError("Router replica started without the application's internal secret; build the "
                              "application with treeserve.services.app (build_app / build_app_from_config)")
-        tokenizer, vocab_size = load_tokenizer(config.target.path)
+        tokenizer, vocab_size = load_tokenizer(config.target.path, config.target.chat_template)
         app, _, replica_id = replica_identity()
         scope = registry_scope(internal_secret)
         max_bytes = config.grpc.max_message_bytes
@@ -403,12 +403,15 @@ class RouterReplica(Router):
                 pass
 
 
-def load_tokenizer(path: str) -> tuple[Any, int]:
-    """The target's tokenizer and vocabulary size, without loading its weights."""
+def load_tokenizer(path: str, chat_template: str | None = None) -> tuple[Any, int]:
+    """The target's tokenizer (with `target.chat_template` when set: engine/chat_templates.py) and vocabulary
+    size, without loading its weights."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from treeserve.engine import chat_templates
     from treeserve.engine.models.loading import resolve_model_dir
 
     model_dir = resolve_model_dir(path)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True), int(config.vocab_size)
+    tokenizer = chat_templates.apply(AutoTokenizer.from_pretrained(model_dir, local_files_only=True), chat_template)
+    return tokenizer, int(config.vocab_size)
