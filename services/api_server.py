@@ -124,11 +124,17 @@ class RouterServicer:
         return reply
 
     async def GenerateStream(self, request, context):
-        rid, job = request_id(context.invocation_metadata()), None
+        rid, job, messages = request_id(context.invocation_metadata()), None, None
         try:
             job = await self._admit(request, context, rid)
-            async for reply in self.router.drain(job):
-                yield reply
+            messages = self.router.drain(job)
+            try:
+                async for reply in messages:
+                    yield reply
+            finally:
+                # A client that goes away while this handler waits at `yield` leaves `messages` suspended at its
+                # own yield: close it now (it marks the job cancelled), not whenever it is garbage-collected.
+                await messages.aclose()
         except RequestError as exc:
             await self._reject(rid, exc, getattr(job, "method", None), context)
             return

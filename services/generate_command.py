@@ -65,7 +65,7 @@ def build_request(args: argparse.Namespace):
 
 
 def stream_completion(address: str, request, application: str | None = None, timeout_s: float = 300.0,
-                      out=sys.stdout, token: str | None = None, **tls):
+                      out=None, token: str | None = None, **tls):
     """Call GenerateStream, write text deltas to `out` as they arrive; returns the final message. `tls`: the
     keyword arguments of services/client.py open_channel (tls, tls_ca_file, server_name, client_cert_file,
     client_key_file)."""
@@ -74,6 +74,7 @@ def stream_completion(address: str, request, application: str | None = None, tim
     from treeserve.services.client import auth_metadata, open_channel
     from treeserve.v1 import generation_pb2_grpc as gen_grpc
 
+    out = out or sys.stdout  # looked up per call: a default bound at import would outlive a replaced stdout
     metadata = auth_metadata(token) + ([("application", application)] if application else [])
     final = None
     with open_channel(address, **tls) as channel:

@@ -567,8 +567,11 @@ class _GroupedCaller(_Bridge):
         return results
 
     async def release_async(self, session_id: str) -> int:
-        """Drop the session on every live replica (a retry may have moved it); returns how many held it."""
-        replies = await self.pool.broadcast("Release", pb.ReleaseRequest(session_ids=[session_id]))
+        """Drop the session on every live replica (a retry may have moved it); returns how many held it. A
+        background task: it waits for a busy replica (up to 30 s) rather than leave the session behind, and a
+        replica it misses frees the session once idle (SessionClock)."""
+        await self.pool.refresh()
+        replies = await self.pool.broadcast("Release", pb.ReleaseRequest(session_ids=[session_id]), timeout_s=30.0)
         return sum(r.released for r in replies)
 
     def release(self, session_id: str) -> bool:

@@ -38,8 +38,8 @@ PROMPTS = ("Tell me a story about a fox.", "2+2=?", "Name three rivers.")
 
 
 @pytest.fixture(scope="module")
-def eagle(tiny_parts, tmp_path_factory):
-    """An EAGLE drafter over the tiny target (features matter: fc moved away from its identity start)."""
+def eagle_dir(tiny_parts, tmp_path_factory):
+    """An EAGLE drafter over the tiny target, saved (features matter: fc moved away from its identity start)."""
     target = tiny_parts.target.model
     vocab = target.config.vocab_size
     torch.manual_seed(0)
@@ -48,7 +48,12 @@ def eagle(tiny_parts, tmp_path_factory):
         drafter.fc.weight.add_(torch.randn_like(drafter.fc.weight) * 0.05)
     out = tmp_path_factory.mktemp("eagle")
     drafter.save(out)
-    return load_drafter(str(out), target)
+    return out
+
+
+@pytest.fixture(scope="module")
+def eagle(tiny_parts, eagle_dir):
+    return load_drafter(str(eagle_dir), tiny_parts.target.model)
 
 
 def _vocab(parts) -> int:
@@ -306,21 +311,21 @@ def test_bad_feature_input_is_refused(tiny_parts, eagle):
                 pb_grpc.TargetStub(channel).Score(pb.ScoreRequest(items=[pb.ScoreItem(
                     session_id="s", context=context, tree=tree, want_features=True)]), timeout=30)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "tensor_parallel_size" in info.value.details()
+        assert "does not return its features" in info.value.details()
     finally:
         for server in servers + [target_server]:
             server.stop(0.2)
 
 
-def test_router_replica_wires_features_for_an_eagle_config(tiny_target_dir):
+def test_router_replica_wires_features_for_an_eagle_config(tiny_target_dir, tiny_drafter_dir, eagle_dir):
     """The Serve router (built here without Ray: handles are never called before a step) asks the targets for
     features and passes the ones they recompute on to its drafter client; other drafters carry none."""
     from treeserve.services.router import RouterReplica
 
     handle = object()  # discovery goes through the registry first and calls the handle only when it is empty
-    for path, eagle in (("eagle", True), ("default", False)):
+    for path, eagle in ((str(eagle_dir), True), (str(tiny_drafter_dir), False)):
         args = {"target": {"path": str(tiny_target_dir)}, "drafter": {"path": path}}
-        router = RouterReplica(args, handle, handle, serve_api=False)
+        router = RouterReplica(args, handle, handle, internal_secret="0" * 64, serve_api=False)
         engine = router.engine
         assert engine.carries_features is eagle and engine.drafter.reads_target_features is eagle
         assert engine.target.features_listener == engine.drafter.features_rewritten

@@ -47,7 +47,12 @@ def _wait_sessions_freed(service, timeout_s=15.0) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and _sessions(service):
         time.sleep(0.1)
-    return _sessions(service)
+    left = _sessions(service)
+    if left:
+        held = {h.replica_id: list(h.session_ids) for h in _live(service, "Drafter", pb_grpc.DrafterStub) +
+                _live(service, "Target", pb_grpc.TargetStub)}
+        print(f"sessions still held: {held}")
+    return left
 
 
 def test_eight_concurrent_streams_match_in_process_engine(serve_service, tiny_parts):
