@@ -20,7 +20,7 @@ import yaml
 
 from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
 
-# The servicer the Serve gRPC proxy must register; without it the public API is not reachable.
+# The TreeServe API's servicer function: refused on Serve's gRPC proxy (GrpcOptions), the Router serves the API.
 TREESERVE_SERVICER = "treeserve.v1.generation_pb2_grpc.add_TreeServeServicer_to_server"
 DEPLOYMENT_NAMES = ("Router", "Drafter", "Target")
 # Tree methods a request or config may name (engine/methods.py: builders, "lookup", "<builder>+lookup").
