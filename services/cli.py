@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agreement": ("treeserve.engine.training.agreement_command", "measure drafter/target top-1 and top-k agreement"),
     "prepare-model": ("treeserve.engine.models.prepare_command", "convert the embedded GGUF target to safetensors"),
     "memory-estimate": ("treeserve.services.memory_estimate", "weights + KV-cache bytes per GPU for deploy layouts"),
+    "check-drafter": ("treeserve.services.check_drafter_command", "check a drafter against a target (layout, vocabulary, "
+                      "feature layers, bytes per GPU) and measure its top-1 agreement"),
 }
 
 

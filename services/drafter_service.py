@@ -281,19 +281,26 @@ class DrafterReplica(GrpcReplica):
 
 
 def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:
-    """LocalDrafter as the config says. The target model is loaded too: a restricted-vocabulary drafter
-    shares its embeddings, and budget "auto" times the target's forward once (cached per machine)."""
+    """LocalDrafter as the config says. Budget "auto" times the target's forward once (cached per machine), so
+    the whole target is loaded then; with a fixed budget only the parts a drafter borrows are (its config,
+    embeddings, final norm and LM head: engine/models/target_parts.py), which is what lets a drafter replica
+    sit beside a 70B tensor-parallel target on a share of one GPU."""
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.pipeline import build_local_drafter, parse_dtype
     from treeserve.engine.runners.kv_pool import limit_gpu_memory
 
     dtype = parse_dtype(config.drafter.dtype)
     limit_gpu_memory(config.drafter.device, config.drafter.gpu_memory_fraction)
-    target = load_causal_lm(config.target.path, config.drafter.device, dtype)
-    drafter = build_local_drafter(config.drafter.path, target.model, config.drafter.device, dtype,
+    if config.speculation.budget == "auto":
+        target = load_causal_lm(config.target.path, config.drafter.device, dtype).model
+    else:
+        from treeserve.engine.models.target_parts import load_target_parts
+
+        target = load_target_parts(config.target.path, config.drafter.device, dtype)
+    drafter = build_local_drafter(config.drafter.path, target, config.drafter.device, dtype,
                                   config.speculation.budget)
     # The KV pool is preallocated now: max_sessions x max_context_tokens (treeserve memory-estimate).
     lm = drafter.runner.lm if hasattr(drafter, "runner") else drafter.lm
     lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
     lm.warm_up()
-    return drafter, int(target.model.config.vocab_size)
+    return drafter, int(target.config.vocab_size)

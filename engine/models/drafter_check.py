@@ -185,14 +185,17 @@ def _eagle3(raw, vocab, hidden, layers) -> DrafterFacts:
     draft = raw.get("draft_vocab_size") or vocab
     if draft > vocab:
         raise ValueError(f"its draft vocabulary ({draft}) is larger than the target's ({vocab})")
-    own = len(fused) * hidden * hidden + _layer_params(raw, 2 * hidden) + hidden + draft * hidden
+    # fc, the midlayer (q/k/v over 2 x hidden; hidden_norm beside its two norms), norm, the draft head
+    own = len(fused) * hidden * hidden + _layer_params(raw, 2 * hidden) + 2 * hidden + draft * hidden
     return DrafterFacts("eagle3", draft, vocab, tuple(fused), own, vocab * hidden, 1)
 
 
 def _eagle1(raw, vocab, hidden, layers) -> DrafterFacts:
     _fits(raw, vocab, hidden)
     n = raw.get("num_hidden_layers", 1)
-    own = 2 * hidden * hidden + hidden + n * _layer_params(raw, hidden)
+    bias = hidden if raw.get("bias", True) else 0
+    # fc (+ bias), the decoder layers, layer 0 without its input norm; embeddings and LM head are the target's
+    own = 2 * hidden * hidden + bias + n * _layer_params(raw, hidden) - hidden
     return DrafterFacts("eagle", vocab, vocab, (layers,), own, 2 * vocab * hidden, n)
 
 
