@@ -124,7 +124,7 @@ class RouterServicer:
         return reply
 
     async def GenerateStream(self, request, context):
-        rid, job, messages = request_id(context.invocation_metadata()), None, None
+        rid, job = request_id(context.invocation_metadata()), None
         try:
             job = await self._admit(request, context, rid)
             messages = self.router.drain(job)
