@@ -165,8 +165,8 @@ def placement(config: ServeConfigFile) -> list[_Placed]:
 
 
 def shipped_drafter_facts(model: ModelConfig, role: str) -> ModelFacts | None:
-    """Facts of a drafter shipped in the package ("default", "eagle", ...) from its own config.json. An EAGLE
-    drafter is counted as a plain model of its size (its embeddings are the target's: an over-estimate)."""
+    """Facts of a drafter shipped in the package ("default", "eagle", ...) from its own config.json (an EAGLE
+    drafter's weights are then counted by `feature_drafter_params`: its own plus the target's it borrows)."""
     if role != "drafter" or model.path.startswith("/"):
         return None
     try:
@@ -176,6 +176,35 @@ def shipped_drafter_facts(model: ModelConfig, role: str) -> ModelFacts | None:
     except (ImportError, KeyError):
         return None
     return ModelFacts.from_file(config, f"args.{role}.path") if config.is_file() else None
+
+
+def feature_drafter_params(args: AppConfig) -> int | None:
+    """Parameters an EAGLE drafter process holds (its own weights plus its copies of the target's embeddings /
+    LM head: engine/models/drafter_check.py), or None for other drafters (counted from their facts). Known from
+    the files where readable, else from model_facts and `drafter.layout`."""
+    import dataclasses
+    import json
+
+    drafter, target = args.drafter, args.target.facts()
+    if target is None:
+        return None
+    from treeserve.engine.models.drafter_check import FEATURE_LAYOUTS, check_drafter, layout_from_config
+
+    where = Path(drafter.path).expanduser()
+    if drafter.path in ("eagle", "eagle3"):
+        from treeserve.engine.models.drafter import drafter_dir
+
+        where = drafter_dir(drafter.path)
+    raw = None
+    if not (where / "config.json").is_file():
+        if not drafter.model_facts:
+            return None
+        raw = json.loads(Path(drafter.model_facts).read_text())
+        if layout_from_config(raw, drafter.layout) not in FEATURE_LAYOUTS:
+            return None
+        where = None
+    facts = check_drafter(dataclasses.asdict(target), where, raw=raw, declared=drafter.layout, weights=False)
+    return facts.params if facts.reads_target_features else None
 
 
 def report(path: Path, gpu_memory_gib: float, overhead_gib: float) -> tuple[str, bool]:
@@ -197,6 +226,8 @@ def report(path: Path, gpu_memory_gib: float, overhead_gib: float) -> tuple[str,
             lines.append(f"{role}: {model.path} ({model.dtype}): no config.json or model_facts, not estimated")
             continue
         sharded, replicated = param_counts(facts)
+        if role == "drafter":  # an EAGLE head: its own weights + the target's embeddings / LM head it borrows
+            sharded, replicated = 0, feature_drafter_params(args) or sharded + replicated
         sessions = args.kv_sessions(role)
         cuda = model.device == "cuda"
         shares = ", ".join(f"{s:g}" for s in placed.shares) if cuda else "-"

@@ -1,5 +1,6 @@
 """deploy/*.yaml: every layout parses with our loader and with Ray Serve's own schema."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,9 @@ def test_local_cpu_fits_two_cores():
 
 # layout -> (query heads, KV heads, GPUs of the target's node, the drafter's GPU share)
 GPU_LAYOUTS = {"llama2-70b-4xa100.yaml": (64, 8, 4, 0.45), "llama2-70b-5xa100.yaml": (64, 8, 4, 1.0),
-               "vicuna-33b-4xa100.yaml": (52, 52, 4, 0.45)}
+               "vicuna-33b-4xa100.yaml": (52, 52, 4, 0.45),
+               "llama2-70b-chat-eagle-4xa100.yaml": (64, 8, 4, 0.15), "vicuna-33b-eagle-4xa100.yaml": (52, 52, 4, 0.15)}
+EAGLE_LAYOUTS = {"llama2-70b-chat-eagle-4xa100.yaml": "llama-2-chat", "vicuna-33b-eagle-4xa100.yaml": "vicuna_v1.1"}
 
 
 @pytest.mark.parametrize("name", sorted(GPU_LAYOUTS))
@@ -99,7 +102,34 @@ def _fits_in_any_order(gpus: int, requests: list[float]) -> bool:
     return True
 
 
-@pytest.mark.parametrize("name", ["llama2-70b-4xa100.yaml", "vicuna-33b-4xa100.yaml"])
+@pytest.mark.parametrize("name", sorted(EAGLE_LAYOUTS))
+def test_eagle_layouts(name):
+    """A published EAGLE-1/2 head drafts for the tensor-parallel target from the target's own node: declared by
+    `layout` and checked from model_facts (no weights here), the chat template its target was trained with, a
+    fixed budget (the Drafter replica borrows only the target's embeddings and LM head), and memory-estimate
+    counts the head (its own weights + the target's embeddings and LM head) on the GPU it shares with rank 3."""
+    from treeserve.services.memory_estimate import feature_drafter_params, report
+
+    app = load_serve_config(DEPLOY / name).app
+    args = app.args
+    assert args.drafter.layout == "eagle" and args.drafter.reads_target_features()
+    assert args.target.tensor_parallel_size == 4 and args.target.chat_template == EAGLE_LAYOUTS[name]
+    assert isinstance(args.speculation.budget, int)
+    target = args.target.facts()
+    head = json.loads(Path(args.drafter.model_facts).read_text())
+    assert (head["hidden_size"], head["vocab_size"], head["num_hidden_layers"]) == \
+        (target.hidden_size, target.vocab_size, 1)
+    h, v = target.hidden_size, target.vocab_size
+    heads, kv, inter = head["num_attention_heads"], head["num_key_value_heads"], head["intermediate_size"]
+    d = h // heads
+    layer = h * d * (heads + 2 * kv) + heads * d * h + 3 * h * inter + h  # layer 0: no input norm
+    assert feature_drafter_params(args) == 2 * h * h + h + layer + 2 * v * h  # fc (+ bias), layer, embed + head
+    text, ok = report(DEPLOY / name, 80.0, 2.0)
+    rows = [line.split() for line in text.splitlines() if line.startswith("cuda:3")]
+    assert ok and [r[1] for r in rows][:2] == ["target", "drafter"]
+
+
+@pytest.mark.parametrize("name", ["llama2-70b-4xa100.yaml", "vicuna-33b-4xa100.yaml"] + sorted(EAGLE_LAYOUTS))
 def test_one_node_layouts_fit_one_4_gpu_node_in_any_start_order(name):
     app = load_serve_config(DEPLOY / name).app
     requests = app.deployment("Target").rank_gpu_shares() + [app.deployment("Drafter").ray_actor_options.num_gpus]
