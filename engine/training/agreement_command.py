@@ -68,6 +68,7 @@ def load_prompts(path: Path, limit: int) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from tqdm import tqdm
 
     from treeserve.engine.models.drafter import SHIPPED_DRAFTERS, drafter_dir, load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     counts = {name: Counts() for name in drafters}
     chains = {name: ChainCounts(args.depth) for name in drafters}
     with torch.inference_mode():
-        for row in load_prompts(args.prompts, args.num_prompts):
+        for row in tqdm(load_prompts(args.prompts, args.num_prompts), desc="agreement"):
             ids = chat_ids(target.tokenizer, row["turns"][0])
             out = target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                                         do_sample=False, top_p=None, top_k=None, temperature=None)[0]

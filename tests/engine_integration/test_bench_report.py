@@ -69,7 +69,7 @@ def bench_run(tmp_path_factory, prompts_file, tiny_target_dir, tiny_drafter_dir)
     args = parser.parse_args(["--prompts", str(prompts_file), "--num-prompts", "3", "--max-new-tokens", "12",
                               "--target", str(tiny_target_dir), "--drafter", str(tiny_drafter_dir),
                               "--peer-drafter", str(tiny_drafter_dir), "--threads", "1", "--warmup-prompts", "0",
-                              "--methods", "autoregressive", "chain:4", "opt_tree:8", "--check-greedy",
+                              "--methods", "autoregressive", "chain:4", "--check-greedy",
                               "--peers", "hf", "--answers-dir", str(out / "answers"), "--json-out",
                               str(out / "bench.json"), "--plot", str(out / "plots"), "--sweep-methods", "eagle2",
                               "--sweep-budgets", "4", "8", "--sweep-prompts", "2"])
@@ -103,7 +103,7 @@ def test_rows_name_drafters_and_compare_with_peers(bench_run, tiny_drafter_dir):
     _, report = bench_run
     rows = {r["key"]: r for r in report["rows"]}
     assisted = f"hf-assisted:{tiny_drafter_dir.name}"
-    assert set(rows) == {"autoregressive:auto", "chain:4", "opt_tree:8", "hf-generate", "hf-pld", assisted}
+    assert set(rows) == {"autoregressive:auto", "chain:4", "hf-generate", "hf-pld", assisted}
     assert rows[assisted]["drafter"] == str(tiny_drafter_dir)
     assert rows["chain:4"]["drafter"] == str(tiny_drafter_dir) and rows["autoregressive:auto"]["drafter"] == "-"
     for key, row in rows.items():
@@ -116,7 +116,7 @@ def test_rows_name_drafters_and_compare_with_peers(bench_run, tiny_drafter_dir):
     assert rows["hf-generate"]["mal"] == pytest.approx(1.0) and rows["hf-generate"]["candidates_per_step"] == 0
     assert rows["chain:4"]["drafter_forwards_per_step"] > 0 and rows[assisted]["drafter_forwards_per_step"] > 0
     projected = {p["key"]: p for p in report["projection"]}
-    assert set(projected) == {"autoregressive:auto", "chain:4", "opt_tree:8"}  # measured TreeServe methods only
+    assert set(projected) == {"autoregressive:auto", "chain:4"}  # measured TreeServe methods only
     for name in ("projected_speedup[Llama-2-70B 4xA100]", "projected_speedup[Vicuna-33B 4xA100]"):
         assert projected["autoregressive:auto"][name] == pytest.approx(1.0)
     assert [(s["method"], s["budget"]) for s in report["sweep"]] == [("eagle2", 4), ("eagle2", 8)]
@@ -229,9 +229,12 @@ def test_summaries_compare_with_both_baselines():
 def test_help_documents_every_option():
     from treeserve.services import bench_command
 
-    parser = argparse.ArgumentParser()
-    bench_command.add_arguments(parser)
-    for action in parser._actions:
-        if action.option_strings and action.dest != "help":
-            assert action.help, f"{action.option_strings} has no help"
-    assert parser.parse_args([]).prompts.is_file()  # the vendored dev questions
+    from treeserve.engine.training import agreement_command
+
+    for module in (bench_command, agreement_command):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{action.option_strings} has no help"
+        assert parser.parse_args([]).prompts.is_file()  # the vendored dev questions
