@@ -370,7 +370,11 @@ def projection_rows(summary: list[dict], context: float) -> list[dict]:
     plain = next((s for s in summary if s["key"] == AR_KEY), None)
     if plain is None:
         return []
-    layouts = load_layouts()
+    try:
+        layouts = load_layouts()
+    except FileNotFoundError as exc:  # an installed package without the checkout's deploy/models
+        print(f"no projection: {exc}")
+        return []
 
     def measured(s: dict) -> Measured:
         return Measured(mal=s["mal"], candidates=s["candidates_per_step"],
