@@ -369,8 +369,11 @@ class LoadTest:
             if out.code != "OK" or out.finish == gen.FINISH_REASON_UNSPECIFIED:
                 cut = (self.args.kill == "Router" and out.code == "UNAVAILABLE" and self.kill_time is not None
                        and out.started <= self.kill_time <= out.ended)
-                # A Router's death ends the streams it carried (their connections die with it): by design.
-                out.verdict = "cut_by_router_kill" if cut else "lost"
+                # A Router's death ends the streams it carried (their connections die with it): by design. A
+                # deadline (the service's limits.request_timeout_s or this client's) is a verdict on the box's
+                # speed, not a lost output: reported apart.
+                out.verdict = ("cut_by_router_kill" if cut else
+                               "timed_out" if out.code == "DEADLINE_EXCEEDED" else "lost")
                 continue
             consistent = (out.stats_tokens == len(out.tokens) <= out.max_new_tokens
                           and all(0 <= t < self.ref.vocab for t in out.tokens)
@@ -438,7 +441,7 @@ class LoadTest:
             "valid": {"greedy": sum(o.kind == "greedy" for o in valid), "sampled": sum(o.kind == "sampled" for o in valid)},
             "lost": verdicts.get("lost", 0), "corrupted": verdicts.get("corrupted", 0),
             "near_tie": verdicts.get("near_tie", 0), "unexpected_status": verdicts.get("unexpected_status", 0),
-            "cut_by_router_kill": verdicts.get("cut_by_router_kill", 0),
+            "cut_by_router_kill": verdicts.get("cut_by_router_kill", 0), "timed_out": verdicts.get("timed_out", 0),
             "lost_examples": [f"{o.kind} {o.method}: {o.code} {o.details[:120]}" for o in self.outcomes
                               if o.verdict == "lost"][:5],
             "corrupted_examples": [f"{o.kind} {o.method} prompt {o.prompt}" for o in self.outcomes
@@ -463,7 +466,9 @@ def format_report(r: dict) -> str:
               f"  lost {r['lost']}, corrupted {r['corrupted']}, near-tie divergences {r['near_tie']}, unexpected "
               f"statuses {r['unexpected_status']}"
               + (f", ended by the Router's death (UNAVAILABLE) {r['cut_by_router_kill']}"
-                 if r["cut_by_router_kill"] else "")]
+                 if r["cut_by_router_kill"] else "")
+              + (f", timed out (DEADLINE_EXCEEDED: admitted but not finished within the deadline; the box is "
+                 f"slower than the load) {r['timed_out']}" if r["timed_out"] else "")]
     for key in ("lost_examples", "corrupted_examples"):
         lines += [f"    {key[:-9]}: {e}" for e in r[key]]
     lines += ["", f"  {'latency (ms)':<24} {'p50':>8} {'p95':>8} {'p99':>8}"]
