@@ -26,9 +26,12 @@ PRESETS = sorted((CHART / "presets").glob("*.yaml"))
 DEPLOY = ROOT / "deploy"
 # preset -> the deploy/ layout it mirrors
 MIRRORS = {"cpu-demo": "local-cpu", "llama2-70b-4xa100": "llama2-70b-4xa100",
-           "llama2-70b-5xa100": "llama2-70b-5xa100", "vicuna-33b-4xa100": "vicuna-33b-4xa100"}
+           "llama2-70b-5xa100": "llama2-70b-5xa100", "vicuna-33b-4xa100": "vicuna-33b-4xa100",
+           "llama2-70b-chat-eagle-4xa100": "llama2-70b-chat-eagle-4xa100",
+           "vicuna-33b-eagle-4xa100": "vicuna-33b-eagle-4xa100"}
 # GPU presets: GPUs of the node the target's pod fills, GPUs in the whole layout
-GPU_PRESETS = {"llama2-70b-4xa100": (4, 4), "vicuna-33b-4xa100": (4, 4), "llama2-70b-5xa100": (4, 5)}
+GPU_PRESETS = {"llama2-70b-4xa100": (4, 4), "vicuna-33b-4xa100": (4, 4), "llama2-70b-5xa100": (4, 5),
+               "llama2-70b-chat-eagle-4xa100": (4, 4), "vicuna-33b-eagle-4xa100": (4, 4)}
 CLUSTER = "treeserve-raycluster-x7k2p"  # a RayCluster name as the RayService controller makes them
 
 
@@ -138,6 +141,9 @@ def test_render_preset(values):
                 mine.gpu_memory_fraction) == (theirs.path, theirs.dtype, theirs.device, theirs.tensor_parallel_size,
                                               theirs.max_context_tokens, theirs.gpu_memory_fraction)
         assert args.kv_sessions(role) == layout.args.kv_sessions(role)
+    # the chat template and a published head's declared layout travel into the serve config
+    assert (args.target.chat_template, args.drafter.layout) == (layout.args.target.chat_template,
+                                                                layout.args.drafter.layout)
     assert args.speculation == layout.args.speculation and args.limits == layout.args.limits
     assert args.api.port == layout.args.api.port
     if args.target.device == "cuda":

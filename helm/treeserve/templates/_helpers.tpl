@@ -303,8 +303,14 @@ num_attention_heads: {{ int . }}
 {{- with .m.numKeyValueHeads }}
 num_key_value_heads: {{ int . }}
 {{- end }}
+{{- with .m.chatTemplate }}
+chat_template: {{ . | toJson }}
+{{- end }}
 {{- else }}
 kind: {{ .m.kind }}
+{{- with .m.layout }}
+layout: {{ . }}
+{{- end }}
 {{- end }}
 {{- end }}
 
