@@ -133,7 +133,9 @@ def build_engine(target_path: str = "default", drafter_path: str = "default", me
         profile = drafter.budget.profile if drafter.budget is not None else \
             measure_profile(target.model, drafter.model, device, torch_dtype)
         tree_overrides["delta"] = profile.opt_tree_delta()
-    feature_layers = target_feature_layers(drafter_path) if drafter is not None else None
+    # An EAGLE-3 head whose config names no layers reads EAGLE-3's default for this target's depth.
+    feature_layers = (target_feature_layers(drafter_path, target.model.config.num_hidden_layers)
+                      if drafter is not None else None)
     return SpeculativeEngine(TargetRunner(target.model, device, torch_dtype, feature_layers=feature_layers),
                              drafter, target.tokenizer,
                              tree_config(method, budget, **tree_overrides), max_context_tokens)

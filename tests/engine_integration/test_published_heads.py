@@ -197,6 +197,10 @@ def test_eagle3_head_reads_the_layers_its_config_names(target, tmp_path, form):
     want = (1, 1, 2) if form != "default" else (2, 1, 0)
     assert target_feature_layers(str(path), 2) == want
     assert load_drafter(str(path), target.model).feature_layers == want
+    from treeserve.engine.pipeline import build_engine
+
+    engine = build_engine(str(path.parent), drafter_path=str(path), method="chain", budget=2, target=target)
+    assert engine.target.lm.feature_layers == want  # the target returns what the head fuses
 
 
 def test_eagle3_head_matches_the_reference_forward(target, tmp_path):
