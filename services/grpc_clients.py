@@ -595,8 +595,8 @@ class RemoteTarget(_GroupedCaller):
     features: the router's rows from `features_start` on are replaced by them (usually only new rows; all of
     them when a target replica rebuilt the session), which a `RemoteDrafter` must pass on to its replicas."""
 
-    # Honours ScoreRequest.want_features (the engine checks it for an EAGLE drafter). The config refuses an
-    # EAGLE drafter over a tensor-parallel target, whose replicas answer such items FAILED_PRECONDITION.
+    # Honours ScoreRequest.want_features (the engine checks it for an EAGLE drafter): Target replicas return the
+    # features whether they hold a TargetRunner or a tensor-parallel group (services/tp_target.py).
     provides_features = True
 
     def __init__(self, pool: ReplicaPool, vocab_size: int, call_timeout_s: float = 120.0,
