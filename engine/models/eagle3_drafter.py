@@ -190,8 +190,7 @@ class Eagle3Drafter(nn.Module):
                     init_layer: int | None = None) -> "Eagle3Drafter":
         """A fresh drafter for `target`: embeddings, norm and head rows from the target; the layer's MLP
         and o_proj from target layer `init_layer` (default N - 2), q/k/v from its weights on both halves
-        (feature half scaled by zero: the token half starts as the target's own attention input); fc as
-        the mean of the fused features."""
+        (each half at half weight); fc as the high layer alone."""
         import copy
 
         config = copy.deepcopy(target.config)
@@ -216,7 +215,10 @@ class Eagle3Drafter(nn.Module):
                 theirs = getattr(source.self_attn, name).weight
                 getattr(mine.self_attn, name).weight.copy_(torch.cat([theirs, theirs], dim=1) / 2)
             mine.self_attn.o_proj.weight.copy_(source.self_attn.o_proj.weight)
-            drafter.fc.weight.copy_(torch.cat([torch.eye(hidden)] * len(layers), dim=1) / len(layers))
+            # fc starts as the high layer alone: the middle layers' features have outliers (~2.5e4 on SmolLM2)
+            # that an average would let dominate the residual stream; training mixes the others in.
+            blocks = [torch.zeros(hidden, hidden)] * (len(layers) - 1) + [torch.eye(hidden)]
+            drafter.fc.weight.copy_(torch.cat(blocks, dim=1))
         return drafter
 
     def save(self, out_dir: Path, card: dict | None = None) -> None:

@@ -128,20 +128,31 @@ def shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_labels(drafter: Eagle3Drafter, head_weight: torch.Tensor, last: torch.Tensor):
-    """Target distribution over the draft vocabulary at every position [B, T, V_draft], and whether the
-    target's argmax over its full vocabulary is in the draft vocabulary [B, T]."""
-    logits = last @ head_weight.T  # [B, T, V]
-    in_draft = drafter.t2d[logits.argmax(-1)]
-    return torch.softmax(logits[..., drafter.vocab_ids], dim=-1), in_draft
+def target_labels(drafter: Eagle3Drafter, head_weight: torch.Tensor, last: torch.Tensor, needed: torch.Tensor):
+    """At the `needed` positions [B, T]: the target's distribution over the draft vocabulary [B, T, V_draft]
+    (zeros elsewhere), and whether its argmax over the full vocabulary is in the draft vocabulary [B, T]."""
+    logits = last[needed] @ head_weight.T  # [M, V]: the full head only where a loss is taken
+    labels = torch.zeros(*needed.shape, len(drafter.vocab_ids))
+    in_draft = torch.zeros(needed.shape, dtype=torch.bool)
+    labels[needed] = torch.softmax(logits[:, drafter.vocab_ids], dim=-1)
+    in_draft[needed] = drafter.t2d[logits.argmax(-1)]
+    return labels, in_draft
 
 
-def unroll(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor, steps: int):
-    """Training-time test's forward (module docstring): yields, per step k, the logits [B, T, V_draft] of
-    every column j (the drafter at depth k + 1 above the real context x_0..x_{j+1})."""
+def unroll(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor, steps: int,
+           needed: torch.Tensor | None = None):
+    """Training-time test's forward (module docstring). Yields, per step k, the layer output [N, H] at the
+    `needed` columns (bool [B, T], row-major order; default all): the drafter at depth k + 1 above the real
+    context x_0..x_{j+1}; `logits(drafter, hidden)` turns rows of it into draft logits.
+
+    Every step's attention runs over all columns (step 0's keys are the context of every chain), but the
+    layer's o_proj / MLP, and so the next step's inputs, only at the needed columns: prompt columns of a
+    training window are context, never a loss, and skipping them halves the cost on this corpus."""
     attn = drafter.midlayer.self_attn
     layer = drafter.midlayer
     batch, width = tokens.shape
+    needed = torch.ones(batch, width, dtype=torch.bool) if needed is None else needed
+    where = needed.nonzero(as_tuple=True)
     positions = torch.arange(width)[None].expand(batch, width)
     causal = torch.full((width, width), torch.finfo(torch.float32).min).triu(1)
     group = attn.num_heads // attn.num_kv_heads
@@ -160,24 +171,40 @@ def unroll(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor,
         out = torch.matmul(weights[..., :width], values[0])
         for i, vi in enumerate(values[1:]):
             out = out + weights[..., width + i, None] * vi
-        attended = attn.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
-        hidden = layer.finish(feat, attended)
-        yield drafter.lm_head(drafter.norm(hidden))
-        feat = hidden
+        attended = attn.o_proj(out.transpose(1, 2)[where].reshape(len(where[0]), -1))
+        hidden = layer.finish(feat[where], attended)
+        yield hidden
+        # The next step's feature inputs: this step's outputs where needed (other columns feed no loss).
+        feat = torch.zeros_like(feat).index_put(where, hidden)
+
+
+def logits(drafter: Eagle3Drafter, hidden: torch.Tensor) -> torch.Tensor:
+    """Draft logits [..., V_draft] of layer outputs [..., H]."""
+    return drafter.lm_head(drafter.norm(hidden))
+
+
+def loss_columns(answer: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
+    """Columns j whose chain takes a loss at some step k (x_{j+2+k} is an answer token) [B, T]."""
+    columns = torch.zeros_like(answer)
+    for k in range(steps):
+        columns |= shift(valid & answer, 2 + k, False)
+    return columns
 
 
 def ttt_losses(drafter: Eagle3Drafter, tokens, answer, features, labels, in_draft, valid, steps: int):
     """Per unrolled step k, (loss, positions where the drafter's top-1 is the target's, answer positions)."""
+    needed = loss_columns(answer, valid, steps)
     results = []
-    for k, logits in enumerate(unroll(drafter, tokens, features, steps)):
+    for k, hidden in enumerate(unroll(drafter, tokens, features, steps, needed)):
         # Step k at column j predicts the token after x_{j+1+k}: the target's distribution at j + 1 + k.
-        label = shift(labels, 1 + k)
-        answered = shift(valid & answer, 2 + k, False)
-        counted = answered & shift(in_draft, 1 + k, False)  # a target argmax outside the draft vocabulary: no label
-        loss = -(label * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+        answered = shift(valid & answer, 2 + k, False)[needed]
+        counted = answered & shift(in_draft, 1 + k, False)[needed]  # a target argmax outside the draft vocabulary: no label
+        label = shift(labels, 1 + k)[needed][counted]
+        log_probs = F.log_softmax(logits(drafter, hidden[counted]).float(), dim=-1)
+        loss = -(label * log_probs).sum(-1)
         # Agreement counts every answer position (outside the draft vocabulary is a miss, as when serving).
-        results.append(((loss * counted).sum() / counted.sum().clamp(min=1),
-                        int(((logits.argmax(-1) == label.argmax(-1)) & counted).sum()), int(answered.sum())))
+        results.append((loss.sum() / max(1, len(loss)), int((log_probs.argmax(-1) == label.argmax(-1)).sum()),
+                        int(answered.sum())))
     return results
 
 
@@ -207,7 +234,7 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
     while time.time() - started < budget:
         seq_ids, n = batches.next()
         tokens, answer, features, last, valid = make_batch(corpus, seq_ids, config.max_seq_len)
-        labels, in_draft = target_labels(drafter, head_weight, last)
+        labels, in_draft = target_labels(drafter, head_weight, last, shift(valid & answer, 1, False))
         results = ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid, config.ttt_steps)
         loss = sum(w * r[0] for w, r in zip(weights, results))
         elapsed = time.time() - started
@@ -238,7 +265,7 @@ def heldout_accuracy(drafter: Eagle3Drafter, corpus: Corpus, seq_ids: list[int],
     correct, counted = [0] * config.ttt_steps, [0] * config.ttt_steps
     for start in range(0, len(seq_ids), 8):
         tokens, answer, features, last, valid = make_batch(corpus, seq_ids[start:start + 8], config.max_seq_len)
-        labels, in_draft = target_labels(drafter, head_weight, last)
+        labels, in_draft = target_labels(drafter, head_weight, last, shift(valid & answer, 1, False))
         for k, (_, c, n) in enumerate(ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid,
                                                  config.ttt_steps)):
             correct[k] += c

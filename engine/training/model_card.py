@@ -35,6 +35,10 @@ def _reproduce(training: dict, eagle: bool) -> str:
 
 def write_drafter_card(directory: Path, agreement: dict, args, name: str = "default") -> Path:
     """README.md for the drafter in `directory` (`name`: how `--drafter` names it)."""
+    if json.loads((directory / "config.json").read_text()).get("treeserve_drafter", {}).get("kind") == "eagle3":
+        from treeserve.engine.training.eagle3_card import write_eagle3_card
+
+        return write_eagle3_card(directory, agreement, name)
     training = json.loads((directory / "training.json").read_text()) if (directory / "training.json").is_file() else {}
     config = json.loads((directory / "config.json").read_text())
     info = config.get("treeserve_drafter", {})
