@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                  "methods, malformed requests, cancels, a replica killed midway)"),
     "bench": ("treeserve.services.bench_command", "benchmark AR vs speculative methods and peers on Spec-Bench prompts (--service: via gRPC)"),
     "make-corpus": ("treeserve.engine.training.corpus_command", "have the target answer >= 10k conversations (drafter training data)"),
+    "train-eagle3": ("treeserve.engine.training.eagle3_command", "train the EAGLE-3 drafter on the make-corpus data"),
     "train-drafter": ("treeserve.engine.training.drafter_command", "self-distil a drafter from the target"),
     "train-c2t": ("treeserve.engine.training.c2t_command", "train the C2T pruning classifier"),
     "tune-c2t": ("treeserve.engine.training.c2t_tune", "choose a C2T classifier's threshold against EAGLE-2"),
