@@ -200,3 +200,33 @@ def test_default_tp3_eagle_through_the_target_replica(default_tp3, default_pair)
           f"TP=3 {[round(m, 2) for m in mal['TP=3']]}")
     assert streams["TP=3"] == streams["TP=1"]
     assert min(mal["TP=3"]) > 1.0
+
+
+def test_target_replica_config_gives_the_tp_group_the_heads_layers(tiny_tp_dir, tmp_path, monkeypatch):
+    """load_target_from_config hands the tensor-parallel target the layers the drafter's config names (an
+    EAGLE-3 head here; None, the final state, for EAGLE-1/2), as it does the TP=1 runner."""
+    import importlib.util
+    from pathlib import Path
+
+    from treeserve.services import target_service, tp_target
+    from treeserve.services.config import AppConfig
+
+    spec = importlib.util.spec_from_file_location(
+        "_heads", Path(__file__).parents[1] / "engine_integration" / "test_published_heads.py")
+    heads = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heads)
+    model = load_causal_lm(tiny_tp_dir).model
+    seen = {}
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs, args=args)
+
+    monkeypatch.setattr(tp_target, "TensorParallelTarget", Recorder)
+    for name, writer, want in (("e3", heads.write_eagle3, (1, 1, 2)), ("e1", heads.write_eagle1, None)):
+        head = writer(tmp_path / name, model)
+        config = AppConfig.from_args({"target": {"path": str(tiny_tp_dir), "tensor_parallel_size": 2},
+                                      "drafter": {"path": str(head)}})
+        assert config.drafter.reads_target_features()
+        target_service.load_target_from_config(config)
+        assert seen["feature_layers"] == want and seen["args"][1] == 2
