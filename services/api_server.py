@@ -317,8 +317,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 # ============================================================================================ the server
-def start_api_server(router: Any, api: ApiConfig, security: SecurityConfig, port: int | None = None):
+def start_api_server(router: Any, api: ApiConfig, security: SecurityConfig, port: int | None = None,
+                     http_port: int | None = None):
     """Start the public API for `router` on its own thread and event loop (a ReplicaServer); returns it.
+    With `api.http_port` (or `http_port`, 0 = any free port) the OpenAI-compatible HTTP API too (`server.http`).
     Raises ValueError (naming the field) when the TLS or token files are unusable."""
     from treeserve.services.grpc_clients import ReplicaServer
 
@@ -346,8 +348,27 @@ def start_api_server(router: Any, api: ApiConfig, security: SecurityConfig, port
                  ("grpc.max_send_message_length", 64 * 1024 * 1024),
                  # Several Router replicas on one node share the port (the kernel spreads connections).
                  ("grpc.so_reuseport", 1)]).start()
-    server.describe = lambda: (f"{api.host}:{server.port} ({'TLS' if credentials else 'plaintext'}"
-                               f"{', mutual TLS' if security.tls_client_ca_file else ''}"
-                               f"{', bearer tokens' if security.auth_token_file else ''}"
-                               f"{', reflection' if api.enable_reflection else ''})")
+    describe_grpc = (f"{api.host}:{server.port} ({'TLS' if credentials else 'plaintext'}"
+                     f"{', mutual TLS' if security.tls_client_ca_file else ''}"
+                     f"{', bearer tokens' if security.auth_token_file else ''}"
+                     f"{', reflection' if api.enable_reflection else ''})")
+    server.describe = lambda: describe_grpc
+    server.http = None
+    if api.http_port is not None or http_port is not None:
+        # The OpenAI-compatible HTTP API on the same loop, router, TLS files and tokens (services/openai_api.py).
+        from treeserve.services.openai_api import start_http_api
+
+        try:
+            server.http = start_http_api(router, api, security, server.loop, port=http_port)
+        except BaseException:
+            server.stop(0)
+            raise
+        stop_grpc = server.stop
+
+        def stop(grace_s: float = 1.0) -> None:
+            server.http.stop()
+            stop_grpc(grace_s)
+
+        server.stop = stop
+        server.describe = lambda: f"{describe_grpc}; OpenAI HTTP API on {api.host}:{server.http.port}"
     return server

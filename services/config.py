@@ -264,9 +264,17 @@ class ApiConfig:
                                    default=DEFAULT_MAX_REQUEST_BYTES)
     enable_reflection: bool = _help("serve gRPC server reflection (grpcurl, grpcui) on the public port; behind "
                                     "the same TLS and token checks as the API", default=False)
+    http_port: Optional[int] = _help("TCP port of the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                     "/v1/completions, /v1/models, /health) on the same Router, host, TLS, tokens "
+                                     "and request-size cap as the gRPC API (services/openai_api.py); unset: off",
+                                     default=None)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         _port(self.port, f"{path}.port")
+        if self.http_port is not None:
+            _port(self.http_port, f"{path}.http_port")
+            if self.http_port == self.port:
+                raise ValueError(f"{path}.http_port: must differ from {path}.port ({self.port}), the gRPC API's")
         if not self.host:
             raise ValueError(f"{path}.host: must not be empty (127.0.0.1 for this machine only, 0.0.0.0 for all "
                              "interfaces)")

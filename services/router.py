@@ -147,17 +147,19 @@ class Router:
     def in_flight(self) -> int:
         return len(self._active) + len(self._waiting)
 
-    async def submit(self, message: gen.GenerateRequest) -> _Job:
+    async def submit(self, message: Any, parse: Any = None) -> _Job:
         """Admit a request or refuse it at once: RESOURCE_EXHAUSTED when limits.max_concurrent_requests requests
         are already in flight (checked before any tokenising, so an overloaded router spends nothing on the
-        requests it refuses), else the validator's verdict."""
+        requests it refuses), else the validator's verdict. `parse(message) -> (GenerationRequest, method)`
+        replaces `self.parse` for another front end's request form (the OpenAI HTTP API, services/openai_api.py),
+        which validates with the same RequestValidator."""
         await self.start()
         limit = self.limits.max_concurrent_requests
         if self.in_flight >= limit:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"too many concurrent requests: {self.in_flight} in flight, the limit is {limit}; "
                                "retry later")
-        request, method = self.parse(message)  # synchronous: nothing else is admitted meanwhile
+        request, method = (parse or self.parse)(message)  # synchronous: nothing else is admitted meanwhile
         job = _Job(request, method, deadline=time.monotonic() + self.limits.request_timeout_s)
         self._waiting.append(job)
         self.metrics.queue_depth.set(len(self._waiting))

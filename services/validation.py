@@ -168,6 +168,14 @@ class RequestValidator:
         self._text_guard(sum(len(c) for _, c in turns), "chat")
         return chat_prompt_ids(self.engine.tokenizer, [{"role": r, "content": c} for r, c in turns])
 
+    def prompt_from_raw_text(self, text: str) -> list[int]:
+        """Text continued as it is, no chat template (the OpenAI completions API's `prompt`): the tokenizer's
+        own BOS where it adds one, special-token strings inside the text split into literal characters."""
+        if not text.strip():
+            raise RequestError(INVALID, "prompt: text must not be empty")
+        self._text_guard(len(text), "text")
+        return list(self.engine.tokenizer(text, add_special_tokens=True, split_special_tokens=True)["input_ids"])
+
     def prompt_from_ids(self, ids: Sequence[int]) -> list[int]:
         """Token ids, verbatim (special tokens included: the caller chose them)."""
         prompt = list(ids)

@@ -1,0 +1,512 @@
+"""An OpenAI-compatible HTTP API beside the gRPC one, served by the same Router (same batch, engine and limits).
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions` (server-sent events with `"stream": true`, a final
+usage chunk with `stream_options.include_usage`), `GET /v1/models`, `GET /health`. Listens on
+`args.api.host:args.api.http_port` (off while unset).
+
+Where it is served, and why not on Serve's HTTP proxy (a FastAPI / Starlette ingress on the Router): Ray Serve's
+HTTP proxy (ray 2.60 `HTTPOptions`) has TLS, but cluster-wide (one certificate for every application, set at
+`serve.start`, not `args.security`, never re-read when a mounted Secret rotates), no token check, no request-size
+cap, and it queues requests in front of the Router up to the Router's `max_ongoing_requests`, so
+`limits.max_concurrent_requests` could not answer 429 at once (docs/api-security.md says the same of its gRPC
+proxy). An ingress handler also runs on the replica's Serve event loop, while the Router's step loop and replica
+clients run on the public API server's loop: every stream message would cross threads, and every request would
+first cross the proxy -> replica actor hop (a handle round trip costs ~5 ms here, docs/design.md section 3).
+So, like the gRPC API, the Router replica serves HTTP itself: an aiohttp server on the gRPC API server's own event
+loop, in front of the same `Router` object. What that gives:
+
+- one Router: `Router.submit` admits both front ends' requests into the same batch, under the same concurrency
+  limit (checked before any tokenising), validated by the same `RequestValidator` (services/validation.py) with
+  the same messages; only the request form differs (`messages` -> the chat prompt, `prompt` -> text continued as
+  is, without the chat template, or token ids);
+- the same TLS files (`security.tls_cert_file` / `tls_key_file`, re-read when they change; client certificates
+  required with `tls_client_ca_file`), the same bearer tokens (`security.auth_token_file`: `Authorization: Bearer`,
+  which is what the `openai` client sends as its api_key), `api.max_request_bytes` as the body cap;
+- OpenAI's error shape `{"error": {"message", "type", "param", "code"}}` with 400 (invalid), 401 (no or wrong
+  token), 404 (unknown model or route), 413 (body over `api.max_request_bytes`, prompt or max_tokens over the
+  limits), 429 (at once, `limits.max_concurrent_requests` in flight), 504 (`limits.request_timeout_s`), 503 (no
+  Target replica); the one log line per rejection and the treeserve_requests_total count of the gRPC API;
+- a client that disconnects (aiohttp cancels its handler) leaves the batch at the next step boundary and its
+  sessions are released on every replica, as a gRPC cancel does;
+- `usage` has prompt/completion/total tokens plus `speculation` (method, MAL, mean tree size, steps, accepted
+  tokens by source); TreeServe's own settings go in the extra body field `treeserve`
+  (`{"method": "c2t+lookup", "budget": 16}`; `extra_body=` in the openai client);
+- `n` must be 1 (or absent); logprobs, tools, response formats, penalties, logit_bias, echo, suffix and best_of > 1
+  are refused by name. `temperature` defaults to OpenAI's 1.0; 0 is greedy decoding, whose output is the gRPC
+  API's token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import ssl
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from treeserve.services.api_server import REQUEST_ID_KEY, TokenFile, _FileWatch, log_rejection, request_id
+from treeserve.services.config import ApiConfig, SecurityConfig
+from treeserve.services.validation import RequestError
+from treeserve.v1 import generation_pb2 as gen
+
+log = logging.getLogger("treeserve.api")
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+# HTTP status and OpenAI error type per gRPC code. RESOURCE_EXHAUSTED is 429 when the concurrency limit refused the
+# request and 413 when its size did (body, prompt, max_tokens): see OpenAIApi._submit.
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+}
+TOO_LARGE = (413, "invalid_request_error")
+FINISH = {gen.FINISH_REASON_LENGTH: "length", gen.FINISH_REASON_EOS: "stop", gen.FINISH_REASON_STOP_STRING: "stop"}
+# Fields whose OpenAI meaning TreeServe does not implement: refused when set to anything but their neutral value.
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+               "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "echo": (None, False),
+               "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
+               "prediction": (None,)}
+ROLE_ALIASES = {"developer": "system"}
+PARAM_NAMES = {"max_new_tokens": "max_tokens", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
+               "sampling.top_k": "top_k", "stop_strings": "stop", "speculation.method": "treeserve.method",
+               "speculation.budget_tokens": "treeserve.budget"}
+
+
+class ApiError(Exception):
+    """An HTTP-level refusal with its gRPC code (for the log line and the metric)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None,
+                 status: tuple[int, str] | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+        self.status = status or STATUS.get(code, (500, "server_error"))
+
+
+def error_body(message: str, type_: str, param: str | None, code: grpc.StatusCode) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code.name.lower()}}
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(":", 1)[0].strip()
+    if head.startswith("prompt"):
+        return "prompt"
+    return PARAM_NAMES.get(head, head if head.isidentifier() else None)
+
+
+# ================================================================================== request fields
+def _number(body: dict, name: str, default: float | None) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(INVALID, f"{name}: must be a number, got {json.dumps(value)[:40]}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, minimum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(INVALID, f"{name}: must be an integer, got {json.dumps(value)[:40]}", name)
+    if minimum is not None and value < minimum:
+        raise ApiError(INVALID, f"{name}: must be >= {minimum}, got {value}", name)
+    return value
+
+
+def _text_content(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(INVALID, f"messages[{i}].content: only text parts are supported", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(INVALID, f"messages[{i}].content: must be a string or a list of text parts", "messages")
+
+
+class Fields:
+    """The request body's fields, checked for type and shape (no tokenising: that happens once admitted)."""
+
+    def __init__(self, body: dict, chat: bool):
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(INVALID, "messages: must be a non-empty list of {role, content} objects", "messages")
+            turns = []
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise ApiError(INVALID, f"messages[{i}]: must be an object with a string role", "messages")
+                turns.append((ROLE_ALIASES.get(m["role"], m["role"]), _text_content(m.get("content"), i)))
+            self.prompt: Any = ("chat", turns)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one prompt
+            if isinstance(prompt, str):
+                self.prompt = ("text", prompt)
+            elif (isinstance(prompt, list) and prompt
+                  and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+                self.prompt = ("ids", prompt)
+            else:
+                raise ApiError(INVALID, "prompt: must be a string or a list of token ids (one prompt per request)",
+                               "prompt")
+        n = body.get("n")
+        if n is not None and (isinstance(n, bool) or n != 1):
+            raise ApiError(INVALID, f"n: only n=1 is supported (one completion per request), got {json.dumps(n)}",
+                           "n")
+        for name, neutral in UNSUPPORTED.items():
+            if name in body and body[name] not in neutral:
+                raise ApiError(INVALID, f"{name}: not supported by this server", name)
+        response_format = body.get("response_format")
+        if response_format not in (None, {"type": "text"}):
+            raise ApiError(INVALID, "response_format: only {\"type\": \"text\"} is supported", "response_format")
+        self.max_tokens = _integer(body, "max_completion_tokens", None) if chat else None
+        if self.max_tokens is None:
+            self.max_tokens = _integer(body, "max_tokens", None)
+        self.temperature = _number(body, "temperature", 1.0)
+        self.top_p = _number(body, "top_p", 1.0)
+        self.top_k = _integer(body, "top_k", 0)  # vLLM's extra sampling field
+        self.seed = _integer(body, "seed", None, minimum=0)
+        stop = body.get("stop")
+        if stop is None:
+            self.stop: list[str] = []
+        elif isinstance(stop, str):
+            self.stop = [stop]
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            self.stop = list(stop)
+        else:
+            raise ApiError(INVALID, "stop: must be a string or a list of strings", "stop")
+        self.stream = body.get("stream", False)
+        if not isinstance(self.stream, bool) and self.stream is not None:
+            raise ApiError(INVALID, "stream: must be true or false", "stream")
+        self.stream = bool(self.stream)
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(INVALID, "stream_options: must be an object", "stream_options")
+        self.include_usage = bool(options.get("include_usage", False))
+        extra = body.get("treeserve") or {}
+        if not isinstance(extra, dict) or set(extra) - {"method", "budget"}:
+            raise ApiError(INVALID, "treeserve: must be an object with optional fields method (a tree method name) "
+                                    "and budget (draft tokens per step, 0 = server choice)", "treeserve")
+        self.method = extra.get("method")
+        if self.method is not None and not isinstance(self.method, str):
+            raise ApiError(INVALID, "treeserve.method: must be a string", "treeserve.method")
+        self.budget = _integer(extra, "budget", 0)
+
+
+# ================================================================================== the API
+class OpenAIApi:
+    """The aiohttp application over a Router (plain `Router` in tests, `RouterReplica` in Serve)."""
+
+    def __init__(self, router: Any, api: ApiConfig, security: SecurityConfig, model_id: str):
+        self.router = router
+        self.model_id = model_id
+        self.tokens = TokenFile(security.auth_token_file) if security.auth_token_file else None
+        self.app = web.Application(client_max_size=api.max_request_bytes,
+                                   middlewares=[self._errors_and_auth])
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+
+    @property
+    def metrics(self):
+        return self.router.metrics
+
+    # ------------------------------------------------------------------ middleware
+    @web.middleware
+    async def _errors_and_auth(self, request: web.Request, handler):
+        rid = request_id([(k.lower(), v) for k, v in request.headers.items()])
+        request["rid"] = rid
+        try:
+            if self.tokens is not None and request.path != "/health":
+                header = request.headers.get("Authorization", "")
+                scheme, _, token = header.strip().partition(" ")
+                if not (scheme.lower() == "bearer" and token.strip() and self.tokens.accepts(token.strip())):
+                    raise ApiError(grpc.StatusCode.UNAUTHENTICATED,
+                                   f"{'invalid' if header else 'no'} bearer token (send 'Authorization: Bearer "
+                                   "<token>')")
+            return await handler(request)
+        except ApiError as exc:
+            return self._refuse(request, exc)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return self._refuse(request, ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request body: {exc.text}",
+                                                  status=TOO_LARGE))
+        except web.HTTPException as exc:  # aiohttp's own (no such route, wrong method): same error shape
+            if exc.status < 400:
+                raise
+            code = grpc.StatusCode.NOT_FOUND if exc.status in (404, 405) else INVALID
+            return self._refuse(request, ApiError(code, f"{request.method} {request.path}: {exc.reason}",
+                                                  status=(exc.status, "invalid_request_error")), count=False)
+
+    def _refuse(self, request: web.Request, exc: ApiError, method: str | None = None,
+                count: bool = True) -> web.Response:
+        rid = request.get("rid") or uuid.uuid4().hex[:16]
+        log_rejection(rid, exc.code, f"{request.path}: {exc.message}", request.remote or "")
+        if count:
+            self.metrics.record_request(exc.code.name, method)
+        status, type_ = exc.status
+        return web.json_response(error_body(exc.message, type_, exc.param, exc.code), status=status,
+                                 headers={REQUEST_ID_KEY: rid})
+
+    # ------------------------------------------------------------------ routes
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            await self.router.check_health()
+        except Exception as exc:
+            return web.json_response({"status": "unhealthy", "reason": str(exc)}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "treeserve"}
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=False)
+
+    # ------------------------------------------------------------------ completions
+    async def _body(self, request: web.Request) -> dict:
+        raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge (413)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(INVALID, "request body: not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(INVALID, "request body: must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_id:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"model: {str(model)[:64]!r} is not served here (this server "
+                                                      f"serves {self.model_id!r})", "model")
+        return body
+
+    def _parser(self, fields: Fields, parsed: list):
+        """The router's `parse` for this request: runs once the request holds a slot (after the concurrency
+        check), so tokenising happens only for admitted requests, through the shared validator."""
+
+        def parse(_message):
+            parsed.append(True)
+            validator = self.router.validator
+            kind, value = fields.prompt
+            if kind == "chat":
+                prompt = validator.prompt_from_chat(value)
+            elif kind == "text":
+                prompt = validator.prompt_from_raw_text(value)
+            else:
+                prompt = validator.prompt_from_ids(value)
+            max_new = fields.max_tokens
+            if max_new is None:  # OpenAI: up to the context window; here also up to limits.max_new_tokens
+                room = validator.engine.max_context_tokens - len(prompt)
+                max_new = max(1, min(validator.limits.max_new_tokens, room))
+            return validator.build(prompt, max_new, fields.temperature, fields.top_p, fields.top_k, fields.stop,
+                                   fields.seed, fields.method, fields.budget)
+
+        return parse
+
+    async def _submit(self, fields: Fields):
+        parsed: list = []
+        try:
+            return await self.router.submit(None, self._parser(fields, parsed))
+        except RequestError as exc:
+            status = None
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and parsed:  # a size limit, not the concurrency one
+                status = TOO_LARGE
+            raise ApiError(exc.code, exc.message, _param_of(exc.message), status) from None
+
+    async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await self._body(request)
+        fields = Fields(body, chat)
+        job = await self._submit(fields)
+        rid = request["rid"]
+        created = int(time.time())
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
+        if fields.stream:
+            return await self._stream(request, job, fields, chat, ident, created)
+        try:
+            reply = await self.router.collect(job)
+        except RequestError as exc:
+            return self._refuse(request, ApiError(exc.code, exc.message, _param_of(exc.message)), job.method)
+        except asyncio.CancelledError:  # the client went away: collect's drain marked the job cancelled
+            self.metrics.record_request("CANCELLED", job.method)
+            raise
+        self.metrics.record_request("OK", job.method)
+        finish = FINISH.get(reply.finish_reason, "stop")
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": reply.text}, "finish_reason": finish,
+                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": reply.text, "finish_reason": finish, "logprobs": None}
+        return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
+                                  "created": created, "model": self.model_id, "choices": [choice],
+                                  "usage": usage(reply.stats, job.method)}, headers={REQUEST_ID_KEY: rid})
+
+    async def _stream(self, request: web.Request, job, fields: Fields, chat: bool, ident: str,
+                      created: int) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache", REQUEST_ID_KEY: request["rid"]})
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta: dict = {"role": "assistant", "content": ""} if role else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            out = {"id": ident, "object": kind, "created": created, "model": self.model_id, "choices": [choice]}
+            if fields.include_usage:
+                out["usage"] = None
+            return out
+
+        async def send(payload: Any) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+            await response.write(f"data: {data}\n\n".encode())
+
+        messages = self.router.drain(job)
+        try:
+            await response.prepare(request)
+            if chat:
+                await send(chunk(None, None, role=True))
+            async for message in messages:
+                finish = FINISH.get(message.finish_reason) if message.finish_reason else None
+                if message.text_delta or finish:
+                    await send(chunk(message.text_delta, finish))
+                if finish and fields.include_usage:
+                    await send({"id": ident, "object": kind, "created": created, "model": self.model_id,
+                                "choices": [], "usage": usage(message.stats, job.method)})
+            await send("[DONE]")
+        except RequestError as exc:  # after the 200 went out: an error event, then the stream ends
+            log_rejection(request["rid"], exc.code, f"{request.path}: {exc.message}", request.remote or "")
+            self.metrics.record_request(exc.code.name, job.method)
+            status, type_ = STATUS.get(exc.code, (500, "server_error"))
+            try:
+                await send({"error": {**error_body(exc.message, type_, _param_of(exc.message), exc.code)["error"],
+                                      "status": status}})
+            except (ConnectionError, RuntimeError):
+                pass
+            return response
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            self.metrics.record_request("CANCELLED", job.method)
+            raise
+        finally:
+            await messages.aclose()  # marks an unfinished job cancelled: it leaves at the next step boundary
+        self.metrics.record_request("OK", job.method)
+        return response
+
+
+def usage(stats: gen.GenerationStats, method: str) -> dict:
+    """OpenAI's usage, plus TreeServe's speculation statistics."""
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            "speculation": {"method": method, "steps": stats.steps,
+                            "mean_accepted_length": round(stats.mean_accepted_length, 4),
+                            "mean_tree_size_tokens": round(stats.mean_tree_size_tokens, 4),
+                            "accepted_tokens": {"model": stats.accepted_tokens_model,
+                                                "lookup": stats.accepted_tokens_lookup,
+                                                "both": stats.accepted_tokens_both},
+                            "wall_time_ms": round(stats.wall_time_ms, 3)}}
+
+
+# ================================================================================== the server
+def ssl_context(security: SecurityConfig) -> ssl.SSLContext | None:
+    """The TLS context of the gRPC API's files (None without TLS); ValueError naming the field when unusable."""
+    if not security.tls:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(security.tls_cert_file, security.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"security.tls_cert_file / tls_key_file: cannot load {security.tls_cert_file} / "
+                         f"{security.tls_key_file}: {exc}") from None
+    if security.tls_client_ca_file:
+        try:
+            context.load_verify_locations(security.tls_client_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"security.tls_client_ca_file: cannot load {security.tls_client_ca_file}: {exc}") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class HttpApiServer:
+    """The running HTTP API: an aiohttp runner on `loop` (the gRPC API server's)."""
+
+    def __init__(self, api: OpenAIApi, loop: asyncio.AbstractEventLoop, runner: web.AppRunner, port: int,
+                 tls: bool):
+        self.api, self.loop, self.runner, self.port, self.tls = api, loop, runner, port, tls
+        self._reload: asyncio.Task | None = None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        async def stop():
+            if self._reload is not None:
+                self._reload.cancel()
+            await self.runner.cleanup()
+
+        if self.loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout_s)
+            except Exception as exc:  # pragma: no cover - the loop is ending anyway
+                log.warning("HTTP API did not stop cleanly: %s", exc)
+
+
+def start_http_api(router: Any, api: ApiConfig, security: SecurityConfig, loop: asyncio.AbstractEventLoop,
+                   port: int | None = None, model_id: str | None = None) -> HttpApiServer:
+    """Start the OpenAI-compatible API for `router` on `loop` (running on another thread); returns it once it
+    listens. Raises ValueError (naming the field) when the TLS or token files are unusable."""
+    context = ssl_context(security)
+    front = OpenAIApi(router, api, security, model_id or served_model_id(router))
+    wanted = api.http_port if port is None else port
+
+    async def start() -> HttpApiServer:
+        # handler_cancellation: a client that disconnects cancels its handler, which ends the request.
+        runner = web.AppRunner(front.app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, api.host, wanted, ssl_context=context, reuse_port=True)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else wanted
+        server = HttpApiServer(front, loop, runner, bound, context is not None)
+        if context is not None:
+            server._reload = asyncio.ensure_future(_reload_tls(context, security))
+        return server
+
+    return asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+
+
+async def _reload_tls(context: ssl.SSLContext, security: SecurityConfig) -> None:
+    """Rotated certificate files apply to new connections (a half-written rotation keeps the previous pair)."""
+    watch = _FileWatch(security.tls_cert_file, security.tls_key_file)
+    while True:
+        await asyncio.sleep(1.0)
+        if watch.changed():
+            try:
+                context.load_cert_chain(security.tls_cert_file, security.tls_key_file)
+                log.info("TLS certificate files changed: new HTTP connections use the new certificate")
+            except Exception as exc:
+                log.error("TLS certificate files changed but cannot be loaded (%s); keeping the previous ones", exc)
+
+
+def served_model_id(router: Any) -> str:
+    """The model name clients send and /v1/models lists: the target's path as configured (its last component)."""
+    config = getattr(router, "config", None)
+    path = getattr(getattr(config, "target", None), "path", None)
+    if not path:
+        return "treeserve"
+    return Path(path).name or str(path)
