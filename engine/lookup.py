@@ -122,29 +122,29 @@ class SuffixIndex:
         tree path) that occurs in the indexed tokens followed by at least one more token: (its length, up to
         max_positions of the most recent positions where it ends), or (0, ()) if not even the last token occurs
         with a continuation. Lengths past max_ngram are measured per occurrence (up to max_match)."""
-        toks = self.tokens
+        toks, ends_of = self.tokens, self._ends
         last = len(toks) - 1  # a match ending here has no continuation
-        for n in range(min(self.max_ngram, len(tail)), 0, -1):
-            ends = self._ends.get(tuple(tail[len(tail) - n:]))
-            if not ends:
-                continue
-            found = [p for p in ends[-(max_positions + 1):] if p < last][-max_positions:]
-            if not found:
-                continue
-            if n < self.max_ngram:  # the (n+1)-gram has no occurrence with a continuation: every match is n long
-                return n, tuple(found)
-            best, keep = 0, []
-            for p in found:
-                length = n
-                while length < max_match and length < len(tail) and p - length >= 0 and \
-                        tail[len(tail) - 1 - length] == toks[p - length]:
-                    length += 1
-                if length > best:
-                    best, keep = length, [p]
-                elif length == best:
-                    keep.append(p)
-            return best, tuple(keep)
-        return 0, ()
+        # Growing n: an n-gram with an occurrence followed by a token has such an occurrence of its (n-1)-suffix,
+        # so the search stops at the first n without one (most tree nodes match 0-3 tokens: 1-4 lookups).
+        length, found = 0, []
+        for n in range(1, min(self.max_ngram, len(tail)) + 1):
+            ends = ends_of.get(tuple(tail[len(tail) - n:]))
+            valid = [p for p in ends[-(max_positions + 1):] if p < last][-max_positions:] if ends else None
+            if not valid:
+                break
+            length, found = n, valid
+        if length < self.max_ngram:
+            return length, tuple(found)
+        best, keep = 0, []
+        for p in found:  # every occurrence matches max_ngram tokens: measure how far back each goes
+            n = length
+            while n < max_match and n < len(tail) and p - n >= 0 and tail[len(tail) - 1 - n] == toks[p - n]:
+                n += 1
+            if n > best:
+                best, keep = n, [p]
+            elif n == best:
+                keep.append(p)
+        return best, tuple(keep)
 
 
 @dataclass(frozen=True)
