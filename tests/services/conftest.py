@@ -276,7 +276,7 @@ def tiny_args(tiny_target_dir, tiny_drafter_dir, **limits) -> dict:
             "speculation": {"method": "dyspec", "budget": 8},
             "limits": {"max_prompt_tokens": 256, "max_new_tokens": 128, "max_concurrent_requests": 12,
                        "max_batch_size": 4, "request_timeout_s": 120, **limits},
-            "api": {"host": "127.0.0.1", "port": free_port()}}
+            "api": {"host": "127.0.0.1", "port": free_port(), "http_port": free_port()}}
 
 
 @pytest.fixture(scope="session")
