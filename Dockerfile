@@ -110,8 +110,9 @@ RUN chown -R 1000:1000 /opt/treeserve/cache /home/ray
 USER 1000:1000
 WORKDIR /home/ray
 
-# Serve HTTP (health), the TreeServe gRPC API (each Router replica's own server), Ray dashboard, Ray metrics.
-EXPOSE 8000 9000 8265 8080
+# Serve HTTP (health), the TreeServe gRPC API (each Router replica's own server) and its OpenAI-compatible HTTP API
+# (args.api.http_port), Ray dashboard, Ray metrics.
+EXPOSE 8000 9000 9001 8265 8080
 ENTRYPOINT ["tini", "--"]
 # Standalone `docker run` serves the CPU default with its API on the container's loopback (call it with
 # `docker exec <container> treeserve generate --prompt ...`); under KubeRay the operator runs `ray start` instead.

@@ -221,6 +221,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"TreeServe is serving gRPC on {config.app.args.api.host}:{config.app.args.api.port} "
           f"({'TLS' if security.tls else 'plaintext'}{', bearer tokens' if security.auth_token_file else ''}; "
           f"application {service.app_name!r})", file=sys.stderr)
+    if config.app.args.api.http_port is not None:  # services/openai_api.py
+        print(f"and the OpenAI-compatible HTTP API on {'https' if security.tls else 'http'}://"
+              f"{config.app.args.api.host}:{config.app.args.api.http_port}/v1", file=sys.stderr)
     if args.no_block:
         return 0
     stop = threading.Event()

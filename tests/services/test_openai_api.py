@@ -240,3 +240,25 @@ def test_401_without_the_token_and_504_past_the_deadline(tiny_parts, tmp_path):
         assert info.value.body["type"] == "timeout_error"
     finally:
         server.stop(0.5)
+
+
+@pytest.mark.parametrize("api, message", [
+    ({"port": 9000, "http_port": 9000}, "applications[0].args.api.http_port: must differ from"),
+    ({"http_port": 70000}, "applications[0].args.api.http_port: must be a TCP port"),
+])
+def test_config_refuses_a_bad_http_port(api, message):
+    from treeserve.services.config import load_serve_config
+
+    with pytest.raises(ValueError) as info:
+        load_serve_config({"applications": [{"args": {"api": api}}]})
+    assert message in str(info.value)
+
+
+def test_local_config_serves_the_http_api():
+    from pathlib import Path
+
+    from treeserve.services.config import load_serve_config
+
+    root = Path(__file__).resolve().parents[2]
+    api = load_serve_config(root / "deploy" / "local-cpu.yaml").app.args.api
+    assert api.http_port == 9001 and api.port == 9000
