@@ -382,6 +382,22 @@ class RouterReplica(Router):
             asyncio.run_coroutine_threadsafe(self.start(), self.api_server.loop).result(30)
             log.info("Router %s serving the public API on %s", replica_id, self.api_server.describe())
 
+    async def __call__(self, request: Any) -> Any:
+        """What Serve's HTTP proxy (the application's route_prefix) answers: the APIs are this replica's own servers
+        (services/openai_api.py says why), so a 404 in OpenAI's error shape that names them, not a 500."""
+        from starlette.responses import JSONResponse
+
+        api = self.config.api
+        where = f"gRPC on port {api.port}"
+        if api.http_port is not None:
+            where = f"the OpenAI-compatible HTTP API on port {api.http_port} (/v1/chat/completions, /v1/completions, " \
+                    f"/v1/models, /health) and {where}"
+        else:
+            where += "; set args.api.http_port for the OpenAI-compatible HTTP API"
+        message = f"this is Ray Serve's HTTP proxy; TreeServe serves {where}"
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": "not_found"}}, status_code=404)
+
     async def check_health(self) -> None:
         if self.api_server is not None and not self.api_server.alive():
             raise RuntimeError("the public API server is not running")

@@ -265,8 +265,10 @@ def deploy_app(name: str, args: dict, **service_kw) -> ServeService:
 def serve_started(ray_session):
     from ray import serve
 
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"enable_access_log": False, "log_level": "WARNING"})
+    serve.treeserve_http_proxy_port = port  # Serve's own HTTP proxy (tests/services/test_serve_openai.py)
     return serve
 
 

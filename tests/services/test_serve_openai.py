@@ -92,3 +92,20 @@ def test_https_token_and_429_on_the_secure_router(secure_service):
     finally:
         for stream in streams:
             stream.close()
+
+
+def test_serve_http_proxy_points_to_the_apis(serve_service, serve_started):
+    """Serve's own HTTP port reaches the Router through the application's route prefix: a 404 in OpenAI's error
+    shape naming the HTTP and gRPC API ports, never a 500."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = f"http://127.0.0.1:{serve_started.treeserve_http_proxy_port}/{serve_service.app_name}/v1/chat/completions"
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"}),
+                               timeout=60)
+    assert info.value.code == 404
+    message = json.load(info.value)["error"]["message"]
+    assert f"port {serve_service.args['api']['http_port']}" in message
+    assert f"gRPC on port {serve_service.args['api']['port']}" in message
