@@ -158,7 +158,7 @@ def test_train_drafter_cli_kind_eagle(tmp_path, target, tiny_target_dir, capsys)
                  "--out", str(tmp_path / "more"), "--init-from", str(out), "--draft-vocab-size", "900",
                  "--minutes", "0.02", "--batch-tokens", "96", "--max-seq-len", "48", "--threads", "1"])
     assert code == 0
-    assert json.loads((tmp_path / "more" / "training.json").read_text())["training"]["continued_from"]["path"] == str(out)
+    assert json.loads((tmp_path / "more" / "training.json").read_text())["training"]["continued_from"]["path"] == out.name  # a portable name, not this machine's path
     assert len(load_drafter(str(tmp_path / "more"), target.model).vocab_ids) == 600
     capsys.readouterr()
     for bad, message in [(["--eagle-layer", "7"], "--eagle-layer must be a target layer index in [0, 2)"),
