@@ -238,6 +238,10 @@ def test_401_without_the_token_and_504_past_the_deadline(tiny_parts, tmp_path):
             authorised.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48)
         assert info.value.status_code == 504 and "deadline" in info.value.body["message"]
         assert info.value.body["type"] == "timeout_error"
+        # Streamed, the 200 went out before the deadline passed: the stream ends with an error event.
+        with pytest.raises(openai.APIError) as stream_info:
+            list(authorised.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, stream=True))
+        assert "deadline" in str(stream_info.value)
     finally:
         server.stop(0.5)
 
