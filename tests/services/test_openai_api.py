@@ -266,3 +266,29 @@ def test_local_config_serves_the_http_api():
     root = Path(__file__).resolve().parents[2]
     api = load_serve_config(root / "deploy" / "local-cpu.yaml").app.args.api
     assert api.http_port == 9001 and api.port == 9000
+
+
+def test_unary_request_ends_when_its_client_disconnects(tiny_parts):
+    """A non-streaming request whose client closes the connection is cancelled (aiohttp cancels the handler) and
+    its sessions are released, as a gRPC cancel is."""
+    import socket
+
+    from treeserve.services.api_server import start_api_server
+    from treeserve.services.router import Router
+
+    limits = LimitsConfig(max_prompt_tokens=64, max_new_tokens=900, max_concurrent_requests=2, max_batch_size=2,
+                          request_timeout_s=120)
+    router = Router(tiny_parts.engine(), limits)
+    server = start_api_server(router, ApiConfig(), SecurityConfig(), port=0, http_port=0)
+    try:
+        body = json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": 900, "temperature": 1.0, "seed": 5}).encode()
+        with socket.create_connection(("127.0.0.1", server.http.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            _wait(lambda: router.in_flight == 1)
+            job = (router._active + router._waiting)[0]
+        _wait(lambda: job.done)
+        assert job.status == "CANCELLED" and router.in_flight == 0
+        _wait(lambda: not router.engine.target.lm.sessions)
+    finally:
+        server.stop(0.5)
