@@ -167,6 +167,9 @@ def test_unknown_model_404_and_bad_json_400(http_service, client):
         urllib.request.urlopen(request, timeout=10)
     assert http_info.value.code == 400
     assert json.load(http_info.value)["error"]["message"] == "request body: not valid JSON"
+    with pytest.raises(urllib.error.HTTPError) as http_info:  # no such route: 404 in the same shape
+        urllib.request.urlopen(f"http://127.0.0.1:{server.http.port}/v1/embeddings", timeout=10)
+    assert http_info.value.code == 404 and json.load(http_info.value)["error"]["code"] == "not_found"
 
 
 def test_too_large_413(client):
