@@ -374,6 +374,12 @@ class AppConfig:
                              "every prompt): set target.chat_template")
         self._check_chat_template(path)
         self._check_pair(path, base_dir)
+        if self.speculation.budget == "auto" and self.target.tensor_parallel_size > 1 and self.drafter.device != "cpu":
+            # "auto" times target forwards inside the Drafter replica (engine/budget.py), which would load the
+            # whole sharded target onto the drafter's GPU share (on a CPU it only costs host memory).
+            raise ValueError(f"{path}.speculation.budget: 'auto' measures the target's cost curve inside the Drafter "
+                             "replica, which would load the whole tensor-parallel target onto the drafter's GPU; "
+                             "set a fixed budget (a large target verifies ~64 tree nodes for about the price of one)")
 
     def _check_chat_template(self, path: str) -> None:
         """A target whose tokenizer has no chat template needs `target.chat_template` (checked where readable)."""

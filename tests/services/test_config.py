@@ -186,3 +186,17 @@ def test_api_and_security_accepted(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("applications:\n- args:\n    security: {auth_token_file: secrets/tokens}\n")
     assert load_serve_config(path).app.args.security.auth_token_file == str(tmp_path / "secrets" / "tokens")
+
+
+def test_auto_budget_is_refused_with_a_tensor_parallel_target():
+    """'auto' times target forwards in the Drafter replica: with TP > 1 that would load the whole sharded
+    target onto the drafter's device share."""
+    import pytest
+
+    from treeserve.services.config import AppConfig
+
+    with pytest.raises(ValueError, match="speculation.budget: 'auto'"):
+        AppConfig.from_args({"target": {"tensor_parallel_size": 3}, "drafter": {"device": "cuda"},
+                             "speculation": {"budget": "auto"}})
+    assert AppConfig.from_args({"target": {"tensor_parallel_size": 3}, "drafter": {"device": "cuda"},
+                                "speculation": {"budget": 60}}).speculation.budget == 60
