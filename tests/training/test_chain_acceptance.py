@@ -5,25 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from treeserve.engine.models.eagle3_drafter import Eagle3Drafter
 from treeserve.engine.training.chain_acceptance import ChainCounts, chain_hits
 
 
-def _drafter(tiny_target_dir):
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, attn_implementation="eager").eval()
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter.from_target(target, torch.randperm(target.config.vocab_size)[:400])
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name != "embed_tokens.weight":
-                p.add_(torch.randn_like(p) * 0.05)
-    return target, drafter.eval()
-
-
-def test_masked_chains_equal_node_by_node_drafting(tiny_target_dir):
-    target, drafter = _drafter(tiny_target_dir)
+def test_masked_chains_equal_node_by_node_drafting(target, random_eagle3):
+    target, drafter = target[0], random_eagle3(target[0], 400)
     sequence = torch.randint(0, 400, (14,))
     features = torch.randn(14, drafter.target_feature_size)
     first, depth = 8, 3
@@ -44,10 +30,10 @@ def test_masked_chains_equal_node_by_node_drafting(tiny_target_dir):
                 feats = torch.cat([feats, out.hidden[0, -1:]])
 
 
-def test_depth_one_is_top1_agreement_and_counts_are_conditional(tiny_target_dir):
+def test_depth_one_is_top1_agreement_and_counts_are_conditional(target, random_eagle3):
     from treeserve.engine.training.agreement_command import Counts
 
-    target, drafter = _drafter(tiny_target_dir)
+    target, drafter = target[0], random_eagle3(target[0], 400)
     sequence = torch.randint(0, 400, (20,))
     from treeserve.engine.training.chain_acceptance import target_features
 

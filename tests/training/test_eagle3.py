@@ -13,29 +13,11 @@ from treeserve.engine.training.corpus import CorpusConfig, build_corpus, compute
 from treeserve.engine.training.eagle3 import Eagle3TrainConfig, load_corpus, logits, train_eagle3, unroll
 
 
-@pytest.fixture(scope="module")
-def target(tiny_target_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, attn_implementation="eager").eval()
-    return model, AutoTokenizer.from_pretrained(tiny_target_dir)
-
-
-def _random_drafter(model) -> Eagle3Drafter:
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter.from_target(model, torch.randperm(model.config.vocab_size)[:300])
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name != "embed_tokens.weight":
-                p.add_(torch.randn_like(p) * 0.05)
-    return drafter.eval()
-
-
-def test_training_time_test_sees_what_a_tree_node_sees(target):
+def test_training_time_test_sees_what_a_tree_node_sees(target, random_eagle3):
     """Step k of the unroll at column j == the drafter fed the real context through x_{j+1}, then a chain of
     k drafted tokens each reading its parent's output feature (how the runner drafts a tree)."""
     model, _ = target
-    drafter = _random_drafter(model)
+    drafter = random_eagle3(model, 300)
     tokens = torch.randint(0, model.config.vocab_size, (1, 12))
     features = torch.randn(1, 12, drafter.target_feature_size)
     steps = 3
@@ -58,11 +40,11 @@ def test_training_time_test_sees_what_a_tree_node_sees(target):
                 torch.testing.assert_close(out.logits[:, -1], trained[k][:, j], atol=1e-4, rtol=1e-4)
 
 
-def test_published_layout_round_trips(target, tmp_path):
+def test_published_layout_round_trips(target, random_eagle3, tmp_path):
     from safetensors.torch import load_file
 
     model, _ = target
-    drafter = _random_drafter(model)
+    drafter = random_eagle3(model, 300)
     drafter.save(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
@@ -118,12 +100,12 @@ def test_tiny_eagle3_trained_end_to_end_drafts_losslessly(target, tiny_target_di
         assert tokens == plain and mal >= 1.0
 
 
-def test_a_head_that_does_not_fit_is_refused_clearly(target, tmp_path):
+def test_a_head_that_does_not_fit_is_refused_clearly(target, random_eagle3, tmp_path):
     from safetensors.torch import load_file, save_file
 
     model, _ = target
     embeddings = model.get_input_embeddings().weight
-    drafter = _random_drafter(model)
+    drafter = random_eagle3(model, 300)
     drafter.save(tmp_path)
     state = load_file(str(tmp_path / "model.safetensors"))
     config = json.loads((tmp_path / "config.json").read_text())
