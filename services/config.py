@@ -365,6 +365,9 @@ class AppConfig:
                                  f"{self.limits.max_batch_size}: a full batch on one replica could never be scored")
         if self.drafter.tensor_parallel_size != 1:
             raise ValueError(f"{path}.drafter.tensor_parallel_size: the drafter is not sharded; must be 1")
+        if self.speculation.method.endswith("lookup") and self.drafter.kind == "parallel":
+            raise ValueError(f"{path}.speculation.method: {self.speculation.method} (copy-from-context candidates) "
+                             "drafts with the autoregressive drafter, not drafter.kind parallel")
         if not self.api.loopback_only and not self.security.tls and not self.security.allow_insecure:
             raise ValueError(f"{path}.api.host: {self.api.host} is reachable from the network but the API would be "
                              "plaintext; set security.tls_cert_file and security.tls_key_file (or "

@@ -105,3 +105,22 @@ def test_drafter_replica_drafts_lookup_candidates(tiny_parts):
     finally:
         loop.close()
         server.stop(0.2)
+
+
+def test_serve_config_names_hybrid_methods():
+    from treeserve.engine.builders import METHODS as ENGINE_METHODS
+    from treeserve.services.config import METHODS, AppConfig, load_serve_config
+
+    assert set(METHODS) - {"autoregressive"} <= set(ENGINE_METHODS)
+    assert {"lookup", "c2t+lookup", "dyspec+lookup", "opt_tree+lookup"} <= set(METHODS)
+    for method in ("lookup", "c2t+lookup"):
+        assert AppConfig.from_args({"speculation": {"method": method}}).speculation.method == method
+
+    def error(args):
+        with pytest.raises(ValueError) as info:
+            load_serve_config({"applications": [{"name": "treeserve", "import_path": "treeserve.services.app:build_app",
+                                                 "args": args}]})
+        return str(info.value)
+
+    assert "speculation.method" in error({"speculation": {"method": "static+lookup"}})
+    assert "drafter.kind parallel" in error({"speculation": {"method": "c2t+lookup"}, "drafter": {"kind": "parallel"}})
