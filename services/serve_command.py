@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster (e.g. 'auto'); default: start a local Ray instance")
     parser.add_argument("--grpc-port", type=int, default=None, help="override args.api.port (the public API's port)")
+    parser.add_argument("--http-port", type=int, default=None, metavar="N",
+                        help="override args.api.http_port: serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                             "/v1/completions, /v1/models) on port N of the same Router, with the gRPC API's TLS and "
+                             "tokens (services/openai_api.py); 0 = off")
     parser.add_argument("--method", default=None, help="override args.speculation.method")
     parser.add_argument("--budget", default=None, help="override args.speculation.budget ('auto' or an integer)")
     parser.add_argument("--target", default=None, help="override args.target.path")
@@ -67,8 +71,8 @@ def api_address(args) -> str:
 
 
 def load_config(path: str | None, method: str | None = None, budget: str | None = None, target: str | None = None,
-                drafter: str | None = None, grpc_port: int | None = None):
-    """The Serve config with command-line overrides applied and re-validated."""
+                drafter: str | None = None, grpc_port: int | None = None, http_port: int | None = None):
+    """The Serve config with command-line overrides applied and re-validated (`http_port` 0 turns the HTTP API off)."""
     from treeserve.services.app import config_to_args
     from treeserve.services.config import AppConfig, load_serve_config
 
@@ -83,9 +87,12 @@ def load_config(path: str | None, method: str | None = None, budget: str | None 
     if drafter is not None:
         args.drafter.path = drafter
     config.app.args = AppConfig.from_args(config_to_args(args))
-    if grpc_port is not None:
+    if grpc_port is not None or http_port is not None:
         args = config_to_args(config.app.args)
-        args["api"]["port"] = grpc_port
+        if grpc_port is not None:
+            args["api"]["port"] = grpc_port
+        if http_port is not None:
+            args["api"]["http_port"] = http_port or None
         config.app.args = AppConfig.from_args(args)
     _check_models(config.app.args)
     return config
@@ -212,7 +219,8 @@ def stop_service(service: Service) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.method, args.budget, args.target, args.drafter, args.grpc_port)
+    config = load_config(args.config, args.method, args.budget, args.target, args.drafter, args.grpc_port,
+                         args.http_port)
     print(f"starting TreeServe ({config.app.args.speculation.method}, target {config.app.args.target.path}) ...",
           file=sys.stderr)
     service = start_service(config, args.ray_address, ready_timeout_s=args.ready_timeout,

@@ -63,6 +63,28 @@ def test_serve_config_overrides(tiny_target_dir, tiny_drafter_dir):
         load_config(str(DEFAULT_CONFIG), method="dyspec", drafter="/nowhere/drafter")
 
 
+def test_serve_http_port_override(capsys):
+    """`treeserve serve --http-port N` sets args.api.http_port (the OpenAI-compatible HTTP API), 0 turns it off,
+    and it is re-validated with the rest of the config; --help documents it."""
+    import argparse
+
+    from treeserve.services.serve_command import add_arguments
+
+    assert load_config(str(DEFAULT_CONFIG), method="autoregressive").app.args.api.http_port == 9001  # the yaml's
+    api = load_config(str(DEFAULT_CONFIG), method="autoregressive", grpc_port=9200, http_port=9201).app.args.api
+    assert (api.port, api.http_port) == (9200, 9201)
+    assert load_config(str(DEFAULT_CONFIG), method="autoregressive", http_port=0).app.args.api.http_port is None
+    with pytest.raises(ValueError, match="http_port: must differ from args.api.port"):
+        load_config(str(DEFAULT_CONFIG), method="autoregressive", http_port=9000)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--http-port", "9101"]).http_port == 9101 and parser.parse_args([]).http_port is None
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps after hyphens
+    assert "--http-port N" in help_text and "OpenAI-compatible HTTP API" in help_text and "0 = off" in help_text
+
+
 def test_app_options_follow_the_yaml():
     from treeserve.services.app import _deployment_options
 
