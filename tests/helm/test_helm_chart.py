@@ -146,6 +146,7 @@ def test_render_preset(values):
                                                                 layout.args.drafter.layout)
     assert args.speculation == layout.args.speculation and args.limits == layout.args.limits
     assert args.api.port == layout.args.api.port
+    assert args.api.http_port == layout.args.api.http_port == v.get("api", {}).get("httpPort")  # OpenAI HTTP API
     if args.target.device == "cuda":
         assert args.security == layout.args.security  # the same mount paths as the layout's
         for name in ("Router", "Drafter", "Target"):
@@ -173,7 +174,8 @@ def test_render_preset(values):
     assert {"name": "dashboard", "containerPort": 8265} in head["template"]["spec"]["containers"][0]["ports"]
 
     svc = objs["Service/treeserve-grpc"]
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 9000}
+    want_ports = {"grpc": 9000} if args.api.http_port is None else {"grpc": 9000, "http": args.api.http_port}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == want_ports
 
 
 @pytest.mark.parametrize("values", PRESETS, ids=lambda p: p.stem)
@@ -194,7 +196,7 @@ EVERYTHING = ("dashboard.service.enabled=true", "metrics.serviceMonitor.enabled=
               "ray.targetWorkers.env[0].name=NCCL_IB_DISABLE", "ray.targetWorkers.env[0].value=1",
               "podLabels.team=llm", "podAnnotations.owner=llm-team", "imagePullSecrets[0].name=ghcr",
               "ingress.enabled=true", "ingress.tls.secretName=treeserve-ingress-tls",
-              "service.type=LoadBalancer", "service.nodePort=30900")
+              "service.type=LoadBalancer", "service.nodePort=30900", "api.httpPort=9001", "service.httpNodePort=30901")
 
 
 @pytest.mark.parametrize("tag", vendored_tags())
@@ -318,6 +320,13 @@ def test_notes_point_at_services_that_exist(tmp_path):
     assert "--tls-ca treeserve-ca.crt --token-file treeserve-token" in notes
     assert "kubectl get secret treeserve-tls" in notes and "kubectl get secret treeserve-auth" in notes
     assert "helm test treeserve" in notes
+    # the preset's OpenAI-compatible HTTP API: its own port-forward and a curl with the same CA and token
+    assert "kubectl port-forward -n default svc/treeserve-grpc 9001:9001" in notes
+    assert ('curl --cacert treeserve-ca.crt -H "Authorization: Bearer $(cat treeserve-token)" '
+            "https://localhost:9001/v1/chat/completions") in notes
+    assert "base_url https://localhost:9001/v1" in notes
+    without_http = render(preset("cpu-demo"), sets=("api.httpPort=null",), chart=chart)["ConfigMap/notes"]["data"]["notes"]
+    assert "9001" not in without_http and "curl" not in without_http
     with_service = render(preset("cpu-demo"), sets=("dashboard.service.enabled=true",), chart=chart)
     assert "svc/treeserve-dashboard 8265:8265" in with_service["ConfigMap/notes"]["data"]["notes"]
 
@@ -498,6 +507,49 @@ def test_plaintext_needs_an_explicit_choice():
     assert objs["Service/treeserve-grpc"]["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
 
 
+def test_openai_http_api_port_when_enabled_only():
+    """api.httpPort: off by default (no http_port in the serve config, no container or Service port); on, the
+    Router's HTTP server port reaches the serve config, the router group's pods (only those) and the API Service,
+    whose TLS / token settings it shares."""
+    off = render()
+    assert serve_config(off).app.args.api.http_port is None
+    assert "http_port" not in off["RayService/treeserve"]["spec"]["serveConfigV2"]
+    assert [p["name"] for p in off["Service/treeserve-grpc"]["spec"]["ports"]] == ["grpc"]
+    for group in groups(off).values():
+        assert "openai" not in {p["name"] for p in group["template"]["spec"]["containers"][0]["ports"]}
+
+    for router in ("drafterWorkers", "targetWorkers"):
+        objs = render(sets=("api.httpPort=9001", f"placement.router={router}", "placement.drafter=drafterWorkers"))
+        args = serve_config(objs).app.args
+        assert (args.api.host, args.api.port, args.api.http_port) == ("0.0.0.0", 9000, 9001)
+        assert args.security.tls and args.security.auth_token_file == "/etc/treeserve/auth/tokens"
+        router_group = next(g for g in groups(objs).values() if ray_resources(g).get("TreeServeRouter"))
+        assert router_group["groupName"] == router.removesuffix("Workers")
+        for name, group in groups(objs).items():
+            ports = group["template"]["spec"]["containers"][0]["ports"]
+            assert ({"name": "openai", "containerPort": 9001} in ports) == (group is router_group), name
+        svc = objs["Service/treeserve-grpc"]["spec"]
+        http = next(p for p in svc["ports"] if p["name"] == "http")
+        assert http == {"name": "http", "port": 9001, "targetPort": "openai", "appProtocol": "https"}
+        # the Service's selector picks exactly the pods that declare the named targetPort
+        pods = [p for p in _pods(objs) if kr.selects(svc["selector"], p["labels"])]
+        assert pods and all({"api", "openai"} <= {c["name"] for c in p["template"]["spec"]["containers"][0]["ports"]}
+                            for p in pods)
+
+    plain = render(sets=("api.httpPort=9001", "security.tls.enabled=false", "security.allowInsecure=true"))
+    assert next(p for p in plain["Service/treeserve-grpc"]["spec"]["ports"] if p["name"] == "http")["appProtocol"] == "http"
+    assert not serve_config(plain).app.args.security.tls
+    # the ClusterIP default ignores a fixed node port
+    assert "nodePort" not in render(sets=("api.httpPort=9001", "service.httpNodePort=30901"))[
+        "Service/treeserve-grpc"]["spec"]["ports"][1]
+
+
+@pytest.mark.parametrize("tag", vendored_tags())
+def test_openai_http_api_passes_kuberay_crd_schema(tag):
+    rs = render(sets=("api.httpPort=9001",))["RayService/treeserve"]
+    assert problems(rs, load_schema(tag)["openAPIV3Schema"]) == []
+
+
 def test_ingress_requires_tls_and_re_encrypts():
     assert "ingress.enabled needs ingress.tls.enabled" in render_error(
         sets=("ingress.enabled=true", "ingress.tls.enabled=false"))
@@ -556,6 +608,7 @@ def test_pod_values_land_where_they_belong():
         assert template["spec"]["imagePullSecrets"] == [{"name": "ghcr"}]
     svc = objs["Service/treeserve-grpc"]["spec"]
     assert svc["type"] == "LoadBalancer" and svc["ports"][0]["nodePort"] == 30900
+    assert {p["name"]: p["nodePort"] for p in svc["ports"]} == {"grpc": 30900, "http": 30901}
 
 
 def test_service_monitor_scrapes_every_ray_pod_and_the_head_extras():
@@ -628,6 +681,13 @@ def test_kuberay_version_is_checked_against_the_clusters_crd(tmp_path):
     ("security: {tls: {enabled: false}}", "security.allowInsecure=true"),
     ("security: {tls: {generate: false}}", "security.tls.enabled needs security.tls.secretName"),
     ("podLabels: {app.kubernetes.io/created-by: me}", "podLabels.app.kubernetes.io/created-by"),
+    ("api: {httpPort: 70000}", "api.httpPort: Must be less than or equal to 65535"),
+    ("api: {httpPort: http}", "api.httpPort: Invalid type"),
+    ("api: {httpPort: 9000}", "api.httpPort=9000 is api.port's port too"),
+    ("api: {httpPort: 8000}", "api.httpPort=8000 is serve.httpPort's port too"),
+    ("api: {httpPort: 8080}", "api.httpPort=8080 is ray.metricsPort's port too"),
+    ("api: {httpPort: 9001}\nsecurity: {tls: {enabled: false}}", "security.allowInsecure=true"),
+    ("service: {httpNodePort: 80}", "service.httpNodePort: Must be greater than or equal to 30000"),
 ])
 def test_invalid_values_fail_clearly(tmp_path, content, message):
     bad = tmp_path / "bad.yaml"

@@ -250,6 +250,14 @@ replica with no pod to land on would stay pending forever).
 {{- fail (printf "ray.%sWorkers pods have %d Ray CPUs (resources.limits.cpu) but the replicas placed there ask for %.2f" $g (div $have 1000) (divf $need 1000.0)) }}
 {{- end }}
 {{- end }}
+{{- /* The OpenAI-compatible HTTP API shares the router pods with the gRPC API, Serve's proxy and Ray's metrics. */}}
+{{- with $v.api.httpPort }}
+{{- range $name, $port := dict "api.port" $v.api.port "serve.httpPort" $v.serve.httpPort "ray.metricsPort" $v.ray.metricsPort }}
+{{- if eq (int $port) (int $.Values.api.httpPort) }}
+{{- fail (printf "api.httpPort=%d is %s's port too: the HTTP API needs a port of its own on the router pods" (int $.Values.api.httpPort) $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- /* Security */}}
 {{- if and (not $v.security.tls.enabled) (not $v.security.allowInsecure) }}
 {{- fail "security.tls.enabled=false serves the API in plaintext on the pod network: keep TLS on, or set security.allowInsecure=true when TLS is terminated in front of the pods" }}
@@ -385,6 +393,9 @@ applications:
         port: {{ int $v.api.port }}
         max_request_bytes: {{ int64 $v.api.maxRequestBytes }}
         enable_reflection: {{ $v.api.enableReflection }}
+        {{- if $v.api.httpPort }}
+        http_port: {{ int $v.api.httpPort }}
+        {{- end }}
       security:
         {{- if $v.security.tls.enabled }}
         tls_cert_file: {{ printf "%s/%s" (include "treeserve.tlsDir" .) $v.security.tls.certFile }}
