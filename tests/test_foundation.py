@@ -133,7 +133,7 @@ def test_drafter_vocabulary_mismatch(tmp_path, tiny_target_dir):
                                          num_attention_heads=2, num_key_value_heads=2))
     other.save_pretrained(tmp_path / "small_vocab")
     target = load_causal_lm(tiny_target_dir).model
-    with pytest.raises(ValueError, match="1000-token vocabulary"):
+    with pytest.raises(ValueError, match="vocabulary has 1000 tokens"):
         load_drafter(str(tmp_path / "small_vocab"), target)
 
 
