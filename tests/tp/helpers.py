@@ -11,6 +11,11 @@ from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.training.agreement_command import DEV_PROMPTS
 from treeserve.engine.tree import TokenTree
 
+# Logical CPU share each test rank reserves. A rank's real use is one thread whatever it reserves, and the test
+# session's Ray (4 logical CPUs) also holds the services tests' Serve replicas and the module-scoped TP groups:
+# at 0.5 per rank a second TP=3 group beside them waited for resources until its start timeout.
+RANK_CPUS = 0.1
+
 # (tokens offsets, parents) of three tree shapes: branching, chain, single root.
 _SHAPES = [
     [-1, 0, 0, 1, 1, 2, 3],

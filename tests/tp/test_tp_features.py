@@ -20,7 +20,7 @@ from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.services.tp_target import TensorParallelTarget
 
-from helpers import dev_prompts, next_step, tree_batch
+from helpers import dev_prompts, next_step, tree_batch, RANK_CPUS
 
 
 def _with_features(requests):
@@ -48,7 +48,7 @@ def _compare_features(tp, ref, contexts, vocab, seed):
 
 @pytest.mark.parametrize("layers", [None, (1, 1, 2)], ids=["final", "eagle3"])
 def test_tiny_tp2_features_equal_tp1(ray_cpu, tiny_tp_dir, layers):
-    tp = TensorParallelTarget(tiny_tp_dir, tensor_parallel_size=2, cpus_per_rank=0.5, feature_layers=layers)
+    tp = TensorParallelTarget(tiny_tp_dir, tensor_parallel_size=2, cpus_per_rank=RANK_CPUS, feature_layers=layers)
     try:
         assert tp.provides_features
         ref = TargetRunner(load_causal_lm(tiny_tp_dir).model, feature_layers=layers)
@@ -69,7 +69,7 @@ def test_feature_layers_beyond_the_target_are_refused_before_ray_work(tiny_tp_di
 @pytest.fixture(scope="module")
 def default_tp3(ray_cpu, default_model_dir):
     start = time.perf_counter()
-    tp = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=0.5)
+    tp = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=RANK_CPUS)
     print(f"\nTP=3 default start-up {time.perf_counter() - start:.1f} s")
     yield tp
     tp.shutdown()
@@ -99,7 +99,7 @@ def test_default_tp3_features_equal_tp1(default_tp3, default_pair):
 @pytest.mark.slow
 def test_default_tp3_features_equal_tp1_in_float64(ray_cpu, default_model_dir):
     """Without fp32 round-off the same code gives features equal to TP=1's within an absolute 1e-5."""
-    tp64 = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=0.5, dtype=torch.float64)
+    tp64 = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=RANK_CPUS, dtype=torch.float64)
     try:
         loaded = load_causal_lm(default_model_dir, dtype=torch.float64)
         ref = TargetRunner(loaded.model, dtype=torch.float64)

@@ -16,7 +16,7 @@ from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.services.tp_target import TensorParallelTarget, TPGroupError
 
-from helpers import dev_prompts, greedy, max_diff, next_step, reference_logits, tree_batch
+from helpers import dev_prompts, greedy, max_diff, next_step, reference_logits, tree_batch, RANK_CPUS
 
 TOL = 1e-4
 
@@ -45,7 +45,7 @@ def _check_tree_steps(tp, ref, contexts, vocab, seed, report, rel_tol=None):
 def tiny_tp2(ray_cpu, tiny_tp_dir):
     start = time.perf_counter()
     tp = TensorParallelTarget(tiny_tp_dir, tensor_parallel_size=2, device="cpu", dtype="float32",
-                              cpus_per_rank=0.5)
+                              cpus_per_rank=RANK_CPUS)
     print(f"\nTP=2 tiny start-up {time.perf_counter() - start:.1f} s: {tp.load_info}")
     yield tp
     tp.shutdown()
@@ -91,7 +91,7 @@ def test_killed_rank_fails_health(ray_cpu, tiny_tp_dir):
 
     # This group loads the full model and shards it with apply_tp (the fallback path), so it also checks
     # the plan applied to an already-built model.
-    tp = TensorParallelTarget(tiny_tp_dir, tensor_parallel_size=2, cpus_per_rank=0.5, load_from_slices=False)
+    tp = TensorParallelTarget(tiny_tp_dir, tensor_parallel_size=2, cpus_per_rank=RANK_CPUS, load_from_slices=False)
     try:
         assert [info["mode"] for info in tp.load_info] == ["full_then_shard"] * 2
         ref = TargetRunner(load_causal_lm(tiny_tp_dir).model)
@@ -115,7 +115,7 @@ def test_killed_rank_fails_health(ray_cpu, tiny_tp_dir):
 @pytest.mark.slow
 def test_default_target_tp3(ray_cpu, default_model_dir):
     start = time.perf_counter()
-    tp = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=0.5)
+    tp = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=RANK_CPUS)
     print(f"\nTP=3 default start-up {time.perf_counter() - start:.1f} s, "
           f"per-rank params {[round(i['local_param_bytes'] / 2**20) for i in tp.load_info]} MiB of "
           f"{tp.load_info[0]['full_param_bytes'] / 2**20:.0f} MiB")
@@ -137,7 +137,7 @@ def test_default_target_tp3(ray_cpu, default_model_dir):
         tp.shutdown()
     # In float32 the split sums round differently at the ~1e-4 level on 37-unit logits; in float64 the same
     # code must give TP=3 logits equal to TP=1 within the absolute 1e-4 of the issue (round-off, not logic).
-    tp64 = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=0.5, dtype=torch.float64)
+    tp64 = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=RANK_CPUS, dtype=torch.float64)
     try:
         ref64 = TargetRunner(load_causal_lm(default_model_dir, dtype=torch.float64).model, dtype=torch.float64)
         _check_tree_steps(tp64, ref64, [prompts[0], prompts[3][:40]], vocab, seed=7,
