@@ -192,12 +192,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     def sweep(self) -> int:
         """Free sessions idle past clock.idle_s (their router is gone). Runs on the model thread."""
-        stale = self.clock.stale()
-        released = self._release(stale) if stale else 0
-        if released:
-            log.info("released %d session(s) idle for more than %.0f s (their router went away)", released,
-                     self.clock.idle_s)
-        return released
+        return self.clock.sweep(self._release)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=await self.worker.run(self._release, list(request.session_ids)))

@@ -236,6 +236,15 @@ class SessionClock:
             return []
         return [s for s, t in list(self._last.items()) if now - t > self.idle_s]
 
+    def sweep(self, release: Callable[[list[str]], int]) -> int:
+        """Free the stale sessions with `release` (a servicer's own release); logs how many went."""
+        stale = self.stale()
+        released = release(stale) if stale else 0
+        if released:
+            logging.getLogger("treeserve.replica").info(
+                "released %d session(s) idle for more than %.0f s (their router went away)", released, self.idle_s)
+        return released
+
 
 def replica_identity() -> tuple[str, str, str]:
     """(app name, deployment name, replica id) inside a Serve replica; a process-unique id elsewhere."""
