@@ -415,7 +415,7 @@ def budget_sweep(args, target, rows: list[dict], sampling) -> list[dict]:
     from tqdm import tqdm
 
     from treeserve.engine.models.loading import chat_ids
-    from treeserve.engine.pipeline import build_engine
+    from treeserve.engine.factory import build_engine
     from treeserve.engine.requests import GenerationRequest
 
     pairs = [(m, b) for m in args.sweep_methods for b in args.sweep_budgets]
@@ -474,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
 
     from treeserve.engine.bench_peers import build_peers
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.pipeline import build_engine
+    from treeserve.engine.factory import build_engine
     from treeserve.engine.sampling import SamplingParams
     from treeserve.engine.training.agreement_command import load_prompts
 

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from treeserve.engine.models.attention import GROUPED_ATTENTION
-from treeserve.engine.models.layout import LAYOUT_VERSION
+from treeserve.engine.models.packed_linear import LAYOUT_VERSION
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 

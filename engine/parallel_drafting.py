@@ -143,7 +143,7 @@ def builder_for_config(config: TreeConfig, positions: int) -> ParallelTreeBuilde
 
 
 class ParallelTreeDrafter:
-    """The `Drafter` (engine.generate) over a parallel drafter model: draft / observe / release."""
+    """The `Drafter` (engine.speculative_engine) over a parallel drafter model: draft / observe / release."""
 
     kind = PARALLEL
 

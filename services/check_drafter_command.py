@@ -71,7 +71,7 @@ def agreement(target: str, drafter: str, chat_template: str | None, dtype: str, 
 
     from treeserve.engine.models.drafter import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.pipeline import parse_dtype
+    from treeserve.engine.factory import parse_dtype
     from treeserve.engine.training.agreement_command import DEV_PROMPTS, Counts, load_prompts
 
     torch_dtype = parse_dtype(dtype)

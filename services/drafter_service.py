@@ -24,7 +24,7 @@ import torch
 
 from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig
 from treeserve.engine.drafting import DraftRequest, LocalDrafter
-from treeserve.engine.generate import CommittedFeatures
+from treeserve.engine.speculative_engine import CommittedFeatures
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.services import wire
 from treeserve.services.grpc_clients import Heartbeat, Registry, ReplicaServer, SessionClock, Worker, replica_identity
@@ -111,7 +111,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     def _requests(self, message: pb.DraftRequest) -> list[tuple[DraftRequest, tuple[torch.Tensor, int] | None]]:
         """Each item as a DraftRequest (without its features) and its feature delta (rows, start), if any."""
-        from treeserve.engine.pipeline import tree_config
+        from treeserve.engine.factory import tree_config
 
         out = []
         for item in message.items:
@@ -281,7 +281,7 @@ def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:
     embeddings, final norm and LM head: engine/models/target_parts.py), which is what lets a drafter replica
     sit beside a 70B tensor-parallel target on a share of one GPU."""
     from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.pipeline import build_local_drafter, parse_dtype
+    from treeserve.engine.factory import build_local_drafter, parse_dtype
     from treeserve.engine.runners.kv_pool import limit_gpu_memory
 
     dtype = parse_dtype(config.drafter.dtype)

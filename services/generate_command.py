@@ -4,7 +4,7 @@
     treeserve generate --in-process --prompt "..." [--target default --drafter eagle]
 
 Through the service it calls GenerateStream and prints each step's text as it arrives; statistics go to
-stderr. `--in-process` runs `engine.pipeline.build_engine` instead (no Ray, no gRPC).
+stderr. `--in-process` runs `engine.factory.build_engine` instead (no Ray, no gRPC).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_in_process(args: argparse.Namespace) -> int:
     from treeserve.engine.methods import uses_lookup
-    from treeserve.engine.pipeline import build_engine
+    from treeserve.engine.factory import build_engine
     from treeserve.engine.requests import GenerationRequest
     from treeserve.engine.sampling import SamplingParams
 

@@ -146,7 +146,7 @@ class Reference:
     def __init__(self, target_path: str, dtype: str):
         import torch
 
-        from treeserve.engine.pipeline import build_engine
+        from treeserve.engine.factory import build_engine
 
         torch.set_num_threads(1)
         self.engine = build_engine(target_path, method="autoregressive", dtype=dtype)

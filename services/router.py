@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator
 import grpc
 
 from treeserve.engine.drafting import AUTOREGRESSIVE
-from treeserve.engine.generate import Sequence, SpeculativeEngine
+from treeserve.engine.speculative_engine import Sequence, SpeculativeEngine
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult
 from treeserve.services.config import LimitsConfig
 from treeserve.services.metrics import RouterMetrics
@@ -337,7 +337,7 @@ class RouterReplica(Router):
 
     def __init__(self, args: dict | None, drafter_handle: Any = None, target_handle: Any = None,
                  internal_secret: str | None = None, serve_api: bool = True):
-        from treeserve.engine.pipeline import tree_config
+        from treeserve.engine.factory import tree_config
         from treeserve.services.config import AppConfig
         from treeserve.services.drafter_service import limit_threads
         from treeserve.services.grpc_clients import (RemoteDrafter, RemoteTarget, ReplicaPool, Registry,

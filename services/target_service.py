@@ -153,7 +153,7 @@ def load_target_from_config(config) -> Any:
                                     max_sessions=sessions, max_context_tokens=target.max_context_tokens,
                                     gpu_memory_fraction=target.gpu_memory_fraction, feature_layers=feature_layers)
     from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.pipeline import parse_dtype
+    from treeserve.engine.factory import parse_dtype
     from treeserve.engine.runners.kv_pool import limit_gpu_memory
     from treeserve.engine.runners.target import TargetRunner
 

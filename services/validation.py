@@ -200,7 +200,7 @@ class RequestValidator:
     def tree(self, method: str | None, budget_tokens: int = 0):
         """(per-request TreeConfig or None for the server default, method name)."""
         from treeserve.engine.builders import TreeConfig
-        from treeserve.engine.pipeline import tree_config
+        from treeserve.engine.factory import tree_config
 
         if method is not None and method not in METHODS:
             raise RequestError(INVALID, f"speculation.method: unknown tree method {method!r} (known: "

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.models.attention import attention_for, use_attention
-from treeserve.engine.models.layout import use_fast_cpu_linears
+from treeserve.engine.models.packed_linear import use_fast_cpu_linears
 
 
 class KVPoolExhausted(RuntimeError):

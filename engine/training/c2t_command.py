@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     from treeserve.engine.models.drafter import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.pipeline import drafter_classifier_path
+    from treeserve.engine.factory import drafter_classifier_path
     from treeserve.engine.runners.drafter import DrafterRunner
     from treeserve.engine.runners.target import TargetRunner
     from treeserve.engine.training import prompts as sources

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from treeserve.engine.c2t_classifier import C2TClassifier
-    from treeserve.engine.pipeline import build_engine, drafter_classifier_path, tree_config
+    from treeserve.engine.factory import build_engine, drafter_classifier_path, tree_config
     from treeserve.engine.training.c2t_command import prompt_texts
 
     if not all(0.0 < b < 1.0 for b in args.betas):

@@ -2,7 +2,7 @@
 import torch
 
 from treeserve.engine.drafting import root_only
-from treeserve.engine.generate import CommittedFeatures
+from treeserve.engine.speculative_engine import CommittedFeatures
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists
 

@@ -7,7 +7,7 @@ import pytest
 from treeserve.engine.bench import greedy_reference
 from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
 from treeserve.engine.models.loading import load_causal_lm
-from treeserve.engine.pipeline import build_engine
+from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.training.agreement_command import DEV_PROMPTS
 

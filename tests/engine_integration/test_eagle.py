@@ -8,7 +8,7 @@ import torch
 
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.drafting import LocalDrafter
-from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.drafter import load_drafter
 from treeserve.engine.models.eagle_drafter import EagleDrafter
 from treeserve.engine.models.loading import load_causal_lm

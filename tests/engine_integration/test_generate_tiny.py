@@ -5,7 +5,7 @@ import torch
 
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.drafting import LocalDrafter
-from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
 from treeserve.engine.runners.drafter import DrafterRunner

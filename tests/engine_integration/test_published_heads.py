@@ -174,7 +174,7 @@ def test_eagle1_head_loads_and_matches_the_reference_forward(target, tmp_path):
 
 @pytest.mark.parametrize("method", ["dyspec", "eagle2"])
 def test_eagle1_head_drafts_greedy_equal(target, tiny_target_dir, tmp_path, method):
-    from treeserve.engine.pipeline import build_engine
+    from treeserve.engine.factory import build_engine
     from treeserve.engine.requests import GenerationRequest
 
     path = write_eagle1(tmp_path / "eagle1", target.model)
@@ -197,7 +197,7 @@ def test_eagle3_head_reads_the_layers_its_config_names(target, tmp_path, form):
     want = (1, 1, 2) if form != "default" else (2, 1, 0)
     assert target_feature_layers(str(path), 2) == want
     assert load_drafter(str(path), target.model).feature_layers == want
-    from treeserve.engine.pipeline import build_engine
+    from treeserve.engine.factory import build_engine
 
     engine = build_engine(str(path.parent), drafter_path=str(path), method="chain", budget=2, target=target)
     assert engine.target.lm.feature_layers == want  # the target returns what the head fuses
@@ -222,7 +222,7 @@ def test_eagle3_head_matches_the_reference_forward(target, tmp_path):
 
 
 def test_eagle3_head_drafts_greedy_equal(target, tiny_target_dir, tmp_path):
-    from treeserve.engine.pipeline import build_engine
+    from treeserve.engine.factory import build_engine
     from treeserve.engine.requests import GenerationRequest
 
     path = write_eagle3(tmp_path / "eagle3", target.model)

@@ -8,7 +8,7 @@ import torch
 
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.drafting import LocalDrafter
-from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.drafter import RestrictedVocabDrafter
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest

@@ -9,7 +9,7 @@ import pytest
 
 from treeserve.engine.bench import greedy_reference
 from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
-from treeserve.engine.pipeline import build_engine
+from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.training.agreement_command import DEV_PROMPTS
 

@@ -10,7 +10,7 @@ import torch
 from conftest import make_parallel_drafter
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.parallel_drafting import ParallelTreeDrafter
-from treeserve.engine.pipeline import build_engine
+from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.training.distill_data import teacher_labels
@@ -120,7 +120,7 @@ def test_train_drafter_cli_kind_parallel(tmp_path, tiny_target, tiny_target_dir)
 
 
 def test_parallel_directory_is_recognised(tiny_target, drafter_dir):
-    from treeserve.engine.pipeline import build_local_drafter
+    from treeserve.engine.factory import build_local_drafter
 
     drafter = build_local_drafter(str(drafter_dir), tiny_target.model, budget=4)
     assert isinstance(drafter, ParallelTreeDrafter)

@@ -31,8 +31,8 @@ class TinyParts:
 
     def engine(self, method: str = "dyspec", budget: int = 8, max_context_tokens: int = 2048):
         from treeserve.engine.drafting import LocalDrafter
-        from treeserve.engine.generate import SpeculativeEngine
-        from treeserve.engine.pipeline import tree_config
+        from treeserve.engine.speculative_engine import SpeculativeEngine
+        from treeserve.engine.factory import tree_config
         from treeserve.engine.runners.drafter import DrafterRunner
         from treeserve.engine.runners.target import TargetRunner
 

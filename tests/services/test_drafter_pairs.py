@@ -166,7 +166,7 @@ def test_drafter_replica_with_a_fixed_budget_loads_only_the_targets_parts(target
                                                                            monkeypatch):
     from treeserve.engine.drafting import DraftRequest
     from treeserve.engine.models.target_parts import TargetParts, load_target_parts
-    from treeserve.engine.pipeline import build_local_drafter, tree_config
+    from treeserve.engine.factory import build_local_drafter, tree_config
     from treeserve.engine.sampling import SamplingParams
     from treeserve.services import drafter_service
     from treeserve.services.config import AppConfig

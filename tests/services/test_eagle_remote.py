@@ -14,10 +14,10 @@ import torch
 
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.drafting import DraftRequest, LocalDrafter, root_only
-from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.drafter import load_drafter
 from treeserve.engine.models.eagle_drafter import EagleDrafter
-from treeserve.engine.pipeline import tree_config
+from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner

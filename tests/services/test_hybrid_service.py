@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from treeserve.engine.drafting import LocalDrafter
-from treeserve.engine.generate import SpeculativeEngine
-from treeserve.engine.pipeline import tree_config
+from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest, StepRecord
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.tree import ChildDraw, Source, TokenTree

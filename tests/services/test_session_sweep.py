@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from treeserve.engine.drafting import LocalDrafter
-from treeserve.engine.generate import SpeculativeEngine
-from treeserve.engine.pipeline import tree_config
+from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner

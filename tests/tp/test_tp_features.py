@@ -113,8 +113,8 @@ def test_default_tp3_features_equal_tp1_in_float64(ray_cpu, default_model_dir):
 
 def _engine(target, tokenizer, drafter):
     from treeserve.engine.drafting import LocalDrafter
-    from treeserve.engine.generate import SpeculativeEngine
-    from treeserve.engine.pipeline import tree_config
+    from treeserve.engine.speculative_engine import SpeculativeEngine
+    from treeserve.engine.factory import tree_config
     from treeserve.engine.runners.drafter import DrafterRunner
 
     local = LocalDrafter(DrafterRunner(drafter, target.vocab_size))
@@ -152,8 +152,8 @@ def test_default_tp3_eagle_through_the_target_replica(default_tp3, default_pair)
     import grpc
 
     from treeserve.engine.drafting import LocalDrafter
-    from treeserve.engine.generate import SpeculativeEngine
-    from treeserve.engine.pipeline import tree_config
+    from treeserve.engine.speculative_engine import SpeculativeEngine
+    from treeserve.engine.factory import tree_config
     from treeserve.engine.runners.drafter import DrafterRunner
     from treeserve.services.config import LimitsConfig
     from treeserve.services.drafter_service import DrafterServicer

@@ -65,7 +65,7 @@ def test_published_layout_round_trips(target, random_eagle3, tmp_path):
 
 
 def test_tiny_eagle3_trained_end_to_end_drafts_losslessly(target, tiny_target_dir, tmp_path):
-    from treeserve.engine.pipeline import build_engine
+    from treeserve.engine.factory import build_engine
 
     model, tokenizer = target
     layers = default_feature_layers(model.config.num_hidden_layers)

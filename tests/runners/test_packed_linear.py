@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from treeserve.engine.models.layout import PACKED_DTYPES, PackedLinear, onednn_available, use_fast_cpu_linears
+from treeserve.engine.models.packed_linear import PACKED_DTYPES, PackedLinear, onednn_available, use_fast_cpu_linears
 from treeserve.engine.models.loading import load_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")

@@ -16,7 +16,7 @@ from treeserve.engine.budget import BudgetChooser, measure_profile
 from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig, split_method
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafting import AUTOREGRESSIVE, LocalDrafter
-from treeserve.engine.generate import SpeculativeEngine
+from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.drafter import drafter_dir, load_drafter, target_feature_layers
 from treeserve.engine.models.loading import LoadedModel, load_causal_lm
 from treeserve.engine.runners.drafter import DrafterRunner
