@@ -322,7 +322,7 @@ def start_api_server(router: Any, api: ApiConfig, security: SecurityConfig, port
     """Start the public API for `router` on its own thread and event loop (a ReplicaServer); returns it.
     With `api.http_port` (or `http_port`, 0 = any free port) the OpenAI-compatible HTTP API too (`server.http`).
     Raises ValueError (naming the field) when the TLS or token files are unusable."""
-    from treeserve.services.grpc_clients import ReplicaServer
+    from treeserve.services.transport.replica_server import ReplicaServer
 
     credentials = server_credentials(security)
     interceptors = []

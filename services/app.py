@@ -8,7 +8,7 @@ This is the only place that turns the plain replica classes into Serve deploymen
   per-deployment settings of the YAML (autoscaling_config, ray_actor_options, ...) are applied here.
 
 The Router gets the Drafter and Target handles only to discover their replicas' gRPC addresses; per-step
-traffic goes over direct channels (services/grpc_clients.py), authenticated with a per-build secret
+traffic goes over direct channels (services/transport/), authenticated with a per-build secret
 (services/internal_auth.py). The public API is the Router replica's own gRPC server (services/api_server.py),
 not Serve's gRPC proxy.
 """

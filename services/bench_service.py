@@ -123,7 +123,7 @@ def open_api_channel(address: str):
     except ImportError:  # older trees: no client module
         import grpc
 
-        from treeserve.services.grpc_clients import channel_options
+        from treeserve.services.transport.replica_server import channel_options
 
         return grpc.insecure_channel(address, options=channel_options())
     return open_channel(address)

@@ -1,6 +1,6 @@
 """Authentication of the internal rpcs (router -> Drafter / Target replicas).
 
-The replicas' gRPC servers (services/grpc_clients.py `ReplicaServer`) listen on their node's own address, and
+The replicas' gRPC servers (services/transport/replica_server.py `ReplicaServer`) listen on their node's own address, and
 every call must carry a token, else UNAUTHENTICATED: an outsider on the network can neither list live sessions
 (Health) nor release another client's session (Release).
 

@@ -508,7 +508,7 @@ def _loopback(address: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     from treeserve.services.cli import CliError
     from treeserve.services.client import read_token
-    from treeserve.services.grpc_clients import quiet_poller_noise
+    from treeserve.services.transport.replica_server import quiet_poller_noise
 
     quiet_poller_noise()  # grpc.aio here and in Ray's driver threads: harmless BlockingIOErrors otherwise
 

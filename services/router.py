@@ -4,7 +4,7 @@ One background step loop per router drives `SpeculativeEngine.step` on the batch
 requests join and leave only at step boundaries, so the batch changes continuously; at batch size 1 the
 drafter builds the configured dynamic tree, above 1 C2T chains (DESIGN.md section 6; the decision is the
 drafter's, per call). The engine is injected: in the Serve deployment (`RouterReplica`) its Target and
-Drafter are gRPC clients of the replicas (services/grpc_clients.py); in unit tests they are in-process
+Drafter are gRPC clients of the replicas (services/transport/clients.py); in unit tests they are in-process
 runners. Verification, emission and stop conditions are the engine's own (`start`, `step`, `result`);
 the router only turns what each step emitted into stream messages.
 
@@ -205,9 +205,12 @@ class Router:
             try:
                 await asyncio.to_thread(self.engine.step, batch)
             except Exception as exc:  # the engine already retried on other replicas: fail this batch
-                from treeserve.services.grpc_clients import NoReplicaError
+                from treeserve.services.transport.pool import NoReplicaError, ReplicasFullError
 
-                if isinstance(exc, NoReplicaError):  # an outage, not a bug: one line, no traceback
+                if isinstance(exc, ReplicasFullError):  # healthy replicas without room: over capacity
+                    log.warning("step refused for %d sequences: %s", len(batch), exc)
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                elif isinstance(exc, NoReplicaError):  # an outage, not a bug: one line, no traceback
                     log.error("step failed for %d sequences: %s", len(batch), exc)
                     code = grpc.StatusCode.UNAVAILABLE
                 else:
@@ -330,7 +333,7 @@ class RouterReplica(Router):
     the step loop and the replica clients. The engine's Target and Drafter are gRPC clients of the Target /
     Drafter replicas, found through the registry (scoped to this application build) and authenticated with the
     application's internal secret. With an EAGLE drafter the target clients ask for features and the drafter
-    client passes them on (services/grpc_clients.py).
+    client passes them on (services/features.py).
 
     Losing this replica ends its streams with UNAVAILABLE (their connections close with the process); Serve
     starts a new one, which listens on the same port, and new requests succeed once it is up."""
@@ -339,9 +342,10 @@ class RouterReplica(Router):
                  internal_secret: str | None = None, serve_api: bool = True):
         from treeserve.engine.factory import tree_config
         from treeserve.services.config import AppConfig
-        from treeserve.services.drafter_service import limit_threads
-        from treeserve.services.grpc_clients import (RemoteDrafter, RemoteTarget, ReplicaPool, Registry,
-                                                     replica_identity, serve_discovery)
+        from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
+        from treeserve.services.transport.discovery import Registry, replica_identity, serve_discovery
+        from treeserve.services.transport.pool import ReplicaPool
+        from treeserve.services.transport.replica_server import limit_threads
         from treeserve.services.internal_auth import registry_scope
         from treeserve.v1 import internal_pb2_grpc as pb_grpc
 

@@ -2,33 +2,26 @@
 
 Score returns compact distributions (argmax at temperature 0, sparse rows under top-k/top-p, dense float32
 otherwise; services/wire.py), and, when an item asks (`want_features`, for an EAGLE drafter), the target's
-features of the rows it fed. Prefill builds a session's cache from its prompt. Both carry the full context,
-so a replica that never saw the session (scaled out, restarted) rebuilds it.
+features of the rows it fed (services/features.py). Every item carries the full context, so a replica that never
+saw the session (scaled out, restarted) rebuilds it.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import grpc
 
-from treeserve.engine.drafting import root_only
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.engine.runners.target import ScoreRequest
-from treeserve.engine.sampling import SamplingParams
 from treeserve.services import wire
-from treeserve.services.drafter_service import GrpcReplica, limit_threads, session_ids_of
-from treeserve.services.grpc_clients import SessionClock, Worker
+from treeserve.services.features import FeaturesUnavailable, check_target_provides
+from treeserve.services.transport.replica import GrpcReplica, SessionClock, session_ids_of
+from treeserve.services.transport.replica_server import Worker, limit_threads
 from treeserve.v1 import internal_pb2 as pb
 from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
-log = logging.getLogger("treeserve.target")
-
-
-class FeaturesUnavailable(Exception):
-    """An item wants the target's features but this replica's runner does not return them."""
 
 
 class TargetServicer(pb_grpc.TargetServicer):
@@ -51,9 +44,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         for item in message.items:
             if not item.context:
                 raise ValueError(f"session {item.session_id}: empty context")
-            if item.want_features and not getattr(self.runner, "provides_features", False):
-                raise FeaturesUnavailable(f"session {item.session_id}: want_features is set but this target "
-                                          f"({type(self.runner).__name__}) does not return its features")
+            check_target_provides(item, type(self.runner).__name__, getattr(self.runner, "provides_features", False))
             requests.append(ScoreRequest(item.session_id, list(item.context), wire.decode_tree(item.tree),
                                          wire.decode_sampling(item.sampling), wire.hint(item),
                                          want_features=item.want_features))
@@ -71,24 +62,6 @@ class TargetServicer(pb_grpc.TargetServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except FeaturesUnavailable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-
-    def _prefill(self, message: pb.PrefillRequest) -> pb.PrefillResponse:
-        context = list(message.context)
-        if not context:
-            raise ValueError("empty context")
-        self.clock.touch([message.session_id])
-        # Scoring the root alone feeds the prompt; the next Score compacts the root into the cache.
-        self.runner.score([ScoreRequest(message.session_id, context, root_only(context), SamplingParams())])
-        self._seen.add(message.session_id)
-        return pb.PrefillResponse(cached_tokens=len(context))
-
-    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        try:
-            return await self.worker.run(self._prefill, request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except KVPoolExhausted as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     def _release(self, ids: list[str]) -> int:
         released = 0

@@ -8,7 +8,7 @@ the row-parallel projections end in all-reduces, so every rank holds the full re
 final post-norm state; rank 0 returns the rows it fed (context extension + tree nodes) of the final state
 (EAGLE-1/2) or of the fused `feature_layers` (EAGLE-3's hidden_states indices), on the CPU, as TargetRunner
 does, and the Target replica sends them on to the router, which forwards to each Drafter replica only the
-rows it lacks (services/grpc_clients.py).
+rows it lacks (services/features.py).
 
 How it is laid out:
 

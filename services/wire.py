@@ -6,8 +6,7 @@ Compact on the wire (DESIGN.md section 3):
 - everything else is dense little-endian bytes, float32 by default (exactly what the replica computed, so
   verification stays lossless), float16 on request (half the bytes, rows renormalised on decode).
 The encoding is chosen per matrix by size, so the decoder never needs to know the sampling settings.
-The target's features (for an EAGLE drafter) travel as little-endian float32 rows with the context position
-of the first one (`FeatureRows`).
+The target's features (for an EAGLE drafter) are encoded by services/features.py.
 """
 
 from __future__ import annotations
@@ -16,10 +15,13 @@ import numpy as np
 import torch
 
 from treeserve.engine.builders import TreeConfig
+from treeserve.engine.drafting import DraftRequest
 from treeserve.engine.requests import StepRecord
+from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists
+from treeserve.services.features import decode_features, encode_features
 from treeserve.v1 import internal_pb2 as pb
 
 DENSE_DTYPES = {"float32": pb.PROB_ENCODING_DENSE_FLOAT32, "float16": pb.PROB_ENCODING_DENSE_FLOAT16}
@@ -81,25 +83,6 @@ def decode_probs(message: pb.ProbMatrix) -> torch.Tensor | None:
 def _check_len(array: np.ndarray, want: int) -> None:
     if array.shape[0] != want:
         raise ValueError(f"ProbMatrix holds {array.shape[0]} values, expected {want}")
-
-
-# ------------------------------------------------------------------------------------------ features
-def encode_features(rows: torch.Tensor, start: int) -> pb.FeatureRows:
-    """[R, H] target features whose first row is context position `start` -> FeatureRows (float32)."""
-    array = rows.detach().to(torch.float32).cpu().numpy()
-    return pb.FeatureRows(start=start, rows=array.shape[0], cols=array.shape[1], values=array.astype("<f4").tobytes())
-
-
-def decode_features(message: pb.FeatureRows) -> tuple[torch.Tensor, int]:
-    """FeatureRows -> ([rows, cols] float32 tensor, start); ValueError when the fields disagree."""
-    if message.start < 0 or message.rows < 0 or message.cols <= 0:
-        raise ValueError(f"features: start {message.start} and rows {message.rows} must be >= 0, "
-                         f"cols {message.cols} > 0")
-    array = np.frombuffer(message.values, dtype="<f4")
-    if array.shape[0] != message.rows * message.cols:
-        raise ValueError(f"features hold {array.shape[0]} values, expected rows x cols = "
-                         f"{message.rows} x {message.cols}")
-    return torch.from_numpy(array.reshape(message.rows, message.cols).copy()), int(message.start)
 
 
 # ------------------------------------------------------------------------------------------ trees
@@ -200,6 +183,28 @@ def decode_observation(message: pb.StepObservation) -> StepRecord:
                       verify_ms=message.verify_ms, draft_forward_ms=message.draft_forward_ms,
                       tree_size_lookup=message.tree_size_lookup_tokens, accepted_lookup=message.accepted_lookup_tokens,
                       accepted_both=message.accepted_both_tokens)
+
+
+# ------------------------------------------------------------------------------------------ items
+def encode_score_item(r: ScoreRequest) -> pb.ScoreItem:
+    item = pb.ScoreItem(session_id=r.session_id, context=r.context, tree=encode_tree(r.tree),
+                        sampling=encode_sampling(r.sampling), want_features=r.want_features)
+    if r.accepted_nodes is not None:
+        item.has_accepted_nodes = True
+        item.accepted_nodes.extend(r.accepted_nodes)
+    return item
+
+
+def encode_draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -> pb.DraftItem:
+    """A DraftItem; `features`: the rows the receiving replica lacks (services/features.py)."""
+    item = pb.DraftItem(session_id=r.session_id, context=r.context, sampling=encode_sampling(r.sampling),
+                        tree=encode_tree_config(r.tree), seed=r.seed % (1 << 64))
+    if r.accepted_nodes is not None:
+        item.has_accepted_nodes = True
+        item.accepted_nodes.extend(r.accepted_nodes)
+    if features is not None:
+        item.features.CopyFrom(features)
+    return item
 
 
 def hint(message, has_field: str = "has_accepted_nodes", field: str = "accepted_nodes") -> list[int] | None:

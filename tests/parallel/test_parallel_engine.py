@@ -202,14 +202,13 @@ def test_drafter_service_hosts_the_parallel_drafter(tiny_target, parallel_drafte
     from treeserve.engine.drafting import DraftRequest
     from treeserve.services import wire
     from treeserve.services.drafter_service import DrafterServicer, session_ids_of
-    from treeserve.services.grpc_clients import _draft_item
     from treeserve.v1 import internal_pb2 as pb
 
     vocab = tiny_target.model.config.vocab_size
     servicer = DrafterServicer(ParallelTreeDrafter(parallel_drafter, vocab), vocab)
     request = DraftRequest("s", [5, 6, 7], SamplingParams(), TreeConfig(method="opt_tree", budget=6), seed=0)
     for batch in (1, 3):  # 3: a lone item of a batched router step becomes an early-exit chain
-        reply = servicer._draft(pb.DraftRequest(items=[_draft_item(request)], router_batch_size=batch))
+        reply = servicer._draft(pb.DraftRequest(items=[wire.encode_draft_item(request)], router_batch_size=batch))
         tree = wire.decode_tree(reply.trees[0])
         assert tree.num_nodes >= 2 and reply.draft_model_ms >= reply.draft_forward_ms > 0
         if batch > 1:

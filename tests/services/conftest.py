@@ -218,7 +218,7 @@ class ServeService:
         return auth_metadata(self.token)
 
     def replicas(self, deployment: str) -> list:
-        from treeserve.services.grpc_clients import Registry
+        from treeserve.services.transport.discovery import Registry
         from treeserve.services.internal_auth import registry_scope
 
         return Registry(self.app_name, deployment, registry_scope(self.internal_secret)).list()

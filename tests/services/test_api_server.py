@@ -235,7 +235,7 @@ def test_client_cancel_leaves_no_noise(tiny_parts, make_local_service, caplog):
 
 
 def test_grpc_poller_noise_is_filtered_and_nothing_else():
-    from treeserve.services.grpc_clients import _PollerNoiseFilter
+    from treeserve.services.transport.replica_server import PollerNoiseFilter
 
     def record(message, exc):
         return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, (), (type(exc), exc, None))
@@ -244,5 +244,5 @@ def test_grpc_poller_noise_is_filtered_and_nothing_else():
                    BlockingIOError(11, "Resource temporarily unavailable"))
     real = record("Exception in callback something_else()", BlockingIOError(11, "x"))
     other = record("Exception in callback PollerCompletionQueue._handle_events()", ValueError("real bug"))
-    f = _PollerNoiseFilter()
+    f = PollerNoiseFilter()
     assert not f.filter(noise) and f.filter(real) and f.filter(other)

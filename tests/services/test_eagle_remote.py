@@ -25,8 +25,11 @@ from treeserve.engine.sampling import SamplingParams
 from treeserve.services import wire
 from treeserve.services.config import LimitsConfig
 from treeserve.services.drafter_service import DrafterServicer
-from treeserve.services.grpc_clients import (RemoteDrafter, RemoteTarget, ReplicaPool, ReplicaServer,
-                                             static_discovery)
+from treeserve.services.features import encode_features
+from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
+from treeserve.services.transport.discovery import static_discovery
+from treeserve.services.transport.pool import ReplicaPool
+from treeserve.services.transport.replica_server import ReplicaServer
 from treeserve.services.router import Router, RouterServicer
 from treeserve.services.target_service import TargetServicer
 from treeserve.v1 import generation_pb2 as gen
@@ -183,7 +186,7 @@ def test_remote_batches_match_in_process(tiny_parts, eagle, replicas, remote, tr
         assert [r.token_ids for r in engine.generate(requests)] == [r.token_ids for r in local.generate(requests)]
     _check_deltas(replicas.drafter.received, full_sends=0)
     assert engine.drafter.feature_resends == 0
-    assert not replicas.drafter.features.session_ids and not engine.drafter._feature_rows
+    assert not replicas.drafter.features.session_ids and not engine.drafter.feature_deltas.session_ids
 
 
 def test_drafter_replica_losing_rows_gets_them_again(tiny_parts, eagle, replicas, remote):
@@ -229,7 +232,7 @@ def test_target_replica_lost_resends_recomputed_rows(tiny_parts, eagle, replicas
 def _item(session: str, context: list[int], features: torch.Tensor, start: int, method: str = "dyspec"):
     return pb.DraftItem(session_id=session, context=context, sampling=wire.encode_sampling(SamplingParams()),
                         tree=wire.encode_tree_config(tree_config(method, 8)),
-                        features=wire.encode_features(features[start:len(context) - 1], start))
+                        features=encode_features(features[start:len(context) - 1], start))
 
 
 def test_feature_store_deltas_missing_rows_and_release(tiny_parts, eagle):

@@ -83,7 +83,10 @@ def test_drafter_replica_drafts_lookup_candidates(tiny_parts):
     from test_remote_parts import Loop, _bind
 
     from treeserve.services.drafter_service import DrafterServicer
-    from treeserve.services.grpc_clients import RemoteDrafter, ReplicaPool, ReplicaServer, static_discovery
+    from treeserve.services.transport.clients import RemoteDrafter
+    from treeserve.services.transport.discovery import static_discovery
+    from treeserve.services.transport.pool import ReplicaPool
+    from treeserve.services.transport.replica_server import ReplicaServer
 
     vocab = tiny_parts.target.model.config.vocab_size
     servicer = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab)), vocab)

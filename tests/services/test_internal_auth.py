@@ -18,7 +18,10 @@ from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.services.drafter_service import DrafterServicer
-from treeserve.services.grpc_clients import RemoteDrafter, RemoteTarget, ReplicaPool, ReplicaServer, static_discovery
+from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
+from treeserve.services.transport.discovery import static_discovery
+from treeserve.services.transport.pool import ReplicaPool
+from treeserve.services.transport.replica_server import ReplicaServer
 from treeserve.services.internal_auth import (METADATA_KEY, REJECTED_DETAILS, address_token, generate_secret,
                                               registry_scope)
 from treeserve.services.target_service import TargetServicer

@@ -1,6 +1,6 @@
 """Drafter / Target servicers on their own grpc.aio servers and the router's gRPC clients, without Ray:
-the same greedy output as the in-process engine, Prefill / Health / Release, and fail-over when a target
-replica disappears mid-generation."""
+the same greedy output as the in-process engine, Health / Release, fail-over when a target replica disappears
+mid-generation, and a full replica (RESOURCE_EXHAUSTED) kept in the pool."""
 
 from __future__ import annotations
 
@@ -9,15 +9,18 @@ import threading
 
 import pytest
 
-from treeserve.engine.drafting import LocalDrafter
+from treeserve.engine.drafting import LocalDrafter, root_only
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.drafter import DrafterRunner
-from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.runners.target import ScoreRequest, TargetRunner
+from treeserve.engine.sampling import SamplingParams
 from treeserve.services.drafter_service import DrafterServicer
-from treeserve.services.grpc_clients import (RemoteDrafter, RemoteTarget, ReplicaPool, ReplicaServer,
-                                             static_discovery)
+from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
+from treeserve.services.transport.discovery import static_discovery
+from treeserve.services.transport.pool import ReplicaPool
+from treeserve.services.transport.replica_server import ReplicaServer
 from treeserve.services.target_service import TargetServicer
 from treeserve.v1 import internal_pb2 as pb
 from treeserve.v1 import internal_pb2_grpc as pb_grpc
@@ -89,10 +92,11 @@ def test_remote_engine_matches_in_process(remote, tiny_parts):
     assert not replicas.drafter.drafter.runner.lm.sessions
 
 
-def test_health_prefill_release(remote):
+def test_health_release(remote):
     engine, replicas, loop = remote
     target = engine.target
-    assert loop.run(target.prefill_async("s-1", [1, 2, 3, 4])) == 4
+    context = [1, 2, 3, 4]  # scoring the root alone feeds the prompt: the session now has a cache
+    loop.run(target.score_async([ScoreRequest("s-1", context, root_only(context), SamplingParams())]))
     health = loop.run(target.pool.broadcast("Health", pb.HealthRequest()))
     assert sum(h.active_sessions for h in health) == 1
     assert {h.vocab_size for h in health} == {replicas.vocab}

@@ -1,4 +1,4 @@
-"""Replicas free sessions nobody used for clock.idle_s (services/grpc_clients.py SessionClock): what a dead
+"""Replicas free sessions nobody used for clock.idle_s (services/transport/replica.py SessionClock): what a dead
 router leaves behind (it never sends Release) does not hold KV rows or autoscaling load forever."""
 
 from __future__ import annotations

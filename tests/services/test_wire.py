@@ -9,6 +9,7 @@ from treeserve.engine.sampling import SamplingParams, warp_probs
 from treeserve.engine.tree import ChildDraw, TokenTree
 from treeserve.engine.verify import TargetDists
 from treeserve.services import wire
+from treeserve.services.features import decode_features, encode_features
 from treeserve.v1 import internal_pb2 as pb
 
 V = 1024
@@ -87,30 +88,30 @@ def test_features_round_trip():
     (the fed rows) and in DraftItem (a delta); values that disagree with rows x cols are refused."""
     torch.manual_seed(0)
     rows = torch.randn(5, 16)
-    message = pb.FeatureRows.FromString(wire.encode_features(rows, 7).SerializeToString())
+    message = pb.FeatureRows.FromString(encode_features(rows, 7).SerializeToString())
     assert (message.start, message.rows, message.cols, len(message.values)) == (7, 5, 16, 5 * 16 * 4)
-    back, start = wire.decode_features(message)
+    back, start = decode_features(message)
     assert start == 7 and back.dtype == torch.float32 and torch.equal(back, rows)
     # bfloat16 features (a GPU target) go as float32: exact, since bfloat16 widens losslessly.
     half = rows.to(torch.bfloat16)
-    assert torch.equal(wire.decode_features(wire.encode_features(half, 0))[0], half.float())
-    empty, _ = wire.decode_features(wire.encode_features(rows[:0], 3))
+    assert torch.equal(decode_features(encode_features(half, 0))[0], half.float())
+    empty, _ = decode_features(encode_features(rows[:0], 3))
     assert empty.shape == (0, 16)
     dists = TargetDists(argmax=torch.tensor([3, 1]), features=rows, features_start=4)
     out = wire.decode_dists(pb.TargetDists.FromString(wire.encode_dists(dists).SerializeToString()))
     assert torch.equal(out.argmax, dists.argmax) and torch.equal(out.features, rows) and out.features_start == 4
     plain = wire.decode_dists(wire.encode_dists(TargetDists(argmax=torch.tensor([3]))))
     assert plain.features is None and plain.features_start == 0
-    item = pb.DraftItem.FromString(pb.DraftItem(session_id="s", features=wire.encode_features(rows, 2))
+    item = pb.DraftItem.FromString(pb.DraftItem(session_id="s", features=encode_features(rows, 2))
                                    .SerializeToString())
-    assert item.HasField("features") and torch.equal(wire.decode_features(item.features)[0], rows)
+    assert item.HasField("features") and torch.equal(decode_features(item.features)[0], rows)
     assert not pb.DraftItem(session_id="s").HasField("features")
-    short = wire.encode_features(rows, 0)
+    short = encode_features(rows, 0)
     short.values = short.values[:-4]
     with pytest.raises(ValueError, match="rows x cols"):
-        wire.decode_features(short)
+        decode_features(short)
     with pytest.raises(ValueError, match="must be >= 0"):
-        wire.decode_features(pb.FeatureRows(start=-1, rows=0, cols=16))
+        decode_features(pb.FeatureRows(start=-1, rows=0, cols=16))
 
 
 def test_params_round_trip():

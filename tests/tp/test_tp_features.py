@@ -157,8 +157,10 @@ def test_default_tp3_eagle_through_the_target_replica(default_tp3, default_pair)
     from treeserve.engine.runners.drafter import DrafterRunner
     from treeserve.services.config import LimitsConfig
     from treeserve.services.drafter_service import DrafterServicer
-    from treeserve.services.grpc_clients import (RemoteDrafter, RemoteTarget, ReplicaPool, ReplicaServer,
-                                                 static_discovery)
+    from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
+    from treeserve.services.transport.discovery import static_discovery
+    from treeserve.services.transport.pool import ReplicaPool
+    from treeserve.services.transport.replica_server import ReplicaServer
     from treeserve.services.router import Router, RouterServicer
     from treeserve.services.target_service import TargetServicer
     from treeserve.v1 import generation_pb2 as gen

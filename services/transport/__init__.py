@@ -1,0 +1,17 @@
+"""Direct gRPC between the Router and the Drafter / Target replicas (docs/design.md, "Transport").
+
+Serve owns lifecycle, health and scaling; the per-step traffic (trees, distributions) goes over direct grpc.aio
+channels because a DeploymentHandle round trip costs ~5x a gRPC call on a small box. One module per role:
+
+- `replica_server`: a replica's grpc.aio server on its own thread and loop, and the model worker thread.
+- `replica`: what every Drafter / Target replica shares (server start, heartbeat, health, session clock,
+  the autoscaling metric).
+- `discovery`: where replicas publish their address (Ray's internal KV, with a heartbeat) and how the router
+  lists them.
+- `pool`: the router's view of one deployment's replicas (consistent hashing, drop and refresh) and the
+  grouped caller that retries a failed group on another replica.
+- `bridge`: runs the async client methods from the engine's worker thread on the router's loop.
+- `clients`: `RemoteTarget` / `RemoteDrafter`, the engine's Target / Drafter protocols over a pool.
+
+EAGLE's target features on their way from the Target to the Drafter replicas are services/features.py.
+"""

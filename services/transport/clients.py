@@ -1,0 +1,153 @@
+"""The engine's Target and Drafter protocols over the replicas: `RemoteTarget` and `RemoteDrafter`.
+
+The async methods run on the router's event loop; the sync protocol methods (called by `SpeculativeEngine.step`
+on a worker thread) bridge onto that loop (services/transport/bridge.py). Each call groups its items by the
+sessions' replicas and survives losing one (services/transport/pool.py). For an EAGLE drafter the target
+returns its features with the scores and the drafter client sends each replica only the rows it lacks
+(services/features.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from treeserve.engine.drafting import DraftRequest, root_only
+from treeserve.engine.requests import StepRecord
+from treeserve.engine.runners.target import ScoreRequest
+from treeserve.engine.tree import TokenTree
+from treeserve.engine.verify import TargetDists
+from treeserve.services import wire
+from treeserve.services.features import FeatureDeltas
+from treeserve.services.transport.pool import GroupedCaller, LiveReplica, NoReplicaError, ReplicaPool, Retry
+from treeserve.v1 import internal_pb2 as pb
+
+log = logging.getLogger("treeserve.grpc")
+
+
+class RemoteTarget(GroupedCaller):
+    """engine Target protocol over Target replicas.
+
+    `features_listener(session_id, features_start)` is called for every score that returned the target's
+    features: the router's rows from `features_start` on are replaced by them (usually only new rows; all of
+    them when a target replica rebuilt the session), which a `RemoteDrafter` must pass on to its replicas."""
+
+    # Honours ScoreRequest.want_features (the engine checks it for an EAGLE drafter): Target replicas return the
+    # features whether they hold a TargetRunner or a tensor-parallel group (services/tp_target.py).
+    provides_features = True
+
+    def __init__(self, pool: ReplicaPool, vocab_size: int, call_timeout_s: float = 120.0,
+                 retry_timeout_s: float = 120.0, features_listener: Callable[[str, int], None] | None = None):
+        super().__init__(pool, call_timeout_s, retry_timeout_s)
+        self.vocab_size = vocab_size
+        self.features_listener = features_listener
+        self.last_score_ms = 0.0
+
+    async def score_async(self, requests: list[ScoreRequest]) -> list[TargetDists]:
+        async def send(live: LiveReplica, group: list[ScoreRequest]) -> list[TargetDists]:
+            message = pb.ScoreRequest(items=[wire.encode_score_item(r) for r in group])
+            reply = await live.stub.Score(message, timeout=self.call_timeout_s)
+            if len(reply.dists) != len(group):
+                raise Retry(f"replica returned {len(reply.dists)} results for {len(group)} trees")
+            if any(r.want_features and not d.HasField("features") for r, d in zip(group, reply.dists)):
+                raise Retry("replica returned no features for an item that asked for them")
+            self.last_score_ms = reply.score_ms
+            return [wire.decode_dists(d) for d in reply.dists]
+
+        dists = await self._grouped(requests, lambda r: r.session_id, send)
+        if self.features_listener is not None:
+            for r, d in zip(requests, dists):
+                if d.features is not None:
+                    self.features_listener(r.session_id, d.features_start)
+        return dists
+
+    def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
+        return self._sync(self.score_async(requests))
+
+
+class RemoteDrafter(GroupedCaller):
+    """engine Drafter protocol over Drafter replicas. Without a live drafter the step degrades to a root-only
+    tree (one autoregressive step): it costs time, never tokens.
+
+    With `reads_target_features` (an EAGLE drafter) each DraftRequest carries the target's features of its
+    context; `feature_deltas` sends each replica only the rows it lacks. A replica that lacks the rows a delta
+    builds on lists the session in `features_missing`, and the call is sent again with that session's rows
+    from 0 (services/features.py)."""
+
+    wait_for_live = False  # a step without a drafter is still a step: never wait for one
+
+    def __init__(self, pool: ReplicaPool, call_timeout_s: float = 60.0, retry_timeout_s: float = 2.0,
+                 reads_target_features: bool = False):
+        super().__init__(pool, call_timeout_s, retry_timeout_s)
+        self.reads_target_features = reads_target_features  # the engine then scores with want_features
+        self.feature_deltas = FeatureDeltas()
+        self._observations: list[pb.StepObservation] = []
+        self.fallbacks = 0
+        self.last_model_ms = 0.0  # drafter runner time of the last draft call (engine StepRecord)
+        self.last_forward_ms = 0.0  # of which model forwards
+        self.hold_steps = 0  # further steps the replica's chooser decided are plain decoding (engine skips them)
+
+    @property
+    def feature_resends(self) -> int:
+        """Sessions whose rows a replica lacked and were sent again from 0."""
+        return self.feature_deltas.resends
+
+    async def draft_async(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+        observations, self._observations = self._observations[-64:], []
+        holds: list[int] = []
+        deltas = self.feature_deltas
+
+        async def send(live: LiveReplica, group: list[DraftRequest]) -> list[TokenTree]:
+            address = live.endpoint.address
+            resend: set[str] = set()  # sessions whose features go from position 0
+            while True:
+                items = [wire.encode_draft_item(r, deltas.rows_for(r, address, r.session_id in resend))
+                         for r in group]
+                message = pb.DraftRequest(items=items, observations=observations,
+                                          router_batch_size=batch_size or len(requests))
+                reply = await live.stub.Draft(message, timeout=self.call_timeout_s)
+                if not reply.features_missing:
+                    break
+                # Each round sends more sessions in full, and a full send cannot be missing: this ends.
+                missing = set(reply.features_missing)
+                if not missing <= {r.session_id for r in group} - resend:
+                    raise Retry(f"replica reported features missing for {sorted(missing)} which it was sent in "
+                                "full or not at all")
+                log.info("%s replica %s lacks the features of %d session(s); sending them in full", self.pool.name,
+                         address, len(missing))
+                deltas.resends += len(missing)
+                resend |= missing
+            if len(reply.trees) != len(group):
+                raise Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")
+            for r in group:
+                deltas.sent(r, address)
+            self.last_model_ms, self.last_forward_ms = reply.draft_model_ms, reply.draft_forward_ms
+            holds.append(reply.plain_steps_held)
+            return [wire.decode_tree(t) for t in reply.trees]
+
+        try:
+            trees = await self._grouped(requests, lambda r: r.session_id, send)
+            self.hold_steps = min(holds, default=0)  # several replicas: skip only what all of them decided
+            return trees
+        except NoReplicaError as exc:  # none live, or every one full: a plain step costs time, never tokens
+            self.fallbacks += 1
+            self.hold_steps = 0
+            self.last_model_ms = self.last_forward_ms = 0.0
+            log.warning("drafting skipped for this step (%s): root-only trees", exc)
+            return [root_only(r.context) for r in requests]
+
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+        return self._sync(self.draft_async(requests, batch_size))
+
+    def observe(self, record: StepRecord) -> None:
+        # Sent with the next Draft call (the budget choosers live in the drafter replica). Steps without
+        # a draft count too: they measure plain decoding, the budget-0 arm.
+        self._observations.append(wire.encode_observation(record))
+
+    def features_rewritten(self, session_id: str, start: int) -> None:
+        """RemoteTarget.features_listener: the router's rows of the session from `start` on were (re)computed."""
+        self.feature_deltas.rewritten(session_id, start)
+
+    async def release_async(self, session_id: str) -> int:
+        self.feature_deltas.forget(session_id)
+        return await super().release_async(session_id)
