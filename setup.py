@@ -1,7 +1,7 @@
 """Build hooks: map the top-level folders into the `treeserve` namespace and generate gRPC stubs.
 
-The repository keeps `engine/` and `services/` at the top level (DESIGN.md section 2); installed, they are
-`treeserve.engine` and `treeserve.services`, so no generic top-level module is created. The `.proto`
+The repository keeps `engine/`, `services/` and `cli/` at the top level (DESIGN.md section 2); installed, they are
+`treeserve.engine`, `treeserve.services` and `treeserve.cli`, so no generic top-level module is created. The `.proto`
 files under `proto/treeserve/v1/` are compiled by grpcio-tools whenever the project is built into the package
 `treeserve.v1`: the import path in the generated code follows the proto path, so nothing is patched.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).parent.resolve()
-FOLDERS = {"engine": "treeserve.engine", "services": "treeserve.services"}
+FOLDERS = {"engine": "treeserve.engine", "services": "treeserve.services", "cli": "treeserve.cli"}
 PROTO_ROOT = ROOT / "proto"
 # Generated, never committed (.gitignore); an editable install imports `treeserve.v1` from here.
 STUB_ROOT = ROOT / "build" / "proto_stubs"

@@ -12,6 +12,6 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
-    from treeserve.services.cli import main
+    from treeserve.cli.main import main
 
     sys.exit(main(["bench", "--service", *sys.argv[1:]]))

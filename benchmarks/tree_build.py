@@ -173,7 +173,7 @@ def drafter_oracles(drafter_path: str):
     first dev prompt (chat template) plus the start of a greedy answer."""
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.factory import build_local_drafter
-    from treeserve.engine.training.agreement_command import DEV_PROMPTS, load_prompts
+    from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
 
     target = load_causal_lm("default")
     runner = build_local_drafter(drafter_path, target.model, budget=32).runner

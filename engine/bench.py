@@ -51,7 +51,7 @@ HF_KEY = "hf-generate"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from treeserve.engine.training.agreement_command import DEV_PROMPTS
+    from treeserve.engine.dev_prompts import DEV_PROMPTS
 
     parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS,
                         help="Spec-Bench-format jsonl (default: the vendored dev questions, benchmarks/data)")
@@ -476,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.factory import build_engine
     from treeserve.engine.sampling import SamplingParams
-    from treeserve.engine.training.agreement_command import load_prompts
+    from treeserve.engine.dev_prompts import load_prompts
 
     _validate(args)
     torch.set_num_threads(args.threads)

@@ -38,7 +38,7 @@ CONCURRENCY = [1, 8, 16, 32]
 
 
 def add_service_arguments(parser: argparse.ArgumentParser) -> None:
-    from treeserve.services.serve_command import DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE
+    from treeserve.services.launch import DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE
 
     group = parser.add_argument_group("service (--service: through gRPC instead of in-process)")
     group.add_argument("--service", action="store_true",
@@ -242,8 +242,8 @@ def run_service(args: argparse.Namespace) -> int:
 
     from treeserve.engine.bench import greedy_reference
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.training.agreement_command import load_prompts
-    from treeserve.services.serve_command import load_config, start_service, stop_service
+    from treeserve.engine.dev_prompts import load_prompts
+    from treeserve.services.launch import load_config, start_service, stop_service
 
     if args.service_rounds < 1 or args.max_new_tokens < 1 or min(args.concurrency) < 1:
         raise ValueError("--service-rounds, --max-new-tokens and --concurrency must be >= 1")

@@ -1,4 +1,4 @@
-"""`treeserve memory-estimate`: the peak memory of every process on every GPU of a layout, FITS or not.
+"""The peak memory of every process on every GPU of a layout, FITS or not (`treeserve memory-estimate`, cli/).
 
 Answers "does this layout fit before I rent the GPUs?" from the models' config.json facts alone (no weights
 needed: the layouts point at deploy/models/*/config.json). Per process (a target TP rank, a drafter replica):
@@ -20,7 +20,6 @@ replica sets with torch.cuda.set_per_process_memory_fraction), a GPU when its pr
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,33 +51,6 @@ class ProcessRow:
         if self.limit is None:
             return "n/a (host RAM)"
         return "FITS" if self.total <= self.limit else "DOES NOT FIT"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("layouts", nargs="*", type=Path,
-                        help="Serve config YAMLs (default: every deploy/*.yaml)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
-                        help="memory per GPU in GiB (default 80: A100 80GB)")
-    parser.add_argument("--overhead-gib", type=float, default=2.0,
-                        help="fixed margin per process: CUDA context, NCCL buffers, allocator slack")
-    parser.add_argument("--write", action="store_true",
-                        help="also write <layout>.memory.txt next to each layout")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.gpu_memory_gib <= 0 or args.overhead_gib < 0:
-        raise ValueError("--gpu-memory-gib must be > 0 and --overhead-gib >= 0")
-    layouts = list(args.layouts) or default_layouts()
-    if not layouts:
-        raise ValueError("no layouts given and no deploy/*.yaml found")
-    fits = True
-    for path in layouts:
-        text, ok = report(path, args.gpu_memory_gib, args.overhead_gib)
-        fits &= ok
-        print(text)
-        if args.write:
-            report_path(path).write_text(text)
-    return 0 if fits else 1
 
 
 def default_layouts() -> list[Path]:

@@ -51,12 +51,12 @@ def _drop_json_names(file_proto) -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "treeserve.services.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "treeserve.cli.main", *args], capture_output=True, text=True,
                           timeout=300)
 
 
 def test_cli_help_lists_subcommands():
-    from treeserve.services.cli import SUBCOMMANDS
+    from treeserve.cli.main import SUBCOMMANDS
 
     out = run_cli("--help")
     assert out.returncode == 0
@@ -80,10 +80,10 @@ def test_train_drafter_help_documents_every_option():
     # Every option has a description (argparse prints the help text after the flag).
     import argparse
 
-    from treeserve.engine.training import drafter_command
+    from treeserve.cli import train_drafter
 
     parser = argparse.ArgumentParser()
-    drafter_command.add_arguments(parser)
+    train_drafter.add_arguments(parser)
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, f"{action.option_strings} has no help"

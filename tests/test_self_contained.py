@@ -63,7 +63,7 @@ def test_shipped_drafter_cards_hold_no_absolute_paths():
 
 def test_trainers_write_portable_paths(tmp_path, monkeypatch):
     from treeserve.engine.models.loading import portable_path
-    from treeserve.engine.training.drafter_command import portable_card
+    from treeserve.engine.training.model_card import portable_card
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TREESERVE_CACHE", str(cache))
@@ -87,7 +87,7 @@ def test_a_clone_finds_its_default_prompts_inside_itself(tmp_path):
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
     code = ("import runpy, sys; ns = runpy.run_path(sys.argv[1]); "
             "print(ns['DEV_PROMPTS'].resolve()); print(ns['DEV_PROMPTS'].is_file())")
-    out = subprocess.run([sys.executable, "-c", code, str(clone / "engine" / "training" / "agreement_command.py")],
+    out = subprocess.run([sys.executable, "-c", code, str(clone / "engine" / "dev_prompts.py")],
                          capture_output=True, text=True, check=True, timeout=60)
     resolved, exists = out.stdout.split()
     assert Path(resolved).is_relative_to(clone.resolve()), resolved

@@ -1,9 +1,9 @@
-"""`treeserve tune-c2t`: choose a trained C2T classifier's confidence threshold beta (never on the dev set).
+"""Choose a trained C2T classifier's confidence threshold beta (never on the dev set; `treeserve tune-c2t`).
 
 C2T's beta trades candidate tokens for accepted length; the paper compares methods on the scatter of mean
 accepted length against candidates per step (C2T section 5.1-5.2, Figure 4), with EAGLE-2 at a fixed Top-K as
 the reference. Confidences are calibrated by the classifier's own training (negative sampling shifts them),
-so the threshold is a property of the trained weights. This command measures that trade-off on tuning
+so the threshold is a property of the trained weights. `treeserve tune-c2t` measures that trade-off on tuning
 prompts, greedy, one engine:
 
 - EAGLE-2 at `--budget` (the reference), then C2T for every beta of `--betas` with a node cap of
@@ -23,11 +23,9 @@ the dev questions (`benchmarks/data`); `--prompts-file` replaces them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 TUNING_PROMPTS = (
@@ -99,80 +97,35 @@ def measure(engine, prompts: list[list[int]], tree, max_new_tokens: int) -> tupl
     return tokens / max(1, steps), candidates / max(1, steps)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
-    parser.add_argument("--drafter", default="eagle", help="drafter ('default', 'eagle' or a directory)")
-    parser.add_argument("--classifier", type=Path, default=None,
-                        help="classifier file to tune and rewrite (default: the drafter's own c2t.safetensors)")
-    parser.add_argument("--prompts-file", type=Path, default=None,
-                        help="JSON list of tuning prompt texts (default: the built-in hand-written ones; never "
-                             "the dev set)")
-    parser.add_argument("--betas", type=float, nargs="+", default=list(DEFAULT_BETAS), help="thresholds to try")
-    parser.add_argument("--budget", type=int, default=32, help="EAGLE-2's budget (the reference)")
-    parser.add_argument("--c2t-budget", type=int, default=None, help="C2T's node cap (default: --budget)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
-    parser.add_argument("--candidate-fraction", type=float, default=0.8,
-                        help="C2T may send at most this fraction of the reference's candidates per step")
-    parser.add_argument("--dry-run", action="store_true", help="print the sweep, write nothing")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-
-
-def run(args: argparse.Namespace) -> int:
-    import torch
+def sweep_betas(engine, prompts: list[list[int]], budget: int, cap: int, betas, classifier_path: Path,
+                max_new_tokens: int, progress: bool = True) -> tuple[SweepPoint, list[SweepPoint]]:
+    """(EAGLE-2 at `budget`, C2T capped at `cap` for every beta in ascending order) over greedy decoding of
+    `prompts`."""
     from tqdm import tqdm
 
-    from treeserve.engine.c2t_classifier import C2TClassifier
-    from treeserve.engine.factory import build_engine, drafter_classifier_path, tree_config
-    from treeserve.engine.training.c2t_command import prompt_texts
+    from treeserve.engine.factory import tree_config
 
-    if not all(0.0 < b < 1.0 for b in args.betas):
-        raise ValueError(f"--betas must lie in (0, 1), got {args.betas}")
-    cap = args.budget if args.c2t_budget is None else args.c2t_budget
-    if min(args.budget, cap, args.max_new_tokens) < 1:
-        raise ValueError("--budget, --c2t-budget and --max-new-tokens must be >= 1")
-    if not 0.0 < args.candidate_fraction <= 1.0:
-        raise ValueError(f"--candidate-fraction must lie in (0, 1], got {args.candidate_fraction}")
-    texts = prompt_texts(args.prompts_file) if args.prompts_file is not None else list(TUNING_PROMPTS)
-    path = args.classifier or drafter_classifier_path(args.drafter)
-    if not path.is_file():
-        raise FileNotFoundError(f"no classifier at {path}: train one with `treeserve train-c2t` first")
-    classifier = C2TClassifier.load(path)
-    torch.set_num_threads(args.threads)
-    engine = build_engine(drafter_path=args.drafter, method="c2t", budget=cap, target_path=args.target)
-    prompts = [engine.encode_chat(t) for t in texts]
-    runs = [("eagle2", None)] + [("c2t", b) for b in sorted(set(args.betas))]
+    runs = [("eagle2", None)] + [("c2t", b) for b in sorted(set(betas))]
     points = []
-    for method, beta in tqdm(runs, desc="tune C2T beta"):
+    for method, beta in tqdm(runs, desc="tune C2T beta", disable=not progress):
         # tree_config: the shape `bench` and the services use (C2T: the paper's depth and K)
-        tree = tree_config(method, args.budget if method == "eagle2" else cap, beta=beta,
-                           c2t_classifier_path=str(path))
-        mal, candidates = measure(engine, prompts, tree, args.max_new_tokens)
+        tree = tree_config(method, budget if method == "eagle2" else cap, beta=beta,
+                           c2t_classifier_path=str(classifier_path))
+        mal, candidates = measure(engine, prompts, tree, max_new_tokens)
         points.append(SweepPoint(method, beta, round(mal, 4), round(candidates, 2)))
-    reference, sweep = points[0], points[1:]
-    beta, reached = choose_beta(reference, sweep, args.candidate_fraction)
-    print(f"eagle2:{args.budget}: MAL {reference.mal:.3f}, {reference.candidates:.1f} candidates per step")
-    for p in sweep:
-        mark = " <- chosen" if p.beta == beta else ""
-        print(f"c2t:{cap} beta {p.beta:.3f}: MAL {p.mal:.3f}, {p.candidates:.1f} candidates per step "
-              f"({p.candidates / max(reference.candidates, 1e-9):.0%} of EAGLE-2's){mark}")
-    if not reached:
-        warnings.warn(f"no beta within {args.candidate_fraction:.0%} of EAGLE-2's candidates reached its MAL "
-                      f"{reference.mal:.3f}; chose beta {beta}")
-    if args.dry_run:
-        return 0
+    return points[0], points[1:]
+
+
+def record_beta(classifier, path: Path, beta: float, tuning: dict) -> None:
+    """Save `beta` in the classifier file at `path` and the record `tuning` as `beta_tuning` in its .json card
+    (replaced atomically)."""
     classifier.beta = beta
     classifier.save(path)
     card_path = path.with_suffix(".json")
     card = json.loads(card_path.read_text()) if card_path.is_file() else {}
     for older in ("default_beta", "default_beta_choice"):  # the older free-text record of the choice
         card.pop(older, None)
-    card["beta_tuning"] = {
-        "chosen_beta": beta, "reached_reference": reached, "candidate_fraction": args.candidate_fraction,
-        "prompts": len(prompts), "prompt_source": str(args.prompts_file or "built-in hand-written (never the dev set)"),
-        "max_new_tokens": args.max_new_tokens, "budget": args.budget, "c2t_budget": cap, "drafter": str(args.drafter),
-        "reference": asdict(reference), "sweep": [asdict(p) for p in sweep]}
+    card["beta_tuning"] = tuning
     partial = card_path.with_suffix(".json.partial")
     partial.write_text(json.dumps(card, indent=2))
     os.replace(partial, card_path)
-    print(f"beta {beta} written to {path}")
-    return 0

@@ -33,6 +33,9 @@ from treeserve.engine.models.loading import chat_ids
 from treeserve.engine.training import prompt_mix
 from treeserve.engine.training.prompts import clean_instruction
 
+# Where the shipped drafters' corpus lives: committed chunk by chunk, so a later run (or session) resumes it.
+DEFAULT_CORPUS_DIR = Path(__file__).resolve().parent / "corpus_chunks" / "smollm2-135m-instruct-seed0"
+
 
 @dataclass
 class CorpusConfig:

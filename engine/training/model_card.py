@@ -7,6 +7,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# Card fields that hold paths: written as names relative to the cache or the checkout (portable_path), never
+# as absolute paths of the machine a drafter was trained on.
+CARD_PATH_KEYS = frozenset({"target", "data_path", "init_from", "init", "path"})
+
+
+def portable_card(card):
+    """`card` with every CARD_PATH_KEYS string value made portable, at any depth."""
+    from treeserve.engine.models.loading import portable_path
+
+    if isinstance(card, dict):
+        return {k: portable_path(v) if k in CARD_PATH_KEYS and isinstance(v, str) else portable_card(v)
+                for k, v in card.items()}
+    if isinstance(card, list):
+        return [portable_card(v) for v in card]
+    return card
+
 
 def _continued(previous: dict | None) -> str:
     if not previous:

@@ -315,7 +315,7 @@ def dev_agreement(target, tokenizer, drafter: ParallelDrafterModel, rows: list[d
 
 
 def main(argv: list[str] | None = None) -> int:
-    from treeserve.engine.training.agreement_command import DEV_PROMPTS, load_prompts
+    from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
 
     parser = argparse.ArgumentParser(description="per-position agreement of a parallel drafter on dev prompts")
     parser.add_argument("--target", default="default")

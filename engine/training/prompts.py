@@ -134,3 +134,14 @@ def reference_texts(rng: random.Random) -> list[tuple[str, str]]:
                               f"```python\n{row['prompt']}{row['canonical_solution']}```"))
     rng.shuffle(pairs)
     return pairs
+
+
+def prompt_texts(path: Path) -> list[str]:
+    """A JSON list of non-empty prompt strings (ValueError naming the file otherwise)."""
+    try:
+        texts = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--prompts-file {path}: {exc}") from None
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+        raise ValueError(f"--prompts-file {path}: must hold a non-empty JSON list of non-empty strings")
+    return list(texts)

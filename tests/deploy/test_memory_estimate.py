@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from treeserve.cli import memory_estimate as command
 from treeserve.services import memory_estimate as me
 from treeserve.services.config import load_serve_config
 
@@ -13,7 +14,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 def _args(*argv):
     parser = argparse.ArgumentParser()
-    me.add_arguments(parser)
+    command.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -80,7 +81,7 @@ def test_the_peak_is_the_preallocated_pool():
 
 
 def test_small_gpu_does_not_fit(capsys):
-    assert me.run(_args(str(DEPLOY / "llama2-70b-4xa100.yaml"), "--gpu-memory-gib", "40")) == 1
+    assert command.run(_args(str(DEPLOY / "llama2-70b-4xa100.yaml"), "--gpu-memory-gib", "40")) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
@@ -101,15 +102,15 @@ def test_a_process_over_its_share_does_not_fit(tmp_path):
 
 def test_bad_input():
     with pytest.raises(ValueError):
-        me.run(_args("--gpu-memory-gib", "0"))
+        command.run(_args("--gpu-memory-gib", "0"))
     with pytest.raises(ValueError):
-        me.run(_args("/nonexistent.yaml"))
+        command.run(_args("/nonexistent.yaml"))
 
 
 def test_write(tmp_path, capsys):
     layout = tmp_path / "local-cpu.yaml"
     layout.write_text((DEPLOY / "local-cpu.yaml").read_text())
-    assert me.run(_args(str(layout), "--write")) == 0
+    assert command.run(_args(str(layout), "--write")) == 0
     assert (tmp_path / "local-cpu.memory.txt").read_text() in capsys.readouterr().out
 
 

@@ -7,7 +7,7 @@ import sys
 
 
 def test_agreement_compares_drafters_on_the_same_answers(tiny_target_dir, tiny_drafter_dir):
-    out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "agreement", "--target", str(tiny_target_dir),
+    out = subprocess.run([sys.executable, "-m", "treeserve.cli.main", "agreement", "--target", str(tiny_target_dir),
                           "--drafter", str(tiny_drafter_dir), str(tiny_target_dir), "--num-prompts", "3",
                           "--max-new-tokens", "5", "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -20,7 +20,7 @@ def test_agreement_compares_drafters_on_the_same_answers(tiny_target_dir, tiny_d
 
 
 def test_write_card_needs_one_drafter(tiny_target_dir, tiny_drafter_dir):
-    out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "agreement", "--target", str(tiny_target_dir),
+    out = subprocess.run([sys.executable, "-m", "treeserve.cli.main", "agreement", "--target", str(tiny_target_dir),
                           "--drafter", str(tiny_drafter_dir), str(tiny_drafter_dir), "--write-card"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "exactly one --drafter" in out.stderr and "Traceback" not in out.stderr
@@ -31,7 +31,7 @@ def test_train_c2t_rejects_a_bad_prompts_file(tmp_path):
     bad = tmp_path / "prompts.json"
     bad.write_text('{"not": "a list"}')
     for path in (bad, tmp_path / "missing.json"):
-        out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "train-c2t", "--prompts-file", str(path),
+        out = subprocess.run([sys.executable, "-m", "treeserve.cli.main", "train-c2t", "--prompts-file", str(path),
                               "--target", str(tmp_path / "no-model")], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "--prompts-file" in out.stderr and "Traceback" not in out.stderr
 
@@ -41,7 +41,7 @@ def test_prompts_are_balanced_over_categories(tmp_path):
     its rows, in file order; a category that runs out leaves its turns to the others."""
     import pytest
 
-    from treeserve.engine.training.agreement_command import load_prompts
+    from treeserve.engine.dev_prompts import load_prompts
 
     rows = ([{"question_id": i, "category": "writing"} for i in range(3)]
             + [{"question_id": 10 + i, "category": "qa"} for i in range(40)]

@@ -227,11 +227,9 @@ def test_summaries_compare_with_both_baselines():
 
 
 def test_help_documents_every_option():
-    from treeserve.services import bench_command
+    from treeserve.cli import agreement, bench as bench_command
 
-    from treeserve.engine.training import agreement_command
-
-    for module in (bench_command, agreement_command):
+    for module in (bench_command, agreement):
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)
         for action in parser._actions:

@@ -55,7 +55,7 @@ def test_tune_c2t_writes_the_chosen_beta_and_its_sweep(tiny_target_dir, tiny_dra
     C2TClassifier.joint_prob_prior().save(path)
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["Once upon a time", "def add(a, b):"]))
-    out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "tune-c2t", "--target", str(tiny_target_dir),
+    out = subprocess.run([sys.executable, "-m", "treeserve.cli.main", "tune-c2t", "--target", str(tiny_target_dir),
                           "--drafter", str(tiny_drafter_dir), "--classifier", str(path), "--prompts-file", str(prompts),
                           "--betas", "0.3", "0.6", "--budget", "8", "--c2t-budget", "12", "--max-new-tokens", "6"],
                          capture_output=True, text=True, timeout=300)
@@ -71,7 +71,7 @@ def test_tune_c2t_writes_the_chosen_beta_and_its_sweep(tiny_target_dir, tiny_dra
 
 
 def test_tune_c2t_rejects_bad_betas(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "treeserve.services.cli", "tune-c2t", "--betas", "0.2", "1.5",
+    out = subprocess.run([sys.executable, "-m", "treeserve.cli.main", "tune-c2t", "--betas", "0.2", "1.5",
                           "--target", str(tmp_path / "no-model")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--betas" in out.stderr and "Traceback" not in out.stderr
 

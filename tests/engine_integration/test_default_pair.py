@@ -9,7 +9,7 @@ from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
-from treeserve.engine.training.agreement_command import DEV_PROMPTS
+from treeserve.engine.dev_prompts import DEV_PROMPTS
 
 DEV = DEV_PROMPTS  # the vendored Spec-Bench dev questions (benchmarks/data)
 pytestmark = pytest.mark.slow

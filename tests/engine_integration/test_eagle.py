@@ -128,9 +128,9 @@ def test_train_drafter_cli_kind_eagle(tmp_path, target, tiny_target_dir, capsys)
     as an EAGLE drafter, and `agreement` measures it with the target's features."""
     from safetensors.torch import save_file
 
-    from treeserve.engine.training.agreement_command import Counts
+    from treeserve.engine.training.agreement import Counts
     from treeserve.engine.training.distill_data import teacher_labels
-    from treeserve.services.cli import main
+    from treeserve.cli.main import main
 
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (30, 44, 38, 52, 40, 36)]

@@ -11,7 +11,7 @@ from treeserve.engine.bench import greedy_reference
 from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
 from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
-from treeserve.engine.training.agreement_command import DEV_PROMPTS
+from treeserve.engine.dev_prompts import DEV_PROMPTS
 
 DEV = DEV_PROMPTS  # the vendored Spec-Bench dev questions (benchmarks/data)
 pytestmark = pytest.mark.slow

@@ -91,7 +91,7 @@ def test_train_drafter_cli_kind_parallel(tmp_path, tiny_target, tiny_target_dir)
     from safetensors.torch import save_file
 
     from treeserve.engine.models.parallel_drafter import load_parallel_drafter
-    from treeserve.services.cli import main
+    from treeserve.cli.main import main
 
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (30, 44, 38, 52)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from treeserve.services.cli import main
-from treeserve.services.serve_command import DEFAULT_CONFIG, load_config
+from treeserve.cli.main import main
+from treeserve.services.launch import DEFAULT_CONFIG, load_config
 
 
 def test_generate_streams_from_the_service(serve_service, capsys):
@@ -68,7 +68,7 @@ def test_serve_http_port_override(capsys):
     and it is re-validated with the rest of the config; --help documents it."""
     import argparse
 
-    from treeserve.services.serve_command import add_arguments
+    from treeserve.cli.serve import add_arguments
 
     assert load_config(str(DEFAULT_CONFIG), method="autoregressive").app.args.api.http_port == 9001  # the yaml's
     api = load_config(str(DEFAULT_CONFIG), method="autoregressive", grpc_port=9200, http_port=9201).app.args.api

@@ -83,7 +83,7 @@ def test_config_checks_a_head_it_cannot_read_from_model_facts(tiny_target_dir, t
 
 
 def test_check_drafter_command(target, tiny_target_dir, tmp_path, capsys):
-    from treeserve.services.cli import main
+    from treeserve.cli.main import main
 
     model = target.model
     eagle1 = heads.write_eagle1(tmp_path / "eagle1", model)

@@ -1,4 +1,4 @@
-"""`treeserve loadtest` (services/loadtest_command.py): a few seconds of it against the session's service, and
+"""`treeserve loadtest` (cli/loadtest.py, services/loadtest.py): a few seconds of it against the session's service, and
 its refusals (bounded, loopback only)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from treeserve.services.cli import main
-from treeserve.services.loadtest_command import load_prompts, percentile
+from treeserve.cli.main import main
+from treeserve.services.loadtest import load_prompts, percentile
 
 
 def test_short_loadtest_against_the_service(serve_service, tiny_target_dir, tmp_path, capsys):

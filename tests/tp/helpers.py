@@ -8,7 +8,7 @@ import torch
 
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
 from treeserve.engine.sampling import SamplingParams
-from treeserve.engine.training.agreement_command import DEV_PROMPTS
+from treeserve.engine.dev_prompts import DEV_PROMPTS
 from treeserve.engine.tree import TokenTree
 
 # Logical CPU share each test rank reserves. A rank's real use is one thread whatever it reserves, and the test

@@ -31,7 +31,7 @@ def test_masked_chains_equal_node_by_node_drafting(target, random_eagle3):
 
 
 def test_depth_one_is_top1_agreement_and_counts_are_conditional(target, random_eagle3):
-    from treeserve.engine.training.agreement_command import Counts
+    from treeserve.engine.training.agreement import Counts
 
     target, drafter = target[0], random_eagle3(target[0], 400)
     sequence = torch.randint(0, 400, (20,))

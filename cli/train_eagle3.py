@@ -8,13 +8,14 @@ import json
 import time
 from pathlib import Path
 
-from treeserve.engine.training.corpus_command import DEFAULT_CORPUS_DIR, REPO_ROOT
+from treeserve.cli.options import add_dataclass_options
+from treeserve.engine.dev_prompts import REPO_ROOT
+from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR
 from treeserve.engine.training.eagle3 import Eagle3TrainConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from treeserve.engine.models.eagle3_drafter import DEFAULT_EAGLE3_DRAFTER_DIR
-    from treeserve.engine.training.drafter_command import _add_dataclass_options
 
     parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS_DIR,
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"where the drafter is written (default: the shipped {DEFAULT_EAGLE3_DRAFTER_DIR.name})")
     parser.add_argument("--max-chunks", type=int, default=None, help="train on the first N chunks only")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
-    _add_dataclass_options(parser, Eagle3TrainConfig, "EAGLE-3 training")
+    add_dataclass_options(parser, Eagle3TrainConfig, "EAGLE-3 training")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 from treeserve.engine.training.c2t import C2TTrainConfig
-from treeserve.engine.training.drafter_command import _add_dataclass_options
+from treeserve.cli.options import add_dataclass_options
 
 
 BUILT_IN_SOURCES = "built-in: Python docs passages, HumanEval prompts, Debian text packages if installed (never the dev set)"
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON list of prompt texts to label instead of the built-in sources (e.g. the "
                              "prompts.json of a `train-drafter` data directory; never the dev set)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    _add_dataclass_options(parser, C2TTrainConfig, "classifier")
+    add_dataclass_options(parser, C2TTrainConfig, "classifier")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.engine.runners.target import TargetRunner
     from treeserve.engine.training import prompts as sources
     from treeserve.engine.training.c2t import collect, train_classifier
+    from treeserve.engine.training.prompts import prompt_texts
 
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
@@ -66,14 +67,3 @@ def run(args: argparse.Namespace) -> int:
     args.out.with_suffix(".json").write_text(json.dumps(card, indent=2))
     print(f"classifier written to {args.out}")
     return 0
-
-
-def prompt_texts(path: Path) -> list[str]:
-    """A JSON list of non-empty prompt strings (ValueError naming the file otherwise)."""
-    try:
-        texts = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--prompts-file {path}: {exc}") from None
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
-        raise ValueError(f"--prompts-file {path}: must hold a non-empty JSON list of non-empty strings")
-    return list(texts)

@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-from treeserve.services.serve_command import DEFAULT_CONFIG
+from treeserve.services.launch import DEFAULT_CONFIG
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from treeserve.engine.models.drafter import SHIPPED_DRAFTERS, drafter_dir
-    from treeserve.services.generate_command import format_stats, stream_completion
-    from treeserve.services.serve_command import load_config, start_service, stop_service
+    from treeserve.cli.generate import format_stats, stream_completion
+    from treeserve.services.launch import load_config, start_service, stop_service
     from treeserve.v1 import generation_pb2 as gen
 
     method = args.method

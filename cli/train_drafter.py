@@ -8,37 +8,9 @@ import json
 import time
 from pathlib import Path
 
+from treeserve.cli.options import add_dataclass_options
 from treeserve.engine.training.distill_data import DistillDataConfig
-
-
-# Card fields that hold paths: written as names relative to the cache or the checkout (portable_path), never
-# as absolute paths of the machine a drafter was trained on.
-CARD_PATH_KEYS = frozenset({"target", "data_path", "init_from", "init", "path"})
-
-
-def portable_card(card):
-    """`card` with every CARD_PATH_KEYS string value made portable, at any depth."""
-    from treeserve.engine.models.loading import portable_path
-
-    if isinstance(card, dict):
-        return {k: portable_path(v) if k in CARD_PATH_KEYS and isinstance(v, str) else portable_card(v)
-                for k, v in card.items()}
-    if isinstance(card, list):
-        return [portable_card(v) for v in card]
-    return card
-
-
-def _add_dataclass_options(parser: argparse.ArgumentParser, cls, title: str, skip=()) -> None:
-    group = parser.add_argument_group(title)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, tuple):
-            group.add_argument(flag, type=int, nargs="+", default=list(f.default), help=f.metadata["help"])
-        else:
-            group.add_argument(flag, type=type(f.default), default=f.default,
-                               help=f"{f.metadata['help']} (default: {f.default})")
+from treeserve.engine.training.model_card import portable_card
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,12 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where generated training data is kept and resumed from (default: cache dir)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    _add_dataclass_options(parser, DistillDataConfig, "training data")
-    _add_dataclass_options(parser, DrafterTrainConfig, "training", skip=("seed",))
+    add_dataclass_options(parser, DistillDataConfig, "training data")
+    add_dataclass_options(parser, DrafterTrainConfig, "training", skip=("seed",))
     shared = {f.name for f in dataclasses.fields(DrafterTrainConfig)}
-    _add_dataclass_options(parser, ParallelTrainConfig, "parallel drafter (--kind parallel)", skip=shared)
+    add_dataclass_options(parser, ParallelTrainConfig, "parallel drafter (--kind parallel)", skip=shared)
     shared |= {f.name for f in dataclasses.fields(ParallelTrainConfig)}
-    _add_dataclass_options(parser, EagleTrainConfig, "EAGLE drafter (--kind eagle)", skip=shared)
+    add_dataclass_options(parser, EagleTrainConfig, "EAGLE drafter (--kind eagle)", skip=shared)
 
 
 def _distill_data(args: argparse.Namespace, target, data_config: DistillDataConfig):

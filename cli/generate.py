@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS as METHODS  # torch-free
-from treeserve.services.cli import CliError
+from treeserve.cli.main import CliError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,17 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
-from treeserve.engine.training.corpus import CorpusConfig
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# Where the shipped drafters' corpus lives: committed chunk by chunk, so a later run (or session) resumes it.
-DEFAULT_CORPUS_DIR = REPO_ROOT / "engine" / "training" / "corpus_chunks" / "smollm2-135m-instruct-seed0"
-EVALUATION_PROMPTS = REPO_ROOT / "benchmarks" / "data" / "spec_bench_dev.jsonl"
+from treeserve.cli.options import add_dataclass_options
+from treeserve.engine.dev_prompts import DEV_PROMPTS, REPO_ROOT
+from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, CorpusConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from treeserve.engine.training.drafter_command import _add_dataclass_options as add_dataclass_options
-
     parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
     parser.add_argument("--out", type=Path, default=DEFAULT_CORPUS_DIR,
                         help=f"corpus directory; existing chunks are kept and the next missing one is generated "
@@ -59,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     layers = (default_feature_layers(model.config.num_hidden_layers) if args.feature_layers is None
               else tuple(args.feature_layers))
     features_dir = args.features_dir or cache_root() / "corpus_features" / args.out.name
-    build_corpus(model, target.tokenizer, config, args.out, exclude=evaluation_texts(EVALUATION_PROMPTS),
+    build_corpus(model, target.tokenizer, config, args.out, exclude=evaluation_texts(DEV_PROMPTS),
                  max_chunks=args.max_chunks, features_dir=features_dir if layers else None,
                  feature_layers=layers or None)
     totals = corpus_summary(args.out)

@@ -72,7 +72,8 @@ def agreement(target: str, drafter: str, chat_template: str | None, dtype: str, 
     from treeserve.engine.models.drafter import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.factory import parse_dtype
-    from treeserve.engine.training.agreement_command import DEV_PROMPTS, Counts, load_prompts
+    from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
+    from treeserve.engine.training.agreement import Counts
 
     torch_dtype = parse_dtype(dtype)
     loaded = load_causal_lm(target, dtype=torch_dtype, chat_template=chat_template)

@@ -1,4 +1,4 @@
-"""The `treeserve` command line: one subcommand per module, imported only when it runs.
+"""The `treeserve` command line: one subcommand per module of cli/, imported only when it runs.
 
 Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; keeping the imports lazy
 makes `treeserve --help` instant and keeps torch/ray out of commands that do not need them.
@@ -10,23 +10,25 @@ import argparse
 import importlib
 import sys
 
+from treeserve.services.launch import ServiceStartError  # torch- and ray-free at import
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("treeserve.services.demo_command", "start the service on the default model, answer a prompt, stop"),
-    "serve": ("treeserve.services.serve_command", "start the Ray Serve + gRPC service from a Serve config"),
-    "generate": ("treeserve.services.generate_command", "generate a completion (via the service or in-process)"),
-    "loadtest": ("treeserve.services.loadtest_command", "bounded soak test of the gRPC API on this machine (mixed "
+    "demo": ("treeserve.cli.demo", "start the service on the default model, answer a prompt, stop"),
+    "serve": ("treeserve.cli.serve", "start the Ray Serve + gRPC service from a Serve config"),
+    "generate": ("treeserve.cli.generate", "generate a completion (via the service or in-process)"),
+    "loadtest": ("treeserve.cli.loadtest", "bounded soak test of the gRPC API on this machine (mixed "
                  "methods, malformed requests, cancels, a replica killed midway)"),
-    "bench": ("treeserve.services.bench_command", "benchmark AR vs speculative methods and peers on Spec-Bench prompts (--service: via gRPC)"),
-    "make-corpus": ("treeserve.engine.training.corpus_command", "have the target answer >= 10k conversations (drafter training data)"),
-    "train-eagle3": ("treeserve.engine.training.eagle3_command", "train the EAGLE-3 drafter on the make-corpus data"),
-    "train-drafter": ("treeserve.engine.training.drafter_command", "self-distil a drafter from the target"),
-    "train-c2t": ("treeserve.engine.training.c2t_command", "train the C2T pruning classifier"),
-    "tune-c2t": ("treeserve.engine.training.c2t_tune", "choose a C2T classifier's threshold against EAGLE-2"),
-    "agreement": ("treeserve.engine.training.agreement_command", "measure drafter/target top-1 and top-k agreement"),
-    "prepare-model": ("treeserve.engine.models.prepare_command", "convert the embedded GGUF target to safetensors"),
-    "memory-estimate": ("treeserve.services.memory_estimate", "weights + KV-cache bytes per GPU for deploy layouts"),
-    "check-drafter": ("treeserve.services.check_drafter_command", "check a drafter against a target (layout, vocabulary, "
+    "bench": ("treeserve.cli.bench", "benchmark AR vs speculative methods and peers on Spec-Bench prompts (--service: via gRPC)"),
+    "make-corpus": ("treeserve.cli.make_corpus", "have the target answer >= 10k conversations (drafter training data)"),
+    "train-eagle3": ("treeserve.cli.train_eagle3", "train the EAGLE-3 drafter on the make-corpus data"),
+    "train-drafter": ("treeserve.cli.train_drafter", "self-distil a drafter from the target"),
+    "train-c2t": ("treeserve.cli.train_c2t", "train the C2T pruning classifier"),
+    "tune-c2t": ("treeserve.cli.tune_c2t", "choose a C2T classifier's threshold against EAGLE-2"),
+    "agreement": ("treeserve.cli.agreement", "measure drafter/target top-1 and top-k agreement"),
+    "prepare-model": ("treeserve.cli.prepare_model", "convert the embedded GGUF target to safetensors"),
+    "memory-estimate": ("treeserve.cli.memory_estimate", "weights + KV-cache bytes per GPU for deploy layouts"),
+    "check-drafter": ("treeserve.cli.check_drafter", "check a drafter against a target (layout, vocabulary, "
                       "feature layers, bytes per GPU) and measure its top-1 agreement"),
 }
 
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(module.run(args) or 0)
-    except (CliError, ValueError, FileNotFoundError) as exc:
+    except (CliError, ServiceStartError, ValueError, FileNotFoundError) as exc:
         print(f"treeserve {command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,80 @@
+"""`treeserve agreement`: how often the drafter's top-1 / top-k equals the target's greedy next token.
+
+The target greedily answers each prompt (first turn, chat template); the drafter is then teacher-forced on
+the same sequence, and at every answer position its top-1 and top-k are compared with the target's
+token (engine/training/agreement.py). This is the per-token acceptance a greedy chain sees, measured on
+prompts the drafter never saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from treeserve.engine.dev_prompts import DEV_PROMPTS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
+    parser.add_argument("--drafter", nargs="+", default=None,
+                        help="drafter(s): shipped names (default, eagle, eagle3) or directories; several are compared "
+                             "on the same target answers (default: every shipped drafter)")
+    parser.add_argument("--depth", type=int, default=5,
+                        help="report the acceptance rate at chain depth 1..DEPTH given the tokens before were "
+                             "accepted (EAGLE-3's n-alpha table; default: 5)")
+    parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS, help="Spec-Bench-format jsonl")
+    parser.add_argument("--num-prompts", type=int, default=80, help="prompts used (balanced over categories)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="target tokens generated per prompt")
+    parser.add_argument("--top-k", type=int, default=4, help="also report top-k agreement")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--write-card", action="store_true",
+                        help="(re)write the drafter directory's README.md model card with this measurement "
+                             "(one drafter only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from treeserve.engine.models.drafter import SHIPPED_DRAFTERS, drafter_dir, load_drafter
+    from treeserve.engine.dev_prompts import load_prompts
+    from treeserve.engine.models.loading import chat_ids, load_causal_lm
+    from treeserve.engine.training.agreement import Counts, depth_table
+    from treeserve.engine.training.chain_acceptance import ChainCounts, chain_hits, target_features
+
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top_k < 1 or args.depth < 1:
+        raise ValueError("--num-prompts, --max-new-tokens, --top-k and --depth must be >= 1")
+    if args.drafter is None:
+        args.drafter = [n for n in SHIPPED_DRAFTERS if (drafter_dir(n) / "config.json").is_file()]
+    if args.write_card and len(args.drafter) != 1:
+        raise ValueError("--write-card takes exactly one --drafter")
+    target = load_causal_lm(args.target)
+    drafters = {name: load_drafter(name, target.model) for name in args.drafter}
+    counts = {name: Counts() for name in drafters}
+    chains = {name: ChainCounts(args.depth) for name in drafters}
+    with torch.inference_mode():
+        for row in tqdm(load_prompts(args.prompts, args.num_prompts), desc="agreement"):
+            ids = chat_ids(target.tokenizer, row["turns"][0])
+            out = target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                                        do_sample=False, top_p=None, top_k=None, temperature=None)[0]
+            for name, drafter in drafters.items():
+                counts[name].add(drafter, out, len(ids), args.top_k, row.get("category", "all"), target.model)
+                features = (target_features(target.model, drafter, out)
+                            if getattr(drafter, "reads_target_features", False) else None)
+                chains[name].add(*chain_hits(drafter, out, len(ids), args.depth, features))
+    for name, c in counts.items():
+        result = {**c.result(args.num_prompts, args.max_new_tokens, args.top_k), "acceptance_by_depth": chains[name].rates()}
+        if args.write_card:
+            from treeserve.engine.models.drafter import drafter_dir
+            from treeserve.engine.training.model_card import write_drafter_card
+
+            write_drafter_card(drafter_dir(name), result, args, name)
+        label = f"{name}: " if len(counts) > 1 else ""
+        print(json.dumps({"drafter": name, **result}) if args.json else
+              f"{label}{c.total} positions over {args.num_prompts} prompts: top-1 agreement "
+              f"{c.hit1 / c.total:.1%}, top-{args.top_k} {c.hitk / c.total:.1%}; top-1 by category: "
+              + ", ".join(f"{k} {v:.0%}" for k, v in result["top1_by_category"].items()))
+    if not args.json:
+        print(depth_table(chains, args.depth))
+    return 0

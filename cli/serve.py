@@ -1,0 +1,67 @@
+"""`treeserve serve --config deploy/local-cpu.yaml`: start Ray Serve, run the TreeServe application built from the
+config, wait until it answers, and block until Ctrl-C (then shut down).
+
+Starting and stopping live in services/launch.py (shared with `treeserve demo`, `loadtest`, `bench --service`),
+whose docstring says which ports listen where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from treeserve.services.launch import (DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE, load_config, start_service,
+                                       stop_service)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None,
+                        help="Serve config YAML (default: deploy/local-cpu.yaml; built-in defaults if absent)")
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster (e.g. 'auto'); default: start a local Ray instance")
+    parser.add_argument("--grpc-port", type=int, default=None, help="override args.api.port (the public API's port)")
+    parser.add_argument("--http-port", type=int, default=None, metavar="N",
+                        help="override args.api.http_port: serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                             "/v1/completions, /v1/models) on port N of the same Router, with the gRPC API's TLS and "
+                             "tokens (services/openai_api.py); 0 = off")
+    parser.add_argument("--method", default=None, help="override args.speculation.method")
+    parser.add_argument("--budget", default=None, help="override args.speculation.budget ('auto' or an integer)")
+    parser.add_argument("--target", default=None, help="override args.target.path")
+    parser.add_argument("--drafter", default=None, help="override args.drafter.path")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for the service to answer (models load on first start)")
+    parser.add_argument("--no-block", action="store_true", help="return once the service answers")
+    parser.add_argument("--control-plane-nice", type=int, default=DEFAULT_CONTROL_PLANE_NICE,
+                        help="niceness given to Ray's control-plane processes when this command starts Ray, "
+                             "whose replicas then run at niceness 0 instead of Ray's 15 (the control plane "
+                             "yields the cores to them; 0 = leave Ray's niceness alone; Linux only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.method, args.budget, args.target, args.drafter, args.grpc_port,
+                         args.http_port)
+    print(f"starting TreeServe ({config.app.args.speculation.method}, target {config.app.args.target.path}) ...",
+          file=sys.stderr)
+    service = start_service(config, args.ray_address, ready_timeout_s=args.ready_timeout,
+                            control_plane_nice=args.control_plane_nice)
+    security = config.app.args.security
+    print(f"TreeServe is serving gRPC on {config.app.args.api.host}:{config.app.args.api.port} "
+          f"({'TLS' if security.tls else 'plaintext'}{', bearer tokens' if security.auth_token_file else ''}; "
+          f"application {service.app_name!r})", file=sys.stderr)
+    if config.app.args.api.http_port is not None:  # services/openai_api.py
+        print(f"and the OpenAI-compatible HTTP API on {'https' if security.tls else 'http'}://"
+              f"{config.app.args.api.host}:{config.app.args.api.http_port}/v1", file=sys.stderr)
+    if args.no_block:
+        return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    print("shutting down", file=sys.stderr)
+    stop_service(service)
+    return 0
