@@ -25,22 +25,41 @@ from treeserve.services.config import AppConfig, ApplicationConfig, DeploymentCo
 DEFAULT_ACTOR_OPTIONS = {"num_cpus": 0.5, "num_gpus": 0}
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 SESSION_POLICY = "treeserve.services.app:session_autoscaling_policy"
+ROUTER_POLICY = "treeserve.services.app:router_autoscaling_policy"
+# The custom policy each deployment scales with unless its autoscaling_config names another one.
+DEFAULT_POLICIES = {"Router": ROUTER_POLICY, "Drafter": SESSION_POLICY, "Target": SESSION_POLICY}
+
+
+def _desired_replicas(ctx, metric: str) -> tuple[int, dict]:
+    """ceil(sum of `metric` over the replicas / target_ongoing_requests), within the configured bounds."""
+    metrics = ctx.aggregated_metrics
+    metrics = metrics() if callable(metrics) else (metrics or {})
+    total = float(sum((metrics.get(metric) or {}).values()))
+    target = float(ctx.config.target_ongoing_requests or 2.0)
+    desired = math.ceil(total / target) if total > 0 else 0
+    desired = max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, desired))
+    return desired, ctx.policy_state
 
 
 def session_autoscaling_policy(ctx) -> tuple[int, dict]:
     """Serve autoscaling policy for Drafter and Target.
 
     Their per-step traffic bypasses Serve (direct gRPC), so Serve's own ongoing-request count stays ~0. Each
-    replica reports its live sessions instead (`record_autoscaling_stats`, services/drafter_service.py); the
+    replica reports its live sessions instead (`record_autoscaling_stats`, services/transport/replica.py); the
     deployment wants ceil(total sessions / target_ongoing_requests) replicas within the configured bounds.
     """
-    metrics = ctx.aggregated_metrics
-    metrics = metrics() if callable(metrics) else (metrics or {})
-    total = float(sum((metrics.get("active_sessions") or {}).values()))
-    target = float(getattr(ctx.config, "target_ongoing_requests", None) or 2.0)
-    desired = math.ceil(total / target) if total > 0 else 0
-    desired = max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, desired))
-    return desired, ctx.policy_state
+    return _desired_replicas(ctx, "active_sessions")
+
+
+def router_autoscaling_policy(ctx) -> tuple[int, dict]:
+    """Serve autoscaling policy for the Router.
+
+    The public APIs are the Router replica's own servers (services/api_server.py, openai_api.py), not Serve's
+    proxies, so Serve's request-based autoscaling never sees them. Each Router replica reports the requests it
+    has in flight (admitted and waiting or in the batch: `RouterReplica.record_autoscaling_stats`); the deployment
+    wants ceil(total in flight / target_ongoing_requests) replicas within the configured bounds.
+    """
+    return _desired_replicas(ctx, "in_flight_requests")
 
 
 def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str]) -> dict[str, Any]:
@@ -58,8 +77,8 @@ def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str])
         if config.autoscaling_config is not None:
             auto = config.autoscaling_config
             options["autoscaling_config"] = {k: v for k, v in dataclasses.asdict(auto).items() if v is not None}
-            if config.name in ("Drafter", "Target") and auto.policy is None:
-                options["autoscaling_config"]["policy"] = {"policy_function": SESSION_POLICY}
+            if auto.policy is None:
+                options["autoscaling_config"]["policy"] = {"policy_function": DEFAULT_POLICIES[config.name]}
         if config.placement_group_bundles is not None:
             options["placement_group_bundles"] = config.placement_group_bundles
         if config.placement_group_strategy is not None:

@@ -147,6 +147,11 @@ class Router:
     def in_flight(self) -> int:
         return len(self._active) + len(self._waiting)
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metric (services/app.py router_autoscaling_policy): requests reach this replica's
+        own API servers, not Serve's proxies, so Serve counts none of them; load is the requests in flight."""
+        return {"in_flight_requests": float(self.in_flight)}
+
     async def submit(self, message: Any, parse: Any = None) -> _Job:
         """Admit a request or refuse it at once: RESOURCE_EXHAUSTED when limits.max_concurrent_requests requests
         are already in flight (checked before any tokenising, so an overloaded router spends nothing on the

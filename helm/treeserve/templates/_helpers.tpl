@@ -330,10 +330,8 @@ layout: {{ . }}
     min_replicas: {{ int .d.minReplicas }}
     max_replicas: {{ int .d.maxReplicas }}
     target_ongoing_requests: {{ .d.targetOngoingRequests }}
-    {{- if .sessionPolicy }}
     policy:
-      policy_function: treeserve.services.app:session_autoscaling_policy
-    {{- end }}
+      policy_function: {{ .policy }}
   ray_actor_options:
     num_cpus: {{ .d.numCpus }}
     num_gpus: {{ .gpus }}
@@ -409,10 +407,10 @@ applications:
         {{- end }}
         allow_insecure: {{ and (not $v.security.tls.enabled) $v.security.allowInsecure }}
     deployments:
-      {{- include "treeserve.deployment" (dict "name" "Router" "d" $v.serve.router "gpus" 0 "resources" (dict "TreeServeRouter" 1)) | nindent 6 }}
-      {{- include "treeserve.deployment" (dict "name" "Drafter" "d" $v.serve.drafter "gpus" (ternary $v.serve.drafter.numGpus 0 (eq $v.drafter.device "cuda")) "sessionPolicy" true "resources" (dict "TreeServeDrafter" 1)) | nindent 6 }}
+      {{- include "treeserve.deployment" (dict "name" "Router" "d" $v.serve.router "gpus" 0 "policy" "treeserve.services.app:router_autoscaling_policy" "resources" (dict "TreeServeRouter" 1)) | nindent 6 }}
+      {{- include "treeserve.deployment" (dict "name" "Drafter" "d" $v.serve.drafter "gpus" (ternary $v.serve.drafter.numGpus 0 (eq $v.drafter.device "cuda")) "policy" "treeserve.services.app:session_autoscaling_policy" "resources" (dict "TreeServeDrafter" 1)) | nindent 6 }}
       {{- if gt $tp 1 }}
-      {{- include "treeserve.deployment" (dict "name" "Target" "d" $v.serve.target "gpus" 0 "sessionPolicy" true) | nindent 6 }}
+      {{- include "treeserve.deployment" (dict "name" "Target" "d" $v.serve.target "gpus" 0 "policy" "treeserve.services.app:session_autoscaling_policy") | nindent 6 }}
         # A coordinator bundle (the pod's target slot) plus one bundle per TP rank, packed on one node (NCCL
         # over NVLink); on cuda each rank bundle holds its GPU share.
         placement_group_strategy: STRICT_PACK
@@ -422,7 +420,7 @@ applications:
           - {CPU: {{ $v.serve.target.cpusPerRank }}{{ if $cuda }}, GPU: {{ $share }}{{ end }}}
           {{- end }}
       {{- else }}
-      {{- include "treeserve.deployment" (dict "name" "Target" "d" $v.serve.target "gpus" (ternary (index $shares 0) 0 $cuda) "sessionPolicy" true "resources" (dict "TreeServeTarget" 1)) | nindent 6 }}
+      {{- include "treeserve.deployment" (dict "name" "Target" "d" $v.serve.target "gpus" (ternary (index $shares 0) 0 $cuda) "policy" "treeserve.services.app:session_autoscaling_policy" "resources" (dict "TreeServeTarget" 1)) | nindent 6 }}
       {{- end }}
 {{- end }}
 
