@@ -4,7 +4,7 @@
 batched chain mode and the hardware-aware budget chooser. The in-process engine calls it directly; the
 Drafter deployment serves the same `draft`/`release` over gRPC, so both paths build identical trees.
 
-Methods "lookup" and "<builder>+lookup" also draft from the request's own tokens (engine/lookup.py): the
+Methods "lookup" and "<builder>+lookup" also draft from the request's own tokens (engine/lookup/): the
 drafter keeps a suffix index per session, updated with the tokens each call's context adds, and scores the
 previous step's lookup candidates against them. At batch size 1 with an auto budget the chooser decides each
 step between a lookup-only tree (no drafter forward), the builder's tree over merged candidates (the model's
@@ -15,7 +15,6 @@ sequence's lookup chain joins its C2T chain in one tree (or replaces it where th
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
@@ -24,47 +23,27 @@ from treeserve.engine.budget import BudgetChooser
 from treeserve.engine.builders import LOOKUP, TreeConfig, make_builder, split_method
 from treeserve.engine.builders.base import check_positive
 from treeserve.engine.c2t_classifier import C2TClassifier
+from treeserve.engine.drafters.base import AUTOREGRESSIVE, DrafterBase, DraftRequest, batch_size_bucket, root_only
 from treeserve.engine.lookup import (HybridOracle, LookupSession, LookupSettings, LookupSources, head_index,
                                      lookup_chain, merge_chains, plan_lookup)
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.drafter import DrafterRunner
-from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import TokenTree
 
-AUTOREGRESSIVE = "autoregressive"
 
+class LocalDrafter(DrafterBase):
+    """The `Drafter` over an autoregressive drafter model (distilled, EAGLE, EAGLE-3, a published head):
+    one drafter forward per tree depth, the tree shaped by the request's builder."""
 
-def batch_size_bucket(batch_size: int) -> int:
-    """The power of two at or above `batch_size`: batched steps share one budget chooser (and its plain
-    decoding holds) per bucket, so requests joining or leaving a batch do not reset what was measured."""
-    return 1 << (batch_size - 1).bit_length()
+    kind = "autoregressive"
 
-
-@dataclass
-class DraftRequest:
-    """Draft one tree whose root is `context[-1]`."""
-
-    session_id: str
-    context: list[int]  # prompt + emitted tokens; last = root
-    sampling: SamplingParams
-    tree: TreeConfig  # method and parameters (a chooser may replace the budget)
-    seed: int  # seeds this step's sampling without replacement
-    accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
-    features: torch.Tensor | None = None  # [len(context) - 1, H] target features of context[:-1] (EAGLE)
-
-
-def root_only(context: list[int]) -> TokenTree:
-    return TokenTree.build([context[-1]], [-1])
-
-
-class LocalDrafter:
     def __init__(self, runner: DrafterRunner, classifier: C2TClassifier | None = None,
                  budget: BudgetChooser | None = None, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5,
                  lookup: LookupSettings | None = None):
         self.runner = runner
         # Copy-from-context drafting (methods "lookup", "<builder>+lookup"): per-session suffix indexes.
         self.lookups = LookupSources(lookup)
-        self._head_index = head_index(getattr(runner, "vocab_ids", None))
+        self._head_index = head_index(runner.vocab_ids)
         self.classifier = classifier or C2TClassifier.joint_prob_prior()
         self.budget = budget
         self.batch_chain_depth = batch_chain_depth
@@ -87,9 +66,25 @@ class LocalDrafter:
         return self.runner.lm.model
 
     @property
+    def lm(self):
+        return self.runner.lm
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        return self.runner.vocab_ids
+
+    @property
     def reads_target_features(self) -> bool:
         """An EAGLE drafter: each DraftRequest must carry the target's features of its context."""
         return self.runner.reads_target_features
+
+    @property
+    def target_feature_size(self) -> int:
+        return self.runner.target_feature_size if self.runner.reads_target_features else 0
+
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        return self.runner.feature_layers
 
     def builder(self, config: TreeConfig):
         """The (cached) builder for `config`; raises ValueError for invalid parameters."""

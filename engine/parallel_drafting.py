@@ -37,7 +37,7 @@ from torch import Tensor
 
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.builders.static import named_tree
-from treeserve.engine.drafting import AUTOREGRESSIVE, DraftRequest, root_only
+from treeserve.engine.drafters.base import AUTOREGRESSIVE, DrafterBase, DraftRequest, root_only
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.sampling import warp_probs
@@ -142,8 +142,8 @@ def builder_for_config(config: TreeConfig, positions: int) -> ParallelTreeBuilde
     return ParallelTreeBuilder(budget=config.budget, max_depth=cap)
 
 
-class ParallelTreeDrafter:
-    """The `Drafter` (engine.speculative_engine) over a parallel drafter model: draft / observe / release."""
+class ParallelTreeDrafter(DrafterBase):
+    """The `Drafter` (engine/drafters/base.py) over a parallel drafter model: draft / observe / release."""
 
     kind = PARALLEL
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
-from treeserve.engine.builders.base import RowSummary
+from treeserve.engine.builders.base import DraftOracle, RowSummary
 from treeserve.engine.c2t_classifier import top_entropy
 from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows, warp_probs
 
@@ -57,6 +57,8 @@ class DrafterRunner:
         self.projects_features = hasattr(model, "project_target_features")
         # Width of the target features a request carries: fused layers for EAGLE-3, the hidden size otherwise.
         self.target_feature_size = int(getattr(model, "target_feature_size", model.config.hidden_size))
+        # Target hidden_states an EAGLE-3 head fuses (None: the final state, or no features).
+        self.feature_layers = getattr(model, "feature_layers", None)
         # Total time inside the runner's entry points: forwards with their KV cache upkeep and masks,
         # warping, full-vocabulary rows and summaries. A step's drafting time minus this is tree
         # construction (the builder, plus the oracle's walk to unfed ancestors, counted there).
@@ -150,7 +152,7 @@ class DrafterRunner:
         return out
 
 
-class SessionOracle:
+class SessionOracle(DraftOracle):
     """`DraftOracle` for one session's current step (engine.builders.base.DraftOracle)."""
 
     def __init__(self, runner: DrafterRunner, session_id: str, sampling: SamplingParams):
@@ -173,13 +175,13 @@ class SessionOracle:
 
     def summarize(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int], k: int,
                   entropy: bool) -> RowSummary:
-        """`SummarizingOracle.summarize`: top-k and entropy computed on the head rows."""
+        """`DraftOracle.summarize`: top-k and entropy computed on the head rows."""
         self._feed(tokens, parents, node_ids)
         return self.runner.summarize(torch.stack([self.rows[n] for n in node_ids]), k, entropy)
 
     def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int,
                uniform: float) -> tuple[Tensor, int | None, float, float]:
-        """`SamplingOracle.sample`: the row `probs` returns for `node`, drawn from on its head row."""
+        """`DraftOracle.sample`: the row `probs` returns for `node`, drawn from on its head row."""
         self._feed(tokens, parents, [node])
         return (self._full_rows([node])[0], *self.runner.draw(self.rows[node], uniform))
 
