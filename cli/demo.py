@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from treeserve.engine.methods import SERVED_METHODS  # torch-free
 from treeserve.services.launch import DEFAULT_CONFIG
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -21,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Serve config YAML (default: deploy/local-cpu.yaml)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--method", default=None, help="override the config's tree method")
+    parser.add_argument("--method", default=None, choices=SERVED_METHODS, metavar="METHOD",
+                        help="override the config's tree method: %s" % ", ".join(SERVED_METHODS))
     parser.add_argument("--grpc-port", type=int, default=None, help="override the config's gRPC port")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS as METHODS  # torch-free
+from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
+from treeserve.cli.connection import add_credential_arguments, credentials
 from treeserve.cli.main import CliError
 
 
@@ -21,23 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default="localhost:9000", help="TreeServe gRPC address (host:port)")
     parser.add_argument("--application", default=None, help="sent as 'application' metadata (ignored by TreeServe's "
                         "own API server; kept for proxies that route on it)")
-    parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CA roots")
-    parser.add_argument("--tls-ca", default=None, help="PEM CA certificate(s) to trust (implies --tls)")
-    parser.add_argument("--tls-server-name", default=None,
-                        help="name to check the server certificate against when it differs from the address's host")
-    parser.add_argument("--tls-client-cert", default=None, help="PEM client certificate (mutual TLS)")
-    parser.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert")
-    parser.add_argument("--token-file", default=None,
-                        help="file holding the bearer token (default: $TREESERVE_TOKEN, if set)")
+    add_credential_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus mass in (0, 1]; 0 = unset")
     parser.add_argument("--top-k", type=int, default=0, help="0 = unset")
     parser.add_argument("--seed", type=int, default=0, help="0 = random")
-    parser.add_argument("--method", choices=METHODS, default=None, metavar="METHOD",
+    parser.add_argument("--method", choices=SERVED_METHODS, default=None, metavar="METHOD",
                         help="tree method (default: the server's; in-process: %s): %s. 'lookup' drafts tokens copied "
                              "from the prompt and answer alone; '<method>+lookup' merges them with the drafter's in "
-                             "one tree (hybrid drafting)" % (DEFAULT_METHOD, ", ".join(METHODS)))
+                             "one tree (hybrid drafting)" % (DEFAULT_METHOD, ", ".join(SERVED_METHODS)))
     parser.add_argument("--budget", type=int, default=0, help="draft nodes per step; 0 = the server's choice")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline of the call in seconds")
@@ -105,12 +99,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_in_process(args)
     from treeserve.v1 import generation_pb2 as gen
 
-    from treeserve.services.client import read_token
-
-    tls = dict(tls=args.tls, tls_ca_file=args.tls_ca, server_name=args.tls_server_name,
-               client_cert_file=args.tls_client_cert, client_key_file=args.tls_client_key)
-    final = stream_completion(args.address, build_request(args), args.application, args.timeout,
-                              token=read_token(args.token_file), **tls)
+    tls, token = credentials(args)
+    final = stream_completion(args.address, build_request(args), args.application, args.timeout, token=token,
+                              **tls)
     print()
     if final is not None and not args.quiet:
         print(format_stats(final.stats, gen.FinishReason.Name(final.finish_reason)), file=sys.stderr)

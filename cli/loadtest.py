@@ -33,6 +33,7 @@ import random
 import sys
 from pathlib import Path
 
+from treeserve.cli.connection import add_credential_arguments, credentials
 from treeserve.engine.methods import SERVED_METHODS, uses_lookup  # torch-free
 from treeserve.services.launch import DEFAULT_CONFIG
 from treeserve.services.loadtest import LoadTestOptions
@@ -77,9 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--tie-epsilon", type=float, default=1e-3, help="top-2 logit gap under which a greedy "
                         "divergence counts as a near tie (default: %(default)s)")
-    parser.add_argument("--tls-ca", default=None, help="with --address: PEM CA to trust (TLS)")
-    parser.add_argument("--tls-server-name", default=None, help="with --address: the certificate's host name")
-    parser.add_argument("--token-file", default=None, help="bearer token file (default: $TREESERVE_TOKEN)")
+    add_credential_arguments(parser.add_argument_group("with --address: reaching the running service"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the report as JSON here")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
@@ -87,7 +86,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from treeserve.cli.main import CliError
-    from treeserve.services.client import read_token
     from treeserve.services.loadtest import LoadTest, Reference, is_loopback, load_prompts
     from treeserve.services.loadtest_report import format_report, report as summarize
     from treeserve.services.transport.replica_server import quiet_poller_noise
@@ -105,19 +103,18 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, AssertionError):
         raise CliError(f"--max-new-tokens: expected lo:hi with 1 <= lo <= hi, got {args.max_new_tokens!r}") from None
     service = None
-    token = read_token(args.token_file)
-    tls = {}
+    tls, token = credentials(args)
     if args.address is not None:
         if not is_loopback(args.address):
             raise CliError(f"--address {args.address}: the load test only sends traffic to a loopback address")
         if args.kill != "none" and args.ray_address is None:
             raise CliError("--kill needs --ray-address with --address (or use --kill none)")
         address = args.address
-        tls = dict(tls_ca_file=args.tls_ca, server_name=args.tls_server_name)
         config = None
     else:
         config = _load(args)
         address = None
+        tls = {}  # the service started here is plaintext on loopback
     # The reference answers first, before the service competes for the cores.
     target_path = config.app.args.target.path if config is not None else (args.target or "default")
     dtype = config.app.args.target.dtype if config is not None else "float32"

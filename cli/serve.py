@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 
+from treeserve.engine.methods import SERVED_METHODS  # torch-free
 from treeserve.services.launch import (DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE, load_config, start_service,
                                        stop_service)
 
@@ -26,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override args.api.http_port: serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                              "/v1/completions, /v1/models) on port N of the same Router, with the gRPC API's TLS and "
                              "tokens (services/openai_api.py); 0 = off")
-    parser.add_argument("--method", default=None, help="override args.speculation.method")
+    parser.add_argument("--method", default=None, choices=SERVED_METHODS, metavar="METHOD",
+                        help="override args.speculation.method: %s" % ", ".join(SERVED_METHODS))
     parser.add_argument("--budget", default=None, help="override args.speculation.budget ('auto' or an integer)")
     parser.add_argument("--target", default=None, help="override args.target.path")
     parser.add_argument("--drafter", default=None, help="override args.drafter.path")

@@ -1,13 +1,12 @@
-"""`treeserve bench --service`: the gRPC service under 1/8/16/32 concurrent streams, one table, one JSON.
+"""The gRPC service under concurrent streams, measured from the client side (`treeserve bench --service`,
+cli/bench.py, which starts the service or points at a running one with `--address`).
 
-The bench starts the service from a Serve config (default deploy/local-cpu.yaml; Ray Serve, the Router's
-public gRPC API, Drafter and Target replicas) on a free port, then for every `--concurrency` level N opens N
-GenerateStream calls at once (one client thread and channel each, released together), each on its own dev
-prompt (the vendored Spec-Bench questions, first turn, chat template, sent as token ids so both sides decode
-exactly the same prompt), greedy, `--max-new-tokens` tokens. Per level it reports:
+For every concurrency level N, `measure` opens N GenerateStream calls at once (one client thread and channel
+each, released together), each on its own prompt (sent as token ids so both sides decode exactly the same
+prompt), greedy, `max_new_tokens` tokens. Per level it reports:
 
 - aggregate tokens/s: tokens of all streams / wall time from the first send to the last stream's end
-  (summed over `--service-rounds` rounds);
+  (summed over the timed rounds);
 - time to first token (TTFT), p50 / p95: send -> first message carrying tokens;
 - inter-token latency (ITL), p50 / p95, over tokens: a message carrying k tokens that arrives g seconds after
   the previous one gives each of its k tokens an ITL of g / k (a speculative step emits several tokens at
@@ -15,19 +14,14 @@ exactly the same prompt), greedy, `--max-new-tokens` tokens. Per level it report
 - errors: streams that ended in a gRPC error (status code counted);
 - MAL from the service's own statistics;
 - equality with in-process greedy: every stream's tokens against the target's own greedy `generate` on the
-  same prompt (engine.bench.GreedyCheck: divergence allowed only at near-tied top-2 logits).
+  same prompt (engine/bench/greedy.py GreedyCheck: divergence allowed only at near-tied top-2 logits).
 
-A warm-up round (untimed, when `--warmup-prompts` > 0) runs at each level first, so the hardware-aware
-budget choosers (batch 1 and per batch size) have finished exploring. `--max-concurrent-requests` and the
-batch size are raised to the largest level so no stream is refused.
+A warm-up round (untimed) may run at each level first, so the hardware-aware budget choosers (batch 1 and per
+batch size) have finished exploring.
 """
-
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,32 +29,6 @@ from dataclasses import dataclass, field
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CONCURRENCY = [1, 8, 16, 32]
-
-
-def add_service_arguments(parser: argparse.ArgumentParser) -> None:
-    from treeserve.services.launch import DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE
-
-    group = parser.add_argument_group("service (--service: through gRPC instead of in-process)")
-    group.add_argument("--service", action="store_true",
-                       help="measure the gRPC service (Ray Serve) under concurrent streams instead of the "
-                            "in-process methods: aggregate tokens/s, TTFT and ITL p50/p95, errors, equality with "
-                            "in-process greedy (uses --prompts, --max-new-tokens, --target, --drafter, "
-                            "--warmup-prompts, --json-out)")
-    group.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None,
-                       help="Serve config YAML of the service (default: deploy/local-cpu.yaml)")
-    group.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCY,
-                       help="concurrent streams per level, one prompt each (default: %(default)s)")
-    group.add_argument("--service-rounds", type=int, default=1,
-                       help="timed rounds per level (same prompts), summed (default: %(default)s)")
-    group.add_argument("--service-method", default=None,
-                       help="tree method of the service (default: the config's speculation.method)")
-    group.add_argument("--service-budget", default=None,
-                       help="budget of the service, 'auto' or an integer (default: the config's)")
-    group.add_argument("--service-max-batch-size", type=int, default=None,
-                       help="limits.max_batch_size of the service (default: the config's, raised to the "
-                            "largest --concurrency)")
-    group.add_argument("--control-plane-nice", type=int, default=DEFAULT_CONTROL_PLANE_NICE,
-                       help="niceness of Ray's control plane (as `treeserve serve`; 0 = unchanged; default: %(default)s)")
 
 
 @dataclass
@@ -116,46 +84,25 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
             "greedy_tie_divergences": check.tie_divergences}
 
 
-def open_api_channel(address: str):
-    """A channel to the public API (plaintext; the bench's own local service)."""
-    try:
-        from treeserve.services.client import open_channel
-    except ImportError:  # older trees: no client module
-        import grpc
-
-        from treeserve.services.transport.replica_server import channel_options
-
-        return grpc.insecure_channel(address, options=channel_options())
-    return open_channel(address)
-
-
-def api_metadata(application: str | None) -> list[tuple[str, str]]:
-    """The bearer token ($TREESERVE_TOKEN, if the API wants one) and the Serve application name."""
-    metadata: list[tuple[str, str]] = []
-    try:
-        from treeserve.services.client import auth_metadata, read_token
-
-        metadata += auth_metadata(read_token(None))
-    except ImportError:
-        pass
-    return metadata + ([("application", application)] if application else [])
-
-
 def stream_round(address: str, prompts: list[list[int]], max_new_tokens: int, application: str | None = None,
-                 timeout_s: float = 600.0) -> tuple[list[StreamRecord], float]:
-    """len(prompts) GenerateStream calls at once (a barrier releases them together) -> records, round wall s."""
+                 timeout_s: float = 600.0, tls: dict | None = None,
+                 token: str | None = None) -> tuple[list[StreamRecord], float]:
+    """len(prompts) GenerateStream calls at once (a barrier releases them together) -> records, round wall s.
+    `tls`: keyword arguments of services.client.open_channel (none: plaintext); `token`: the bearer token;
+    `application`: sent as 'application' metadata."""
     import grpc
 
+    from treeserve.services.client import auth_metadata, open_channel
     from treeserve.v1 import generation_pb2 as gen
     from treeserve.v1 import generation_pb2_grpc as gen_grpc
 
     records = [StreamRecord(i) for i in range(len(prompts))]
-    metadata = api_metadata(application)
+    metadata = auth_metadata(token) + ([("application", application)] if application else [])
     barrier = threading.Barrier(len(prompts) + 1)
 
     def call(record: StreamRecord, prompt: list[int]) -> None:
         request = gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt), max_new_tokens=max_new_tokens)
-        with open_api_channel(address) as channel:
+        with open_channel(address, **(tls or {})) as channel:
             stub = gen_grpc.TreeServeStub(channel)
             barrier.wait()
             record.sent = time.perf_counter()
@@ -182,12 +129,14 @@ def stream_round(address: str, prompts: list[list[int]], max_new_tokens: int, ap
 
 def measure(address: str, prompts: list[list[int]], references: list[tuple[list[int], list[float]]],
             concurrency: list[int], max_new_tokens: int, rounds: int = 1, warmup: bool = True,
-            application: str | None = None, progress: bool = True) -> list[dict]:
+            application: str | None = None, progress: bool = True, tls: dict | None = None,
+            token: str | None = None) -> list[dict]:
     """Every level: an untimed warm-up round (if `warmup`), then `rounds` timed rounds -> one summary each.
-    Level N streams prompts[0:N]; `references` are the target's greedy answers to `prompts`."""
+    Level N streams prompts[0:N]; `references` are the target's greedy answers to `prompts`; `tls` and `token`
+    reach the API as in `stream_round`."""
     from tqdm import tqdm
 
-    from treeserve.engine.bench import GreedyCheck
+    from treeserve.engine.bench.greedy import GreedyCheck
 
     if max(concurrency) > len(prompts):
         raise ValueError(f"{max(concurrency)} streams need as many prompts, got {len(prompts)}")
@@ -196,12 +145,12 @@ def measure(address: str, prompts: list[list[int]], references: list[tuple[list[
               disable=not progress) as bar:
         for n in concurrency:
             if warmup:
-                stream_round(address, prompts[:n], max_new_tokens, application)
+                stream_round(address, prompts[:n], max_new_tokens, application, tls=tls, token=token)
                 bar.update(n)
             records, wall = [], 0.0
             check = GreedyCheck()
             for _ in range(rounds):
-                got, seconds = stream_round(address, prompts[:n], max_new_tokens, application)
+                got, seconds = stream_round(address, prompts[:n], max_new_tokens, application, tls=tls, token=token)
                 records += got
                 wall += seconds
                 for r in got:
@@ -227,61 +176,3 @@ def service_table(levels: list[dict], title: str):
                       f"{lv['ttft_ms_p95']:.0f}", f"{lv['itl_ms_p50']:.0f}", f"{lv['itl_ms_p95']:.0f}",
                       f"{lv['mal']:.2f}", f"{equal}/{lv['greedy_compared']}{ties}")
     return table
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_service(args: argparse.Namespace) -> int:
-    import torch
-    from rich.console import Console
-    from tqdm import tqdm
-
-    from treeserve.engine.bench import greedy_reference
-    from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.dev_prompts import load_prompts
-    from treeserve.services.launch import load_config, start_service, stop_service
-
-    if args.service_rounds < 1 or args.max_new_tokens < 1 or min(args.concurrency) < 1:
-        raise ValueError("--service-rounds, --max-new-tokens and --concurrency must be >= 1")
-    if args.temperature != 0:
-        raise ValueError("--service measures greedy streams: --temperature must be 0")
-    torch.set_num_threads(args.threads)
-    most = max(args.concurrency)
-    rows = load_prompts(args.prompts, most)
-    if len(rows) < most:
-        raise ValueError(f"--concurrency {most} needs {most} prompts; {args.prompts} holds {len(rows)}")
-    target = load_causal_lm(args.target)
-    prompts = [chat_ids(target.tokenizer, r["turns"][0]) for r in rows]
-    references = [greedy_reference(target.model, p, args.max_new_tokens)
-                  for p in tqdm(prompts, desc="in-process greedy references")]
-    del target
-    config = load_config(args.config, method=args.service_method, budget=args.service_budget, target=args.target,
-                         drafter=args.drafter, grpc_port=_free_port())
-    limits = config.app.args.limits
-    limits.max_concurrent_requests = max(limits.max_concurrent_requests, most)
-    limits.max_batch_size = args.service_max_batch_size or max(limits.max_batch_size, most)
-    limits.max_new_tokens = max(limits.max_new_tokens, args.max_new_tokens)
-    spec = config.app.args.speculation
-    print(f"starting the service ({args.config or 'built-in defaults'}: method {spec.method}, budget {spec.budget}, "
-          f"drafter {config.app.args.drafter.path}, max batch {limits.max_batch_size})")
-    service = start_service(config, quiet=True, control_plane_nice=args.control_plane_nice)
-    try:
-        levels = measure(service.address, prompts, references, args.concurrency, args.max_new_tokens,
-                         args.service_rounds, args.warmup_prompts > 0, service.app_name)
-    finally:
-        stop_service(service)
-    title = (f"service: {len(args.concurrency)} levels x {args.service_rounds} round(s), {args.max_new_tokens} "
-             f"tokens per stream, method {spec.method}:{spec.budget}, drafter {config.app.args.drafter.path} (MEASURED)")
-    Console(width=200).print(service_table(levels, title))
-    if args.json_out:
-        args.json_out.write_text(json.dumps({
-            "config": {"serve_config": args.config, "method": spec.method, "budget": str(spec.budget),
-                       "target": str(args.target), "drafter": str(config.app.args.drafter.path),
-                       "max_new_tokens": args.max_new_tokens, "rounds": args.service_rounds,
-                       "max_batch_size": limits.max_batch_size},
-            "levels": levels}, indent=1))
-    return 1 if any(lv["greedy_mismatches"] or lv["errors"] for lv in levels) else 0

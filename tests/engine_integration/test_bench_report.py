@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from treeserve.engine import bench
-from treeserve.engine.bench_peers import ForwardLog, HFPeer, build_peers, hf_assistant, step_counts
+from treeserve.cli import bench
+from treeserve.engine.bench.greedy import greedy_reference
+from treeserve.engine.bench.peers import ForwardLog, HFPeer, build_peers, hf_assistant, step_counts
+from treeserve.engine.bench.report import MethodStats, summarize
+from treeserve.engine.bench.runner import AR_KEY, HF_KEY
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +160,7 @@ def test_hf_assisted_runs_a_restricted_vocabulary_drafter(tmp_path, tiny):
     outside[ids] = False
     assert bool((logits[0, :, outside] == torch.finfo(logits.dtype).min).all())
     prompt = chat_ids(tiny.tokenizer, "Tell me about rivers.")
-    reference, _ = bench.greedy_reference(tiny.model, prompt, 10)
+    reference, _ = greedy_reference(tiny.model, prompt, 10)
     outcome = HFPeer("hf-assisted:restricted", tiny, assistant).generate(prompt, 10)
     assert outcome.token_ids == reference
     assert sum(outcome.accept_lengths) == len(reference) and outcome.drafter_forwards > 0
@@ -186,7 +189,7 @@ def test_forward_log_reads_first_position(tiny):
 
 
 def test_projection_cost_model():
-    from treeserve.engine import bench_projection as bp
+    from treeserve.engine.bench import projection as bp
 
     layouts = bp.load_layouts()
     assert [lay.name for lay in layouts] == ["Llama-2-70B 4xA100", "Vicuna-33B 4xA100"]
@@ -211,19 +214,19 @@ def test_projection_cost_model():
 
 
 def test_summaries_compare_with_both_baselines():
-    from treeserve.engine.bench_peers import Outcome
+    from treeserve.engine.bench.peers import Outcome
 
-    stats = {bench.AR_KEY: bench.MethodStats("autoregressive", "auto"), bench.HF_KEY: bench.MethodStats("hf-generate", "-", "peer"),
-             "c2t:auto": bench.MethodStats("c2t", "auto", drafter="eagle")}
-    for key, seconds in ((bench.AR_KEY, [2.0, 1.0]), (bench.HF_KEY, [4.0, 1.0]), ("c2t:auto", [1.0, 1.0])):
+    stats = {AR_KEY: MethodStats("autoregressive", "auto"), HF_KEY: MethodStats("hf-generate", "-", "peer"),
+             "c2t:auto": MethodStats("c2t", "auto", drafter="eagle")}
+    for key, seconds in ((AR_KEY, [2.0, 1.0]), (HF_KEY, [4.0, 1.0]), ("c2t:auto", [1.0, 1.0])):
         for category, s in zip(("qa", "extraction"), seconds):
             stats[key].add(Outcome(list(range(10)), "", s, [2] * 5, [3] * 5), category)
-    rows = {r["key"]: r for r in bench.summarize(stats)}
+    rows = {r["key"]: r for r in summarize(stats)}
     assert rows["c2t:auto"]["category_speedups"] == {"qa": 2.0, "extraction": 1.0}
     assert rows["c2t:auto"]["category_speedups_vs_hf"] == {"qa": 4.0, "extraction": 1.0}
     assert rows["c2t:auto"]["speedup"] == pytest.approx(1.5) and rows["c2t:auto"]["speedup_vs_hf"] == pytest.approx(2.5)
     assert rows["c2t:auto"]["worst_category_speedup"] == 1.0 and rows["c2t:auto"]["mal"] == 2.0
-    assert not math.isnan(rows[bench.HF_KEY]["speedup"])
+    assert not math.isnan(rows[HF_KEY]["speedup"])
 
 
 def test_help_documents_every_option():

@@ -1,8 +1,11 @@
-"""One method registry (engine/methods.py): the chart's schema, the typed config and the proto name the same methods."""
+"""One method registry (engine/methods.py): the chart's schema, the typed config, the proto and every command line
+option that names a method name the same methods."""
 
 import json
 from pathlib import Path
 from typing import get_args
+
+import pytest
 
 from treeserve.engine.methods import SERVED_METHODS, split_method
 
@@ -24,3 +27,44 @@ def test_typed_config_and_proto_cover_every_served_method():
         assert AppConfig.from_args({"speculation": {"method": method}}).speculation.method == method
         builder, _ = split_method(method)
         assert builder in proto_names, f"{method}: no TreeMethod for {builder!r} in generation.proto"
+
+
+def _cli_method_options() -> dict[str, object]:
+    """'command --option' -> argparse action, for every option of every `treeserve` command whose destination
+    names a method."""
+    import importlib
+
+    from treeserve.cli.main import SUBCOMMANDS, build_parser
+
+    _, parsers = build_parser()
+    options = {}
+    for name, (module, _) in SUBCOMMANDS.items():
+        importlib.import_module(module).add_arguments(parsers[name])
+        for action in parsers[name]._actions:
+            if "method" in action.dest:
+                options[f"{name} {action.option_strings[0]}"] = action
+    return options
+
+
+def test_every_cli_method_choice_is_the_registry():
+    """A command that names a served method offers exactly SERVED_METHODS (lookup and <builder>+lookup
+    included); the only method options without fixed choices are the bench's METHOD[:BUDGET] entries, which
+    parse against the registry."""
+    options = _cli_method_options()
+    with_choices = {key for key, action in options.items() if action.choices is not None}
+    assert {"generate --method", "loadtest --methods", "serve --method", "demo --method",
+            "bench --service-method"} <= with_choices
+    for key in with_choices:
+        assert tuple(options[key].choices) == SERVED_METHODS, key
+    assert set(options) - with_choices == {"bench --methods", "bench --sweep-methods"}
+
+
+def test_bench_entries_parse_against_the_registry():
+    from treeserve.engine.bench.runner import BENCH_METHODS, parse_method
+    from treeserve.engine.methods import AUTOREGRESSIVE, METHODS
+
+    assert BENCH_METHODS == (AUTOREGRESSIVE, *METHODS)
+    for method in SERVED_METHODS:
+        assert parse_method(f"{method}:8") == (method, "auto" if method == AUTOREGRESSIVE else 8)
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_method("medusa:8")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from treeserve.engine.bench import greedy_reference
+from treeserve.engine.bench.greedy import greedy_reference
 from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
 from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest

@@ -8,15 +8,16 @@ import json
 import pytest
 
 from conftest import make_parallel_drafter
-from treeserve.engine import bench
+from treeserve.cli import bench
+from treeserve.engine.bench.runner import parse_entry
 
 
 def test_parse_entries():
-    assert bench.parse_entry("dyspec:32@parallel") == [("dyspec", 32, "parallel")]
-    assert bench.parse_entry("chain:4", "both") == [("chain", 4, "autoregressive"), ("chain", 4, "parallel")]
-    assert bench.parse_entry("autoregressive", "both") == [("autoregressive", "auto", "autoregressive")]
+    assert parse_entry("dyspec:32@parallel") == [("dyspec", 32, "parallel")]
+    assert parse_entry("chain:4", "both") == [("chain", 4, "autoregressive"), ("chain", 4, "parallel")]
+    assert parse_entry("autoregressive", "both") == [("autoregressive", "auto", "autoregressive")]
     with pytest.raises(ValueError, match="drafter kind"):
-        bench.parse_entry("chain:4@medusa")
+        parse_entry("chain:4@medusa")
 
 
 def test_bench_reports_both_kinds(tmp_path, tiny_target, tiny_target_dir, tiny_drafter_dir):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from treeserve.engine.bench import GreedyCheck, greedy_reference
+from treeserve.engine.bench.greedy import GreedyCheck, greedy_reference
 from treeserve.services.bench_service import (StreamRecord, inter_token_latencies, measure, percentile,
                                               service_table, summarize_level)
 
@@ -52,3 +52,47 @@ def test_streams_through_grpc_equal_in_process_greedy(local_service, tiny_parts)
         assert lv["itl_ms_p95"] >= lv["itl_ms_p50"] > 0
     with pytest.raises(ValueError, match="prompts"):
         measure(local_service.address, prompts[:1], references[:1], [2], 8, progress=False)
+
+
+def test_bench_address_loads_a_running_secure_service(tiny_parts, tiny_target_dir, make_local_service, pki, tmp_path,
+                                                      monkeypatch):
+    """`treeserve bench --address` measures a service that is already running (here: TLS with the test CA and
+    bearer tokens), starts nothing, and checks its streams against in-process greedy of `--target`."""
+    import json
+
+    from treeserve.cli.main import main
+    from treeserve.services import launch
+    from treeserve.services.config import LimitsConfig, SecurityConfig
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("bench --address must not start a service")
+
+    monkeypatch.setattr(launch, "start_service", refuse)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("bench-token\n")
+    token_file = tmp_path / "token"
+    token_file.write_text("# the client's token\nbench-token\n")
+    limits = LimitsConfig(max_prompt_tokens=256, max_new_tokens=64, max_concurrent_requests=4, max_batch_size=2,
+                          request_timeout_s=60)
+    service = make_local_service(tiny_parts.engine(), limits, security=SecurityConfig(
+        tls_cert_file=pki.server_cert, tls_key_file=pki.server_key, auth_token_file=str(tokens)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n" for i, (c, t) in
+                               enumerate([("qa", "Why is the sky blue?"), ("writing", "Write a haiku about snow.")])))
+    out = tmp_path / "service.json"
+    try:
+        base = ["bench", "--address", service.address, "--tls-ca", pki.ca_cert, "--target", str(tiny_target_dir),
+                "--prompts", str(prompts), "--concurrency", "1", "2", "--max-new-tokens", "12",
+                "--warmup-prompts", "0", "--threads", "1", "--json-out", str(out)]
+        assert main([*base, "--token-file", str(token_file)]) == 0
+        report = json.loads(out.read_text())
+        assert report["config"]["address"] == service.address
+        assert [lv["streams"] for lv in report["levels"]] == [1, 2]
+        for lv in report["levels"]:
+            assert lv["errors"] == 0 and lv["greedy_compared"] == lv["streams"] and lv["greedy_mismatches"] == 0
+        # Without the token every stream is refused (UNAUTHENTICATED): counted as errors, exit status 1.
+        monkeypatch.delenv("TREESERVE_TOKEN", raising=False)
+        assert main(base) == 1
+        assert json.loads(out.read_text())["levels"][0]["error_codes"] == {"UNAUTHENTICATED": 1}
+    finally:
+        service.server.stop(0.5)

@@ -48,7 +48,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]  # engine/bench_projection.py -> the checkout
+REPO_ROOT = Path(__file__).resolve().parents[2]  # engine/bench/projection.py -> the checkout
 MODELS_DIR = REPO_ROOT / "deploy" / "models"
 
 HBM_BYTES_S = 2.039e12

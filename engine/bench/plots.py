@@ -1,4 +1,4 @@
-"""`treeserve bench --plot DIR`: the bench's pictures, PNG files written with matplotlib (Agg, no display).
+"""The bench's pictures (`treeserve bench --plot DIR`), PNG files written with matplotlib (Agg, no display).
 
 - `speedup_by_category.png`: per category (and over all prompts), every TreeServe method's and peer's
   tokens/s over TreeServe's plain autoregressive decoding, grouped bars, a line at 1.0;
@@ -23,6 +23,23 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _finish_line_plot(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Labels, grid and legend of a one-line-per-series plot, then the file."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
 def speedup_by_category(rows: list[dict], path: Path, title: str = "") -> Path:
     """Grouped bars: rows are {"label", "speedup", "category_speedups": {category: x}} (vs TreeServe AR)."""
     plt = _pyplot()
@@ -38,10 +55,7 @@ def speedup_by_category(rows: list[dict], path: Path, title: str = "") -> Path:
     ax.set_ylabel("speedup over TreeServe AR")
     ax.set_title(title or "tokens/s over plain autoregressive decoding, by category")
     ax.legend(fontsize=7, ncol=max(1, (len(rows) + 5) // 6), loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def mal_vs_candidates(sweep: list[dict], path: Path, title: str = "") -> Path:
@@ -53,15 +67,8 @@ def mal_vs_candidates(sweep: list[dict], path: Path, title: str = "") -> Path:
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
         for x, y, budget in points:
             ax.annotate(str(budget), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
-    ax.set_xlabel("candidate tokens per step")
-    ax.set_ylabel("MAL (tokens per target forward)")
-    ax.set_title(title or "accepted length vs tree size (labels: budget)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish_line_plot(plt, fig, ax, path, "candidate tokens per step", "MAL (tokens per target forward)",
+                             title or "accepted length vs tree size (labels: budget)")
 
 
 def chooser_rates(choosers: dict[str, dict], path: Path, title: str = "") -> Path:
@@ -74,15 +81,8 @@ def chooser_rates(choosers: dict[str, dict], path: Path, title: str = "") -> Pat
         budgets |= {p[0] for p in points}
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key)
     ax.set_xticks(sorted(budgets))
-    ax.set_xlabel("tree budget (0 = plain decoding)")
-    ax.set_ylabel("tokens/s measured by the chooser")
-    ax.set_title(title or "hardware-aware budget chooser")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish_line_plot(plt, fig, ax, path, "tree budget (0 = plain decoding)", "tokens/s measured by the chooser",
+                             title or "hardware-aware budget chooser")
 
 
 def write_plots(out_dir: Path, rows: list[dict], sweep: list[dict], choosers: dict[str, dict],

@@ -1,0 +1,14 @@
+"""The bench behind `treeserve bench` (cli/bench.py): TreeServe's methods and their peers decode the same
+Spec-Bench prompts with the same target in one process, side by side.
+
+- options.py: `BenchOptions`, what one run measures;
+- run.py: `run_bench`, the interleaved timed runs, the greedy check, the budget sweep, the outputs;
+- runner.py: method entries (`METHOD[:BUDGET][@KIND]`), a TreeServe engine behind the runner interface,
+  Spec-Bench answer lines;
+- greedy.py: the token-for-token check against the target's own greedy `generate` (also used by the
+  service bench, services/bench_service.py);
+- report.py: per-method statistics, speedups and the tables;
+- peers.py: Hugging Face `generate`, prompt lookup and assisted generation on the same prompts;
+- projection.py: PROJECTED speedups on the 4xA100 layouts from a documented cost model;
+- plots.py: the pictures.
+"""
