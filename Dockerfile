@@ -89,13 +89,13 @@ RUN <<'EOF'
 set -eu
 python - <<'PY'
 from pathlib import Path
-import treeserve.engine.models as models
+import treeserve.engine.drafters as drafters
 
-installed, source = Path(models.__file__).parent, Path("src/engine/models")
-shipped = [p.relative_to(source) for d in source.glob("default_*drafter") for p in d.rglob("*") if p.is_file()]
+installed, source = Path(drafters.__file__).parent, Path("src/engine/drafters")
+shipped = [p.relative_to(source) for p in (source / "weights").rglob("*") if p.is_file()]
 missing = [str(p) for p in shipped if not (installed / p).is_file()]
 if not shipped or missing:
-    raise SystemExit(f"the installed package lacks shipped files {missing or 'default_*drafter/*'}: "
+    raise SystemExit(f"the installed package lacks shipped files {missing or 'weights/*/*'}: "
                      "check setup.py package_data and .dockerignore")
 print(f"{len(shipped)} shipped model files installed")
 PY

@@ -51,7 +51,7 @@ setup(
     packages=_packages(),
     package_dir={name: folder for folder, name in FOLDERS.items()}
     | {"treeserve.v1": str((STUB_ROOT / "treeserve" / "v1").relative_to(ROOT))},
-    # Shipped artifacts: the distilled default, parallel and EAGLE drafters, each with its C2T classifier.
-    package_data={"treeserve.v1": ["*.pyi"],
-                  "treeserve.engine.models": ["default_drafter/*", "default_parallel_drafter/*", "default_eagle_drafter/*"]},
+    # Shipped artifacts: the distilled, parallel and EAGLE drafters (engine/drafters/registry.py), each with its
+    # C2T classifier.
+    package_data={"treeserve.v1": ["*.pyi"], "treeserve.engine.drafters": ["weights/*/*"]},
 )

@@ -172,7 +172,7 @@ def drafter_oracles(drafter_path: str):
     """A factory of timed drafter oracles: each starts a new step of one session whose context is the
     first dev prompt (chat template) plus the start of a greedy answer."""
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.factory import build_local_drafter
+    from treeserve.engine.drafters.loading import build_local_drafter
     from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
 
     target = load_causal_lm("default")

@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from treeserve.engine.models.drafter import SHIPPED_DRAFTERS, drafter_dir, load_drafter
+    from treeserve.engine.drafters.models.loading import load_drafter
+    from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
     from treeserve.engine.dev_prompts import load_prompts
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.training.agreement import Counts, depth_table
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top_k < 1 or args.depth < 1:
         raise ValueError("--num-prompts, --max-new-tokens, --top-k and --depth must be >= 1")
     if args.drafter is None:
-        args.drafter = [n for n in SHIPPED_DRAFTERS if (drafter_dir(n) / "config.json").is_file()]
+        args.drafter = [n for n in SHIPPED_NAMES if (drafter_dir(n) / "config.json").is_file()]
     if args.write_card and len(args.drafter) != 1:
         raise ValueError("--write-card takes exactly one --drafter")
     target = load_causal_lm(args.target)
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     for name, c in counts.items():
         result = {**c.result(args.num_prompts, args.max_new_tokens, args.top_k), "acceptance_by_depth": chains[name].rates()}
         if args.write_card:
-            from treeserve.engine.models.drafter import drafter_dir
+            from treeserve.engine.drafters.registry import drafter_dir
             from treeserve.engine.training.model_card import write_drafter_card
 
             write_drafter_card(drafter_dir(name), result, args, name)

@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def inspect(target: str, drafter: str, dtype: str = "float32") -> dict:
     """The file checks and the size report (ValueError naming both models for a pair that does not fit)."""
-    from treeserve.engine.models.drafter import drafter_dir
-    from treeserve.engine.models.drafter_check import LAYOUT_NAMES, check_drafter
+    from treeserve.engine.drafters.registry import drafter_dir
+    from treeserve.engine.drafters.models.compatibility import LAYOUT_NAMES, check_drafter
     from treeserve.engine.models.loading import resolve_model_dir
 
     target_dir = resolve_model_dir(target)
@@ -69,7 +69,7 @@ def agreement(target: str, drafter: str, chat_template: str | None, dtype: str, 
     """Top-1 / top-4 agreement of the drafter with the target's greedy answers on `num_prompts` dev prompts."""
     import torch
 
-    from treeserve.engine.models.drafter import load_drafter
+    from treeserve.engine.drafters.models.loading import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.factory import parse_dtype
     from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treeserve.engine.models.drafter import SHIPPED_DRAFTERS, drafter_dir
+    from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
     from treeserve.cli.generate import format_stats, stream_completion
     from treeserve.services.launch import load_config, start_service, stop_service
     from treeserve.v1 import generation_pb2 as gen
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if method is None:
         probe = load_config(args.config, method="autoregressive")
         drafter = probe.app.args.drafter.path
-        if drafter in SHIPPED_DRAFTERS and not (drafter_dir(drafter) / "config.json").is_file():
+        if drafter in SHIPPED_NAMES and not (drafter_dir(drafter) / "config.json").is_file():
             method = "autoregressive"
             print(f"note: the shipped {drafter!r} drafter is not installed (train it with `treeserve train-drafter`); "
                   "serving the target autoregressively", file=sys.stderr)

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from treeserve.engine.models.eagle3_drafter import default_feature_layers
+    from treeserve.engine.drafters.models.eagle3 import default_feature_layers
     from treeserve.engine.models.loading import cache_root, load_causal_lm
     from treeserve.engine.training.corpus import build_corpus, corpus_summary
     from treeserve.engine.training.prompt_mix import evaluation_texts

@@ -33,10 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from treeserve.engine.models.drafter import load_drafter
+    from treeserve.engine.drafters.models.loading import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.factory import drafter_classifier_path
-    from treeserve.engine.runners.drafter import DrafterRunner
+    from treeserve.engine.drafters.loading import drafter_classifier_path
+    from treeserve.engine.drafters.model_runner import DrafterRunner
     from treeserve.engine.runners.target import TargetRunner
     from treeserve.engine.training import prompts as sources
     from treeserve.engine.training.c2t import collect, train_classifier

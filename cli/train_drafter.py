@@ -14,8 +14,7 @@ from treeserve.engine.training.model_card import portable_card
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
-    from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
+    from treeserve.engine.drafters.registry import SHIPPED
     from treeserve.engine.training.drafter import DrafterTrainConfig
     from treeserve.engine.training.eagle import EagleTrainConfig
     from treeserve.engine.training.parallel import ParallelTrainConfig
@@ -28,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"where the drafter is written (default: the shipped default drafter of the kind, "
-                             f"{DEFAULT_DRAFTER_DIR} or {DEFAULT_PARALLEL_DRAFTER_DIR})")
+                             f"{SHIPPED['distilled'].directory} or {SHIPPED['parallel'].directory})")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where generated training data is kept and resumed from (default: cache dir)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -72,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "eagle":
         return run_eagle(args)
     if args.out is None:
-        from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+        from treeserve.engine.drafters.registry import SHIPPED
 
-        args.out = DEFAULT_DRAFTER_DIR
+        args.out = SHIPPED["distilled"].directory
     torch.set_num_threads(args.threads)
     data_config = DistillDataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillDataConfig)})
     train_config = DrafterTrainConfig(**{f.name: (tuple(getattr(args, f.name)) if f.name == "layers" else getattr(args, f.name))
@@ -99,11 +98,11 @@ def run_parallel(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
+    from treeserve.engine.drafters.registry import SHIPPED
     from treeserve.engine.training.parallel import ParallelTrainConfig, train_parallel_drafter
 
     torch.set_num_threads(args.threads)
-    out = args.out or DEFAULT_PARALLEL_DRAFTER_DIR
+    out = args.out or SHIPPED["parallel"].directory
     data_config = DistillDataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillDataConfig)})
     train_config = ParallelTrainConfig(**{f.name: (tuple(getattr(args, f.name)) if f.name == "layers" else getattr(args, f.name))
                                           for f in dataclasses.fields(ParallelTrainConfig)})
@@ -131,12 +130,13 @@ def run_eagle(args: argparse.Namespace) -> int:
     next to it), EAGLE's feature regression + token loss."""
     import torch
 
-    from treeserve.engine.models.eagle_drafter import DEFAULT_EAGLE_DRAFTER_DIR, is_eagle_drafter
+    from treeserve.engine.drafters.models.eagle import is_eagle_drafter
+    from treeserve.engine.drafters.registry import SHIPPED
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.training.eagle import EagleTrainConfig, target_features, train_eagle
 
     torch.set_num_threads(args.threads)
-    out = args.out or DEFAULT_EAGLE_DRAFTER_DIR
+    out = args.out or SHIPPED["eagle"].directory
     data_config = DistillDataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillDataConfig)})
     train_config = EagleTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EagleTrainConfig)})
     target = load_causal_lm(args.target)

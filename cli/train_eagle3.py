@@ -15,7 +15,7 @@ from treeserve.engine.training.eagle3 import Eagle3TrainConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from treeserve.engine.models.eagle3_drafter import DEFAULT_EAGLE3_DRAFTER_DIR
+    from treeserve.engine.drafters.registry import SHIPPED
 
     parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS_DIR,
@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--features-dir", type=Path, default=None,
                         help="cached target features of the corpus (default: <cache>/corpus_features/<corpus name>); "
                              "chunks without them are computed first")
-    parser.add_argument("--out", type=Path, default=DEFAULT_EAGLE3_DRAFTER_DIR,
-                        help=f"where the drafter is written (default: the shipped {DEFAULT_EAGLE3_DRAFTER_DIR.name})")
+    parser.add_argument("--out", type=Path, default=SHIPPED["eagle3"].directory,
+                        help=f"where the drafter is written (default: the shipped {SHIPPED['eagle3'].directory.name})")
     parser.add_argument("--max-chunks", type=int, default=None, help="train on the first N chunks only")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     add_dataclass_options(parser, Eagle3TrainConfig, "EAGLE-3 training")
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from treeserve.engine.models.eagle3_drafter import default_feature_layers, is_eagle3_drafter
+    from treeserve.engine.drafters.models.eagle3 import default_feature_layers, is_eagle3_drafter
     from treeserve.engine.models.loading import cache_root, load_causal_lm
     from treeserve.engine.training.corpus import compute_chunk_features, corpus_summary, features_path
     from treeserve.engine.training.eagle3 import load_corpus, train_eagle3

@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.engine.c2t_classifier import C2TClassifier
-    from treeserve.engine.factory import build_engine, drafter_classifier_path
+    from treeserve.engine.drafters.loading import drafter_classifier_path
+    from treeserve.engine.factory import build_engine
     from treeserve.engine.training.c2t_tune import TUNING_PROMPTS, choose_beta, record_beta, sweep_betas
     from treeserve.engine.training.prompts import prompt_texts
 

@@ -8,21 +8,19 @@ chosen the same way everywhere.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from treeserve.engine.budget import BudgetChooser, measure_profile
+from treeserve.engine.budget import measure_profile
 from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig, split_method
-from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.drafting import AUTOREGRESSIVE, LocalDrafter
+from treeserve.engine.drafters.base import AUTOREGRESSIVE
+from treeserve.engine.drafters.loading import build_local_drafter
+from treeserve.engine.drafters.models.loading import target_feature_layers
+from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND, canonical_name
 from treeserve.engine.speculative_engine import SpeculativeEngine
-from treeserve.engine.models.drafter import drafter_dir, load_drafter, target_feature_layers
 from treeserve.engine.models.loading import LoadedModel, load_causal_lm
-from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 
-C2T_CLASSIFIER_FILE = "c2t.safetensors"  # a drafter directory's own C2T classifier (trained on its trees)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,66 +28,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
-
-
-def drafter_classifier_path(drafter_path: str) -> Path:
-    """Where the C2T classifier of a drafter lives: `c2t.safetensors` in its directory ("default" and
-    "eagle" name the shipped drafters). C2T's confidences are calibrated on one drafter's trees, so each
-    drafter carries its own (`treeserve train-c2t --drafter ...` writes it there)."""
-    return drafter_dir(drafter_path) / C2T_CLASSIFIER_FILE
-
-
-def load_classifier(path: str | None = "default", drafter_path: str = "default") -> C2TClassifier:
-    """The C2T classifier: "default" = the drafter's own (a joint-probability prior where it has none),
-    None = that prior, or a classifier file."""
-    if path == "default":
-        own = drafter_classifier_path(drafter_path)
-        return C2TClassifier.load(own) if own.is_file() else C2TClassifier.joint_prob_prior()
-    if path is None:
-        return C2TClassifier.joint_prob_prior()
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"C2T classifier {path} does not exist")
-    return C2TClassifier.load(path)
-
-
-DRAFTER_KINDS = ("autoregressive", "parallel")
-
-
-def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str = "cpu",
-                        dtype: torch.dtype = torch.float32, budget: int | str = "auto",
-                        classifier_path: str | None = "default", drafter_kind: str = "autoregressive"):
-    """A LocalDrafter for `target`; budget "auto" measures the hardware and chooses per step.
-
-    drafter_kind "parallel": a ParallelTreeDrafter over a parallel drafter (k+1 positions per forward;
-    `drafter_path` "default" is then the shipped default parallel drafter). A directory holding a parallel
-    drafter is recognised as such whatever the kind (so a service configured with its path uses it)."""
-    if drafter_kind not in DRAFTER_KINDS:
-        raise ValueError(f"drafter_kind must be one of {DRAFTER_KINDS}, got {drafter_kind!r}")
-    if drafter_path != "default":
-        from treeserve.engine.models.parallel_drafter import is_parallel_drafter
-
-        if is_parallel_drafter(Path(drafter_path).expanduser()):
-            drafter_kind = "parallel"
-    if drafter_kind == "parallel":
-        from treeserve.engine.models.parallel_drafter import load_parallel_drafter
-        from treeserve.engine.parallel_drafting import ParallelTreeDrafter
-
-        model = load_parallel_drafter(drafter_path, target, device, dtype)
-        if budget == "auto":
-            chooser = BudgetChooser(measure_profile(target, model, device, dtype))
-        elif not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
-        else:
-            chooser = None
-        return ParallelTreeDrafter(model, target.config.vocab_size, device, dtype, budget=chooser)
-    model = load_drafter(drafter_path, target, device, dtype)
-    chooser = None
-    if budget == "auto":
-        chooser = BudgetChooser(measure_profile(target, model, device, dtype))
-    elif not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
-    return LocalDrafter(DrafterRunner(model, target.config.vocab_size, device, dtype),
-                        classifier=load_classifier(classifier_path, drafter_path), budget=chooser)
 
 
 # C2T's own defaults (paper section 5.1: K = 15, up to 10 layers). The confidence threshold beta is the
@@ -111,15 +49,17 @@ def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
     return config
 
 
-def build_engine(target_path: str = "default", drafter_path: str = "default", method: str = DEFAULT_METHOD,
+def build_engine(target_path: str = "default", drafter_path: str = "distilled", method: str = DEFAULT_METHOD,
                  budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
-                 drafter_kind: str = "autoregressive", **tree_overrides) -> SpeculativeEngine:
+                 drafter_kind: str | None = None, **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
-    "parallel" drafts each tree from one parallel-drafter forward (engine.parallel_drafting)."""
+    "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
+    the kind of the drafter's weights (engine/drafters/registry.py)."""
     torch_dtype = parse_dtype(dtype)
+    drafter_path = canonical_name(drafter_path, drafter_kind)
     base, lookup = split_method(method)
-    if lookup and drafter_kind != "autoregressive":
+    if lookup and drafter_kind not in (None, AUTOREGRESSIVE_KIND):
         raise ValueError(f"method {method!r} drafts copy-from-context candidates with the autoregressive drafter, "
                          f"not drafter_kind {drafter_kind!r}")
     target = target or load_causal_lm(target_path, device, torch_dtype)

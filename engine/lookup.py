@@ -559,7 +559,7 @@ class HybridOracle:
     def _head_rows(self, tokens, parents, nodes: list[int]):  # type: ignore[no-untyped-def]
         """([n, V_draft] copies of the model's head rows, its runner) for a SessionOracle, else None; records
         each node's model top-1 (for BOTH labels)."""
-        from treeserve.engine.runners.drafter import SessionOracle
+        from treeserve.engine.drafters.model_runner import SessionOracle
 
         model = self.model
         if not isinstance(model, SessionOracle):

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from treeserve.engine.builders import TreeConfig, make_builder
-from treeserve.engine.drafting import AUTOREGRESSIVE, DraftRequest, batch_size_bucket, root_only
+from treeserve.engine.drafters.base import AUTOREGRESSIVE, DraftRequest, batch_size_bucket, root_only
 from treeserve.engine.models.loading import chat_ids
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
 from treeserve.engine.runners.target import ScoreRequest

@@ -196,7 +196,7 @@ class DrafterConfig(ModelConfig):
         path = Path(self.path).expanduser()
         if not (path / "config.json").is_file():
             return False
-        from treeserve.engine.models.drafter_check import FEATURE_LAYOUTS, detect_layout
+        from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, detect_layout
 
         return detect_layout(path) in FEATURE_LAYOUTS
 
@@ -397,13 +397,17 @@ class AppConfig:
     def _check_pair(self, path: str, base_dir: Optional[Path]) -> None:
         """The drafter must fit the target (vocabulary, hidden size, tokenizer, feature layers, weights): checked
         from the files where they are readable, else from both models' model_facts, before anything serves."""
-        target = self.target.facts(base_dir, f"{path}.target")
+        from treeserve.engine.drafters.registry import drafter_dir, is_shipped, kind_of
+
         drafter = self.drafter
+        try:  # drafter.kind picks the drafter class: the weights at drafter.path must be of that kind
+            kind_of(drafter.path, drafter.kind)
+        except ValueError as exc:
+            raise ValueError(f"{path}.drafter: {exc}") from None
+        target = self.target.facts(base_dir, f"{path}.target")
         if target is None or drafter.kind == "parallel":
             return
-        if drafter.path in ("default", "eagle", "eagle3"):
-            from treeserve.engine.models.drafter import drafter_dir
-
+        if is_shipped(drafter.path):
             where: Optional[Path] = drafter_dir(drafter.path)  # a shipped drafter not trained yet: nothing to check
         else:
             where = Path(drafter.path).expanduser()
@@ -416,7 +420,7 @@ class AppConfig:
             except (OSError, json.JSONDecodeError):
                 return  # ModelConfig._check reports an unreadable model_facts file
             where = None
-        from treeserve.engine.models.drafter_check import check_drafter
+        from treeserve.engine.drafters.models.compatibility import check_drafter
 
         target_dir = Path(self.target.path).expanduser()
         facts = {**dataclasses.asdict(target), "_path": str(target_dir) if target_dir.is_dir() else None}

@@ -17,7 +17,8 @@ import grpc
 import torch
 
 from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig
-from treeserve.engine.drafting import DraftRequest, LocalDrafter
+from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.services import wire
 from treeserve.services.features import FeatureStore, read_delta
@@ -146,7 +147,8 @@ def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:
     embeddings, final norm and LM head: engine/models/target_parts.py), which is what lets a drafter replica
     sit beside a 70B tensor-parallel target on a share of one GPU."""
     from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.factory import build_local_drafter, parse_dtype
+    from treeserve.engine.drafters.loading import build_local_drafter
+    from treeserve.engine.factory import parse_dtype
     from treeserve.engine.runners.kv_pool import limit_gpu_memory
 
     dtype = parse_dtype(config.drafter.dtype)
@@ -158,7 +160,7 @@ def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:
 
         target = load_target_parts(config.target.path, config.drafter.device, dtype)
     drafter = build_local_drafter(config.drafter.path, target, config.drafter.device, dtype,
-                                  config.speculation.budget)
+                                  config.speculation.budget, drafter_kind=config.drafter.kind)
     # The KV pool is preallocated now: max_sessions x max_context_tokens (treeserve memory-estimate).
     lm = drafter.runner.lm if hasattr(drafter, "runner") else drafter.lm
     lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeserve.engine.drafting import AUTOREGRESSIVE, DraftRequest
+from treeserve.engine.drafters.base import AUTOREGRESSIVE, DraftRequest
 from treeserve.engine.speculative_engine import CommittedFeatures
 from treeserve.v1 import internal_pb2 as pb
 

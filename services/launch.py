@@ -82,11 +82,11 @@ def _int(value: str, name: str) -> int:
 
 def _check_models(args) -> None:
     """Fail before starting Ray when a model the config names cannot exist (replicas would crash-loop)."""
-    from treeserve.engine.models.drafter import SHIPPED_DRAFTERS, drafter_dir
+    from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
 
     if args.speculation.method != "autoregressive":
         directory = drafter_dir(args.drafter.path)
-        if args.drafter.path in SHIPPED_DRAFTERS and not (directory / "config.json").is_file():
+        if args.drafter.path in SHIPPED_NAMES and not (directory / "config.json").is_file():
             raise FileNotFoundError(f"the shipped {args.drafter.path!r} drafter is not installed ({directory}); train "
                                     "one with `treeserve train-drafter`, pass --drafter PATH, or --method autoregressive")
         if not directory.exists():

@@ -142,7 +142,7 @@ def shipped_drafter_facts(model: ModelConfig, role: str) -> ModelFacts | None:
     if role != "drafter" or model.path.startswith("/"):
         return None
     try:
-        from treeserve.engine.models.drafter import drafter_dir
+        from treeserve.engine.drafters.registry import drafter_dir
 
         config = drafter_dir(model.path) / "config.json"
     except (ImportError, KeyError):
@@ -160,11 +160,11 @@ def feature_drafter_params(args: AppConfig) -> int | None:
     drafter, target = args.drafter, args.target.facts()
     if target is None:
         return None
-    from treeserve.engine.models.drafter_check import FEATURE_LAYOUTS, check_drafter, layout_from_config
+    from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, check_drafter, layout_from_config
 
     where = Path(drafter.path).expanduser()
     if drafter.path in ("eagle", "eagle3"):
-        from treeserve.engine.models.drafter import drafter_dir
+        from treeserve.engine.drafters.registry import drafter_dir
 
         where = drafter_dir(drafter.path)
     raw = None

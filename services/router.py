@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from treeserve.engine.drafting import AUTOREGRESSIVE
+from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.speculative_engine import Sequence, SpeculativeEngine
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult
 from treeserve.services.config import LimitsConfig

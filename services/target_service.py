@@ -113,7 +113,7 @@ def load_target_from_config(config) -> Any:
     target = config.target
     # The KV pool is preallocated at start: max_sessions x max_context_tokens (treeserve memory-estimate).
     sessions = config.kv_sessions("target")
-    from treeserve.engine.models.drafter import target_feature_layers
+    from treeserve.engine.drafters.models.loading import target_feature_layers
 
     # An EAGLE-3 drafter fuses several target layers: the Target returns exactly those with its scores (read
     # from the drafter's config.json alone; EAGLE-1/2 and other drafters: None, the final state).

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 import grpc
 
-from treeserve.engine.drafting import AUTOREGRESSIVE
+from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.methods import LOOKUP, split_method, with_lookup
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.sampling import SamplingParams

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from treeserve.engine.builders import TreeConfig
-from treeserve.engine.drafting import DraftRequest
+from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.sampling import SamplingParams

@@ -126,7 +126,7 @@ def test_gguf_with_non_causal_architecture(tmp_path):
 def test_drafter_vocabulary_mismatch(tmp_path, tiny_target_dir):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from treeserve.engine.models.drafter import load_drafter
+    from treeserve.engine.drafters.models.loading import load_drafter
     from treeserve.engine.models.loading import load_causal_lm
 
     other = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -107,23 +107,21 @@ def hf_assistant(name: str, target_model):
     (None, reason) when it cannot run this drafter."""
     from transformers import LlamaForCausalLM, PreTrainedModel
 
-    from treeserve.engine.models.drafter import drafter_dir, load_drafter
+    from treeserve.engine.drafters.models.base import DrafterModel
+    from treeserve.engine.drafters.models.loading import load_drafter
+    from treeserve.engine.drafters.models.parallel import is_parallel_drafter
+    from treeserve.engine.drafters.registry import drafter_dir
 
-    path = drafter_dir(name)
-    try:
-        from treeserve.engine.models.parallel_drafter import is_parallel_drafter
-
-        if is_parallel_drafter(path):
-            return None, f"{name} is a parallel drafter (mask tokens; assisted generation feeds plain tokens)"
-    except ImportError:  # pragma: no cover
-        pass
+    if is_parallel_drafter(drafter_dir(name)):
+        return None, f"{name} is a parallel drafter (mask tokens; assisted generation feeds plain tokens)"
     drafter = load_drafter(name, target_model)
-    if getattr(drafter, "reads_target_features", False):
+    if isinstance(drafter, DrafterModel) and drafter.reads_target_features:
         return None, (f"{name} is an EAGLE drafter: it reads the target's hidden states, which transformers' "
                       "assisted generation does not pass to an assistant")
     if isinstance(drafter, PreTrainedModel):
         return drafter, ""
-    if getattr(drafter, "vocab_ids", None) is None or not hasattr(drafter, "model"):
+    # A TreeServe drafter over a restricted vocabulary: its trunk under a full-vocabulary head.
+    if not isinstance(drafter, DrafterModel) or drafter.vocab_ids is None:
         return None, f"{name}: {type(drafter).__name__} is not a causal LM transformers can drive"
     import copy
 

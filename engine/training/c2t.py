@@ -24,9 +24,9 @@ from tqdm import tqdm
 
 from treeserve.engine.builders import Eagle2Builder
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
-from treeserve.engine.drafting import root_only
+from treeserve.engine.drafters.base import root_only
 from treeserve.engine.speculative_engine import CommittedFeatures
-from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
 from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import TokenTree

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from treeserve.engine.models.drafter import RestrictedVocabDrafter
+from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 from treeserve.engine.training.batches import SequenceBatches, cosine_lr
 
 

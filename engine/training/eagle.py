@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from treeserve.engine.models.eagle_drafter import EagleDrafter
+from treeserve.engine.drafters.models.eagle import EagleDrafter
 from treeserve.engine.training.batches import SequenceBatches, cosine_lr
 from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions
 

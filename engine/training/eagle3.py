@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from treeserve.engine.models.eagle3_drafter import Eagle3Drafter
+from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
 from treeserve.engine.training.batches import SequenceBatches, cosine_lr
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from treeserve.engine.models.loading import chat_ids
-from treeserve.engine.models.parallel_drafter import ParallelDrafterModel
+from treeserve.engine.drafters.models.parallel import ParallelDrafterModel
 from treeserve.engine.training.batches import SequenceBatches, cosine_lr
 from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions, soft_targets
 
@@ -205,7 +205,7 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
     if config.init_from:
         from pathlib import Path as _Path
 
-        from treeserve.engine.models.drafter import RestrictedVocabDrafter
+        from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 
         base = RestrictedVocabDrafter.load(_Path(config.init_from), target.get_input_embeddings().weight)
         model = ParallelDrafterModel.from_autoregressive(base, k, config.seed).train()
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.models.parallel_drafter import load_parallel_drafter
+    from treeserve.engine.drafters.models.loading import load_parallel_drafter
 
     torch.set_num_threads(args.threads)
     target = load_causal_lm(args.target)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from treeserve.engine.drafting import DraftRequest, root_only
+from treeserve.engine.drafters.base import DraftRequest, root_only
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree

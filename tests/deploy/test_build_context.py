@@ -100,9 +100,9 @@ def test_every_shipped_file_reaches_the_image():
     files = context_files()
     shipped = shipped_files(files)
     # The artifacts whose absence broke the image: each drafter's weights and its C2T classifier.
-    for drafter in ("default_drafter", "default_eagle_drafter", "default_parallel_drafter"):
-        assert f"engine/models/{drafter}/model.safetensors" in shipped
-    assert "engine/models/default_eagle_drafter/c2t.safetensors" in shipped
+    for drafter in ("distilled", "eagle", "parallel"):
+        assert f"engine/drafters/weights/{drafter}/model.safetensors" in shipped
+    assert "engine/drafters/weights/eagle/c2t.safetensors" in shipped
     assert "deploy/local-cpu.yaml" in shipped and "proto/treeserve/v1/generation.proto" in shipped
     problems = missing_from_image(dockerignore.load(ROOT / ".dockerignore"), DOCKERFILE.read_text(), files)
     assert not problems, f"the image would lack: {problems}"
@@ -114,8 +114,8 @@ def test_the_check_catches_a_dropped_artifact():
     old = dockerignore.parse("\n".join(line for line in (ROOT / ".dockerignore").read_text().splitlines()
                                        if not line.startswith("!")))
     problems = missing_from_image(old, DOCKERFILE.read_text(), files)
-    assert problems.get("engine/models/default_eagle_drafter/model.safetensors") == "dropped by .dockerignore"
-    assert problems.get("engine/models/default_eagle_drafter/c2t.safetensors") == "dropped by .dockerignore"
+    assert problems.get("engine/drafters/weights/eagle/model.safetensors") == "dropped by .dockerignore"
+    assert problems.get("engine/drafters/weights/eagle/c2t.safetensors") == "dropped by .dockerignore"
     # ... and a Dockerfile that forgot a package folder.
     no_services = "\n".join(line for line in DOCKERFILE.read_text().splitlines() if "COPY services" not in line)
     problems = missing_from_image(dockerignore.load(ROOT / ".dockerignore"), no_services, files)
@@ -142,9 +142,9 @@ def test_nothing_heavy_or_private_enters_the_context():
     ("temp?", "temp1", True),
     ("temp?", "temp12", False),
     ("a/**", "a/b/c", True),
-    ("**/*.safetensors\n!engine/models/default_*drafter/*.safetensors", "engine/models/default_eagle_drafter/c2t.safetensors", False),
-    ("**/*.safetensors\n!engine/models/default_*drafter/*.safetensors", "engine/models/other/model.safetensors", True),
-    ("**/*.safetensors\n!engine/models/default_*drafter/*.safetensors", "engine/models/default_drafter/sub/x.safetensors", True),
+    ("**/*.safetensors\n!engine/drafters/weights/*/*.safetensors", "engine/drafters/weights/eagle/c2t.safetensors", False),
+    ("**/*.safetensors\n!engine/drafters/weights/*/*.safetensors", "engine/models/other/model.safetensors", True),
+    ("**/*.safetensors\n!engine/drafters/weights/*/*.safetensors", "engine/drafters/weights/distilled/sub/x.safetensors", True),
     ("dir\n!dir/keep", "dir/keep", False),
     ("# comment\n\n  spaced.txt  ", "spaced.txt", True),
     ("file.v1", "fileXv1", False),  # `.` is literal

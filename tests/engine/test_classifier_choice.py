@@ -5,7 +5,7 @@ import torch
 
 from treeserve.engine.builders import TreeConfig, make_builder
 from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.factory import C2T_CLASSIFIER_FILE, drafter_classifier_path, load_classifier
+from treeserve.engine.drafters.loading import C2T_CLASSIFIER_FILE, drafter_classifier_path, load_classifier
 
 
 def _confidences(classifier: C2TClassifier) -> np.ndarray:

@@ -1,7 +1,7 @@
 """CommittedFeatures: the target features of a sequence's context[:-1] that an EAGLE drafter reads."""
 import torch
 
-from treeserve.engine.drafting import root_only
+from treeserve.engine.drafters.base import root_only
 from treeserve.engine.speculative_engine import CommittedFeatures
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists

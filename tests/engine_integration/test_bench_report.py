@@ -144,7 +144,7 @@ def test_step_counts_from_target_forwards():
 def test_hf_assisted_runs_a_restricted_vocabulary_drafter(tmp_path, tiny):
     """A drafter with a sub-vocabulary head drives transformers' assisted generation once widened; the output
     is the target's greedy output and the drafter's forwards are counted."""
-    from treeserve.engine.models.drafter import RestrictedVocabDrafter
+    from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
     from treeserve.engine.models.loading import chat_ids
 
     vocab = tiny.model.config.vocab_size
@@ -169,9 +169,10 @@ def test_hf_assisted_runs_a_restricted_vocabulary_drafter(tmp_path, tiny):
 def test_eagle_drafter_is_skipped_with_a_reason(tiny, monkeypatch):
     """transformers cannot feed an EAGLE drafter the target's hidden states: hf-assisted is skipped, the reason
     printed, the other peers still run."""
-    from treeserve.engine.models import drafter as drafter_module
+    from treeserve.engine.drafters.models import loading as drafter_module
+    from treeserve.engine.drafters.models.base import DrafterModel
 
-    class FeatureReader(torch.nn.Module):
+    class FeatureReader(DrafterModel):
         reads_target_features = True
 
     monkeypatch.setattr(drafter_module, "load_drafter", lambda name, target: FeatureReader())
@@ -179,7 +180,7 @@ def test_eagle_drafter_is_skipped_with_a_reason(tiny, monkeypatch):
     assert [p.key for p in peers] == ["hf-generate", "hf-pld"]
     assert len(skipped) == 1 and "EAGLE" in skipped[0] and "hidden states" in skipped[0]
     with pytest.raises(ValueError, match="unknown peer set"):
-        build_peers(["vllm"], tiny, "default")
+        build_peers(["vllm"], tiny, "distilled")
 
 
 def test_forward_log_reads_first_position(tiny):

@@ -10,7 +10,7 @@ import sys
 
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.models.loading import load_causal_lm
-from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.builders import Eagle2Builder
 from treeserve.engine.sampling import SamplingParams

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from treeserve.engine.bench.greedy import greedy_reference
-from treeserve.engine.models.drafter import DEFAULT_DRAFTER_DIR
+from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
@@ -35,8 +35,8 @@ def references(target, prompts):
 
 
 def test_default_drafter_is_shipped_with_a_card():
-    assert (DEFAULT_DRAFTER_DIR / "model.safetensors").is_file()
-    card = (DEFAULT_DRAFTER_DIR / "README.md").read_text()
+    assert (SHIPPED["distilled"].directory / "model.safetensors").is_file()
+    card = (SHIPPED["distilled"].directory / "README.md").read_text()
     assert "top-1" in card and "treeserve agreement" in card
 
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from treeserve.engine.builders import TreeConfig
-from treeserve.engine.drafting import LocalDrafter
+from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
-from treeserve.engine.models.drafter import load_drafter
-from treeserve.engine.models.eagle_drafter import EagleDrafter
+from treeserve.engine.drafters.models.loading import load_drafter
+from treeserve.engine.drafters.models.eagle import EagleDrafter
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
-from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.sampling import SamplingParams
 

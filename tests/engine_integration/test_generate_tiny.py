@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from treeserve.engine.builders import TreeConfig
-from treeserve.engine.drafting import LocalDrafter
+from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
-from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.sampling import SamplingParams
 
@@ -132,7 +132,7 @@ def test_an_explicit_budget_caps_batched_chains_without_the_chooser(pair):
     """A batch whose requests fix their budget drafts chains of at most that many tokens (and of the
     configured depth, not a chosen one); the batch choosers are neither asked nor credited."""
     from treeserve.engine.budget import BudgetChooser, HardwareProfile
-    from treeserve.engine.drafting import DraftRequest
+    from treeserve.engine.drafters.base import DraftRequest
 
     target, drafter = pair
     profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0}, 5.0, 128)
@@ -154,7 +154,7 @@ def test_a_sequence_drafted_alone_for_a_batched_step_is_drafted_as_the_batch(pai
     Drafter replicas: `batch_size`) is a batched step: a chain from the bucket chooser, never a batch-1
     tree from the batch-1 chooser, so the step's records (batch_size > 1) reach the chooser that decided."""
     from treeserve.engine.budget import BudgetChooser, HardwareProfile
-    from treeserve.engine.drafting import DraftRequest
+    from treeserve.engine.drafters.base import DraftRequest
 
     target, drafter = pair
     profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0}, 5.0, 128)
@@ -204,7 +204,7 @@ def test_a_fixed_budget_is_not_overridden_by_the_chooser(pair):
     """Only budget_auto trees are sized by the hardware-aware chooser: a request's explicit budget stands
     (the chooser, which would pick plain decoding here, is neither asked nor credited)."""
     from treeserve.engine.budget import BudgetChooser, HardwareProfile
-    from treeserve.engine.drafting import DraftRequest
+    from treeserve.engine.drafters.base import DraftRequest
 
     target, drafter = pair
     chooser = BudgetChooser(HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0}, 5.0, 128), max_budget=4)
@@ -221,7 +221,7 @@ def test_a_fixed_budget_is_not_overridden_by_the_chooser(pair):
 def test_a_plain_decoding_hold_survives_requests_leaving_the_batch(pair):
     """The hold is kept per batch-size bucket: a batch of 4 shrinking to 3 stays held (no drafter call),
     shrinking to 1 (another bucket, another chooser) asks the drafter again."""
-    from treeserve.engine.drafting import root_only
+    from treeserve.engine.drafters.base import root_only
 
     target, _ = pair
 

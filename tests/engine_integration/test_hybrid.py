@@ -8,11 +8,11 @@ import torch
 
 from treeserve.engine.budget import LOOKUP_ONLY, BudgetChooser, HardwareProfile
 from treeserve.engine.builders import TreeConfig
-from treeserve.engine.drafting import LocalDrafter
+from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import GenerationRequest, StepRecord
-from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.sampling import SamplingParams
 

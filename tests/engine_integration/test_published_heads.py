@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from treeserve.engine.models.drafter import load_drafter, target_feature_layers
-from treeserve.engine.models.drafter_check import check_drafter, detect_layout
+from treeserve.engine.drafters.models.loading import load_drafter, target_feature_layers
+from treeserve.engine.drafters.models.compatibility import check_drafter, detect_layout
 from treeserve.engine.models.loading import load_causal_lm
 
 HEADS, KV_HEADS, INTER = 4, 2, 128

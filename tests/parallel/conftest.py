@@ -30,7 +30,7 @@ def make_parallel_drafter(target_model, layers=(0,), vocab_size: int = 4096, num
                           noise: float = 0.5):
     """A parallel drafter from the tiny target's layers with a random sub-vocabulary (specials included) and
     randomised [MASK] embeddings, so mask outputs differ from the plain next-token output."""
-    from treeserve.engine.models.parallel_drafter import ParallelDrafterModel
+    from treeserve.engine.drafters.models.parallel import ParallelDrafterModel
 
     gen = torch.Generator().manual_seed(seed)
     vocab = target_model.config.vocab_size

@@ -8,14 +8,14 @@ import json
 import pytest
 
 from treeserve.engine.bench.greedy import greedy_reference
-from treeserve.engine.models.parallel_drafter import DEFAULT_PARALLEL_DRAFTER_DIR
+from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.dev_prompts import DEV_PROMPTS
 
 DEV = DEV_PROMPTS  # the vendored Spec-Bench dev questions (benchmarks/data)
 pytestmark = pytest.mark.slow
-shipped = pytest.mark.skipif(not (DEFAULT_PARALLEL_DRAFTER_DIR / "model.safetensors").is_file(),
+shipped = pytest.mark.skipif(not (SHIPPED["parallel"].directory / "model.safetensors").is_file(),
                              reason="no default parallel drafter shipped")
 
 
@@ -28,7 +28,7 @@ def target():
 
 @shipped
 def test_card():
-    card = (DEFAULT_PARALLEL_DRAFTER_DIR / "README.md").read_text()
+    card = (SHIPPED["parallel"].directory / "README.md").read_text()
     assert "python -m treeserve.engine.training.parallel" in card and "position" in card
 
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_parallel_drafter
 from treeserve.engine.builders import TreeConfig
-from treeserve.engine.parallel_drafting import ParallelTreeDrafter
+from treeserve.engine.drafters.parallel import ParallelTreeDrafter
 from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.sampling import SamplingParams
@@ -90,7 +90,7 @@ def test_training_runs_and_saves(tmp_path, tiny_target):
 def test_train_drafter_cli_kind_parallel(tmp_path, tiny_target, tiny_target_dir):
     from safetensors.torch import save_file
 
-    from treeserve.engine.models.parallel_drafter import load_parallel_drafter
+    from treeserve.engine.drafters.models.loading import load_parallel_drafter
     from treeserve.cli.main import main
 
     gen = torch.Generator().manual_seed(1)
@@ -108,7 +108,7 @@ def test_train_drafter_cli_kind_parallel(tmp_path, tiny_target, tiny_target_dir)
     model = load_parallel_drafter(str(out), tiny_target.model)
     assert model.num_masks == 2 and (out / "training.json").is_file()
     # Starting from a trained autoregressive drafter: its trunk, head and vocabulary are kept.
-    from treeserve.engine.models.drafter import RestrictedVocabDrafter
+    from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 
     RestrictedVocabDrafter.from_target(tiny_target.model, [0], torch.arange(700)).save(tmp_path / "ar")
     code = main(["train-drafter", "--kind", "parallel", "--target", str(tiny_target_dir), "--data-dir", str(data_dir),
@@ -120,14 +120,14 @@ def test_train_drafter_cli_kind_parallel(tmp_path, tiny_target, tiny_target_dir)
 
 
 def test_parallel_directory_is_recognised(tiny_target, drafter_dir):
-    from treeserve.engine.factory import build_local_drafter
+    from treeserve.engine.drafters.loading import build_local_drafter
 
     drafter = build_local_drafter(str(drafter_dir), tiny_target.model, budget=4)
     assert isinstance(drafter, ParallelTreeDrafter)
 
 
 def test_dev_agreement_per_position(tiny_target, drafter_dir):
-    from treeserve.engine.models.parallel_drafter import load_parallel_drafter
+    from treeserve.engine.drafters.models.loading import load_parallel_drafter
     from treeserve.engine.training.parallel import dev_agreement
 
     drafter = load_parallel_drafter(str(drafter_dir), tiny_target.model)
@@ -139,7 +139,7 @@ def test_dev_agreement_per_position(tiny_target, drafter_dir):
 
 
 def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
-    from treeserve.engine.drafting import DraftRequest
+    from treeserve.engine.drafters.base import DraftRequest
     from treeserve.engine.requests import StepRecord
 
     class Chooser:
@@ -171,7 +171,7 @@ def test_a_sequence_of_a_batched_step_drafts_a_chain_capped_by_its_budget(tiny_t
     """Alone in the request list but one of a batch of 3 (a Drafter replica holding part of a router's batch):
     a chain, as every sequence of a batched step, capped by an explicit budget; and the batch-1 chooser
     is neither asked nor fed."""
-    from treeserve.engine.drafting import DraftRequest
+    from treeserve.engine.drafters.base import DraftRequest
     from treeserve.engine.requests import StepRecord
 
     class Chooser:
@@ -199,7 +199,7 @@ def test_a_sequence_of_a_batched_step_drafts_a_chain_capped_by_its_budget(tiny_t
 
 def test_drafter_service_hosts_the_parallel_drafter(tiny_target, parallel_drafter):
     pytest.importorskip("grpc")
-    from treeserve.engine.drafting import DraftRequest
+    from treeserve.engine.drafters.base import DraftRequest
     from treeserve.services import wire
     from treeserve.services.drafter_service import DrafterServicer, session_ids_of
     from treeserve.v1 import internal_pb2 as pb

@@ -8,10 +8,10 @@ import torch
 
 from conftest import make_parallel_drafter
 from treeserve.engine.builders import TreeConfig
-from treeserve.engine.drafting import DraftRequest
-from treeserve.engine.models.parallel_drafter import (ParallelDrafterModel, is_parallel_drafter, load_parallel_drafter,
-                                                      mask_ids)
-from treeserve.engine.parallel_drafting import ParallelTreeDrafter
+from treeserve.engine.drafters.base import DraftRequest
+from treeserve.engine.drafters.models.loading import load_parallel_drafter
+from treeserve.engine.drafters.models.parallel import ParallelDrafterModel, is_parallel_drafter, mask_ids
+from treeserve.engine.drafters.parallel import ParallelTreeDrafter
 from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.training.parallel import group_distributions, group_layout
 
@@ -105,7 +105,7 @@ def test_load_rejects_wrong_directories(tmp_path, tiny_target, tiny_drafter_dir)
 
 
 def test_from_autoregressive_keeps_the_next_token_position(tmp_path, tiny_target):
-    from treeserve.engine.models.drafter import RestrictedVocabDrafter
+    from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 
     ar = RestrictedVocabDrafter.from_target(tiny_target.model, [1], torch.arange(0, 3000)).eval()
     ar.save(tmp_path / "ar")

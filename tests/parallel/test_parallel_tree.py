@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 from toy import ToyModels, target_for
 from treeserve.engine.builders import TreeConfig
-from treeserve.engine.parallel_drafting import ParallelTreeBuilder, builder_for_config
+from treeserve.engine.drafters.parallel_tree_search import ParallelTreeSearch, search_for_config
 from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import ChildDraw
 from treeserve.engine.verify import verify_tree
@@ -38,8 +38,8 @@ def random_positions(depth=3, vocab=6, seed=0):
 @pytest.mark.parametrize("budget", [1, 3, 7, 20])
 def test_best_first_is_exact_top_n_of_path_probabilities(budget):
     rows = random_positions()
-    builder = ParallelTreeBuilder(budget=budget, max_depth=3)
-    tree = builder.build(0, *ranked(rows, builder.width))
+    builder = ParallelTreeSearch(budget=budget, max_depth=3)
+    tree = builder.search(0, *ranked(rows, builder.width))
     assert set(tree.child_draw.tolist()) == {int(ChildDraw.TOP_K)}
     # Brute force: every rank path of depth <= 3, value = product of q_d(rank).
     values = rows.sort(dim=-1, descending=True).values
@@ -64,25 +64,25 @@ def test_best_first_is_exact_top_n_of_path_probabilities(budget):
 
 def test_config_shapes():
     rows = random_positions(depth=5, vocab=40)
-    chain = builder_for_config(TreeConfig(method="chain", depth=8), 5)
-    tree = chain.build(0, *ranked(rows, chain.width))
+    chain = search_for_config(TreeConfig(method="chain", depth=8), 5)
+    tree = chain.search(0, *ranked(rows, chain.width))
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3, 4]
     assert tree.tokens[1:].tolist() == rows.argmax(-1).tolist()
-    static = builder_for_config(TreeConfig(method="static", static_paths=((0,), (1,), (0, 0), (0, 1), (0, 0, 0))), 5)
-    tree = static.build(9, *ranked(rows, static.width))
+    static = search_for_config(TreeConfig(method="static", static_paths=((0,), (1,), (0, 0), (0, 1), (0, 0, 0))), 5)
+    tree = static.search(9, *ranked(rows, static.width))
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 3]
     top2 = rows.topk(2, dim=-1).indices
     assert tree.tokens.tolist() == [9, top2[0, 0], top2[0, 1], top2[1, 0], top2[1, 1], top2[2, 0]]
-    deep = builder_for_config(TreeConfig(method="static", static_tree="mc_sim_7b_63"), 2)
+    deep = search_for_config(TreeConfig(method="static", static_tree="mc_sim_7b_63"), 2)
     assert max(len(p) for p in deep.paths) == 2
-    capped = builder_for_config(TreeConfig(method="opt_tree", budget=30, max_depth=2), 5)
-    tree = capped.build(0, *ranked(rows, capped.width))
+    capped = search_for_config(TreeConfig(method="opt_tree", budget=30, max_depth=2), 5)
+    tree = capped.search(0, *ranked(rows, capped.width))
     assert int(tree.depth.max()) <= 2 and tree.num_nodes == 31
-    thresh = builder_for_config(TreeConfig(method="dyspec_threshold", threshold=0.05, budget=64), 5)
-    tree = thresh.build(0, *ranked(rows, thresh.width))
+    thresh = search_for_config(TreeConfig(method="dyspec_threshold", threshold=0.05, budget=64), 5)
+    tree = thresh.search(0, *ranked(rows, thresh.width))
     assert bool((tree.log_joint[1:].exp() >= 0.05).all())
     with pytest.raises(ValueError, match="budget"):
-        ParallelTreeBuilder(budget=0)
+        ParallelTreeSearch(budget=0)
 
 
 # ------------------------------------------------------------------------------------ losslessness
@@ -100,7 +100,7 @@ def emitted_counts(models, builder, sampling, seed):
         while len(out) < EMIT:
             hit = cache.get(ctx)
             if hit is None:
-                tree = builder.build(ctx[-1], *ranked(toy_positions(models, ctx, sampling), builder.width))
+                tree = builder.search(ctx[-1], *ranked(toy_positions(models, ctx, sampling), builder.width))
                 hit = cache[ctx] = (tree, target_for(models, ctx[:-1], tree, sampling))
             result = verify_tree(hit[0], hit[1], sampling, gen)
             out += tuple(result.tokens)
@@ -127,10 +127,10 @@ def chi_square_pvalue(counts, exact: dict, draws: int) -> float:
 
 
 CASES = {
-    "best_first_T1": (lambda: ParallelTreeBuilder(budget=6, max_depth=POSITIONS), SamplingParams(temperature=1.0)),
-    "static_top_p": (lambda: builder_for_config(TreeConfig(method="static", static_tree="binary", depth=3), POSITIONS),
+    "best_first_T1": (lambda: ParallelTreeSearch(budget=6, max_depth=POSITIONS), SamplingParams(temperature=1.0)),
+    "static_top_p": (lambda: search_for_config(TreeConfig(method="static", static_tree="binary", depth=3), POSITIONS),
                      SamplingParams(temperature=1.0, top_p=0.9)),
-    "best_first_top_k": (lambda: ParallelTreeBuilder(budget=5, max_depth=POSITIONS), SamplingParams(temperature=0.8, top_k=20)),
+    "best_first_top_k": (lambda: ParallelTreeSearch(budget=5, max_depth=POSITIONS), SamplingParams(temperature=0.8, top_k=20)),
 }
 
 
@@ -146,11 +146,11 @@ def test_sampling_through_parallel_trees_is_lossless(name):
 def test_greedy_equals_target_greedy():
     models = ToyModels(vocab=24, seed=0)
     sampling = SamplingParams()
-    builder = ParallelTreeBuilder(budget=6, max_depth=POSITIONS)
+    builder = ParallelTreeSearch(budget=6, max_depth=POSITIONS)
     gen = torch.Generator().manual_seed(0)
     ctx, out, accepted = PROMPT, [], 0
     while len(out) < 16:
-        tree = builder.build(ctx[-1], *ranked(toy_positions(models, ctx, sampling), builder.width))
+        tree = builder.search(ctx[-1], *ranked(toy_positions(models, ctx, sampling), builder.width))
         result = verify_tree(tree, target_for(models, ctx[:-1], tree, sampling), sampling, gen)
         accepted += result.num_accepted
         out += result.tokens

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.models.drafter import RestrictedVocabDrafter
+from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 from treeserve.engine.models.loading import load_causal_lm
-from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.sampling import SamplingParams
 
 

@@ -30,10 +30,10 @@ class TinyParts:
     drafter_model: object
 
     def engine(self, method: str = "dyspec", budget: int = 8, max_context_tokens: int = 2048):
-        from treeserve.engine.drafting import LocalDrafter
+        from treeserve.engine.drafters.autoregressive import LocalDrafter
         from treeserve.engine.speculative_engine import SpeculativeEngine
         from treeserve.engine.factory import tree_config
-        from treeserve.engine.runners.drafter import DrafterRunner
+        from treeserve.engine.drafters.model_runner import DrafterRunner
         from treeserve.engine.runners.target import TargetRunner
 
         vocab = self.target.model.config.vocab_size

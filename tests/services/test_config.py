@@ -200,3 +200,22 @@ def test_auto_budget_is_refused_with_a_tensor_parallel_target():
                              "speculation": {"budget": "auto"}})
     assert AppConfig.from_args({"target": {"tensor_parallel_size": 3}, "drafter": {"device": "cuda"},
                                 "speculation": {"budget": 60}}).speculation.budget == 60
+
+
+def test_drafter_kind_must_match_its_weights(tmp_path):
+    """drafter.kind picks the drafter class (it used to be parsed and never read: kind parallel with path default
+    loaded the autoregressive drafter); weights of the other kind are refused at config load."""
+    parallel_dir = tmp_path / "parallel_drafter"
+    parallel_dir.mkdir()
+    llama = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 2,
+             "intermediate_size": 1536,
+             "vocab_size": 49152, "max_position_embeddings": 8192}
+    (parallel_dir / "config.json").write_text(json.dumps({**llama, "treeserve_parallel_drafter": {"kind": "parallel"}}))
+    message = _error(_app({"drafter": {"path": str(parallel_dir)}}))
+    assert message.startswith("applications[0].args.drafter: drafter kind 'autoregressive' does not match")
+    assert "set the kind to 'parallel'" in message
+    message = _error(_app({"drafter": {"path": "eagle", "kind": "parallel"}}))
+    assert message.startswith("applications[0].args.drafter: drafter kind 'parallel' does not match the shipped "
+                              'drafter "eagle"')
+    config = load_serve_config(_app({"drafter": {"path": str(parallel_dir), "kind": "parallel"}}))
+    assert config.app.args.drafter.kind == "parallel"

@@ -93,7 +93,7 @@ def test_check_drafter_command(target, tiny_target_dir, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["layout"] == "eagle" and result["draft_vocab"] == model.config.vocab_size
     assert result["feature_layers"] == "final" and result["feature_bytes_per_token"] == 64 * 4
-    from treeserve.engine.models.drafter import load_drafter
+    from treeserve.engine.drafters.models.loading import load_drafter
 
     loaded = load_drafter(str(eagle1), model)
     own = sum(p.numel() for n, p in loaded.named_parameters() if n not in ("model.embed_tokens.weight", "head.weight"))
@@ -164,9 +164,10 @@ def test_builtin_templates_render_their_reference_formats(tiny_target_dir):
 # ------------------------------------------------------------------ a drafter replica borrows only the target's parts
 def test_drafter_replica_with_a_fixed_budget_loads_only_the_targets_parts(target, tiny_target_dir, tmp_path,
                                                                            monkeypatch):
-    from treeserve.engine.drafting import DraftRequest
+    from treeserve.engine.drafters.base import DraftRequest
     from treeserve.engine.models.target_parts import TargetParts, load_target_parts
-    from treeserve.engine.factory import build_local_drafter, tree_config
+    from treeserve.engine.drafters.loading import build_local_drafter
+    from treeserve.engine.factory import tree_config
     from treeserve.engine.sampling import SamplingParams
     from treeserve.services import drafter_service
     from treeserve.services.config import AppConfig
@@ -193,10 +194,10 @@ def test_drafter_replica_with_a_fixed_budget_loads_only_the_targets_parts(target
 
 
 def test_drafter_check_constants_match_the_modules():
-    from treeserve.engine.models import drafter_check
-    from treeserve.engine.models.drafter import DRAFTER_KEY
-    from treeserve.engine.models.eagle3_drafter import EAGLE3_ARCHITECTURE
-    from treeserve.engine.models.parallel_drafter import PARALLEL_KEY
+    from treeserve.engine.drafters.models import compatibility as drafter_check
+    from treeserve.engine.drafters.models.base import DRAFTER_KEY
+    from treeserve.engine.drafters.models.eagle3 import EAGLE3_ARCHITECTURE
+    from treeserve.engine.drafters.models.parallel import PARALLEL_KEY
 
     assert (drafter_check.DRAFTER_KEY, drafter_check.EAGLE3_ARCHITECTURE, drafter_check.PARALLEL_KEY) == \
         (DRAFTER_KEY, EAGLE3_ARCHITECTURE, PARALLEL_KEY)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from treeserve.engine.drafting import root_only
+from treeserve.engine.drafters.base import root_only
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.sampling import SamplingParams

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeserve.engine.drafting import LocalDrafter
+from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest, StepRecord
-from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.tree import ChildDraw, Source, TokenTree
 from treeserve.services import wire
 from treeserve.services.validation import method_enum

@@ -9,11 +9,12 @@ import threading
 
 import pytest
 
-from treeserve.engine.drafting import LocalDrafter, root_only
+from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.drafters.base import root_only
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest
-from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
 from treeserve.engine.sampling import SamplingParams
 from treeserve.services.drafter_service import DrafterServicer

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 
-from treeserve.engine.drafting import LocalDrafter
+from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest
-from treeserve.engine.runners.drafter import DrafterRunner
+from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.services.drafter_service import DrafterServicer
 from treeserve.services.target_service import TargetServicer

@@ -77,7 +77,7 @@ def default_tp3(ray_cpu, default_model_dir):
 
 @pytest.fixture(scope="module")
 def default_pair(default_model_dir):
-    from treeserve.engine.models.drafter import load_drafter
+    from treeserve.engine.drafters.models.loading import load_drafter
 
     target = load_causal_lm(default_model_dir)
     return target, load_drafter("eagle", target.model)
@@ -112,10 +112,10 @@ def test_default_tp3_features_equal_tp1_in_float64(ray_cpu, default_model_dir):
 
 
 def _engine(target, tokenizer, drafter):
-    from treeserve.engine.drafting import LocalDrafter
+    from treeserve.engine.drafters.autoregressive import LocalDrafter
     from treeserve.engine.speculative_engine import SpeculativeEngine
     from treeserve.engine.factory import tree_config
-    from treeserve.engine.runners.drafter import DrafterRunner
+    from treeserve.engine.drafters.model_runner import DrafterRunner
 
     local = LocalDrafter(DrafterRunner(drafter, target.vocab_size))
     return SpeculativeEngine(target, local, tokenizer, tree_config("dyspec", 8), 2048)
@@ -151,10 +151,10 @@ def test_default_tp3_eagle_through_the_target_replica(default_tp3, default_pair)
     those of the same service over a TP=1 Target."""
     import grpc
 
-    from treeserve.engine.drafting import LocalDrafter
+    from treeserve.engine.drafters.autoregressive import LocalDrafter
     from treeserve.engine.speculative_engine import SpeculativeEngine
     from treeserve.engine.factory import tree_config
-    from treeserve.engine.runners.drafter import DrafterRunner
+    from treeserve.engine.drafters.model_runner import DrafterRunner
     from treeserve.services.config import LimitsConfig
     from treeserve.services.drafter_service import DrafterServicer
     from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget

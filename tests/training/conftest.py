@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeserve.engine.models.eagle3_drafter import Eagle3Drafter
+from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ SafeAILab/EAGLE `eagle/model/cnets1.py` (`Model`, loaded by `eagle/model/ea_mode
 
 So the draft distribution covers the whole target vocabulary. Position j reads token x_j with the feature
 of position j - 1 (cnets1 shifts `input_ids[:, 1:]` against the features), as TreeServe's own EAGLE drafter
-(engine/models/eagle_drafter.py) does, so the runners drive both the same way.
+(engine/drafters/models/eagle.py) does, so the runners drive both the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treeserve.engine.models.eagle_drafter import EagleDrafter
+from treeserve.engine.drafters.models.eagle import EagleDrafter
 
 # Keys every published EAGLE-1 head holds (layer 0); detection reads only the names.
 _SIGNATURE = ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")
@@ -74,8 +74,8 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def is_published_eagle(model_dir: Path) -> bool:
     """A directory in the published EAGLE-1/2 layout: a config.json that is not one of TreeServe's own drafters
     nor an EAGLE-3 head, beside weights named like cnets1's `Model` (`fc.*`, `layers.0.*`, no `model.` prefix)."""
-    from treeserve.engine.models.drafter import DRAFTER_KEY
-    from treeserve.engine.models.eagle3_drafter import EAGLE3_ARCHITECTURE
+    from treeserve.engine.drafters.models.base import DRAFTER_KEY
+    from treeserve.engine.drafters.models.eagle3 import EAGLE3_ARCHITECTURE
 
     config = Path(model_dir) / "config.json"
     if not config.is_file():

@@ -12,13 +12,12 @@ output is normalised by the target's final norm (so it lives where f does: the t
 post-norm) and read by a frozen copy of the target's LM head restricted to `vocab_ids` (EAGLE-3 / FR-Spec:
 probability exactly 0 elsewhere keeps verification lossless). Position 0 reads a zero feature.
 
-On disk like the restricted drafter (engine/models/drafter.py): `config.json` with `treeserve_drafter`
-kind "eagle", float16 weights without the target's input embeddings.
+On disk: TreeServe's drafter layout (engine/drafters/models/base.py), card kind "eagle". The shipped one is
+"eagle" (engine/drafters/weights/eagle).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treeserve.engine.models.drafter import DRAFTER_KEY, load_with_target_embeddings, save_without_embeddings
+from treeserve.engine.drafters.models.base import DRAFTER_KEY, DrafterModel
 
 EAGLE_KIND = "eagle"
-DEFAULT_EAGLE_DRAFTER_DIR = Path(__file__).parent / "default_eagle_drafter"
 
 
 @dataclass
@@ -39,10 +37,11 @@ class EagleOutput:
     past_key_values: object
 
 
-class EagleDrafter(nn.Module):
+class EagleDrafter(DrafterModel):
     """fc(token embedding, parent feature) -> one Llama layer -> target norm -> restricted target head."""
 
     reads_target_features = True  # runners pass `parent_features` and read `hidden` back
+    card_kind = EAGLE_KIND
 
     def __init__(self, config, vocab_ids: torch.Tensor, target_vocab_size: int):
         super().__init__()
@@ -72,31 +71,12 @@ class EagleDrafter(nn.Module):
     def from_target(cls, target, layer_id: int, vocab_ids: torch.Tensor) -> "EagleDrafter":
         """Layer initialised from target layer `layer_id`, norm and head rows from the target; fc starts as
         the plain sum "embedding + feature", so both inputs reach the layer from the first step."""
-        config = copy.deepcopy(target.config)
-        config.num_hidden_layers = 1
-        config.layer_types = None
-        drafter = cls(config, vocab_ids, target.config.vocab_size)
-        drafter.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
-        drafter.model.norm.load_state_dict(target.model.norm.state_dict())
-        drafter.model.layers[0].load_state_dict(target.model.layers[layer_id].state_dict())
-        hidden = config.hidden_size
+        drafter = cls.from_target_layers(target, [layer_id], vocab_ids)
+        hidden = drafter.config.hidden_size
         with torch.no_grad():
-            drafter.head.weight.copy_(target.get_output_embeddings().weight[vocab_ids])
             drafter.fc.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1))
             drafter.fc.bias.zero_()
         return drafter
-
-    def save(self, out_dir: Path, card: dict | None = None) -> None:
-        config = self.config.to_dict()
-        config[DRAFTER_KEY] = {"kind": EAGLE_KIND, "target_vocab_size": self.target_vocab_size,
-                               "draft_vocab_size": len(self.vocab_ids), **(card or {})}
-        save_without_embeddings(self, out_dir, config)
-
-    @classmethod
-    def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
-             dtype: torch.dtype = torch.float32) -> "EagleDrafter":
-        """Load a saved EAGLE drafter; `target_embeddings` [V_target, hidden] are the target's input embeddings."""
-        return load_with_target_embeddings(cls, model_dir, target_embeddings, device, dtype)
 
 
 def is_eagle_drafter(model_dir: Path) -> bool:

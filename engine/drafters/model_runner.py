@@ -1,4 +1,4 @@
-"""The drafter side of a step: a per-session `DraftOracle` over a cached model.
+"""Runs an autoregressive drafter model for tree builders: a per-session `DraftOracle` over its KV cache.
 
 Tree builders only append nodes and ask for the next-token distributions of some of them; the oracle
 feeds exactly the asked nodes not yet in the drafter's cache, plus any unfed ancestors (all in one
@@ -8,7 +8,7 @@ holds the fed nodes in feed order, and `slot` maps tree node ids to those cache 
 whose head covers only part of the vocabulary (`vocab_ids`) gets probability exactly 0 elsewhere,
 which keeps verification lossless.
 
-An EAGLE drafter (engine/models/eagle_drafter.py) also reads, with each fed token, the feature of the
+An EAGLE drafter (engine/drafters/models/eagle.py) also reads, with each fed token, the feature of the
 position before it: the target's (from the request) for context tokens and the root, its own predicted
 feature of the parent node for deeper nodes. Accepted nodes were fed with predicted features, so their
 drafter KV is dropped at compaction and the next step feeds them again with the target's, as EAGLE does.
@@ -28,9 +28,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.builders.base import DraftOracle, RowSummary
 from treeserve.engine.c2t_classifier import top_entropy
+from treeserve.engine.drafters.models.base import DrafterModelFacts
+from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows, warp_probs
 
 
@@ -51,14 +52,14 @@ class DrafterRunner:
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256):
         self.lm = CachedLM(model, device, dtype, max_sessions)
         self.vocab_size = target_vocab_size
-        ids = getattr(model, "vocab_ids", None)
-        self.vocab_ids = None if ids is None else ids.cpu()  # [V_draft] target ids of the head's rows
-        self.reads_target_features = bool(getattr(model, "reads_target_features", False))
-        self.projects_features = hasattr(model, "project_target_features")
+        facts = DrafterModelFacts.of(model)
+        self.vocab_ids = facts.vocab_ids  # [V_draft] target ids of the head's rows (None: the full vocabulary)
+        self.reads_target_features = facts.reads_target_features
+        self.projects_features = facts.projects_target_features
         # Width of the target features a request carries: fused layers for EAGLE-3, the hidden size otherwise.
-        self.target_feature_size = int(getattr(model, "target_feature_size", model.config.hidden_size))
+        self.target_feature_size = facts.target_feature_size
         # Target hidden_states an EAGLE-3 head fuses (None: the final state, or no features).
-        self.feature_layers = getattr(model, "feature_layers", None)
+        self.feature_layers = facts.feature_layers
         # Total time inside the runner's entry points: forwards with their KV cache upkeep and masks,
         # warping, full-vocabulary rows and summaries. A step's drafting time minus this is tree
         # construction (the builder, plus the oracle's walk to unfed ancestors, counted there).

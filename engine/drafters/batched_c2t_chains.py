@@ -13,7 +13,7 @@ import math
 import torch
 
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
-from treeserve.engine.runners.drafter import DrafterRunner, SessionOracle
+from treeserve.engine.drafters.model_runner import DrafterRunner, SessionOracle
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 

@@ -16,9 +16,9 @@ reach the embedding table. So the model runs unchanged through `CachedLM`: a ste
 [root, -1, ..., -k]; at the next `begin` CachedLM keeps the root (the accepted path through a chain of
 negative ids is empty) and drops the masks' KV, so only real tokens ever stay in the cache.
 
-On disk (one directory): `config.json` (a Llama config plus `treeserve_parallel_drafter` fields) and
-`model.safetensors` (trunk layers, mask embeddings, head, vocab_ids; float16). The input embeddings are the
-target's: `load` takes them from the target, which also checks that the vocabularies match.
+On disk: TreeServe's drafter layout (engine/drafters/models/base.py) with its card under
+`treeserve_parallel_drafter` (kind "parallel", `num_masks`); the weights add the mask embeddings. The shipped
+one is "parallel" (engine/drafters/weights/parallel).
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treeserve.engine.models.drafter import DrafterOutput, load_with_target_embeddings, save_without_embeddings
+from treeserve.engine.drafters.models.base import DrafterModel, DrafterOutput
 
 PARALLEL_KEY = "treeserve_parallel_drafter"
 DEFAULT_NUM_MASKS = 4
-DEFAULT_PARALLEL_DRAFTER_DIR = Path(__file__).parent / "default_parallel_drafter"
 
 
 def mask_ids(num_masks: int) -> list[int]:
@@ -42,8 +41,11 @@ def mask_ids(num_masks: int) -> list[int]:
     return [-j for j in range(1, num_masks + 1)]
 
 
-class ParallelDrafterModel(nn.Module):
+class ParallelDrafterModel(DrafterModel):
     """`LlamaModel` trunk + k [MASK] embeddings + a head over `vocab_ids` (sub-vocabulary of the target)."""
+
+    card_key = PARALLEL_KEY
+    card_kind = "parallel"
 
     def __init__(self, config, vocab_ids: torch.Tensor, target_vocab_size: int, num_masks: int = DEFAULT_NUM_MASKS):
         super().__init__()
@@ -103,51 +105,28 @@ class ParallelDrafterModel(nn.Module):
                     num_masks: int = DEFAULT_NUM_MASKS, seed: int = 0) -> "ParallelDrafterModel":
         """Initialise from target layers `layer_ids`, the target's embeddings and (tied) LM head rows; the
         [MASK] embeddings start at the mean token embedding plus small noise (one per slot)."""
-        config = copy.deepcopy(target.config)
-        config.num_hidden_layers = len(layer_ids)
-        config.layer_types = None
-        drafter = cls(config, vocab_ids, target.config.vocab_size, num_masks)
-        drafter.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
-        drafter.model.norm.load_state_dict(target.model.norm.state_dict())
-        for mine, theirs in zip(drafter.model.layers, layer_ids):
-            mine.load_state_dict(target.model.layers[theirs].state_dict())
+        drafter = cls.from_target_layers(target, layer_ids, vocab_ids, num_masks)
         with torch.no_grad():
-            drafter.head.weight.copy_(target.get_output_embeddings().weight[vocab_ids])
             emb = target.get_input_embeddings().weight.float()
             gen = torch.Generator().manual_seed(seed)
             noise = torch.randn(num_masks, emb.shape[1], generator=gen) * emb.std() * 0.1
             drafter.mask_embeddings.copy_(emb.mean(0, keepdim=True) + noise)
         return drafter
 
-    def save(self, out_dir: Path, card: dict | None = None) -> None:
-        config = self.config.to_dict()
-        config.pop("treeserve_parallel_masks", None)
-        config[PARALLEL_KEY] = {"kind": "parallel", "num_masks": self.num_masks,
-                                "target_vocab_size": self.target_vocab_size,
-                                "draft_vocab_size": len(self.vocab_ids), **(card or {})}
-        save_without_embeddings(self, out_dir, config)
+    def card_fields(self) -> dict:
+        return {"num_masks": self.num_masks}
 
     @classmethod
-    def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
-             dtype: torch.dtype = torch.float32) -> "ParallelDrafterModel":
-        """Load a saved parallel drafter; `target_embeddings` [V_target, hidden] are the target's embeddings."""
-        return load_with_target_embeddings(cls, model_dir, target_embeddings, device, dtype, PARALLEL_KEY, ("num_masks",))
+    def constructor_args(cls, card: dict) -> tuple:
+        return (int(card["num_masks"]),)
+
+    def config_dict(self) -> dict:
+        config = self.config.to_dict()
+        config.pop("treeserve_parallel_masks", None)  # written into the config by __init__, stored in the card
+        return config
 
 
 def is_parallel_drafter(model_dir: Path) -> bool:
     config = Path(model_dir) / "config.json"
     return config.is_file() and PARALLEL_KEY in json.loads(config.read_text())
 
-
-def load_parallel_drafter(path: str, target: nn.Module, device: str = "cpu",
-                          dtype: torch.dtype = torch.float32) -> ParallelDrafterModel:
-    """Load a parallel drafter for `target`: "default" (the shipped one) or a directory."""
-    model_dir = DEFAULT_PARALLEL_DRAFTER_DIR if path == "default" else Path(path).expanduser()
-    if path == "default" and not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no default parallel drafter in {model_dir}; train one with "
-                                "`treeserve train-drafter --kind parallel`")
-    if not model_dir.exists():
-        raise FileNotFoundError(f"parallel drafter path {model_dir} does not exist")
-    if not is_parallel_drafter(model_dir):
-        raise ValueError(f"{model_dir} is not a parallel drafter (no {PARALLEL_KEY} in config.json)")
-    return ParallelDrafterModel.load(model_dir, target.get_input_embeddings().weight, device, dtype)

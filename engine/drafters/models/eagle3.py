@@ -2,7 +2,7 @@
 
 EAGLE-3 (Li et al., 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
 Training-Time Test", section 3 and figure 5): instead of extrapolating the target's top-layer feature
-(EAGLE-1/2, engine/models/eagle_drafter.py), the drafter reads the concatenation of the hidden states of a
+(EAGLE-1/2, engine/drafters/models/eagle.py), the drafter reads the concatenation of the hidden states of a
 low, a middle and a high target layer, fused to the hidden size by `fc` (no bias). Its single layer takes
 [input_layernorm(embed(x_{j+1})), hidden_norm(g_j)] (2 x hidden) into q/k/v, so the token and the feature
 stay separate inputs; the layer's output (pre-norm) is what a deeper tree node reads in place of a target
@@ -40,11 +40,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from treeserve.engine.drafters.models.base import DRAFTER_KEY, DrafterModel
+from treeserve.engine.drafters.models.eagle import EagleOutput
 from treeserve.engine.models.attention import grouped_attention
-from treeserve.engine.models.eagle_drafter import EagleOutput
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
-DEFAULT_EAGLE3_DRAFTER_DIR = Path(__file__).parent / "default_eagle3_drafter"
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -130,10 +130,13 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3Drafter(nn.Module):
-    """fc(3 target features) -> midlayer(token, feature) -> norm -> draft-vocabulary head."""
+class Eagle3Drafter(DrafterModel):
+    """fc(3 target features) -> midlayer(token, feature) -> norm -> draft-vocabulary head. Stored in the
+    published EAGLE-3 layout (its own `save` / `load`), not TreeServe's."""
 
     reads_target_features = True  # runners pass `parent_features` and read `hidden` back
+    projects_target_features = True
+    card_kind = "eagle3"
 
     def __init__(self, config, d2t: torch.Tensor, target_vocab_size: int, feature_layers: tuple[int, ...]):
         super().__init__()
@@ -223,8 +226,6 @@ class Eagle3Drafter(nn.Module):
 
     def save(self, out_dir: Path, card: dict | None = None) -> None:
         """Write the published EAGLE-3 layout (see the module docstring), float16, without embeddings."""
-        from treeserve.engine.models.drafter import DRAFTER_KEY
-
         out_dir.mkdir(parents=True, exist_ok=True)
         config = {k: v for k, v in self.config.to_dict().items() if k != "_name_or_path"}
         config.update(architectures=[EAGLE3_ARCHITECTURE], num_hidden_layers=1, vocab_size=self.target_vocab_size,
@@ -232,7 +233,7 @@ class Eagle3Drafter(nn.Module):
                       eagle_aux_hidden_state_layer_ids=list(self.feature_layers))  # vLLM: hidden_states indices
         if min(self.feature_layers) >= 1:  # SGLang / SpecForge: the decoder layer whose output is read
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.feature_layers]}
-        config[DRAFTER_KEY] = {"kind": "eagle3", **(card or {})}
+        config[DRAFTER_KEY] = {"kind": self.card_kind, **(card or {})}
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         state = {k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous()
                  for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
@@ -245,8 +246,6 @@ class Eagle3Drafter(nn.Module):
         mismatch with the target (vocabulary, hidden size, feature layers beyond its `target_layers`, a d2t
         map out of range, missing or unexpected weights) is a one-line ValueError, never a random weight."""
         from transformers import LlamaConfig
-
-        from treeserve.engine.models.drafter import DRAFTER_KEY
 
         model_dir = Path(model_dir)
         raw = json.loads((model_dir / "config.json").read_text())

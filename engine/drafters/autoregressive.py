@@ -1,8 +1,9 @@
-"""The drafter side of a step as one object: DraftRequests in, TokenTrees out.
+"""The autoregressive drafter kind: DraftRequests in, TokenTrees out, one drafter forward per tree depth.
 
-`LocalDrafter` owns the drafter runner, one tree builder per tree configuration, the C2T classifier for
-batched chain mode and the hardware-aware budget chooser. The in-process engine calls it directly; the
-Drafter deployment serves the same `draft`/`release` over gRPC, so both paths build identical trees.
+`LocalDrafter` owns the drafter model's runner (engine/drafters/model_runner.py), one tree builder per tree
+configuration, the C2T classifier for batched chain mode (engine/drafters/batched_c2t_chains.py) and the
+hardware-aware budget chooser. The in-process engine calls it directly; the Drafter deployment serves the
+same `draft`/`release` over gRPC, so both paths build identical trees.
 
 Methods "lookup" and "<builder>+lookup" also draft from the request's own tokens (engine/lookup/): the
 drafter keeps a suffix index per session, updated with the tokens each call's context adds, and scores the
@@ -18,16 +19,17 @@ import dataclasses
 
 import torch
 
-from treeserve.engine.batch_draft import draft_c2t_chains
 from treeserve.engine.budget import BudgetChooser
 from treeserve.engine.builders import LOOKUP, TreeConfig, make_builder, split_method
 from treeserve.engine.builders.base import check_positive
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafters.base import AUTOREGRESSIVE, DrafterBase, DraftRequest, batch_size_bucket, root_only
+from treeserve.engine.drafters.batched_c2t_chains import draft_c2t_chains
+from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND
 from treeserve.engine.lookup import (HybridOracle, LookupSession, LookupSettings, LookupSources, head_index,
                                      lookup_chain, merge_chains, plan_lookup)
 from treeserve.engine.requests import StepRecord
-from treeserve.engine.runners.drafter import DrafterRunner
 from treeserve.engine.tree import TokenTree
 
 
@@ -35,7 +37,7 @@ class LocalDrafter(DrafterBase):
     """The `Drafter` over an autoregressive drafter model (distilled, EAGLE, EAGLE-3, a published head):
     one drafter forward per tree depth, the tree shaped by the request's builder."""
 
-    kind = "autoregressive"
+    kind = AUTOREGRESSIVE_KIND
 
     def __init__(self, runner: DrafterRunner, classifier: C2TClassifier | None = None,
                  budget: BudgetChooser | None = None, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5,

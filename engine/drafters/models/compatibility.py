@@ -1,16 +1,17 @@
 """What a drafter directory holds and whether it fits a target, from its files alone (no weights loaded).
 
 Used where a pair must be refused before serving: config validation (services/config.py), `treeserve
-check-drafter`, and the memory estimate (what the drafter process holds). Loading (engine/models/drafter.py)
-checks the same things again on the real tensors, so nothing that passes here can turn into a randomly
-initialised weight or a shape error in the middle of a request.
+check-drafter`, the memory estimate (what the drafter process holds) and the drafter registry (which kind a
+directory holds). Loading (engine/drafters/models/loading.py) checks the same things again on the real
+tensors, so nothing that passes here can turn into a randomly initialised weight or a shape error in the
+middle of a request.
 
 Layouts, detected from the files in this order:
 
-- `eagle3`: a published EAGLE-3 head (`architectures: ["LlamaForCausalLMEagle3"]`, engine/models/eagle3_drafter.py);
+- `eagle3`: a published EAGLE-3 head (`architectures: ["LlamaForCausalLMEagle3"]`, engine/drafters/models/eagle3.py);
 - `treeserve_eagle`, `restricted`, `parallel`: TreeServe's own drafters (their config.json says so);
 - `eagle`: a published EAGLE-1/2 head (cnets1 layout: `fc.*`, `layers.0.*` beside a Llama config.json,
-  engine/models/eagle1_drafter.py);
+  engine/drafters/models/published_eagle.py);
 - `causal_lm`: any other causal LM directory, which must share the target's tokenizer.
 
 Every refusal is one line naming both models.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-# The names the drafter modules use (engine/models/drafter.py, eagle3_drafter.py, parallel_drafter.py), repeated
+# The names the drafter model modules use (engine/drafters/models/base.py, eagle3.py, parallel.py), repeated
 # here so that config validation reads config.json files without importing torch (tests check they agree).
 DRAFTER_KEY = "treeserve_drafter"
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -95,7 +96,7 @@ def detect_layout(model_dir: Path, raw: Mapping[str, Any] | None = None) -> str:
         return "restricted"
     if kind == "eagle3":
         return "eagle3"
-    from treeserve.engine.models.eagle1_drafter import is_published_eagle
+    from treeserve.engine.drafters.models.published_eagle import is_published_eagle
 
     return "eagle" if is_published_eagle(model_dir) else "causal_lm"
 
@@ -171,7 +172,7 @@ def _layer_params(raw, q_in: int) -> int:
 
 
 def _eagle3(raw, vocab, hidden, layers) -> DrafterFacts:
-    from treeserve.engine.models.eagle3_drafter import feature_layers_from_config
+    from treeserve.engine.drafters.models.eagle3 import feature_layers_from_config
 
     _fits(raw, vocab, hidden)
     if raw.get("target_hidden_size", hidden) != hidden:
@@ -242,14 +243,14 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
     config.layer_types = None
     with torch.device("meta"):
         if layout == "eagle3":
-            from treeserve.engine.models.eagle3_drafter import Eagle3Drafter, feature_layers_from_config
+            from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter, feature_layers_from_config
 
             config.bias = bool(raw.get("bias", False))
             draft = raw.get("draft_vocab_size") or vocab
             module = Eagle3Drafter(config, torch.zeros(draft, dtype=torch.long), vocab,
                                    feature_layers_from_config(raw, layers))
             return {k: tuple(v.shape) for k, v in module.state_dict().items() if k != "embed_tokens.weight"}
-        from treeserve.engine.models.eagle1_drafter import PublishedEagleDrafter, _published_name
+        from treeserve.engine.drafters.models.published_eagle import PublishedEagleDrafter, _published_name
 
         module = PublishedEagleDrafter(config, vocab, bool(raw.get("bias", True)))
         return {_published_name(k): tuple(v.shape) for k, v in module.state_dict().items()
@@ -259,7 +260,7 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
 def _check_weights(model_dir: Path, raw, layout: str, vocab: int, hidden: int, layers: int) -> None:
     import torch
 
-    from treeserve.engine.models.eagle1_drafter import weight_files
+    from treeserve.engine.drafters.models.published_eagle import weight_files
 
     files = weight_files(model_dir)
     if not files:

@@ -1,0 +1,77 @@
+"""Build a ready `Drafter` for a target from a kind and a path: the registry picks the class, the path the weights.
+
+Every entry point (the in-process engine factory, the Drafter deployment, bench, tests) builds a local drafter
+through `build_local_drafter`, so the kind/path check, the C2T classifier and the budget chooser are chosen the
+same way everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from treeserve.engine.budget import BudgetChooser, measure_profile
+from treeserve.engine.c2t_classifier import C2TClassifier
+from treeserve.engine.drafters.base import DrafterBase
+from treeserve.engine.drafters.registry import KINDS, PARALLEL_KIND, canonical_name, drafter_dir, kind_of
+
+C2T_CLASSIFIER_FILE = "c2t.safetensors"  # a drafter directory's own C2T classifier (trained on its trees)
+
+
+def drafter_classifier_path(drafter_path: str) -> Path:
+    """Where the C2T classifier of a drafter lives: `c2t.safetensors` in its directory (shipped names stand for
+    their weights directory). C2T's confidences are calibrated on one drafter's trees, so each drafter carries
+    its own (`treeserve train-c2t --drafter ...` writes it there)."""
+    return drafter_dir(drafter_path) / C2T_CLASSIFIER_FILE
+
+
+def load_classifier(path: str | None = "default", drafter_path: str = "distilled") -> C2TClassifier:
+    """The C2T classifier: "default" = the drafter's own (a joint-probability prior where it has none),
+    None = that prior, or a classifier file."""
+    if path == "default":
+        own = drafter_classifier_path(drafter_path)
+        return C2TClassifier.load(own) if own.is_file() else C2TClassifier.joint_prob_prior()
+    if path is None:
+        return C2TClassifier.joint_prob_prior()
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"C2T classifier {path} does not exist")
+    return C2TClassifier.load(path)
+
+
+def _chooser(budget: int | str, target: torch.nn.Module, model: torch.nn.Module, device: str,
+             dtype: torch.dtype) -> BudgetChooser | None:
+    """Budget "auto": a chooser over the measured cost curve of this pair (cached per machine); an integer: none."""
+    if budget == "auto":
+        return BudgetChooser(measure_profile(target, model, device, dtype))
+    if not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
+    return None
+
+
+def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str = "cpu",
+                        dtype: torch.dtype = torch.float32, budget: int | str = "auto",
+                        classifier_path: str | None = "default", drafter_kind: str | None = None) -> DrafterBase:
+    """The drafter of `drafter_kind` over the weights at `drafter_path`, for `target`; budget "auto" measures
+    the hardware and chooses per step.
+
+    `drafter_kind` None takes the kind the weights are (a directory's config.json, a shipped name's own); a
+    stated kind that disagrees with them is a ValueError (engine/drafters/registry.py). Kind "parallel" gives a
+    ParallelTreeDrafter (k+1 positions per forward), "autoregressive" a LocalDrafter with the drafter's own C2T
+    classifier."""
+    drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
+    kind = kind_of(drafter_path, drafter_kind)
+    drafter_class = KINDS[kind].load_class()
+    if kind == PARALLEL_KIND:  # ParallelTreeDrafter
+        from treeserve.engine.drafters.models.loading import load_parallel_drafter
+
+        model = load_parallel_drafter(drafter_path, target, device, dtype)
+        return drafter_class(model, target.config.vocab_size, device, dtype,
+                             budget=_chooser(budget, target, model, device, dtype))
+    from treeserve.engine.drafters.model_runner import DrafterRunner  # LocalDrafter
+    from treeserve.engine.drafters.models.loading import load_drafter
+
+    model = load_drafter(drafter_path, target, device, dtype)
+    chooser = _chooser(budget, target, model, device, dtype)
+    return drafter_class(DrafterRunner(model, target.config.vocab_size, device, dtype),
+                         classifier=load_classifier(classifier_path, drafter_path), budget=chooser)

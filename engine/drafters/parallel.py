@@ -1,0 +1,129 @@
+"""Tree drafting with the parallel drafter: ONE drafter forward per step gives k+1 position distributions,
+and a token tree is built from them (ParallelSpec Algorithm 1's draft; Medusa-style trees).
+
+Per request: `CachedLM.begin` reconciles the session's KV cache with the context (real tokens only), then
+one batched `extend` feeds [root, MASK_1..MASK_k] as a chain for every request. Row 0 of the result is
+q_1 = q(x_{t+1} | x_<=t), row j is q_{j+1} = q(x_{t+1+j} | x_<=t, MASK_1..MASK_j). The masks' KV is
+dropped at the next `begin` (CachedLM keeps the root: the accepted path through negative ids is empty),
+so the cache only ever holds real tokens.
+
+The k+1 distributions are treated as independent positions: the tree is chosen from their ranked top tokens
+by `ParallelTreeSearch` (engine/drafters/parallel_tree_search.py, which lists the tree shapes per method).
+Children are deterministic top-ranked tokens, so every node is ChildDraw.TOP_K and verification uses the
+point-mass rule (lossless whatever q is; at temperature 0 it follows the target argmax) - ParallelSpec's
+Algorithm 1 token tree verification. Draft probabilities are not needed by that rule and not shipped.
+
+Above batch size 1 (DESIGN.md section 6) every sequence drafts a chain (top-1 of each position) cut where
+its joint probability drops below `batch_chain_min_joint`, all from the same single batched forward.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from treeserve.engine.builders import TreeConfig
+from treeserve.engine.drafters.base import AUTOREGRESSIVE, DrafterBase, DraftRequest, root_only
+from treeserve.engine.drafters.parallel_tree_search import ParallelTreeSearch, search_for_config
+from treeserve.engine.drafters.registry import PARALLEL_KIND
+from treeserve.engine.requests import StepRecord
+from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from treeserve.engine.sampling import warp_probs
+from treeserve.engine.tree import TokenTree
+
+
+class ParallelTreeDrafter(DrafterBase):
+    """The `Drafter` (engine/drafters/base.py) over a parallel drafter model: draft / observe / release."""
+
+    kind = PARALLEL_KIND
+
+    def __init__(self, model: torch.nn.Module, target_vocab_size: int, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, budget=None, max_sessions: int = 256,
+                 batch_chain_min_joint: float = 0.1):
+        from treeserve.engine.drafters.models.parallel import mask_ids
+
+        self.lm = CachedLM(model, device, dtype, max_sessions)
+        self.vocab_size = target_vocab_size
+        self.num_masks = int(model.num_masks)
+        self.masks = mask_ids(self.num_masks)
+        self.vocab_ids = model.vocab_ids.cpu()  # [V_draft] target ids of the head's rows
+        self.budget = budget  # optional BudgetChooser (batch-1 trees)
+        self.batch_chain_min_joint = batch_chain_min_joint
+        self.hold_steps = 0  # further steps the chooser decided are plain decoding (see LocalDrafter)
+        self._searches: dict[str, ParallelTreeSearch] = {}
+        self.last_model_ms = 0.0  # drafter runner time of the last draft() call (forward, KV upkeep, warping)
+        self.last_forward_ms = 0.0  # of which the model forward
+        self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.lm.model
+
+    @property
+    def positions(self) -> int:
+        return self.num_masks + 1
+
+    def search(self, config: TreeConfig) -> ParallelTreeSearch:
+        """The (cached) tree search for `config`; raises ValueError for invalid parameters."""
+        key = repr(config)
+        if key not in self._searches:
+            self._searches[key] = search_for_config(config, self.positions)
+        return self._searches[key]
+
+    def position_probs(self, requests: list[DraftRequest]) -> list[Tensor]:
+        """One batched forward: warped [k+1, V_draft] position distributions per request."""
+        for r in requests:
+            if not r.context:
+                raise ValueError(f"session {r.session_id}: context must hold at least the root token")
+            self.lm.begin(r.session_id, r.context)  # the tree hint indexes the target's tree, not our chain
+        chain = list(range(-1, self.num_masks))
+        logits = self.lm.extend([ExtendRequest(r.session_id, [r.context[-1], *self.masks], chain) for r in requests])
+        return [warp_probs(rows, r.sampling) for r, rows in zip(requests, logits)]
+
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+        """One tree per request from one batched forward: the configured tree at batch size 1, chains that
+        stop below `batch_chain_min_joint` above (`batch_size` as `LocalDrafter.draft`), capped by an
+        explicit budget."""
+        speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
+        trees: dict[int, TokenTree] = {}
+        plans: list[tuple[DraftRequest, ParallelTreeSearch]] = []
+        self.hold_steps = 0
+        batched = (batch_size or len(requests)) > 1
+        for r in speculative:
+            if batched:
+                depth = min(r.tree.depth, self.positions)
+                if not r.tree.budget_auto:
+                    depth = min(depth, r.tree.budget)
+                search = ParallelTreeSearch(budget=depth, max_depth=depth, max_width=1,
+                                            min_prob=self.batch_chain_min_joint)
+            else:
+                search = self.search(r.tree)
+                if self.budget is not None and r.tree.budget_auto and search.paths is None and search.max_width > 1:
+                    search = self.budget.builder_for(search)  # None: no drafting pays this step
+                    self.hold_steps = self.budget.held
+            if search is not None:
+                plans.append((r, search))
+        started, forward_seconds = time.perf_counter(), self.lm.forward_seconds
+        self.last_positions = self.position_probs([r for r, _ in plans]) if plans else []
+        self.last_model_ms = (time.perf_counter() - started) * 1e3 if plans else 0.0
+        self.last_forward_ms = (self.lm.forward_seconds - forward_seconds) * 1e3
+        for (r, search), rows in zip(plans, self.last_positions):
+            trees[id(r)] = self._search(r.context[-1], rows, search)
+        return [trees.get(id(r)) or root_only(r.context) for r in requests]
+
+    def _search(self, root: int, rows: Tensor, search: ParallelTreeSearch) -> TokenTree:
+        width = min(search.width, rows.shape[-1])
+        values, index = torch.topk(rows, width, dim=-1)
+        values, index = values.cpu(), index.cpu()  # vocab_ids live on the CPU, as the builders' summaries do
+        tokens = self.vocab_ids[index]
+        return search.search(root, values.tolist(), tokens.tolist())
+
+    def observe(self, record: StepRecord) -> None:
+        """Feed a finished step's timing to the budget chooser (it ignores steps it did not decide)."""
+        if self.budget is not None and record.batch_size == 1:
+            self.budget.observe(record)
+
+    def release(self, session_id: str) -> bool:
+        return self.lm.release(session_id)

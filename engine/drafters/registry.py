@@ -1,0 +1,128 @@
+"""The drafter registry: which drafter kinds exist, which class drafts for each, and the shipped drafters' names.
+
+A drafter is chosen by two settings: its `kind` (how it drafts: "autoregressive" = one drafter forward per tree
+depth, `LocalDrafter`; "parallel" = all depths from one forward, ParallelSpec's `ParallelTreeDrafter`) and its
+`path` (the weights: a shipped name below, or a directory). The two must agree: a directory's config.json says
+which kind of model it holds, and a mismatch is refused here, before anything loads (config validation reads
+this module, so it imports no torch).
+
+Shipped drafters (engine/drafters/weights/<name>): "distilled" (a 4-layer LM distilled from SmolLM2-135M,
+restricted vocabulary), "eagle" (TreeServe's EAGLE head), "eagle3" (an EAGLE-3 head, when trained) and
+"parallel" (the parallel drafter). "default" is the old name of "distilled" (of "parallel" for kind parallel):
+still accepted, with a deprecation warning, because the default drafter of the CPU preset is "eagle".
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+AUTOREGRESSIVE_KIND = "autoregressive"
+PARALLEL_KIND = "parallel"
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+DEPRECATED_NAME = "default"
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One way of drafting."""
+
+    name: str  # what `drafter.kind` and `--drafter-kind` say
+    drafter_class: str  # "module:Class" of its Drafter, imported on use (this module stays torch-free)
+    layouts: tuple[str, ...]  # drafter directory layouts it drafts with (compatibility.detect_layout)
+    shipped: str  # the shipped drafter the deprecated name "default" stands for under this kind
+    description: str  # one line for help texts
+
+    def load_class(self) -> type:
+        module, _, name = self.drafter_class.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+KINDS: dict[str, DrafterKind] = {k.name: k for k in (
+    DrafterKind(AUTOREGRESSIVE_KIND, "treeserve.engine.drafters.autoregressive:LocalDrafter",
+                ("restricted", "treeserve_eagle", "eagle3", "eagle", "causal_lm"), "distilled",
+                "one drafter forward per tree depth (distilled, EAGLE, EAGLE-3, a causal LM)"),
+    DrafterKind(PARALLEL_KIND, "treeserve.engine.drafters.parallel:ParallelTreeDrafter", ("parallel",), "parallel",
+                "every tree depth from one forward (ParallelSpec [MASK] tokens)"),
+)}
+DRAFTER_KINDS = tuple(KINDS)
+
+
+@dataclass(frozen=True)
+class ShippedDrafter:
+    """A drafter shipped in the package under a name."""
+
+    name: str
+    kind: str
+    train_hint: str  # how to (re)create it when its weights are missing
+
+    @property
+    def directory(self) -> Path:
+        return WEIGHTS_DIR / self.name
+
+
+SHIPPED: dict[str, ShippedDrafter] = {s.name: s for s in (
+    ShippedDrafter("distilled", AUTOREGRESSIVE_KIND, "treeserve train-drafter"),
+    ShippedDrafter("eagle", AUTOREGRESSIVE_KIND, "treeserve train-drafter --kind eagle"),
+    ShippedDrafter("eagle3", AUTOREGRESSIVE_KIND, "treeserve train-eagle3"),
+    ShippedDrafter("parallel", PARALLEL_KIND, "treeserve train-drafter --kind parallel"),
+)}
+SHIPPED_NAMES = tuple(SHIPPED)
+
+
+def check_kind(kind: str) -> DrafterKind:
+    if kind not in KINDS:
+        raise ValueError(f"drafter_kind must be one of {DRAFTER_KINDS}, got {kind!r}")
+    return KINDS[kind]
+
+
+def canonical_name(path: str, kind: str | None = None) -> str:
+    """`path` with the deprecated name "default" replaced by the shipped drafter it stands for (a warning says so)."""
+    if path != DEPRECATED_NAME:
+        return path
+    name = check_kind(kind or AUTOREGRESSIVE_KIND).shipped
+    message = (f'drafter "{DEPRECATED_NAME}" is deprecated: it is the shipped "{name}" drafter (the default drafter '
+               f'is "eagle"); name it "{name}"')
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    log.warning(message)
+    return name
+
+
+def drafter_dir(path: str, kind: str | None = None) -> Path:
+    """The directory a drafter path stands for: a shipped name's weights, else the path itself."""
+    path = canonical_name(path, kind)
+    return SHIPPED[path].directory if path in SHIPPED else Path(path).expanduser()
+
+
+def is_shipped(path: str) -> bool:
+    return path in SHIPPED or path == DEPRECATED_NAME
+
+
+def kind_of(path: str, kind: str | None = None) -> str:
+    """The drafter kind for `path`, checked against `kind` when one is given: a shipped name's own kind, else
+    what a readable directory's config.json holds; an unreadable directory takes `kind` (default
+    autoregressive). ValueError when the stated kind and the weights disagree."""
+    if kind is not None:
+        check_kind(kind)
+    name = canonical_name(path, kind)
+    if name in SHIPPED:
+        found, what = SHIPPED[name].kind, f'the shipped drafter "{name}"'
+    else:
+        from treeserve.engine.drafters.models.compatibility import LAYOUT_NAMES, detect_layout, read_config
+
+        directory = Path(name).expanduser()
+        raw = read_config(directory)
+        if raw is None:
+            return kind or AUTOREGRESSIVE_KIND
+        layout = detect_layout(directory, raw)
+        found = next(k.name for k in KINDS.values() if layout in k.layouts)
+        what = f"{directory} (a {LAYOUT_NAMES[layout]})"
+    if kind is not None and kind != found:
+        raise ValueError(f"drafter kind {kind!r} does not match {what}, a {found} drafter: set the kind to "
+                         f"{found!r} or name a {kind} drafter")
+    return found

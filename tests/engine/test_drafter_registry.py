@@ -1,0 +1,38 @@
+"""engine/drafters/registry.py: drafter kinds, shipped names, and the deprecated name "default"."""
+
+import logging
+
+import pytest
+
+from treeserve.engine.drafters.registry import KINDS, SHIPPED, canonical_name, drafter_dir, kind_of
+
+
+def test_every_kind_names_its_drafter_class():
+    from treeserve.engine.drafters.autoregressive import LocalDrafter
+    from treeserve.engine.drafters.parallel import ParallelTreeDrafter
+
+    assert KINDS["autoregressive"].load_class() is LocalDrafter
+    assert KINDS["parallel"].load_class() is ParallelTreeDrafter
+    assert {k.name for k in KINDS.values()} == {LocalDrafter.kind, ParallelTreeDrafter.kind}
+
+
+def test_shipped_names_and_their_kinds():
+    assert drafter_dir("distilled") == SHIPPED["distilled"].directory
+    assert (kind_of("distilled"), kind_of("eagle"), kind_of("parallel")) == ("autoregressive",) * 2 + ("parallel",)
+    with pytest.raises(ValueError, match="does not match the shipped drafter \"distilled\""):
+        kind_of("distilled", "parallel")
+    with pytest.raises(ValueError, match="drafter_kind must be one of"):
+        kind_of("distilled", "x")
+
+
+def test_default_is_a_deprecated_alias(caplog):
+    """"default" still names the distilled drafter (the parallel one under kind parallel), with a warning that
+    says what it is: the default drafter is EAGLE."""
+    with caplog.at_level(logging.WARNING), pytest.warns(DeprecationWarning, match='"default" is deprecated'):
+        assert canonical_name("default") == "distilled"
+    assert 'name it "distilled"' in caplog.text
+    with pytest.warns(DeprecationWarning):
+        assert drafter_dir("default") == drafter_dir("distilled")
+    with pytest.warns(DeprecationWarning):
+        assert kind_of("default", "parallel") == "parallel" and drafter_dir("default", "parallel") == drafter_dir("parallel")
+    assert canonical_name("distilled") == "distilled"  # the new name: no warning (pytest would fail on none above)
