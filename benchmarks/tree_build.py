@@ -36,10 +36,33 @@ from torch import Tensor
 
 from treeserve.engine.acceptance import expected_accepted_length
 from treeserve.engine.builders import TreeConfig, make_builder
-from treeserve.engine.builders.base import RowSummary
+from treeserve.engine.builders.base import DraftOracle, RowSummary
 from treeserve.engine.c2t_classifier import top_entropy
 from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows
-from treeserve.engine.tree import TokenTree
+from treeserve.engine.tree import TokenTree, ancestor_mask
+
+
+def dfs_order(tree: TokenTree) -> list[int]:
+    """Pre-order DFS permutation of the nodes (children in draw order), DySpec appendix C. Being pre-order it
+    stays topological, so `tree.reorder(dfs_order(tree))` is a valid tree."""
+    order: list[int] = []
+    stack = [0]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(tree.children(node)))
+    return order
+
+
+def block_count(tree: TokenTree, block: int = 32) -> int:
+    """Number of block x block tiles of the tree's ancestor mask holding at least one True (attention kernel
+    work, DySpec appendix C / Table 5)."""
+    mask = ancestor_mask(tree.parent_list)
+    num = mask.shape[0]
+    pad = (-num) % block
+    padded = torch.nn.functional.pad(mask, (0, pad, 0, pad))
+    tiles = padded.view((num + pad) // block, block, (num + pad) // block, block)
+    return int(tiles.any(dim=3).any(dim=1).sum())
 
 
 def make_rows(num: int, vocab: int, seed: int = 0) -> Tensor:
@@ -62,7 +85,7 @@ def make_rows(num: int, vocab: int, seed: int = 0) -> Tensor:
 
 
 @dataclass
-class TimedOracle:
+class TimedOracle(DraftOracle):
     rows: Tensor  # [R, V] precomputed rows, handed out by node id
     seconds: float = 0.0
     calls: int = 0
@@ -134,7 +157,7 @@ class CachedSummaryOracle(TimedSummarizingOracle):
 
 
 @dataclass
-class TimedDrafterOracle:
+class TimedDrafterOracle(DraftOracle):
     """A model drafter's oracle for one step (a fresh `DrafterRunner.begin` per build), timed."""
 
     inner: object  # engine.runners.drafter.SessionOracle
@@ -265,7 +288,7 @@ def main() -> None:
         if model_oracle is not None and "768" not in name:
             mine, _, model_tree, model_calls, _ = time_build(config, sampling, None, repeats, model_oracle)
             drafter_ms, drafter_shape = f"{mine:.2f}", f"{model_tree.num_nodes - 1}/{model_calls}"
-        before, after = tree.block_count(32), tree.reorder(tree.dfs_order()).block_count(32)
+        before, after = block_count(tree), block_count(tree.reorder(dfs_order(tree)))
         print(f"{name:28s} {tree.num_nodes - 1:5d} {calls:5d} {expected_accepted_length(tree):6.2f} "
               f"{own:9.2f} {total:10.2f} {fast:9.2f} {summary:10.2f} {cached:9.2f} {drafter_ms:>9s} "
               f"{drafter_shape:>11s} {before:8d} {after:5d}")
@@ -273,7 +296,7 @@ def main() -> None:
     print("\nblock counts of random trees (32x32 blocks, DySpec appendix C / Table 5)")
     print(f"{'size':>6s} {'original':>9s} {'dfs':>6s}")
     for size in (256, 512, 1024, 2048):
-        counts = [(t.block_count(32), t.reorder(t.dfs_order()).block_count(32)) for t in (random_tree(size, s) for s in range(3))]
+        counts = [(block_count(t), block_count(t.reorder(dfs_order(t)))) for t in (random_tree(size, s) for s in range(3))]
         print(f"{size:6d} {statistics.mean(c[0] for c in counts):9.1f} {statistics.mean(c[1] for c in counts):6.1f}")
 
 

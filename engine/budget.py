@@ -23,7 +23,7 @@ about the price of one) and on the drafter (how many extra tokens a bigger tree 
    driven draft length of dynamic speculation (e.g. transformers' assisted generation heuristic), applied
    to the measured cost of each budget.
    Output is unaffected: verification is lossless for every budget.
-4. Hybrid drafting (engine/lookup.py) adds steps without the model drafter: a tree of candidates copied from
+4. Hybrid drafting (engine/lookup/) adds steps without the model drafter: a tree of candidates copied from
    the context costs no drafter forward, and how much it is worth is known before the step (the sum of its
    nodes' calibrated path probabilities, OPT-Tree's E(A)). `next_hybrid` prices the best lookup-only tree of
    each size n at (1 + E_n * a) / (T(n + 1) * s) tokens per ms (T: the profiled target curve, s: the measured

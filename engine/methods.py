@@ -1,7 +1,7 @@
 """Tree method names (no torch import: the typed service config reads them too).
 
 A method names a tree builder (engine/builders), "autoregressive" (no drafting), or a copy-from-context method
-(engine/lookup.py): "lookup" drafts candidates copied from the request's own tokens alone (no drafter model);
+(engine/lookup/): "lookup" drafts candidates copied from the request's own tokens alone (no drafter model);
 "<builder>+lookup" merges them with the drafter model's candidates in one tree shaped by that builder, and with
 an auto budget the hardware-aware chooser may also draft a step from the lookup alone (engine/budget.py).
 """

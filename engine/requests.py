@@ -40,7 +40,7 @@ class StepRecord:
     score_ms: float  # target forward wall time of the whole batch step
     verify_ms: float  # verification time per sequence
     draft_forward_ms: float = 0.0  # of draft_model_ms, the drafter's model forwards alone
-    # Hybrid trees (engine/lookup.py): of `tree_size` / `accepted`, the nodes the lookup source proposed (copied
+    # Hybrid trees (engine/lookup/): of `tree_size` / `accepted`, the nodes the lookup source proposed (copied
     # from the context), split into those the model's top-1 at the parent was not (LOOKUP) and was (BOTH); the
     # rest came from the model drafter alone.
     tree_size_lookup: int = 0

@@ -28,7 +28,7 @@ class ChildDraw(enum.IntEnum):
 
 
 class Source(enum.IntEnum):
-    """Which draft source proposed a node (engine/lookup.py: hybrid trees). A LOOKUP or BOTH node is a
+    """Which draft source proposed a node (engine/lookup/: hybrid trees). A LOOKUP or BOTH node is a
     deterministic proposal (copied from the request's context): under a WITHOUT_REPLACEMENT parent it is
     verified by the point-mass rule before the sampled siblings, which were drawn from the parent's draft
     row with those tokens removed (DESIGN.md section 5; engine/verify.py)."""
@@ -293,45 +293,6 @@ class TokenTree:
         """Children of `node` in draw order."""
         return self._children[node]
 
-    def ancestor_mask(self) -> Tensor:
-        """bool [N, N]: mask[i, j] is True iff j is i or an ancestor of i (tree attention)."""
-        num = self.num_nodes
-        mask = torch.eye(num, dtype=torch.bool)
-        rows = torch.arange(num)
-        cur = self.parents.clone()
-        # One vectorised step per tree level: walk every node up one parent at a time.
-        while bool((cur >= 0).any()):
-            live = cur >= 0
-            mask[rows[live], cur[live]] = True
-            cur = torch.where(live, self.parents[cur.clamp(min=0)], cur)
-        return mask
-
-    def position_ids(self, past_len: int) -> Tensor:
-        """LongTensor [N]: past_len + depth (the root sits at position past_len)."""
-        return self.depth + past_len
-
-    def paths(self) -> list[list[int]]:
-        """Root-to-node index lists, one per node (paths()[0] == [0])."""
-        out: list[list[int]] = [[0]]
-        for i, p in enumerate(self.parent_list[1:], start=1):
-            out.append(out[p] + [i])
-        return out
-
-    def dfs_order(self) -> Tensor:
-        """LongTensor [N]: pre-order DFS permutation (children in draw order), DySpec appendix C.
-        Being pre-order it stays topological, so `reorder(tree.dfs_order())` is a valid tree."""
-        order: list[int] = []
-        stack = [0]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(reversed(self._children[node]))
-        return torch.tensor(order, dtype=torch.long)
-
-    def block_count(self, block: int = 32) -> int:
-        """Number of non-empty block x block tiles of the ancestor mask (attention kernel work)."""
-        return count_mask_blocks(self.ancestor_mask(), block)
-
     # ------------------------------------------------------------------ re-indexing
     def reorder(self, order: Tensor | Sequence[int]) -> "TokenTree":
         """New tree whose node i is old node order[i]; order must be a topological permutation that
@@ -382,10 +343,22 @@ class TokenTree:
                                   sources)
 
 
-def count_mask_blocks(mask: Tensor, block: int = 32) -> int:
-    """Number of block x block tiles of a bool mask [N, N] holding at least one True."""
-    num = mask.shape[0]
-    pad = (-num) % block
-    padded = torch.nn.functional.pad(mask, (0, pad, 0, pad))
-    tiles = padded.view((num + pad) // block, block, (num + pad) // block, block)
-    return int(tiles.any(dim=3).any(dim=1).sum())
+def ancestor_mask(parents: Sequence[int], first: int = 0) -> Tensor:
+    """Tree attention, the one place it is built: bool [N - first, N] over a tree given by `parents` (node 0
+    the root, parents[0] == -1, 0 <= parents[i] < i). Row r is node first + r and is True at that node and
+    at each of its ancestors. `first` > 0 gives only the rows of nodes appended after the first `first`
+    ones (a cached model feeds a tree in several forwards: engine/runners/cached_lm.py).
+
+    Walks each node's root path in Python and sets all entries in one indexed write: a tree holds a few
+    hundred nodes at most, and per-entry tensor writes cost microseconds each."""
+    num = len(parents)
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, node in enumerate(range(first, num)):
+        while node >= 0:
+            rows.append(row)
+            cols.append(node)
+            node = parents[node]
+    mask = torch.zeros(num - first, num, dtype=torch.bool)
+    mask[rows, cols] = True
+    return mask

@@ -17,7 +17,7 @@ Rules per node (DESIGN.md section 5):
   with residual norm(max(p - q, 0)).
 - TOP_K / GREEDY children (deterministic given the context): point-mass rule, accept child x w.p.
   p'(x); on rejection p'(x) <- 0 and renormalise; if none is accepted, sample from p'.
-- Hybrid trees (engine/lookup.py): under a WITHOUT_REPLACEMENT parent, children whose `TokenTree.sources`
+- Hybrid trees (engine/lookup/): under a WITHOUT_REPLACEMENT parent, children whose `TokenTree.sources`
   is LOOKUP or BOTH are deterministic proposals copied from the context, and the sampled siblings were
   drawn from D = norm(q with those tokens removed). Each lookup child is one point-mass stage on the
   current R (accept y w.p. R[y]; on rejection R[y] <- 0, renormalise), each sampled child one stage of the
@@ -32,7 +32,6 @@ twin was rejected and is skipped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -262,14 +261,3 @@ def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, 
         accepted.append(chosen)
         node = chosen
 
-
-def verify_batch(
-    trees: Sequence[TokenTree],
-    targets: Sequence[TargetDists],
-    sampling_per_tree: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator],
-) -> list[VerifyResult]:
-    """verify_tree for each request of a batch (each with its own sampling parameters and RNG)."""
-    if not (len(trees) == len(targets) == len(sampling_per_tree) == len(generators)):
-        raise ValueError("trees, targets, sampling_per_tree and generators must have the same length")
-    return [verify_tree(t, d, s, g) for t, d, s, g in zip(trees, targets, sampling_per_tree, generators)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -19,27 +19,6 @@ from torch import Tensor
 from treeserve.engine.c2t_classifier import top_entropy
 from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows
 from treeserve.engine.tree import ChildDraw, TokenTree
-
-
-@runtime_checkable
-class DraftOracle(Protocol):
-    """Next-token draft distributions for nodes of a partial tree."""
-
-    vocab_size: int
-
-    def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
-        """tokens/parents: [n_so_far], the append-only partial tree (node 0 = root);
-        node_ids: [k] nodes whose next-token distributions are wanted (one drafter forward);
-        returns [k, vocab] warped draft probabilities (warp_probs with the request's SamplingParams).
-
-        The three inputs are the builder's own lists, valid for the duration of the call only (read,
-        never kept or changed). Plain sequences, not tensors: builders call the oracle right after
-        drafter forwards have streamed the weights through every cache, when each torch call on the
-        builder's side costs ~8 us instead of ~1 (this project's 2-core Xeon), and a model oracle
-        wants Python ints anyway (cache slots, KV bookkeeping). The returned tensor must not be
-        overwritten afterwards: builders keep references to its rows (no copy) in the finished
-        TokenTree for verification (`PartialTree.finish`)."""
-        ...
 
 
 @dataclass
@@ -54,24 +33,56 @@ class RowSummary:
     entropy: Tensor | None = None  # [n] entropy of each row's top-1000 probabilities (C2T eq. 2-3)
 
 
-class SummarizingOracle(DraftOracle, Protocol):
-    """A DraftOracle that also returns row summaries directly (optional fast path)."""
-
-    def summarize(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int], k: int,
-                  entropy: bool) -> RowSummary:
-        """Same inputs as `probs` plus k; must equal summarising the rows `probs` would return:
-        values/tokens = their top-k (values exact and descending), entropy = `top_entropy` of them."""
-        ...
+# The optional capabilities' signatures (see `DraftOracle`); each takes the partial tree as `probs` does.
+Summarize = Callable[[Sequence[int], Sequence[int], Sequence[int], int, bool], RowSummary]
+Sample = Callable[[Sequence[int], Sequence[int], int, float], "tuple[Tensor, int | None, float, float]"]
+NodeQuery = Callable[[Sequence[int], Sequence[int], int], Any]
+RowsQuery = Callable[[Sequence[int], Sequence[int], Sequence[int]], Tensor]
 
 
-class SamplingOracle(DraftOracle, Protocol):
-    """A DraftOracle that also draws from its rows directly (optional fast path for sampled chains): on
-    the drafter's own head, right after the softmax, while the row is hot (on a GPU: on the device)."""
+class DraftOracle(Protocol):
+    """Next-token draft distributions for nodes of a partial tree, and optional capabilities.
 
-    def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int,
-               uniform: float) -> tuple[Tensor, int | None, float, float]:
-        """The partial tree as `probs` takes it, one node, one uniform in [0, 1) -> the row `probs` returns
-        for `node` [V] and `sample_row(row, uniform)`: (token, q[token], row sum), a draw by inversion."""
+    `probs` is required. The optional capabilities are declared attributes, None where an oracle has
+    none: an oracle subclasses DraftOracle to inherit those None defaults, and overrides the ones it
+    offers with methods (builders read them as attributes, never probe for them).
+
+    Fast paths (a model oracle: engine/drafters/model_runner.py SessionOracle):
+      summarize(tokens, parents, node_ids, k, entropy) -> RowSummary: must equal summarising the rows
+        `probs` would return: values/tokens = their top-k (values exact and descending), entropy =
+        `top_entropy` of them.
+      sample(tokens, parents, node, uniform) -> (row, token, q[token], row sum): the row `probs` returns
+        for `node` [V] and `sample_row(row, uniform)`, a draw by inversion, made on the drafter's own head
+        right after the softmax, while the row is hot (on a GPU: on the device).
+    Copy-from-context candidates (a hybrid oracle: engine/lookup/ HybridOracle; all five or none):
+      lookup(tokens, parents, node) -> LookupRow | None: the node's candidates.
+      model_backed(tokens, parents, node) -> bool: whether the model drafter gives the node a row.
+      model_probs(tokens, parents, node_ids) -> [k, V]: the model drafter's own rows, no lookup mass.
+      source_of(parent, token) -> int: the tree.Source of a child `token` of `parent`.
+      plan(root_token, max_nodes, min_value) -> LookupPlan: the lookup-only tree (method "lookup").
+    """
+
+    vocab_size: int
+    summarize: Summarize | None = None
+    sample: Sample | None = None
+    lookup: NodeQuery | None = None
+    model_backed: NodeQuery | None = None
+    model_probs: RowsQuery | None = None
+    source_of: Callable[[int, int], int] | None = None
+    plan: Callable[[int, int, float], Any] | None = None
+
+    def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
+        """tokens/parents: [n_so_far], the append-only partial tree (node 0 = root);
+        node_ids: [k] nodes whose next-token distributions are wanted (one drafter forward);
+        returns [k, vocab] warped draft probabilities (warp_probs with the request's SamplingParams).
+
+        The three inputs are the builder's own lists, valid for the duration of the call only (read,
+        never kept or changed). Plain sequences, not tensors: builders call the oracle right after
+        drafter forwards have streamed the weights through every cache, when each torch call on the
+        builder's side costs ~8 us instead of ~1 (this project's 2-core Xeon), and a model oracle
+        wants Python ints anyway (cache slots, KV bookkeeping). The returned tensor must not be
+        overwritten afterwards: builders keep references to its rows (no copy) in the finished
+        TokenTree for verification (`PartialTree.finish`)."""
         ...
 
 
@@ -111,10 +122,10 @@ class PartialTree:
         if not isinstance(root_token, int) or root_token < 0 or root_token >= oracle.vocab_size:
             raise ValueError(f"root_token must lie in [0, {oracle.vocab_size}), got {root_token!r}")
         self.oracle = oracle
-        self._summarize = getattr(oracle, "summarize", None)  # SummarizingOracle's fast path, if any
-        self._sample = getattr(oracle, "sample", None)  # SamplingOracle's fast path, if any
-        # A hybrid oracle (engine/lookup.py, LookupOracle) also proposes tokens copied from the context.
-        self._lookup = getattr(oracle, "lookup", None)
+        self._summarize = oracle.summarize
+        self._sample = oracle.sample
+        # A hybrid oracle (engine/lookup/, HybridOracle) also proposes tokens copied from the context.
+        self._lookup = oracle.lookup
         self.tokens: list[int] = [root_token]
         self.parents: list[int] = [-1]
         self.log_joint: list[float] = [0.0]
@@ -137,14 +148,14 @@ class PartialTree:
         self.sources.append(source)
         return len(self.tokens) - 1
 
-    # ------------------------------------------------------------------ hybrid oracles (engine/lookup.py)
+    # ------------------------------------------------------------------ hybrid oracles (engine/lookup/)
     @property
     def hybrid(self) -> bool:
         """The oracle also proposes tokens copied from the context (a LookupOracle)."""
         return self._lookup is not None
 
     def lookup(self, node: int):  # type: ignore[no-untyped-def]
-        """`node`'s copy-from-context candidates (engine.lookup.LookupRow: tokens, calibrated probabilities,
+        """`node`'s copy-from-context candidates (engine.lookup LookupRow: tokens, calibrated probabilities,
         descending), or None for an oracle without them."""
         return None if self._lookup is None else self._lookup(self.tokens, self.parents, node)
 
@@ -179,13 +190,6 @@ class PartialTree:
         self.draw.extend([_TOP_K] * len(tokens))
         self.sources.extend([0] * len(tokens))
         return first
-
-    def depth_of(self, node: int) -> int:
-        depth = 0
-        while node > 0:
-            node = self.parents[node]
-            depth += 1
-        return depth
 
     def query(self, node_ids: Sequence[int]) -> Tensor:
         """One oracle call for `node_ids` -> [k, V] draft probabilities. The oracle reads the partial
@@ -317,7 +321,7 @@ class PartialTree:
         WITHOUT_REPLACEMENT parents keep the builder's labels (`add(..., source)`): there a lookup child was
         proposed before the sampled ones and is verified differently, whatever its token."""
         labels = self.sources
-        source_of = getattr(self.oracle, "source_of", None)
+        source_of = self.oracle.source_of
         if source_of is not None:
             labels = list(labels)
             draw, parents, tokens = self.draw, self.parents, self.tokens

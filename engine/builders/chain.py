@@ -9,7 +9,7 @@ How children are drawn (and hence the verification rule):
 The C2T chain is always deterministic top-1: its early exit looks at the chosen token's joint
 probability, and stopping on a *sampled* token's value would bias which samples survive.
 
-Over a hybrid oracle (engine/lookup.py) the deterministic chains follow the top-1 of the merged rows. The
+Over a hybrid oracle (engine/lookup/) the deterministic chains follow the top-1 of the merged rows. The
 sampled chain follows a node's best lookup candidate (deterministic, point-mass rule) wherever it is at least
 as probable as everything the model could offer there (c >= 1 - w), or the model has no row there, and
 samples from the model's row elsewhere: the choice depends on the root path only.

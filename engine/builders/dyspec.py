@@ -15,7 +15,7 @@ How children are drawn (and hence the verification rule):
   the largest value v_n * q(next best token): exactly the greedy of appendix D.1, which is optimal
   (Theorem (B)): no tree with the same number of nodes has a larger sum of values.
 
-Over a hybrid oracle (engine/lookup.py) the greedy reads merged rows (lookup candidates mixed into q) and
+Over a hybrid oracle (engine/lookup/) the greedy reads merged rows (lookup candidates mixed into q) and
 needs no change. Sampling does: a node's lookup candidates become its first children when its first
 position is popped (deterministic, each of value v * c, verified by the point-mass rule), then its children
 are sampled from q with those tokens removed, the position reached with v * (1 - w) * (mass left), w the
@@ -103,21 +103,8 @@ class DySpecBuilder:
             _, _, node = heapq.heappop(heap)
             if node not in residual:
                 self._fetch(tree, residual, heap, node)
-            res = residual[node]
-            picked = res.sample(uniforms.next())
-            if picked is None:
-                continue
-            token, prob = picked
-            tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
-            child = tree.add(node, token, safe_log(prob))
-            depth[child] = depth[node] + 1
-            value = math.exp(tree.log_joint[node])
-            sibling_reach = value * res.remaining  # v1 = v * (1 - R[y]), Algorithm 1 line 9
-            if sibling_reach > 0.0:
-                heapq.heappush(heap, (-sibling_reach, seq, node))
-            if self._depth_ok(depth[child] + 1):
-                heapq.heappush(heap, (-value * prob, seq + 1, child))  # v0 = v * R[y], line 8
-            seq += 2
+            seq = self._sample_child(tree, heap, residual[node], node, math.exp(tree.log_joint[node]), 1.0,
+                                     uniforms, depth, seq)
 
     def _grow_sampled_hybrid(self, tree: PartialTree, uniforms: UniformStream) -> None:
         """Algorithm 1 at temperature > 0 over a hybrid oracle (module docstring). A node's first pop opens it:
@@ -163,20 +150,27 @@ class DySpecBuilder:
                     heapq.heappush(heap, (-reach, seq, node))
                     seq += 1
                 continue
-            res = residual[node]
-            picked = res.sample(uniforms.next())
-            if picked is None:
-                continue
-            token, prob = picked
-            tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
-            child = tree.add(node, token, safe_log(share[node] * prob))
-            depth[child] = depth[node] + 1
-            reach = value * share[node] * res.remaining
-            if reach > 0.0:
-                heapq.heappush(heap, (-reach, seq, node))
-            if self._depth_ok(depth[child] + 1):
-                heapq.heappush(heap, (-value * share[node] * prob, seq + 1, child))
-            seq += 2
+            seq = self._sample_child(tree, heap, residual[node], node, value, share[node], uniforms, depth, seq)
+
+    def _sample_child(self, tree: PartialTree, heap: list, res: ResidualRow, node: int, value: float, share: float,
+                      uniforms: UniformStream, depth: dict[int, int], seq: int) -> int:
+        """One sampling position of `node` (Algorithm 1 lines 7-9): draw its next child from the residual row and
+        push the two positions that opens, the node's next draw v1 = v * (1 - R[y]) and the child's v0 = v * R[y].
+        `share`: the part of the node's row left to the model (1 without lookup candidates; the hybrid grower's
+        model children carry it in their values). Returns the next heap sequence number."""
+        picked = res.sample(uniforms.next())
+        if picked is None:
+            return seq
+        token, prob = picked
+        tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
+        child = tree.add(node, token, safe_log(share * prob))
+        depth[child] = depth[node] + 1
+        reach = value * share * res.remaining
+        if reach > 0.0:
+            heapq.heappush(heap, (-reach, seq, node))
+        if self._depth_ok(depth[child] + 1):
+            heapq.heappush(heap, (-value * share * prob, seq + 1, child))
+        return seq + 2
 
     def _grow_greedy(self, tree: PartialTree) -> TokenTree:
         """Appendix D.1 greedy at temperature 0, evaluated in value-ordered batches.

@@ -132,10 +132,6 @@ class StaticTreeBuilder:
             raise ValueError("paths must be distinct and closed under prefixes")
         self.paths = tuple(sorted(paths, key=lambda p: (len(p), p)))
 
-    @property
-    def num_draft_nodes(self) -> int:
-        return len(self.paths)
-
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
         tree = PartialTree(root_token, oracle)
         node_of: dict[Path, int] = {(): 0}

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from treeserve.engine.models.attention import attention_for, use_attention
 from treeserve.engine.models.packed_linear import use_fast_cpu_linears
+from treeserve.engine.tree import ancestor_mask
 
 
 class KVPoolExhausted(RuntimeError):
@@ -346,13 +347,11 @@ class CachedLM:
         attend[:, :committed_slots] = True
         attend[:n_ext, slots:slots + n_ext] = torch.tril(torch.ones(n_ext, n_ext, dtype=torch.bool))
         attend[n_ext:, slots:slots + n_ext] = True
-        # Tree part: each new node sees its ancestors (fed earlier or in this forward) and itself.
-        for i in range(n_new):
-            node = start + i
-            while node >= 0:
-                col = committed_slots + node if node < start else slots + n_ext + (node - start)
-                attend[n_ext + i, col] = True
-                node = tree_parents[node]
+        # Tree part: each new node sees itself and its ancestors, pending ones (fed by earlier forwards, in the
+        # slots after the committed ones) and new ones (fed now, after the extension).
+        tree_attend = ancestor_mask(tree_parents, start)  # [n_new, start + n_new]
+        attend[n_ext:, committed_slots:committed_slots + start] |= tree_attend[:, :start]
+        attend[n_ext:, slots + n_ext:] |= tree_attend[:, start:]
         positions = torch.tensor(list(range(len(cache.committed), base)) + [base + d for d in depth[start:]])
         cache.pending_tokens = cache.pending_tokens + list(request.tokens)
         cache.pending_parents = tree_parents

@@ -13,6 +13,7 @@ from toy import ToyModels, ToyOracle
 from treeserve.engine.acceptance import expected_accepted_drafts, expected_accepted_length
 from treeserve.engine.builders import (
     ChainBuilder,
+    DraftOracle,
     DySpecBuilder,
     DySpecThresholdBuilder,
     Eagle2Builder,
@@ -230,7 +231,7 @@ def test_bad_config_names_the_field(config, field):
         make_builder(config)
 
 
-class BadOracle:
+class BadOracle(DraftOracle):
     def __init__(self, vocab: int, out: torch.Tensor):
         self.vocab_size = vocab
         self.out = out
@@ -336,7 +337,7 @@ def test_dyspec_greedy_selects_the_budget_best_nodes(budget, max_depth, prefetch
             for tok, p in children(path):
                 heapq.heappush(heap, (neg * p, path + (tok,)))
     tree = build(DySpecBuilder(budget=budget, max_depth=max_depth, prefetch=prefetch), models, prefix=prefix, root=root)
-    got = {tuple(tree.tokens[p[1:]].tolist()) for p in tree.paths()[1:]}
+    got = set(node_paths(tree))
     assert got == chosen
     assert set(tree.child_draw[tree.has_children_mask].tolist()) <= {int(ChildDraw.TOP_K)}
     for node in range(tree.num_nodes):  # siblings in descending q, the order the greedy draws them

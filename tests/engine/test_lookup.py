@@ -1,4 +1,4 @@
-"""Copy-from-context drafting (engine/lookup.py): the incremental suffix index against a brute-force search,
+"""Copy-from-context drafting (engine/lookup/): the incremental suffix index against a brute-force search,
 calibration from emitted tokens, hybrid rows and trees, and losslessness of hybrid trees (chi-square on the
 first 2 emitted tokens over 10k draws, as tests/engine/test_lossless.py does for the model-only builders, ~2
 minutes on one core; TREESERVE_QUICK_LOSSLESS=1 runs 2 of the 8 cases; greedy equality)."""
@@ -26,7 +26,7 @@ from treeserve.engine.builders import (
     make_builder,
     split_method,
 )
-from treeserve.engine.builders.base import PartialTree
+from treeserve.engine.builders.base import DraftOracle, PartialTree
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.lookup import (
     HybridOracle,
@@ -309,7 +309,7 @@ def test_mixed_rule_at_one_node_over_a_blocked_vocabulary():
     target = TargetDists(probs=torch.stack([p] + [leaf] * 5))
     counts: collections.Counter = collections.Counter()
 
-    class Oracle:
+    class Oracle(DraftOracle):
         vocab_size = vocab
 
         def probs(self, tokens, parents, node_ids):

@@ -27,6 +27,7 @@ from treeserve.engine.builders import (
     C2TChainBuilder,
     ChainBuilder,
     DySpecBuilder,
+    DraftOracle,
     DySpecThresholdBuilder,
     Eagle2Builder,
     OptTreeBuilder,
@@ -181,7 +182,7 @@ def test_residual_rule_is_lossless_over_a_blocked_vocabulary():
     p = torch.softmax(torch.randn(vocab, generator=gen) * 2.5, -1)
     q = torch.softmax(torch.log(p) + torch.randn(vocab, generator=gen), -1)  # close to p, not equal
 
-    class Oracle:
+    class Oracle(DraftOracle):
         vocab_size = vocab
 
         def probs(self, tokens, parents, node_ids):

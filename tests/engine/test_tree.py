@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from treeserve.engine.sampling import SamplingParams
-from treeserve.engine.tree import ChildDraw, TokenTree, count_mask_blocks
+from treeserve.engine.tree import ChildDraw, TokenTree, ancestor_mask
 from treeserve.engine.verify import TargetDists, verify_tree
 
 #        0
@@ -30,46 +30,51 @@ def random_tree(num: int, seed: int) -> TokenTree:
     return TokenTree.build(list(range(num)), parents)
 
 
+def root_paths(parents: list[int]) -> list[list[int]]:
+    """Root-to-node index lists, one per node (the reference the ancestor mask is checked against)."""
+    out: list[list[int]] = [[0]]
+    for i, p in enumerate(parents[1:], start=1):
+        out.append(out[p] + [i])
+    return out
+
+
 def test_derived_views():
     tree = make_tree()
     assert tree.num_nodes == 7
     assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
-    assert tree.position_ids(10).tolist() == [10, 11, 11, 12, 12, 12, 13]
     assert tree.children(1) == [3, 4] and tree.children(6) == []
-    assert tree.paths()[6] == [0, 1, 3, 6]
-    mask = tree.ancestor_mask()
-    for i, path in enumerate(tree.paths()):
+    assert root_paths(PARENTS)[6] == [0, 1, 3, 6]
+    mask = ancestor_mask(tree.parent_list)
+    for i, path in enumerate(root_paths(PARENTS)):
         assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(path)
 
 
 def test_ancestor_mask_matches_paths_on_random_trees():
     for seed in range(3):
         tree = random_tree(80, seed)
-        mask = tree.ancestor_mask()
+        mask = ancestor_mask(tree.parent_list)
         expected = torch.zeros_like(mask)
-        for i, path in enumerate(tree.paths()):
+        for i, path in enumerate(root_paths(tree.parent_list)):
             expected[i, path] = True
         assert torch.equal(mask, expected)
+        # The rows of nodes appended after the first ones (a tree fed over several forwards) are the same rows.
+        assert torch.equal(ancestor_mask(tree.parent_list, 50), expected[50:])
+        assert ancestor_mask(tree.parent_list, 80).shape == (0, 80)
 
 
-def test_dfs_order_and_reorder_keep_the_tree():
+def test_reorder_keeps_the_tree():
     tree = random_tree(100, 7)
-    order = tree.dfs_order()
-    assert sorted(order.tolist()) == list(range(100)) and int(order[0]) == 0
+    order, stack = [], [0]  # pre-order DFS, children in draw order: a topological order
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(tree.children(node)))
     new = tree.reorder(order)
-    old_paths = {tuple(tree.tokens[p].tolist()) for p in tree.paths()}
-    assert {tuple(new.tokens[p].tolist()) for p in new.paths()} == old_paths
+    old_paths = {tuple(tree.tokens[p].tolist()) for p in root_paths(tree.parent_list)}
+    assert {tuple(new.tokens[p].tolist()) for p in root_paths(new.parent_list)} == old_paths
     for node in range(new.num_nodes):  # siblings keep their draw order
         kids = new.tokens[new.children(node)].tolist()
         assert kids == sorted(kids)
-    assert new.block_count() <= tree.block_count() * 1.0 + 1
-
-
-def test_count_mask_blocks():
-    mask = torch.zeros(70, 70, dtype=torch.bool)
-    mask[0, 0] = mask[33, 65] = mask[69, 1] = True
-    assert count_mask_blocks(mask, 32) == 3
-    assert count_mask_blocks(torch.ones(64, 64, dtype=torch.bool), 32) == 4
 
 
 def test_select_reindexes_and_requires_closed_set():

@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from treeserve.engine.builders.base import DraftOracle
 from treeserve.engine.sampling import SamplingParams, warp_probs
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists
@@ -73,7 +74,7 @@ def node_contexts(prefix: tuple[int, ...], tokens: list[int], parents: list[int]
 
 
 @dataclass
-class ToyOracle:
+class ToyOracle(DraftOracle):
     """DraftOracle over ToyModels; `prefix` = the context before the root token. Like a model
     runner with a KV cache it only processes nodes it has not seen (the tree is append-only)."""
 

@@ -1,4 +1,4 @@
-"""Hybrid drafting (engine/lookup.py) through the real engine on the tiny pair: greedy output equals the target's
+"""Hybrid drafting (engine/lookup/) through the real engine on the tiny pair: greedy output equals the target's
 own greedy decoding for every lookup method, at batch size 1 (fixed and auto budgets) and in batched chain
 mode; lookup candidates are proposed, accepted and counted per source; the chooser drafts lookup-only steps
 when they pay and falls back to the model's when they do not."""

@@ -1,0 +1,187 @@
+"""One request's copy-from-context state across steps (`LookupSession`: its suffix index, the calibration of
+its candidates' probabilities, the predictions a step made), the prior pooled over a drafter's requests
+(`LookupStats`), the drafter's sessions (`LookupSources`) and the source's settings. Overview: engine/lookup/."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from treeserve.engine.lookup.suffix_index import NO_MATCH, LookupRow, LookupState, SuffixIndex
+
+# Lower edges of the match-length buckets the calibration keeps, and the probability each starts from that
+# the target's next token is one of the candidates (rising with the match length, as prompt lookup's n-gram
+# size and SuffixDecoding's max_spec_factor assume).
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 10, 16, 32)
+PRIOR_HIT = (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.8)
+
+
+def match_bucket(length: int) -> int:
+    return max(0, bisect.bisect_right(MATCH_BUCKETS, length) - 1)
+
+
+@dataclass
+class LookupSettings:
+    """Knobs of the copy-from-context source (per drafter)."""
+
+    max_ngram: int = field(default=4, metadata={
+        "help": "longest n-gram indexed (memory: ~650 bytes per context token at 4, ~1.2 kB at 8); longer matches "
+                "are measured at the occurrences of their last max_ngram tokens"})
+    max_positions: int = field(default=16, metadata={"help": "most recent occurrences of a match whose continuations are counted"})
+    max_match: int = field(default=32, metadata={"help": "match lengths are measured up to this many tokens"})
+    max_branches: int = field(default=3, metadata={"help": "continuations of a match kept as candidates (most counted first)"})
+    plan_nodes: int = field(default=24, metadata={"help": "nodes of a lookup-only tree considered per step"})
+    min_value: float = field(default=0.02, metadata={"help": "lookup-only trees keep nodes whose path probability is at least this"})
+    skip_model_above: float = field(default=0.6, metadata={
+        "help": "a node whose best lookup candidate is at least this probable gets no model row (nor do its descendants)"})
+    session_prior: float = field(default=4.0, metadata={"help": "observations the pooled estimate counts as in a request's calibration"})
+    pooled_prior: float = field(default=8.0, metadata={"help": "observations PRIOR_HIT counts as in the pooled calibration"})
+    chain_min_joint: float = field(default=0.3, metadata={"help": "batched steps: a lookup chain stops below this path probability"})
+    max_sessions: int = field(default=256, metadata={"help": "sessions whose index is kept (least recently used dropped)"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_ngram", "max_positions", "max_match", "max_branches", "plan_nodes", "max_sessions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"lookup.{name} must be an integer >= 1, got {value!r}")
+        if self.max_match < self.max_ngram:
+            raise ValueError(f"lookup.max_match ({self.max_match}) must be >= max_ngram ({self.max_ngram})")
+        for name in ("min_value", "skip_model_above", "chain_min_joint"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"lookup.{name} must lie in (0, 1], got {value!r}")
+        if self.session_prior <= 0 or self.pooled_prior <= 0:
+            raise ValueError("lookup.session_prior and pooled_prior must be > 0")
+
+
+class LookupStats:
+    """Hit rates per match-length bucket pooled over a drafter's requests: the prior of each new request's
+    calibration (starting from PRIOR_HIT, counted as `prior` observations)."""
+
+    def __init__(self, prior: float = 8.0) -> None:
+        self.prior = prior
+        self.hits = [0.0] * len(MATCH_BUCKETS)
+        self.trials = [0.0] * len(MATCH_BUCKETS)
+
+    def mean(self, bucket: int) -> float:
+        return (self.hits[bucket] + self.prior * PRIOR_HIT[bucket]) / (self.trials[bucket] + self.prior)
+
+    def observe(self, bucket: int, hit: bool) -> None:
+        self.hits[bucket] += float(hit)
+        self.trials[bucket] += 1.0
+
+
+class LookupSession:
+    """One request's index, calibration and last step's predictions (kept by the drafter across steps)."""
+
+    def __init__(self, settings: LookupSettings, pooled: LookupStats) -> None:
+        self.settings = settings
+        self.pooled = pooled
+        self.index = SuffixIndex(settings.max_ngram)
+        self.hits = [0.0] * len(MATCH_BUCKETS)
+        self.trials = [0.0] * len(MATCH_BUCKETS)
+        # path after the root (tuple of tokens) -> (candidate tokens, bucket) of the last step, scored when the
+        # next step shows what the target emitted there
+        self._predictions: dict[tuple[int, ...], tuple[frozenset[int], int]] = {}
+        self._predicted_at = -1  # len(index) when the predictions were made
+        self._root_state: LookupState | None = None
+        self.observed = 0  # predictions scored so far (tests, stats)
+
+    # ------------------------------------------------------------------ per step
+    def sync(self, context: Sequence[int]) -> None:
+        """Catch up with `context` (prompt + emitted tokens, the last one the next root): score the previous
+        step's predictions on the tokens emitted since, and index the new tokens. A context that does not
+        extend what was indexed rebuilds the index."""
+        held = len(self.index)
+        if held > len(context) or (held and context[held - 1] != self.index.tokens[-1]):
+            self.index = SuffixIndex(self.settings.max_ngram)
+            self._predictions, held = {}, 0
+        if self._predictions and self._predicted_at == held:
+            emitted = list(context[held:])
+            for i, token in enumerate(emitted):  # emitted[:i] is an accepted path (i = 0: the root)
+                pred = self._predictions.get(tuple(emitted[:i]))
+                if pred is not None:
+                    self.observe(pred[1], token in pred[0])
+        self._predictions = {}
+        if len(context) > held:
+            self.index.extend(context[held:])
+            self._root_state = None
+        self._predicted_at = len(self.index)
+
+    def observe(self, bucket: int, hit: bool) -> None:
+        self.hits[bucket] += float(hit)
+        self.trials[bucket] += 1.0
+        self.pooled.observe(bucket, hit)
+        self.observed += 1
+
+    def hit_rate(self, bucket: int) -> float:
+        """Calibrated P(the target's next token is a candidate | bucket): this request's Beta posterior."""
+        k = self.settings.session_prior
+        return (self.hits[bucket] + k * self.pooled.mean(bucket)) / (self.trials[bucket] + k)
+
+    def predict(self, path: tuple[int, ...], row: LookupRow) -> None:
+        """Remember a node's candidates, scored at the next `sync` if the node lies on the accepted path."""
+        self._predictions[path] = (frozenset(row.tokens), row.bucket)
+
+    # ------------------------------------------------------------------ matching
+    def tail(self, path: Sequence[int] = ()) -> list[int]:
+        """The indexed tokens' last max_match + 1, then `path`: enough to measure any match."""
+        return self.index.tokens[-(self.settings.max_match + 1):] + list(path)
+
+    def root_state(self) -> LookupState:
+        if self._root_state is None:
+            s = self.settings
+            self._root_state = LookupState(*self.index.longest_match(self.tail(), s.max_positions, s.max_match))
+        return self._root_state
+
+    def child_state(self, state: LookupState, token: int, path: Sequence[int]) -> LookupState:
+        """The state after appending `token` to a node's sequence in `state` (`path`: the root path including
+        `token`): its occurrences that continue with `token`, or a fresh match when none does."""
+        toks = self.index.tokens
+        last = len(toks) - 1
+        kept = tuple(p + 1 for p in state.positions if toks[p + 1] == token and p + 1 < last)
+        if kept:
+            return LookupState(min(state.length + 1, self.settings.max_match), kept)
+        s = self.settings
+        length, positions = self.index.longest_match(self.tail(path), s.max_positions, s.max_match)
+        return LookupState(length, positions) if positions else NO_MATCH
+
+    def row(self, state: LookupState) -> LookupRow | None:
+        """The candidates of a node in `state`, or None without a match."""
+        if not state.positions:
+            return None
+        toks = self.index.tokens
+        counts = Counter(toks[p + 1] for p in state.positions)
+        bucket = match_bucket(state.length)
+        scale = self.hit_rate(bucket) / len(state.positions)
+        ranked = counts.most_common(self.settings.max_branches)
+        values = tuple(scale * c for _, c in ranked)
+        return LookupRow(tuple(t for t, _ in ranked), values, sum(values), bucket, state.length)
+
+
+class LookupSources:
+    """A drafter's lookup sessions (LRU-bounded), their pooled calibration and settings."""
+
+    def __init__(self, settings: LookupSettings | None = None) -> None:
+        self.settings = settings or LookupSettings()
+        self.pooled = LookupStats(self.settings.pooled_prior)
+        self._sessions: OrderedDict[str, LookupSession] = OrderedDict()
+
+    def session(self, session_id: str, context: Sequence[int]) -> LookupSession:
+        """The session synced with `context` (created on first use)."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            session = LookupSession(self.settings, self.pooled)
+            while len(self._sessions) >= self.settings.max_sessions:
+                self._sessions.popitem(last=False)
+        self._sessions[session_id] = session
+        session.sync(context)
+        return session
+
+    def release(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions

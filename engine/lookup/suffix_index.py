@@ -1,0 +1,86 @@
+"""The copy-from-context source's index: every n-gram of a request's tokens mapped to where it ends, and what
+a tree node's match there looks like (`LookupState`) and proposes (`LookupRow`). Overview: engine/lookup/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class SuffixIndex:
+    """The n-grams of a growing token sequence, each mapped to the positions where it ends (ascending)."""
+
+    def __init__(self, max_ngram: int = 4) -> None:
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens: each adds its position under the <= max_ngram n-grams ending there."""
+        toks, ends, size = self.tokens, self._ends, self.max_ngram
+        for token in tokens:
+            toks.append(int(token))
+            end = len(toks) - 1
+            for start in range(end, max(-1, end - size), -1):
+                key = tuple(toks[start:end + 1])
+                hit = ends.get(key)
+                if hit is None:
+                    ends[key] = [end]
+                else:
+                    hit.append(end)
+
+    def longest_match(self, tail: Sequence[int], max_positions: int, max_match: int) -> tuple[int, tuple[int, ...]]:
+        """The longest suffix of `tail` (a sequence ending in a query position: the context's last tokens plus a
+        tree path) that occurs in the indexed tokens followed by at least one more token: (its length, up to
+        max_positions of the most recent positions where it ends), or (0, ()) if not even the last token occurs
+        with a continuation. Lengths past max_ngram are measured per occurrence (up to max_match)."""
+        toks, ends_of = self.tokens, self._ends
+        last = len(toks) - 1  # a match ending here has no continuation
+        # Growing n: an n-gram with an occurrence followed by a token has such an occurrence of its (n-1)-suffix,
+        # so the search stops at the first n without one (most tree nodes match 0-3 tokens: 1-4 lookups).
+        length, found = 0, []
+        for n in range(1, min(self.max_ngram, len(tail)) + 1):
+            ends = ends_of.get(tuple(tail[len(tail) - n:]))
+            valid = [p for p in ends[-(max_positions + 1):] if p < last][-max_positions:] if ends else None
+            if not valid:
+                break
+            length, found = n, valid
+        if length < self.max_ngram:
+            return length, tuple(found)
+        best, keep = 0, []
+        for p in found:  # every occurrence matches max_ngram tokens: measure how far back each goes
+            n = length
+            while n < max_match and n < len(tail) and p - n >= 0 and tail[len(tail) - 1 - n] == toks[p - n]:
+                n += 1
+            if n > best:
+                best, keep = n, [p]
+            elif n == best:
+                keep.append(p)
+        return best, tuple(keep)
+
+
+@dataclass(frozen=True)
+class LookupState:
+    """Where a node's sequence (context + root path) matches the indexed tokens: the match length and the end
+    positions of its occurrences (each followed by a continuation); length 0 = no match."""
+
+    length: int
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LookupRow:
+    """A node's copy-from-context candidates: tokens by descending probability, their calibrated probabilities
+    (`values`), their sum `total` (= w) and the match-length bucket that calibrated them."""
+
+    tokens: tuple[int, ...]
+    values: tuple[float, ...]
+    total: float
+    bucket: int
+    length: int
+
+
+NO_MATCH = LookupState(0, ())
