@@ -4,7 +4,10 @@ One step for the active batch (`step`) reads like the protocol (DESIGN.md sectio
 
     trees, _ = self.draft(batch)                   # drafter: TokenTree per sequence
     dists = self.target.score(requests(trees))     # target: one forward over all trees
-    verify_tree(tree, dist, ...) per sequence      # accepted tokens + bonus, emission, stop conditions
+    verify_tree(tree, dist, ...) per sequence      # accepted tokens + bonus
+    self.commit(...) per sequence                  # emission, stop conditions, EAGLE features
+
+Timings and per-step records are kept by a `StepRecorder` (engine/step_recorder.py) beside the loop.
 
 Batch size 1 uses the configured (dynamic) tree method; above 1, C2T chain mode with early exit, all
 chains scored in one padded target forward (DESIGN.md section 6). Method "autoregressive" drafts
@@ -21,29 +24,20 @@ from typing import Protocol
 import torch
 
 from treeserve.engine.builders import TreeConfig, make_builder
-from treeserve.engine.drafters.base import AUTOREGRESSIVE, DraftRequest, batch_size_bucket, root_only
+from treeserve.engine.drafters.base import AUTOREGRESSIVE, Drafter, DraftRequest, batch_size_bucket, root_only
 from treeserve.engine.models.loading import chat_ids
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
 from treeserve.engine.runners.target import ScoreRequest
+from treeserve.engine.step_recorder import StepRecorder
 from treeserve.engine.tree import TokenTree
-from treeserve.engine.verify import TargetDists, verify_tree
-
-
-class Drafter(Protocol):
-    """`LocalDrafter`, or a client of a Drafter replica."""
-
-    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
-        """One tree per request; `batch_size` = sequences in the step's target forward (default: all of
-        `requests`; more when a Drafter replica holds only some of a router's batch)."""
-        ...
-    def observe(self, record: StepRecord) -> None: ...
-    def release(self, session_id: str) -> bool: ...
+from treeserve.engine.verify import TargetDists, VerifyResult, verify_tree
 
 
 class Target(Protocol):
     """`TargetRunner`, a tensor-parallel target, or a client of a Target replica."""
 
     vocab_size: int
+    provides_features: bool  # honours ScoreRequest.want_features (returns the features an EAGLE drafter reads)
 
     def score(self, requests: list[ScoreRequest]) -> list[TargetDists]: ...
     def release(self, session_id: str) -> bool: ...
@@ -86,8 +80,8 @@ class SpeculativeEngine:
         self.eos_ids = set(_eos_ids(tokenizer))
         # An EAGLE drafter reads the target's features of the committed context: the target returns them
         # with its scores and each sequence keeps those of its accepted path.
-        self.carries_features = bool(getattr(drafter, "reads_target_features", False))
-        if self.carries_features and not getattr(target, "provides_features", False):
+        self.carries_features = drafter is not None and drafter.reads_target_features
+        if self.carries_features and not target.provides_features:
             raise ValueError(f"an EAGLE drafter needs the target's features; {type(target).__name__} "
                              "does not return them (use the in-process target runner)")
         # (batch-size bucket, steps): steps the drafter's budget chooser for that bucket already decided are
@@ -133,39 +127,17 @@ class SpeculativeEngine:
         return [self.result(s) for s in batch]
 
     def step(self, batch: list[Sequence]) -> None:
-        # A step that prefills a new sequence's prompt costs far more than decoding: the budget chooser
-        # would blame whatever budget it tried then, so such steps are not reported to it.
-        prefill = any(not s.steps for s in batch)
-        t0 = time.perf_counter()
-        trees, drafted = self.draft(batch)
-        t1 = time.perf_counter()
-        dists = self.target.score([ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
-                                                want_features=self.carries_features)
-                                   for s, tree in zip(batch, trees)])
-        t2 = time.perf_counter()
-        # A drafter that does not report its runner time: all drafting counts as runner time.
-        draft_model_ms = getattr(self.drafter, "last_model_ms", (t1 - t0) * 1e3) if drafted else 0.0
-        draft_forward_ms = getattr(self.drafter, "last_forward_ms", draft_model_ms) if drafted else 0.0
+        """One speculation step for every sequence of `batch`: draft, score, verify, commit."""
+        recorder = StepRecorder(batch, self.drafter)
+        trees, called_drafter = self.draft(batch)
+        recorder.drafted(called_drafter)
+        dists = self.target.score([self.score_request(s, tree) for s, tree in zip(batch, trees)])
+        recorder.scored()
         for s, tree, dist in zip(batch, trees, dists):
             result = verify_tree(tree, dist, s.request.sampling, s.generator)
-            s.accepted_hint = result.accepted_nodes
-            if self.carries_features:
-                s.features = s.features or CommittedFeatures()
-                s.features.commit(tree, dist, result.accepted_nodes)
-            self._emit(s, result.tokens)
-            _, size_lookup, size_both = tree.count_sources()
-            _, accepted_lookup, accepted_both = tree.count_sources(result.accepted_nodes)
-            s.steps.append(StepRecord(tree_size=tree.num_nodes - 1, accepted=result.num_accepted,
-                                      emitted=len(result.tokens), batch_size=len(batch),
-                                      draft_ms=(t1 - t0) * 1e3, draft_model_ms=draft_model_ms,
-                                      score_ms=(t2 - t1) * 1e3, verify_ms=0.0, draft_forward_ms=draft_forward_ms,
-                                      tree_size_lookup=size_lookup + size_both, accepted_lookup=accepted_lookup,
-                                      accepted_both=accepted_both))
-        verify_ms = (time.perf_counter() - t2) * 1e3 / len(batch)
-        for s in batch:
-            s.steps[-1].verify_ms = verify_ms
-            if self.drafter is not None and not prefill:
-                self.drafter.observe(s.steps[-1])
+            self.commit(s, tree, dist, result)
+            recorder.verified(s, tree, result)
+        recorder.finish()
 
     def draft(self, batch: list[Sequence]) -> tuple[list[TokenTree], bool]:
         """One TokenTree per sequence (the root alone for autoregressive decoding or a held plain step),
@@ -183,8 +155,23 @@ class SpeculativeEngine:
                                                  s.seed + len(s.steps), s.accepted_hint,
                                                  s.features.rows if s.features else None)
                                     for s in batch])
-        self._plain_hold = (batch_size_bucket(len(batch)), int(getattr(self.drafter, "hold_steps", 0)))
+        self._plain_hold = (batch_size_bucket(len(batch)), self.drafter.hold_steps)
         return trees, True
+
+    def score_request(self, s: Sequence, tree: TokenTree) -> ScoreRequest:
+        """What the target scores for `s` this step: its context and tree, and the previous step's accepted
+        nodes as a hint for its KV cache."""
+        return ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
+                            want_features=self.carries_features)
+
+    def commit(self, s: Sequence, tree: TokenTree, dist: TargetDists, result: VerifyResult) -> None:
+        """Take a verified step into `s`: the accepted path (the next step's cache hint), the target's features
+        of it for an EAGLE drafter, and the emitted tokens (which may finish the sequence)."""
+        s.accepted_hint = result.accepted_nodes
+        if self.carries_features:
+            s.features = s.features or CommittedFeatures()
+            s.features.commit(tree, dist, result.accepted_nodes)
+        self._emit(s, result.tokens)
 
     def release(self, s: Sequence) -> None:
         self.target.release(s.session_id)

@@ -221,11 +221,11 @@ def test_a_fixed_budget_is_not_overridden_by_the_chooser(pair):
 def test_a_plain_decoding_hold_survives_requests_leaving_the_batch(pair):
     """The hold is kept per batch-size bucket: a batch of 4 shrinking to 3 stays held (no drafter call),
     shrinking to 1 (another bucket, another chooser) asks the drafter again."""
-    from treeserve.engine.drafters.base import root_only
+    from treeserve.engine.drafters.base import DrafterBase, root_only
 
     target, _ = pair
 
-    class HoldingDrafter:
+    class HoldingDrafter(DrafterBase):
         hold_steps = 1000  # as a chooser that picked plain decoding for a long stretch
 
         def __init__(self):
