@@ -98,7 +98,7 @@ def _bind(args: Mapping[str, Any], overrides: dict[str, dict[str, Any]], interna
 
     from treeserve.services.drafter_service import DrafterReplica
     from treeserve.services.internal_auth import generate_secret
-    from treeserve.services.router import RouterReplica
+    from treeserve.services.router_replica import RouterReplica
     from treeserve.services.target_service import TargetReplica
 
     config = AppConfig.from_args(dict(args))

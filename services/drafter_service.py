@@ -1,6 +1,7 @@
-"""The Drafter: a gRPC servicer over `LocalDrafter`, and the Serve deployment class that hosts it.
+"""The Drafter: a gRPC servicer over a drafter (engine/drafters/base.py `Drafter`), and the Serve deployment class
+that hosts it.
 
-`DrafterServicer` is plain (inject any `LocalDrafter`; tests run it in-process). `DrafterReplica` is what
+`DrafterServicer` is plain (inject any drafter; tests run it in-process). `DrafterReplica` is what
 services/app.py deploys: it loads the drafter from the app config, starts the servicer on its own grpc.aio
 server on a free port, publishes the address in the registry, and answers Serve's health checks. The router
 sends each step's Draft over that direct channel; the Serve handle only serves `address()` for discovery.
@@ -17,12 +18,11 @@ import grpc
 import torch
 
 from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig
-from treeserve.engine.drafters.autoregressive import LocalDrafter
-from treeserve.engine.drafters.base import DraftRequest
+from treeserve.engine.drafters.base import Drafter, DraftRequest
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.services import wire
 from treeserve.services.features import FeatureStore, read_delta
-from treeserve.services.transport.replica import GrpcReplica, SessionClock, session_ids_of
+from treeserve.services.transport.replica import GrpcReplica, SessionClock
 from treeserve.services.transport.replica_server import Worker, limit_threads
 from treeserve.v1 import internal_pb2 as pb
 from treeserve.v1 import internal_pb2_grpc as pb_grpc
@@ -31,7 +31,7 @@ from treeserve.v1 import internal_pb2_grpc as pb_grpc
 class DrafterServicer(pb_grpc.DrafterServicer):
     """Draft / Release / Health over one drafter; the model work runs on the servicer's worker thread."""
 
-    def __init__(self, drafter: LocalDrafter, vocab_size: int, replica_id: str = "local",
+    def __init__(self, drafter: Drafter, vocab_size: int, replica_id: str = "local",
                  default_method: str = DEFAULT_METHOD):
         self.drafter = drafter
         self.vocab_size = vocab_size
@@ -41,8 +41,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.worker = Worker()
         self.clock = SessionClock()  # replicas set clock.idle_s: orphaned sessions are freed
         # Only an EAGLE drafter reads the target's features (the hidden size, or 3x it for EAGLE-3's fused layers).
-        self.features = (FeatureStore(drafter.runner.target_feature_size)
-                         if getattr(drafter, "reads_target_features", False) else None)
+        self.features = FeatureStore(drafter.target_feature_size) if drafter.reads_target_features else None
 
     def _requests(self, message: pb.DraftRequest) -> list[tuple[DraftRequest, tuple[torch.Tensor, int] | None]]:
         """Each item as a DraftRequest (without its features) and its feature delta (rows, start), if any."""
@@ -86,9 +85,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 self.features.retain(set(self.session_ids()))
         return pb.DraftResponse(trees=[wire.encode_tree(t) for t in trees],
                                 draft_ms=(time.perf_counter() - started) * 1e3,
-                                draft_model_ms=getattr(self.drafter, "last_model_ms", 0.0),
-                                draft_forward_ms=getattr(self.drafter, "last_forward_ms", 0.0),
-                                plain_steps_held=int(getattr(self.drafter, "hold_steps", 0)))
+                                draft_model_ms=self.drafter.last_model_ms,
+                                draft_forward_ms=self.drafter.last_forward_ms,
+                                plain_steps_held=self.drafter.hold_steps)
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:
         try:
@@ -116,7 +115,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return pb.ReleaseResponse(released=await self.worker.run(self._release, list(request.session_ids)))
 
     def session_ids(self) -> list[str]:
-        return session_ids_of(self.drafter)
+        return self.drafter.session_ids()
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         sessions = self.session_ids()
@@ -127,7 +126,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 class DrafterReplica(GrpcReplica):
     """Serve deployment class (wrapped by services/app.py): loads the drafter from the app `args`."""
 
-    def __init__(self, args: dict | None = None, drafter: LocalDrafter | None = None, vocab_size: int | None = None,
+    def __init__(self, args: dict | None = None, drafter: Drafter | None = None, vocab_size: int | None = None,
                  internal_secret: str | None = None):
         limit_threads()
         from treeserve.services.config import AppConfig
@@ -141,7 +140,7 @@ class DrafterReplica(GrpcReplica):
         self._start_server(pb_grpc.add_DrafterServicer_to_server, config.grpc.max_message_bytes, internal_secret)
 
 
-def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:
+def load_drafter_from_config(config) -> tuple[Drafter, int]:
     """LocalDrafter as the config says. Budget "auto" times the target's forward once (cached per machine), so
     the whole target is loaded then; with a fixed budget only the parts a drafter borrows are (its config,
     embeddings, final norm and LM head: engine/models/target_parts.py), which is what lets a drafter replica
@@ -162,7 +161,6 @@ def load_drafter_from_config(config) -> tuple[LocalDrafter, int]:
     drafter = build_local_drafter(config.drafter.path, target, config.drafter.device, dtype,
                                   config.speculation.budget, drafter_kind=config.drafter.kind)
     # The KV pool is preallocated now: max_sessions x max_context_tokens (treeserve memory-estimate).
-    lm = drafter.runner.lm if hasattr(drafter, "runner") else drafter.lm
-    lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
-    lm.warm_up()
+    drafter.lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
+    drafter.lm.warm_up()
     return drafter, int(target.config.vocab_size)

@@ -41,11 +41,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import ssl
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -53,159 +51,13 @@ from aiohttp import web
 
 from treeserve.services.api_server import REQUEST_ID_KEY, TokenFile, _FileWatch, log_rejection, request_id
 from treeserve.services.config import ApiConfig, SecurityConfig
+from treeserve.services.openai_request import INVALID, STATUS, TOO_LARGE, ApiError, Fields, error_body, param_of
 from treeserve.services.validation import RequestError
 from treeserve.v1 import generation_pb2 as gen
 
 log = logging.getLogger("treeserve.api")
 
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-# HTTP status and OpenAI error type per gRPC code. RESOURCE_EXHAUSTED is 429 when the concurrency limit refused the
-# request and 413 when its size did (body, prompt, max_tokens): see OpenAIApi._submit.
-STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-}
-TOO_LARGE = (413, "invalid_request_error")
 FINISH = {gen.FINISH_REASON_LENGTH: "length", gen.FINISH_REASON_EOS: "stop", gen.FINISH_REASON_STOP_STRING: "stop"}
-# Fields whose OpenAI meaning TreeServe does not implement: refused when set to anything but their neutral value.
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
-               "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "echo": (None, False),
-               "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
-               "prediction": (None,)}
-ROLE_ALIASES = {"developer": "system"}
-PARAM_NAMES = {"max_new_tokens": "max_tokens", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
-               "sampling.top_k": "top_k", "stop_strings": "stop", "speculation.method": "treeserve.method",
-               "speculation.budget_tokens": "treeserve.budget"}
-
-
-class ApiError(Exception):
-    """An HTTP-level refusal with its gRPC code (for the log line and the metric)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None,
-                 status: tuple[int, str] | None = None):
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
-        self.status = status or STATUS.get(code, (500, "server_error"))
-
-
-def error_body(message: str, type_: str, param: str | None, code: grpc.StatusCode) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code.name.lower()}}
-
-
-def _param_of(message: str) -> str | None:
-    head = message.split(":", 1)[0].strip()
-    if head.startswith("prompt"):
-        return "prompt"
-    return PARAM_NAMES.get(head, head if head.isidentifier() else None)
-
-
-# ================================================================================== request fields
-def _number(body: dict, name: str, default: float | None) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ApiError(INVALID, f"{name}: must be a number, got {json.dumps(value)[:40]}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, default: int | None, minimum: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(INVALID, f"{name}: must be an integer, got {json.dumps(value)[:40]}", name)
-    if minimum is not None and value < minimum:
-        raise ApiError(INVALID, f"{name}: must be >= {minimum}, got {value}", name)
-    return value
-
-
-def _text_content(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(INVALID, f"messages[{i}].content: only text parts are supported", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(INVALID, f"messages[{i}].content: must be a string or a list of text parts", "messages")
-
-
-class Fields:
-    """The request body's fields, checked for type and shape (no tokenising: that happens once admitted)."""
-
-    def __init__(self, body: dict, chat: bool):
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError(INVALID, "messages: must be a non-empty list of {role, content} objects", "messages")
-            turns = []
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    raise ApiError(INVALID, f"messages[{i}]: must be an object with a string role", "messages")
-                turns.append((ROLE_ALIASES.get(m["role"], m["role"]), _text_content(m.get("content"), i)))
-            self.prompt: Any = ("chat", turns)
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one prompt
-            if isinstance(prompt, str):
-                self.prompt = ("text", prompt)
-            elif (isinstance(prompt, list) and prompt
-                  and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-                self.prompt = ("ids", prompt)
-            else:
-                raise ApiError(INVALID, "prompt: must be a string or a list of token ids (one prompt per request)",
-                               "prompt")
-        n = body.get("n")
-        if n is not None and (isinstance(n, bool) or n != 1):
-            raise ApiError(INVALID, f"n: only n=1 is supported (one completion per request), got {json.dumps(n)}",
-                           "n")
-        for name, neutral in UNSUPPORTED.items():
-            if name in body and body[name] not in neutral:
-                raise ApiError(INVALID, f"{name}: not supported by this server", name)
-        response_format = body.get("response_format")
-        if response_format not in (None, {"type": "text"}):
-            raise ApiError(INVALID, "response_format: only {\"type\": \"text\"} is supported", "response_format")
-        self.max_tokens = _integer(body, "max_completion_tokens", None) if chat else None
-        if self.max_tokens is None:
-            self.max_tokens = _integer(body, "max_tokens", None)
-        self.temperature = _number(body, "temperature", 1.0)
-        self.top_p = _number(body, "top_p", 1.0)
-        self.top_k = _integer(body, "top_k", 0)  # vLLM's extra sampling field
-        self.seed = _integer(body, "seed", None, minimum=0)
-        stop = body.get("stop")
-        if stop is None:
-            self.stop: list[str] = []
-        elif isinstance(stop, str):
-            self.stop = [stop]
-        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            self.stop = list(stop)
-        else:
-            raise ApiError(INVALID, "stop: must be a string or a list of strings", "stop")
-        self.stream = body.get("stream", False)
-        if not isinstance(self.stream, bool) and self.stream is not None:
-            raise ApiError(INVALID, "stream: must be true or false", "stream")
-        self.stream = bool(self.stream)
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise ApiError(INVALID, "stream_options: must be an object", "stream_options")
-        self.include_usage = bool(options.get("include_usage", False))
-        extra = body.get("treeserve") or {}
-        if not isinstance(extra, dict) or set(extra) - {"method", "budget"}:
-            raise ApiError(INVALID, "treeserve: must be an object with optional fields method (a tree method name) "
-                                    "and budget (draft tokens per step, 0 = server choice)", "treeserve")
-        self.method = extra.get("method")
-        if self.method is not None and not isinstance(self.method, str):
-            raise ApiError(INVALID, "treeserve.method: must be a string", "treeserve.method")
-        self.budget = _integer(extra, "budget", 0)
 
 
 # ================================================================================== the API
@@ -329,7 +181,7 @@ class OpenAIApi:
             status = None
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and parsed:  # a size limit, not the concurrency one
                 status = TOO_LARGE
-            raise ApiError(exc.code, exc.message, _param_of(exc.message), status) from None
+            raise ApiError(exc.code, exc.message, param_of(exc.message), status) from None
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
@@ -343,7 +195,7 @@ class OpenAIApi:
         try:
             reply = await self.router.collect(job)
         except RequestError as exc:
-            return self._refuse(request, ApiError(exc.code, exc.message, _param_of(exc.message)), job.method)
+            return self._refuse(request, ApiError(exc.code, exc.message, param_of(exc.message)), job.method)
         except asyncio.CancelledError:  # the client went away: collect's drain marked the job cancelled
             self.metrics.record_request("CANCELLED", job.method)
             raise
@@ -399,7 +251,7 @@ class OpenAIApi:
             self.metrics.record_request(exc.code.name, job.method)
             status, type_ = STATUS.get(exc.code, (500, "server_error"))
             try:
-                await send({"error": {**error_body(exc.message, type_, _param_of(exc.message), exc.code)["error"],
+                await send({"error": {**error_body(exc.message, type_, param_of(exc.message), exc.code)["error"],
                                       "status": status}})
             except (ConnectionError, RuntimeError):
                 pass
@@ -472,7 +324,7 @@ def start_http_api(router: Any, api: ApiConfig, security: SecurityConfig, loop: 
     """Start the OpenAI-compatible API for `router` on `loop` (running on another thread); returns it once it
     listens. Raises ValueError (naming the field) when the TLS or token files are unusable."""
     context = ssl_context(security)
-    front = OpenAIApi(router, api, security, model_id or served_model_id(router))
+    front = OpenAIApi(router, api, security, model_id or router.model_name)
     wanted = api.http_port if port is None else port
 
     async def start() -> HttpApiServer:
@@ -501,12 +353,3 @@ async def _reload_tls(context: ssl.SSLContext, security: SecurityConfig) -> None
                 log.info("TLS certificate files changed: new HTTP connections use the new certificate")
             except Exception as exc:
                 log.error("TLS certificate files changed but cannot be loaded (%s); keeping the previous ones", exc)
-
-
-def served_model_id(router: Any) -> str:
-    """The model name clients send and /v1/models lists: the target's path as configured (its last component)."""
-    config = getattr(router, "config", None)
-    path = getattr(getattr(config, "target", None), "path", None)
-    if not path:
-        return "treeserve"
-    return Path(path).name or str(path)

@@ -3,9 +3,9 @@
 One background step loop per router drives `SpeculativeEngine.step` on the batch of active sequences:
 requests join and leave only at step boundaries, so the batch changes continuously; at batch size 1 the
 drafter builds the configured dynamic tree, above 1 C2T chains (DESIGN.md section 6; the decision is the
-drafter's, per call). The engine is injected: in the Serve deployment (`RouterReplica`) its Target and
-Drafter are gRPC clients of the replicas (services/transport/clients.py); in unit tests they are in-process
-runners. Verification, emission and stop conditions are the engine's own (`start`, `step`, `result`);
+drafter's, per call). The engine is injected: in the Serve deployment (`RouterReplica`,
+services/router_replica.py) its Target and Drafter are gRPC clients of the replicas
+(services/transport/clients.py); in unit tests they are in-process runners. Verification, emission and stop conditions are the engine's own (`start`, `step`, `result`);
 the router only turns what each step emitted into stream messages.
 
 The public gRPC API in front of it (TLS, tokens, payload decoding, status codes, one log line per rejected
@@ -28,14 +28,11 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.speculative_engine import Sequence, SpeculativeEngine
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult
 from treeserve.services.config import LimitsConfig
 from treeserve.services.metrics import RouterMetrics
-from treeserve.services.validation import (MAX_BUDGET_TOKENS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,  # noqa: F401
-                                           METHOD_ENUMS, METHOD_NAMES, ROLES, RequestError, RequestValidator,
-                                           method_enum)
+from treeserve.services.validation import RequestError, RequestValidator, method_enum
 from treeserve.v1 import generation_pb2 as gen
 
 log = logging.getLogger("treeserve.router")
@@ -65,13 +62,17 @@ class Router:
     """Plain class: inject the engine. `RouterReplica` builds one over gRPC clients for Serve."""
 
     def __init__(self, engine: SpeculativeEngine, limits: LimitsConfig | None = None,
-                 metrics: RouterMetrics | None = None, clients: list[Any] = (), router_id: str | None = None):
+                 metrics: RouterMetrics | None = None, clients: list[Any] = (), router_id: str | None = None,
+                 model_name: str = "treeserve"):
         self.engine = engine
         self.limits = limits or LimitsConfig()
         self.validator = RequestValidator(engine, self.limits)
         self.metrics = metrics or RouterMetrics(enabled=False)
+        # The engine's Target / Drafter when they are replica clients (services/transport/clients.py): bound to
+        # the step loop's event loop, released through, counted for retries. Empty for in-process runners.
         self.clients = [c for c in clients if c is not None]
         self.router_id = router_id or uuid.uuid4().hex[:8]
+        self.model_name = model_name  # the model clients name and /v1/models lists (services/openai_api.py)
         self._waiting: list[_Job] = []
         self._active: list[_Job] = []
         self._wake: asyncio.Event | None = None
@@ -233,7 +234,7 @@ class Router:
 
     def _count_retries(self) -> None:
         for client in self.clients:
-            retries = getattr(client, "retries", 0)
+            retries = client.retries
             seen = self._retries_seen.get(id(client), 0)
             if retries > seen:
                 self.metrics.retries.inc(retries - seen, tags={"deployment": client.pool.name})
@@ -316,129 +317,15 @@ class Router:
             task.add_done_callback(self._background.discard)
 
     async def _release(self, seq: Sequence) -> None:
-        """Free the session's caches on every replica (async clients) or in-process runners."""
+        """Free the session's caches: on every replica through the engine's remote clients (`clients`), else in
+        its in-process runners."""
         try:
-            parts = [self.engine.target] + ([self.engine.drafter] if self.engine.drafter is not None else [])
-            for part in parts:
-                if hasattr(part, "release_async"):
-                    await part.release_async(seq.session_id)
-                else:
+            if self.clients:
+                for client in self.clients:
+                    await client.release_async(seq.session_id)
+            else:
+                parts = [self.engine.target] + ([self.engine.drafter] if self.engine.drafter is not None else [])
+                for part in parts:
                     await asyncio.to_thread(part.release, seq.session_id)
         except Exception as exc:  # a replica cache left behind is evicted later; never fail a request for it
             log.warning("release of %s failed: %s", seq.session_id, exc)
-
-
-# The public API's servicer lives with its server; re-exported here for existing imports.
-from treeserve.services.api_server import RouterServicer  # noqa: E402,F401
-
-
-class RouterReplica(Router):
-    """Serve deployment class (wrapped by services/app.py). It serves the public API on its own grpc.aio server
-    (services/api_server.py: TLS, bearer tokens, request-size cap, status codes), whose event loop also runs
-    the step loop and the replica clients. The engine's Target and Drafter are gRPC clients of the Target /
-    Drafter replicas, found through the registry (scoped to this application build) and authenticated with the
-    application's internal secret. With an EAGLE drafter the target clients ask for features and the drafter
-    client passes them on (services/features.py).
-
-    Losing this replica ends its streams with UNAVAILABLE (their connections close with the process); Serve
-    starts a new one, which listens on the same port, and new requests succeed once it is up."""
-
-    def __init__(self, args: dict | None, drafter_handle: Any = None, target_handle: Any = None,
-                 internal_secret: str | None = None, serve_api: bool = True):
-        from treeserve.engine.factory import tree_config
-        from treeserve.services.config import AppConfig
-        from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
-        from treeserve.services.transport.discovery import Registry, replica_identity, serve_discovery
-        from treeserve.services.transport.pool import ReplicaPool
-        from treeserve.services.transport.replica_server import limit_threads
-        from treeserve.services.internal_auth import registry_scope
-        from treeserve.v1 import internal_pb2_grpc as pb_grpc
-
-        limit_threads()
-        config = AppConfig.from_args(args)
-        if not internal_secret and Registry.available():
-            raise ValueError("Router replica started without the application's internal secret; build the "
-                             "application with treeserve.services.app (build_app / build_app_from_config)")
-        tokenizer, vocab_size = load_tokenizer(config.target.path, config.target.chat_template)
-        app, _, replica_id = replica_identity()
-        scope = registry_scope(internal_secret)
-        max_bytes = config.grpc.max_message_bytes
-        timeout = config.limits.request_timeout_s
-        target_pool = ReplicaPool("Target", pb_grpc.TargetStub, serve_discovery(app, "Target", target_handle, scope),
-                                  max_bytes, refresh_period_s=1.0, internal_secret=internal_secret)
-        target = RemoteTarget(target_pool, vocab_size, call_timeout_s=timeout, retry_timeout_s=timeout)
-        drafter = None
-        if drafter_handle is not None and config.speculation.method != AUTOREGRESSIVE:
-            drafter_pool = ReplicaPool("Drafter", pb_grpc.DrafterStub,
-                                       serve_discovery(app, "Drafter", drafter_handle, scope), max_bytes,
-                                       refresh_period_s=1.0, internal_secret=internal_secret)
-            drafter = RemoteDrafter(drafter_pool, call_timeout_s=timeout,
-                                    reads_target_features=config.drafter.reads_target_features())
-            # Rows the target recomputes (a replica rebuilt the session) must reach the drafter replicas too.
-            target.features_listener = drafter.features_rewritten
-        engine = SpeculativeEngine(target, drafter, tokenizer,
-                                   tree_config(config.speculation.method, config.speculation.budget),
-                                   config.target.max_context_tokens)
-        super().__init__(engine, config.limits, RouterMetrics(enabled=Registry.available()),
-                         clients=[target, drafter], router_id=replica_id)
-        self.config = config
-        self.api_server = None
-        if serve_api:
-            from treeserve.services.api_server import start_api_server
-
-            self.api_server = start_api_server(self, config.api, config.security)
-            # The step loop and the replica clients live on the API server's loop, where requests arrive.
-            asyncio.run_coroutine_threadsafe(self.start(), self.api_server.loop).result(30)
-            log.info("Router %s serving the public API on %s", replica_id, self.api_server.describe())
-
-    async def __call__(self, request: Any) -> Any:
-        """What Serve's HTTP proxy (the application's route_prefix) answers: the APIs are this replica's own servers
-        (services/openai_api.py says why), so a 404 in OpenAI's error shape that names them, not a 500."""
-        from starlette.responses import JSONResponse
-
-        api = self.config.api
-        where = f"gRPC on port {api.port}"
-        if api.http_port is not None:
-            where = f"the OpenAI-compatible HTTP API on port {api.http_port} (/v1/chat/completions, /v1/completions, " \
-                    f"/v1/models, /health) and {where}"
-        else:
-            where += "; set args.api.http_port for the OpenAI-compatible HTTP API"
-        message = f"this is Ray Serve's HTTP proxy; TreeServe serves {where}"
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                       "code": "not_found"}}, status_code=404)
-
-    async def check_health(self) -> None:
-        if self.api_server is not None and not self.api_server.alive():
-            raise RuntimeError("the public API server is not running")
-        await super().check_health()
-
-    async def ready(self) -> int:
-        """Readiness through the real pipeline: a one-token generation on the API server's loop (drafter, target
-        and verification all answer). Returns the tokens generated. `treeserve serve` waits on it."""
-        message = gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1]), max_new_tokens=1)
-        loop = self.api_server.loop if self.api_server is not None else asyncio.get_running_loop()
-        future = asyncio.run_coroutine_threadsafe(self.generate(message), loop)
-        reply = await asyncio.wrap_future(future)
-        return len(reply.token_ids)
-
-    def __del__(self) -> None:
-        server = getattr(self, "api_server", None)
-        if server is not None:
-            try:
-                server.stop(0.5)
-            except Exception:
-                pass
-
-
-def load_tokenizer(path: str, chat_template: str | None = None) -> tuple[Any, int]:
-    """The target's tokenizer (with `target.chat_template` when set: engine/chat_templates.py) and vocabulary
-    size, without loading its weights."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from treeserve.engine import chat_templates
-    from treeserve.engine.models.loading import resolve_model_dir
-
-    model_dir = resolve_model_dir(path)
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    tokenizer = chat_templates.apply(AutoTokenizer.from_pretrained(model_dir, local_files_only=True), chat_template)
-    return tokenizer, int(config.vocab_size)

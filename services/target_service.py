@@ -17,7 +17,7 @@ from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.services import wire
 from treeserve.services.features import FeaturesUnavailable, check_target_provides
-from treeserve.services.transport.replica import GrpcReplica, SessionClock, session_ids_of
+from treeserve.services.transport.replica import GrpcReplica, SessionClock
 from treeserve.services.transport.replica_server import Worker, limit_threads
 from treeserve.v1 import internal_pb2 as pb
 from treeserve.v1 import internal_pb2_grpc as pb_grpc
@@ -79,7 +79,10 @@ class TargetServicer(pb_grpc.TargetServicer):
         return pb.ReleaseResponse(released=await self.worker.run(self._release, list(request.session_ids)))
 
     def session_ids(self) -> list[str]:
-        return session_ids_of(self.runner) if hasattr(self.runner, "lm") else sorted(self._seen)
+        # A TargetRunner's KV pool knows its sessions (evictions included); a tensor-parallel target's ranks hold
+        # them, so the servicer counts the ones it scored and did not release.
+        lm = getattr(self.runner, "lm", None)
+        return list(lm.sessions) if lm is not None else sorted(self._seen)
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         sessions = self.session_ids()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from treeserve.engine.drafters.base import DraftRequest, root_only
+from treeserve.engine.drafters.base import DrafterBase, DraftRequest, root_only
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
@@ -65,7 +65,7 @@ class RemoteTarget(GroupedCaller):
         return self._sync(self.score_async(requests))
 
 
-class RemoteDrafter(GroupedCaller):
+class RemoteDrafter(GroupedCaller, DrafterBase):
     """engine Drafter protocol over Drafter replicas. Without a live drafter the step degrades to a root-only
     tree (one autoregressive step): it costs time, never tokens.
 
@@ -74,6 +74,7 @@ class RemoteDrafter(GroupedCaller):
     builds on lists the session in `features_missing`, and the call is sent again with that session's rows
     from 0 (services/features.py)."""
 
+    kind = "remote"
     wait_for_live = False  # a step without a drafter is still a step: never wait for one
 
     def __init__(self, pool: ReplicaPool, call_timeout_s: float = 60.0, retry_timeout_s: float = 2.0,

@@ -60,18 +60,6 @@ class SessionClock:
         return released
 
 
-def session_ids_of(obj: Any) -> list[str]:
-    """Session ids with a cache in a LocalDrafter / TargetRunner (through its CachedLM), else []."""
-    for path in (("runner", "lm"), ("lm",)):
-        cur = obj
-        for name in path:
-            cur = getattr(cur, name, None)
-        if cur is not None and hasattr(cur, "sessions"):
-            return list(cur.sessions)
-    sessions = getattr(obj, "session_ids", None)
-    return list(sessions()) if callable(sessions) else []
-
-
 class GrpcReplica:
     """Shared replica plumbing: server start, registry heartbeat, health, shutdown."""
 

@@ -201,7 +201,7 @@ def test_drafter_service_hosts_the_parallel_drafter(tiny_target, parallel_drafte
     pytest.importorskip("grpc")
     from treeserve.engine.drafters.base import DraftRequest
     from treeserve.services import wire
-    from treeserve.services.drafter_service import DrafterServicer, session_ids_of
+    from treeserve.services.drafter_service import DrafterServicer
     from treeserve.v1 import internal_pb2 as pb
 
     vocab = tiny_target.model.config.vocab_size
@@ -213,4 +213,4 @@ def test_drafter_service_hosts_the_parallel_drafter(tiny_target, parallel_drafte
         assert tree.num_nodes >= 2 and reply.draft_model_ms >= reply.draft_forward_ms > 0
         if batch > 1:
             assert tree.parents.tolist() == list(range(-1, tree.num_nodes - 1))
-    assert session_ids_of(servicer.drafter) == ["s"]
+    assert servicer.session_ids() == ["s"]

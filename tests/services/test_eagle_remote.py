@@ -31,7 +31,8 @@ from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
 from treeserve.services.transport.discovery import static_discovery
 from treeserve.services.transport.pool import ReplicaPool
 from treeserve.services.transport.replica_server import ReplicaServer
-from treeserve.services.router import Router, RouterServicer
+from treeserve.services.api_server import RouterServicer
+from treeserve.services.router import Router
 from treeserve.services.target_service import TargetServicer
 from treeserve.v1 import generation_pb2 as gen
 from treeserve.v1 import generation_pb2_grpc as gen_grpc
@@ -324,7 +325,7 @@ def test_bad_feature_input_is_refused(tiny_parts, eagle):
 def test_router_replica_wires_features_for_an_eagle_config(tiny_target_dir, tiny_drafter_dir, eagle_dir):
     """The Serve router (built here without Ray: handles are never called before a step) asks the targets for
     features and passes the ones they recompute on to its drafter client; other drafters carry none."""
-    from treeserve.services.router import RouterReplica
+    from treeserve.services.router_replica import RouterReplica
 
     handle = object()  # discovery goes through the registry first and calls the handle only when it is empty
     for path, eagle in ((str(eagle_dir), True), (str(tiny_drafter_dir), False)):

@@ -161,7 +161,8 @@ def test_default_tp3_eagle_through_the_target_replica(default_tp3, default_pair)
     from treeserve.services.transport.discovery import static_discovery
     from treeserve.services.transport.pool import ReplicaPool
     from treeserve.services.transport.replica_server import ReplicaServer
-    from treeserve.services.router import Router, RouterServicer
+    from treeserve.services.api_server import RouterServicer
+    from treeserve.services.router import Router
     from treeserve.services.target_service import TargetServicer
     from treeserve.v1 import generation_pb2 as gen
     from treeserve.v1 import generation_pb2_grpc as gen_grpc
