@@ -12,14 +12,14 @@ computed oracle-side, as the model drafter does on its head next to the forward:
 drafter's 16,384-token head, not the 49,152-token rows used here). The oracle-side summary time is
 printed in its own column. A third run hands out summaries precomputed for all rows ("cached"): the
 builder's CPU without the cache pollution of the 12 MB of fresh rows per call (a model drafter's
-forward pollutes as much: it streams its weights, ~94 MB for the default drafter, so the builder's
-numpy and torch calls after it run cold). With `--drafter` (default: the shipped default drafter),
-the 64-node cases also run against the real thing: the drafter's own oracle (engine.runners.drafter)
+forward pollutes as much: it streams its weights, ~94 MB for the distilled drafter, so the builder's
+numpy and torch calls after it run cold). With `--drafter` (default: the shipped distilled drafter),
+the 64-node cases also run against the real thing: the drafter's own oracle (engine.drafters.model_runner)
 on a chat-templated dev prompt, its forwards, KV upkeep, warping and summaries excluded as oracle
 time, the builder's CPU measured between them ("drafter" column; 768-node builds are skipped there:
 one forward per node).
 
-    python benchmarks/tree_build.py [--repeats 15] [--vocab 49152] [--drafter default|none|DIR]
+    python benchmarks/tree_build.py [--repeats 15] [--vocab 49152] [--drafter distilled|none|DIR]
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class CachedSummaryOracle(TimedSummarizingOracle):
 class TimedDrafterOracle(DraftOracle):
     """A model drafter's oracle for one step (a fresh `DrafterRunner.begin` per build), timed."""
 
-    inner: object  # engine.runners.drafter.SessionOracle
+    inner: object  # engine.drafters.model_runner.SessionOracle
     seconds: float = 0.0
     calls: int = 0
 
@@ -242,7 +242,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--drafter", default="default", help="model drafter for the 'drafter' column; 'none' skips it")
+    parser.add_argument("--drafter", default="distilled", help="model drafter for the 'drafter' column; 'none' skips it")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = make_rows(96, args.vocab)

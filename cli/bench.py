@@ -82,9 +82,9 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                              "baseline" % ", ".join(BENCH_METHODS))
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf; default: %(default)s)")
     parser.add_argument("--drafter", default="eagle",
-                        help="drafter: 'eagle' (the shipped EAGLE drafter), 'default' (the distilled one) or a directory")
-    parser.add_argument("--parallel-drafter", default="default",
-                        help="parallel drafter for METHOD@parallel entries ('default' or a directory)")
+                        help="drafter: 'eagle' (the shipped EAGLE drafter), 'distilled' (the distilled one) or a directory")
+    parser.add_argument("--parallel-drafter", default="parallel",
+                        help="parallel drafter for METHOD@parallel entries ('parallel': the shipped one, or a directory)")
     parser.add_argument("--drafter-kind", choices=["autoregressive", "parallel", "both"], default=None,
                         help="drafter kind of entries without '@KIND' ('both': run each with both kinds; "
                              "default: autoregressive)")
@@ -110,8 +110,8 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                        help="'hf': Hugging Face greedy generate, prompt-lookup decoding "
                             "(prompt_lookup_num_tokens=10) and assisted generation with --peer-drafter, on the "
                             "same prompts, repeats and greedy check; speedups also against HF generate")
-    peers.add_argument("--peer-drafter", default="default",
-                       help="drafter for HF assisted generation ('default': the shipped distilled drafter; "
+    peers.add_argument("--peer-drafter", default="distilled",
+                       help="drafter for HF assisted generation ('distilled': the shipped distilled drafter; "
                             "skipped with the reason printed when transformers cannot run it, e.g. EAGLE)")
     pictures = parser.add_argument_group("pictures and budget sweep")
     pictures.add_argument("--plot", type=Path, default=None, metavar="DIR",

@@ -17,7 +17,8 @@ BUILT_IN_SOURCES = "built-in: Python docs passages, HumanEval prompts, Debian te
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
-    parser.add_argument("--drafter", default="default", help="drafter ('default' or a directory)")
+    parser.add_argument("--drafter", default="distilled",
+                        help="drafter: a shipped name ('distilled', 'eagle', 'eagle3') or a directory")
     parser.add_argument("--out", type=Path, default=None,
                         help="classifier file (default: the drafter's own, c2t.safetensors in its directory, "
                              "which the engine then uses for that drafter)")

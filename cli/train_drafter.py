@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "features, as in EAGLE)")
     parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
     parser.add_argument("--out", type=Path, default=None,
-                        help=f"where the drafter is written (default: the shipped default drafter of the kind, "
+                        help=f"where the drafter is written (default: the shipped drafter of the kind, "
                              f"{SHIPPED['distilled'].directory} or {SHIPPED['parallel'].directory})")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where generated training data is kept and resumed from (default: cache dir)")

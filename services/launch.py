@@ -82,13 +82,14 @@ def _int(value: str, name: str) -> int:
 
 def _check_models(args) -> None:
     """Fail before starting Ray when a model the config names cannot exist (replicas would crash-loop)."""
-    from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
+    from treeserve.engine.drafters.registry import SHIPPED, canonical_name, drafter_dir
 
     if args.speculation.method != "autoregressive":
-        directory = drafter_dir(args.drafter.path)
-        if args.drafter.path in SHIPPED_NAMES and not (directory / "config.json").is_file():
-            raise FileNotFoundError(f"the shipped {args.drafter.path!r} drafter is not installed ({directory}); train "
-                                    "one with `treeserve train-drafter`, pass --drafter PATH, or --method autoregressive")
+        name = canonical_name(args.drafter.path, args.drafter.kind)
+        directory = drafter_dir(name)
+        if name in SHIPPED and not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"the shipped {name!r} drafter is not installed ({directory}); train one with "
+                                    f"`{SHIPPED[name].train_hint}`, pass --drafter PATH, or --method autoregressive")
         if not directory.exists():
             raise FileNotFoundError(f"drafter path {args.drafter.path} does not exist")
     if args.target.path != "default" and not Path(args.target.path).exists():

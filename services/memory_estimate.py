@@ -137,14 +137,14 @@ def placement(config: ServeConfigFile) -> list[_Placed]:
 
 
 def shipped_drafter_facts(model: ModelConfig, role: str) -> ModelFacts | None:
-    """Facts of a drafter shipped in the package ("default", "eagle", ...) from its own config.json (an EAGLE
+    """Facts of a drafter shipped in the package ("distilled", "eagle", ...) from its own config.json (an EAGLE
     drafter's weights are then counted by `feature_drafter_params`: its own plus the target's it borrows)."""
     if role != "drafter" or model.path.startswith("/"):
         return None
     try:
         from treeserve.engine.drafters.registry import drafter_dir
 
-        config = drafter_dir(model.path) / "config.json"
+        config = drafter_dir(model.path, model.kind) / "config.json"
     except (ImportError, KeyError):
         return None
     return ModelFacts.from_file(config, f"args.{role}.path") if config.is_file() else None
@@ -152,7 +152,7 @@ def shipped_drafter_facts(model: ModelConfig, role: str) -> ModelFacts | None:
 
 def feature_drafter_params(args: AppConfig) -> int | None:
     """Parameters an EAGLE drafter process holds (its own weights plus its copies of the target's embeddings /
-    LM head: engine/models/drafter_check.py), or None for other drafters (counted from their facts). Known from
+    LM head: engine/drafters/models/compatibility.py), or None for other drafters (counted from their facts). Known from
     the files where readable, else from model_facts and `drafter.layout`."""
     import dataclasses
     import json

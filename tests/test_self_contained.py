@@ -68,7 +68,7 @@ def test_trainers_write_portable_paths(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("TREESERVE_CACHE", str(cache))
     assert portable_path(cache / "distill" / "v3" / "teacher.safetensors") == "$TREESERVE_CACHE/distill/v3/teacher.safetensors"
-    assert portable_path(ROOT / "engine" / "models" / "default_drafter") == "engine/models/default_drafter"
+    assert portable_path(ROOT / "engine" / "drafters" / "weights" / "distilled") == "engine/drafters/weights/distilled"
     assert portable_path(tmp_path / "runs" / "eagle_run2") == "eagle_run2"  # elsewhere: the name only
     assert portable_path("default") == "default" and portable_path("") == ""
     card = {"target": "default", "data_path": str(cache / "distill" / "v2" / "teacher.safetensors"),

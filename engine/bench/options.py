@@ -27,7 +27,7 @@ class BenchOptions:
     methods: tuple[str, ...] = DEFAULT_METHODS
     target: str = "default"  # target model: 'default', a directory or a .gguf
     drafter: str = "eagle"  # drafter of autoregressive-kind entries: a shipped name or a directory
-    parallel_drafter: str = "default"  # drafter of METHOD@parallel entries
+    parallel_drafter: str = "parallel"  # drafter of METHOD@parallel entries
     # Drafter kind of entries without '@KIND': "autoregressive", "parallel" or "both" (each entry with both).
     drafter_kind: str = "autoregressive"
     temperature: float = 0.0  # sampling temperature (0 = greedy)
@@ -38,7 +38,7 @@ class BenchOptions:
     warmup_prompts: int = 2  # untimed prompts per method first (hardware-aware budgets finish exploring)
     check_greedy: bool = False  # compare every method's tokens with the target's own greedy `generate`
     peers: tuple[str, ...] = ()  # peer sets (peers.PEER_SETS): "hf"
-    peer_drafter: str = "default"  # drafter of HF assisted generation
+    peer_drafter: str = "distilled"  # drafter of HF assisted generation
     plot: Path | None = None  # PNG pictures here (runs the budget sweep)
     sweep: bool = False  # run the untimed budget sweep (also run by `plot`)
     sweep_methods: tuple[str, ...] = SWEEP_METHODS  # tree builders of the budget sweep

@@ -122,7 +122,7 @@ class DrafterRunner:
     def draw(self, head_row: Tensor, uniform: float) -> tuple[int | None, float, float]:
         """`sample_row` on a head row [V_draft], as a target token id: distributed as a draw on its
         `full_vocab` row, and (up to float rounding) the very same token when `vocab_ids` ascend, as the
-        default drafter's do: the zeros between them add nothing to a cumulative sum."""
+        distilled drafter's do: the zeros between them add nothing to a cumulative sum."""
         index, prob, total = sample_row(head_row.cpu(), uniform)
         token = index if index is None or self.vocab_ids is None else int(self.vocab_ids[index])
         return token, prob, total

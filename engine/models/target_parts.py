@@ -2,7 +2,7 @@
 
 A Drafter replica never runs the target, but every drafter kind borrows something from it: TreeServe's own
 drafters and EAGLE-3 heads its input embeddings, a published EAGLE-1/2 head its embeddings and LM head, any
-drafter its vocabulary (engine/models/drafter.py). For Llama-2-70B those are 2 x 32000 x 8192 bf16 = 1 GB of
+drafter its vocabulary (engine/drafters/models/distilled.py). For Llama-2-70B those are 2 x 32000 x 8192 bf16 = 1 GB of
 the 138 GB of weights, so the replica reads just these tensors from the safetensors files (by name, through
 the index) instead of loading the model. Checkpoints whose tensor names differ from the module names
 (formats transformers converts on load), and GGUF files, are loaded in full and cut down.

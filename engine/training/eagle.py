@@ -1,4 +1,4 @@
-"""Training of the EAGLE drafter (engine/models/eagle_drafter.py) on the self-distillation data.
+"""Training of the EAGLE drafter (engine/drafters/models/eagle.py) on the self-distillation data.
 
 EAGLE (Li et al., 2024; not among the papers DESIGN.md cites, C2T's section 5.1 uses its drafters): the
 drafter reads (token x_j, target feature f_{j-1}) and is trained to predict f_j, with the loss of EAGLE's

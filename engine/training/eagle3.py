@@ -1,4 +1,4 @@
-"""Training of the EAGLE-3 drafter (engine/models/eagle3_drafter.py) with training-time test.
+"""Training of the EAGLE-3 drafter (engine/drafters/models/eagle3.py) with training-time test.
 
 EAGLE-3 (Li et al., 2025), section 3.2 and figure 6, and its reference trainer (SafeAILab/EAGLE
 `eagle/traineagle3/cnets.py`, `Model.forward`):

@@ -49,7 +49,7 @@ def _reproduce(training: dict, eagle: bool) -> str:
             f"`{command(training.get('config', {}))} --init-from DIR`.")
 
 
-def write_drafter_card(directory: Path, agreement: dict, args, name: str = "default") -> Path:
+def write_drafter_card(directory: Path, agreement: dict, args, name: str = "distilled") -> Path:
     """README.md for the drafter in `directory` (`name`: how `--drafter` names it)."""
     if json.loads((directory / "config.json").read_text()).get("treeserve_drafter", {}).get("kind") == "eagle3":
         from treeserve.engine.training.eagle3_card import write_eagle3_card
@@ -77,7 +77,7 @@ def write_drafter_card(directory: Path, agreement: dict, args, name: str = "defa
         how = "the drafter reads the target's features of the same sequence, as the first node of a tree does"
     else:
         intro = [
-            "# TreeServe default drafter",
+            "# TreeServe distilled drafter",
             "",
             f"A {config['num_hidden_layers']}-layer Llama drafter for SmolLM2-135M-Instruct, self-distilled from the "
             f"target (layers initialised from target layers {stats.get('layers_from_target', '?')}, input embeddings "

@@ -20,7 +20,7 @@ slot, slot j weighted by `slot_decay**j` (Medusa-style lambda_k, eq. 3).
 
 Also: held-out per-position agreement during training, and `dev_agreement` (the model card's numbers:
 per position 1..k+1, top-1 of the drafter vs the target's greedy token on Spec-Bench dev prompts), run
-as `python -m treeserve.engine.training.parallel --drafter default`.
+as `python -m treeserve.engine.training.parallel --drafter parallel`.
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="per-position agreement of a parallel drafter on dev prompts")
     parser.add_argument("--target", default="default")
-    parser.add_argument("--drafter", default="default", help="parallel drafter ('default' or a directory)")
+    parser.add_argument("--drafter", default="parallel", help="parallel drafter ('parallel': the shipped one, or a directory)")
     parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS)
     parser.add_argument("--num-prompts", type=int, default=80)
     parser.add_argument("--max-new-tokens", type=int, default=64)

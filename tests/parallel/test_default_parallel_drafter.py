@@ -1,4 +1,4 @@
-"""The shipped default parallel drafter (slow: loads the real target): card present, greedy output through
+"""The shipped parallel drafter (slow: loads the real target): card present, greedy output through
 parallel drafting is the target's own, and draft tokens are accepted."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from treeserve.engine.dev_prompts import DEV_PROMPTS
 DEV = DEV_PROMPTS  # the vendored Spec-Bench dev questions (benchmarks/data)
 pytestmark = pytest.mark.slow
 shipped = pytest.mark.skipif(not (SHIPPED["parallel"].directory / "model.safetensors").is_file(),
-                             reason="no default parallel drafter shipped")
+                             reason="no parallel drafter shipped")
 
 
 @pytest.fixture(scope="module")
