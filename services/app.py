@@ -65,19 +65,16 @@ def router_autoscaling_policy(ctx) -> tuple[int, dict]:
 def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str]) -> dict[str, Any]:
     options: dict[str, Any] = {"ray_actor_options": dict(DEFAULT_ACTOR_OPTIONS)}
     if config is not None:
-        actor = {"num_cpus": config.ray_actor_options.num_cpus, "num_gpus": config.ray_actor_options.num_gpus}
-        if config.ray_actor_options.memory is not None:
-            actor["memory"] = config.ray_actor_options.memory
-        if config.ray_actor_options.resources:  # custom resources pin replicas to their worker group's pods
-            actor["resources"] = dict(config.ray_actor_options.resources)
-        options["ray_actor_options"] = actor
+        # What the file set (Ray Serve's own RayActorOptionsSchema; num_cpus / num_gpus always, TreeServe's
+        # defaults). Custom resources pin replicas to their worker group's pods.
+        options["ray_actor_options"] = config.ray_actor_options.model_dump(exclude_unset=True, exclude_none=True)
         options["max_ongoing_requests"] = config.max_ongoing_requests
         if config.num_replicas is not None:
             options["num_replicas"] = config.num_replicas
         if config.autoscaling_config is not None:
             auto = config.autoscaling_config
-            options["autoscaling_config"] = {k: v for k, v in dataclasses.asdict(auto).items() if v is not None}
-            if auto.policy is None:
+            options["autoscaling_config"] = auto.model_dump(exclude_unset=True, exclude_none=True)
+            if "policy" not in auto.model_fields_set:
                 options["autoscaling_config"]["policy"] = {"policy_function": DEFAULT_POLICIES[config.name]}
         if config.placement_group_bundles is not None:
             options["placement_group_bundles"] = config.placement_group_bundles
@@ -87,7 +84,9 @@ def _deployment_options(config: DeploymentConfig | None, env: Mapping[str, str])
             options["health_check_period_s"] = config.health_check_period_s
         if config.graceful_shutdown_timeout_s is not None:
             options["graceful_shutdown_timeout_s"] = config.graceful_shutdown_timeout_s
-    options["ray_actor_options"]["runtime_env"] = {"env_vars": {**THREAD_ENV, **env}}
+    runtime_env = options["ray_actor_options"].get("runtime_env", {})
+    options["ray_actor_options"]["runtime_env"] = {**runtime_env,
+                                                   "env_vars": {**THREAD_ENV, **runtime_env.get("env_vars", {}), **env}}
     return options
 
 

@@ -119,7 +119,7 @@ def test_the_check_catches_a_dropped_artifact():
     # ... and a Dockerfile that forgot a package folder.
     no_services = "\n".join(line for line in DOCKERFILE.read_text().splitlines() if "COPY services" not in line)
     problems = missing_from_image(dockerignore.load(ROOT / ".dockerignore"), no_services, files)
-    assert problems.get("services/config.py") == "not under any COPY source of the Dockerfile's final stage"
+    assert problems.get("services/config/__init__.py") == "not under any COPY source of the Dockerfile's final stage"
 
 
 def test_nothing_heavy_or_private_enters_the_context():

@@ -1,4 +1,4 @@
-"""services/config.py: typed parsing, defaults, and errors that name the offending field path."""
+"""services/config/: typed parsing, defaults, and errors that name the offending field path."""
 
 import dataclasses
 import json
@@ -50,10 +50,37 @@ def test_every_field_has_help():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
     for cls in (cfg.ModelFacts, cfg.ModelConfig, cfg.DrafterConfig, cfg.SpeculationConfig, cfg.LimitsConfig,
-                cfg.InternalGrpcConfig, cfg.ApiConfig, cfg.SecurityConfig, AppConfig, cfg.AutoscalingConfig, cfg.RayActorOptions,
-                cfg.DeploymentConfig, cfg.RuntimeEnv, cfg.ApplicationConfig, cfg.HttpOptions, cfg.GrpcOptions,
-                cfg.LoggingConfig, ServeConfigFile):
+                cfg.InternalGrpcConfig, cfg.ApiConfig, cfg.SecurityConfig, AppConfig, cfg.DeploymentConfig,
+                cfg.RuntimeEnv, cfg.ApplicationConfig, ServeConfigFile):
         walk(cls)
+
+
+def test_serve_sections_are_ray_serves_own_models():
+    """Autoscaling, actor options and the proxies' and logging options are Ray Serve's own schema types: every
+    field Serve knows is accepted (and reaches Serve), with the config's strictness and field paths."""
+    from ray.serve.config import AutoscalingConfig, ProxyLocation
+    from ray.serve.schema import HTTPOptionsSchema, LoggingConfig, RayActorOptionsSchema, gRPCOptionsSchema
+
+    from treeserve.services.app import _deployment_options
+
+    config = load_serve_config(_app(deployments=[{
+        "name": "Target", "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "look_back_period_s": 30},
+        "ray_actor_options": {"num_cpus": 0.5, "accelerator_type": "A100"}}]))
+    assert isinstance(config.proxy_location, ProxyLocation) and isinstance(config.http_options, HTTPOptionsSchema)
+    assert isinstance(config.grpc_options, gRPCOptionsSchema) and isinstance(config.logging_config, LoggingConfig)
+    target = config.app.deployment("Target")
+    assert isinstance(target.autoscaling_config, AutoscalingConfig)
+    assert isinstance(target.ray_actor_options, RayActorOptionsSchema)
+    options = _deployment_options(target, {})
+    assert options["autoscaling_config"]["look_back_period_s"] == 30
+    assert options["ray_actor_options"]["accelerator_type"] == "A100"
+    assert (options["ray_actor_options"]["num_cpus"], options["ray_actor_options"]["num_gpus"]) == (0.5, 0.0)
+    # strict and with field paths, like the rest of the config
+    for section, value, words in (("autoscaling_config", {"min_replicas": "2"}, "min_replicas: expected an integer"),
+                                  ("autoscaling_config", {"look_back": 1}, "look_back: unknown field"),
+                                  ("ray_actor_options", {"num_gpus": True}, "num_gpus: expected a number")):
+        message = _error(_app(deployments=[{"name": "Target", section: value}]))
+        assert f"applications[0].deployments[0].{section}.{words}" in message, message
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,6 +1,6 @@
 """What a drafter directory holds and whether it fits a target, from its files alone (no weights loaded).
 
-Used where a pair must be refused before serving: config validation (services/config.py), `treeserve
+Used where a pair must be refused before serving: config validation (services/config/args.py), `treeserve
 check-drafter`, the memory estimate (what the drafter process holds) and the drafter registry (which kind a
 directory holds). Loading (engine/drafters/models/loading.py) checks the same things again on the real
 tensors, so nothing that passes here can turn into a randomly initialised weight or a shape error in the

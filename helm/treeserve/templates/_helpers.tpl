@@ -292,7 +292,7 @@ replica with no pod to land on would stay pending forever).
 {{- define "treeserve.tlsDir" -}}/etc/treeserve/tls{{- end }}
 {{- define "treeserve.authDir" -}}/etc/treeserve/auth{{- end }}
 
-{{/* A model section of the app args (services/config.py ModelConfig / DrafterConfig). */}}
+{{/* A model section of the app args (services/config/models.py ModelConfig / DrafterConfig). */}}
 {{- define "treeserve.modelArgs" -}}
 path: {{ .m.path | toJson }}
 dtype: {{ .m.dtype }}
@@ -323,7 +323,7 @@ layout: {{ . }}
 {{- end }}
 {{- end }}
 
-{{/* One Serve deployment override (services/config.py DeploymentConfig). */}}
+{{/* One Serve deployment override (services/config/serve_file.py DeploymentConfig). */}}
 {{- define "treeserve.deployment" -}}
 - name: {{ .name }}
   max_ongoing_requests: {{ int .d.maxOngoingRequests }}
@@ -342,7 +342,7 @@ layout: {{ . }}
 {{- end }}
 
 {{/*
-serveConfigV2: a Ray Serve config file in exactly the format services/config.py load_serve_config
+serveConfigV2: a Ray Serve config file in exactly the format services/config/ load_serve_config
 parses (the chart tests load it with that function). The public API is the Router's own gRPC server
 (args.api, args.security), not Serve's gRPC proxy, which the config leaves off.
 */}}

