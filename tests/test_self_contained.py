@@ -54,7 +54,7 @@ def _strings(value):
 def test_shipped_drafter_cards_hold_no_absolute_paths():
     """training.json / config.json of the shipped drafters name data and starting points relative to the cache
     ($TREESERVE_CACHE/...) or the checkout, never as paths of the machine they were trained on."""
-    cards = sorted((ROOT / "engine" / "models").glob("*/*.json"))
+    cards = sorted((ROOT / "engine" / "drafters" / "weights").glob("*/*.json"))
     assert any(p.name == "training.json" for p in cards)
     bad = [(str(p.relative_to(ROOT)), s) for p in cards for s in _strings(json.loads(p.read_text()))
            if os.path.isabs(s) or s.startswith("~")]
