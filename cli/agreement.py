@@ -37,9 +37,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from treeserve.engine.dev_prompts import load_prompts
+    from treeserve.engine.drafters.models.base import DrafterModel
     from treeserve.engine.drafters.models.loading import load_drafter
     from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
-    from treeserve.engine.dev_prompts import load_prompts
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.training.agreement import Counts, depth_table
     from treeserve.engine.training.chain_acceptance import ChainCounts, chain_hits, target_features
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             for name, drafter in drafters.items():
                 counts[name].add(drafter, out, len(ids), args.top_k, row.get("category", "all"), target.model)
                 features = (target_features(target.model, drafter, out)
-                            if getattr(drafter, "reads_target_features", False) else None)
+                            if isinstance(drafter, DrafterModel) and drafter.reads_target_features else None)
                 chains[name].add(*chain_hits(drafter, out, len(ids), args.depth, features))
     for name, c in counts.items():
         result = {**c.result(args.num_prompts, args.max_new_tokens, args.top_k), "acceptance_by_depth": chains[name].rates()}

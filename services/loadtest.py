@@ -112,7 +112,7 @@ class Reference:
         """logit(top1) - logit(top2) of the token after `ids`."""
         import torch
 
-        model = self.engine.target.lm.model if hasattr(self.engine.target, "lm") else self.engine.target.model
+        model = self.engine.target.lm.model  # build_engine's in-process TargetRunner
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].float()
         top = torch.topk(logits, 2).values

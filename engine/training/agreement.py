@@ -21,22 +21,23 @@ class Counts:
         target model, whose features an EAGLE drafter reads)."""
         import torch
 
+        from treeserve.engine.drafters.models.base import DrafterModel
+
+        # TreeServe's drafter models declare their features and head; a plain causal LM reads neither.
+        own = isinstance(drafter, DrafterModel)
         answer = sequence[prompt_len:]
         inputs = {"input_ids": sequence[None, :-1]}
-        if getattr(drafter, "reads_target_features", False):
+        if own and drafter.reads_target_features:
             # EAGLE: every position reads the target's feature of the position before (the first token
             # of a draft tree, whose parent is the root, sees exactly this); EAGLE-3 fuses several layers.
             from treeserve.engine.training.chain_acceptance import target_features
 
-            features = target_features(target, drafter, sequence[:-1])[None]
-            if hasattr(drafter, "project_target_features"):
-                features = drafter.project_target_features(features)
+            features = drafter.project_target_features(target_features(target, drafter, sequence[:-1])[None])
             inputs["parent_features"] = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
         logits = drafter(**inputs).logits[0, prompt_len - 1:]
         top = logits.topk(top_k, dim=-1).indices
-        vocab_ids = getattr(drafter, "vocab_ids", None)
-        if vocab_ids is not None:
-            top = vocab_ids[top]
+        if own and drafter.vocab_ids is not None:
+            top = drafter.vocab_ids[top]
         hits = int((top[:, 0] == answer).sum())
         self.hit1 += hits
         self.hitk += int((top == answer[:, None]).any(-1).sum())
