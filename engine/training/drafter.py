@@ -9,15 +9,15 @@ renormalised. Training positions are the response tokens the target generated fo
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
-from treeserve.engine.training.batches import SequenceBatches, cosine_lr
+from treeserve.engine.training.batches import SequenceBatches
+from treeserve.engine.training.loop import (LoopSettings, StepLoss, holdout_split, run_training,
+                                            target_to_draft_map)
 
 
 @dataclass
@@ -120,49 +120,39 @@ def train_drafter(target, data: dict[str, torch.Tensor], config: DrafterTrainCon
     else:
         vocab_ids = choose_vocab(data, config.draft_vocab_size, target.config.vocab_size, special_ids)
         drafter = RestrictedVocabDrafter.from_target(target, list(config.layers), vocab_ids).train()
-    target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    target_to_draft = target_to_draft_map(vocab_ids, target.config.vocab_size)
     teacher_top1 = data["topk_ids"][:, 0].long()
     coverage = float((target_to_draft[teacher_top1] >= 0).float().mean())
     drafter.model.embed_tokens.weight.requires_grad_(False)  # the target's own embeddings stay shared
 
     spans = _sequences(data)
     label_pos = label_positions(data, spans)
-    order = torch.randperm(len(spans)).tolist()
-    n_hold = max(1, int(len(order) * config.holdout_fraction))
-    holdout, train = order[:n_hold], order[n_hold:]
+    holdout, train = holdout_split(len(spans), config.holdout_fraction)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    start, step, tokens_seen = time.time(), 0, 0
-    budget = config.minutes * 60
-    before = heldout_agreement(drafter, data, spans, label_pos, holdout, target_to_draft, config.max_seq_len)
-    log(f"vocab {len(vocab_ids)} covers {coverage:.1%} of teacher top-1; held-out agreement before "
-        f"training: top-1 {before[0]:.1%}, top-4 {before[1]:.1%}")
-    progress = tqdm(total=int(budget), desc="train drafter", unit="s")
-    batches = SequenceBatches(train, spans, config.batch_tokens, config.max_seq_len)
-    while (elapsed := time.time() - start) < budget:
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(config.lr, elapsed, budget)
-        batch, n = batches.next()
+
+    def agreement() -> tuple[float, float]:
+        return heldout_agreement(drafter, data, spans, label_pos, holdout, target_to_draft, config.max_seq_len)
+
+    def step_loss(batch: list[int], tokens: int) -> StepLoss:
         ids, mask, rows, cols, labels = _batch(data, batch, spans, label_pos, config.max_seq_len)
         logits = drafter(input_ids=ids, attention_mask=mask).logits[rows, cols]
         target_probs = soft_targets(data["topk_ids"][labels], data["topk_probs"][labels], target_to_draft,
                                     len(vocab_ids))
-        loss = -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        tokens_seen += n
-        progress.update(int(time.time() - start) - progress.n)
-        progress.set_postfix(loss=f"{loss.item():.3f}", step=step)
-        if step % 100 == 0:
-            agree = heldout_agreement(drafter, data, spans, label_pos, holdout, target_to_draft, config.max_seq_len)
-            log(f"step {step} loss {loss.item():.3f} held-out top-1 {agree[0]:.1%} top-4 {agree[1]:.1%}")
-    progress.close()
-    after = heldout_agreement(drafter, data, spans, label_pos, holdout, target_to_draft, config.max_seq_len)
-    stats = {"steps": step, "train_minutes": round((time.time() - start) / 60, 1), "tokens_seen": tokens_seen,
+        return StepLoss(-(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean(), tokens)
+
+    def report(step: int, out: StepLoss) -> None:
+        agree = agreement()
+        log(f"step {step} loss {out.loss.item():.3f} held-out top-1 {agree[0]:.1%} top-4 {agree[1]:.1%}")
+
+    before = agreement()
+    log(f"vocab {len(vocab_ids)} covers {coverage:.1%} of teacher top-1; held-out agreement before "
+        f"training: top-1 {before[0]:.1%}, top-4 {before[1]:.1%}")
+    batches = SequenceBatches(train, spans, config.batch_tokens, config.max_seq_len)
+    run = run_training(opt, batches, step_loss, LoopSettings(config.lr, config.minutes, "train drafter",
+                                                              report_every_steps=100), report)
+    after = agreement()
+    stats = {"steps": run.steps, "train_minutes": round(run.seconds / 60, 1), "tokens_seen": run.tokens_seen,
              "train_sequences": len(train), "labelled_positions": int(len(data["label_pos"])),
              "vocab_coverage_teacher_top1": round(coverage, 4),
              "heldout_top1_before": round(before[0], 4), "heldout_top1": round(after[0], 4),

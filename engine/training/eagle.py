@@ -17,7 +17,6 @@ and cached next to the data; losses are taken at the answer positions, as for th
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +26,10 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from treeserve.engine.drafters.models.eagle import EagleDrafter
-from treeserve.engine.training.batches import SequenceBatches, cosine_lr
+from treeserve.engine.training.batches import SequenceBatches
 from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions
+from treeserve.engine.training.loop import (LoopSettings, StepLoss, holdout_split, run_training,
+                                            target_to_draft_map)
 
 
 @dataclass
@@ -131,32 +132,22 @@ def train_eagle(target, data: dict[str, torch.Tensor], features: torch.Tensor, c
     else:
         vocab_ids = choose_vocab(data, config.draft_vocab_size, target.config.vocab_size, special_ids)
         drafter = EagleDrafter.from_target(target, config.eagle_layer, vocab_ids).train()
-    target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    target_to_draft = target_to_draft_map(vocab_ids, target.config.vocab_size)
     # Shared with the target and frozen (EAGLE keeps the target's embeddings and LM head).
     drafter.model.embed_tokens.weight.requires_grad_(False)
     drafter.head.weight.requires_grad_(False)
 
     spans = _sequences(data)
     label_pos = label_positions(data, spans)
-    order = torch.randperm(len(spans)).tolist()
-    n_hold = max(1, int(len(order) * config.holdout_fraction))
-    holdout, train = order[:n_hold], order[n_hold:]
+    holdout, train = holdout_split(len(spans), config.holdout_fraction)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    start, step, tokens_seen = time.time(), 0, 0
-    budget = config.minutes * 60
-    agree = lambda: heldout_agreement(drafter, data, features, spans, label_pos, holdout, target_to_draft,  # noqa: E731
-                                      config.max_seq_len)
-    before = agree()
-    log(f"held-out agreement before training: top-1 {before[0]:.1%}, top-4 {before[1]:.1%}")
-    progress = tqdm(total=int(budget), desc="train EAGLE drafter", unit="s")
-    first_loss, loss = float("nan"), torch.tensor(float("nan"))
-    batches = SequenceBatches(train, spans, config.batch_tokens, config.max_seq_len)
-    while (elapsed := time.time() - start) < budget:
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(config.lr, elapsed, budget)
-        batch, n = batches.next()
+
+    def agree() -> tuple[float, float]:
+        return heldout_agreement(drafter, data, features, spans, label_pos, holdout, target_to_draft,
+                                 config.max_seq_len)
+
+    def step_loss(batch: list[int], tokens: int) -> StepLoss:
         ids, parent, true, mask, rows, cols, _ = _batch(data, features, batch, spans, label_pos, config.max_seq_len)
         if config.prompt_positions:  # every position but a window's first (its parent feature is unknown)
             rows, cols = torch.nonzero(mask[:, 1:], as_tuple=True)
@@ -168,26 +159,24 @@ def train_eagle(target, data: dict[str, torch.Tensor], features: torch.Tensor, c
         with torch.no_grad():
             target_probs = torch.softmax(drafter.head(wanted), dim=-1)
         cls = -(target_probs * F.log_softmax(drafter.head(predicted), dim=-1)).sum(-1).mean()
-        loss = reg + config.cls_weight * cls
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        first_loss = loss.item() if step == 0 else first_loss
-        step += 1
-        tokens_seen += n
-        progress.update(int(time.time() - start) - progress.n)
-        progress.set_postfix(reg=f"{reg.item():.3f}", cls=f"{cls.item():.3f}", step=step, refresh=False)
-        if step % 100 == 0:
-            top1, top4 = agree()
-            log(f"step {step} reg {reg.item():.3f} cls {cls.item():.3f} held-out top-1 {top1:.1%} top-4 {top4:.1%}")
-    progress.close()
+        return StepLoss(reg + config.cls_weight * cls, tokens, {"reg": reg.item(), "cls": cls.item()})
+
+    def report(step: int, out: StepLoss) -> None:
+        top1, top4 = agree()
+        log(f"step {step} reg {out.shown['reg']:.3f} cls {out.shown['cls']:.3f} held-out top-1 {top1:.1%} "
+            f"top-4 {top4:.1%}")
+
+    before = agree()
+    log(f"held-out agreement before training: top-1 {before[0]:.1%}, top-4 {before[1]:.1%}")
+    batches = SequenceBatches(train, spans, config.batch_tokens, config.max_seq_len)
+    run = run_training(opt, batches, step_loss, LoopSettings(config.lr, config.minutes, "train EAGLE drafter",
+                                                              report_every_steps=100), report)
     after = agree()
-    stats = {"steps": step, "train_minutes": round((time.time() - start) / 60, 1), "tokens_seen": tokens_seen,
+    stats = {"steps": run.steps, "train_minutes": round(run.seconds / 60, 1), "tokens_seen": run.tokens_seen,
              "train_sequences": len(train), "labelled_positions": int(len(data["label_pos"])),
              "heldout_top1_before": round(before[0], 4), "heldout_top1": round(after[0], 4),
              "heldout_top4": round(after[1], 4), "layer_from_target": config.eagle_layer,
-             "first_loss": round(first_loss, 4), "final_loss": round(loss.item(), 4)}
+             "first_loss": round(run.first_loss, 4), "final_loss": round(run.final_loss, 4)}
     if config.init_from:
         earlier = previous.get("training", {})
         stats["layer_from_target"] = earlier.get("layer_from_target", "?")

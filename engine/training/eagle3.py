@@ -25,17 +25,16 @@ rows of the draft vocabulary, so training never runs the target. Losses at answe
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from tqdm import tqdm
 
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
-from treeserve.engine.training.batches import SequenceBatches, cosine_lr
+from treeserve.engine.training.batches import SequenceBatches
+from treeserve.engine.training.loop import LoopSettings, StepLoss, run_training
 
 
 @dataclass
@@ -228,30 +227,19 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = [config.step_decay ** k for k in range(config.ttt_steps)]
-    budget = config.minutes * 60
-    started, steps, tokens_seen = time.time(), 0, 0
-    bar = tqdm(total=int(budget), desc="EAGLE-3 training (s)", disable=not progress)
-    while time.time() - started < budget:
-        seq_ids, n = batches.next()
+
+    def step_loss(seq_ids: list[int], n: int) -> StepLoss:
         tokens, answer, features, last, valid = make_batch(corpus, seq_ids, config.max_seq_len)
         labels, in_draft = target_labels(drafter, head_weight, last, shift(valid & answer, 1, False))
         results = ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid, config.ttt_steps)
         loss = sum(w * r[0] for w, r in zip(weights, results))
-        elapsed = time.time() - started
-        lr = cosine_lr(config.lr, elapsed, budget) * min(1.0, (steps + 1) / 20)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-        optimizer.step()
-        steps += 1
-        tokens_seen += n
-        bar.n = int(min(budget, time.time() - started))
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{results[0][1] / max(1, results[0][2]):.3f}")
-    bar.close()
+        return StepLoss(loss, n, {"acc0": results[0][1] / max(1, results[0][2])})
+
+    run = run_training(optimizer, batches, step_loss,
+                       LoopSettings(config.lr, config.minutes, "EAGLE-3 training (s)", warmup_steps=20,
+                                    grad_clip=config.grad_clip, progress=progress))
     drafter.eval()
-    stats = {"steps": steps, "tokens_seen": tokens_seen, "minutes": round((time.time() - started) / 60, 1),
+    stats = {"steps": run.steps, "tokens_seen": run.tokens_seen, "minutes": round(run.seconds / 60, 1),
              "train_sequences": len(train_ids), "holdout_sequences": len(holdout),
              "holdout_step_accuracy": heldout_accuracy(drafter, corpus, holdout, head_weight, config)}
     return drafter, stats

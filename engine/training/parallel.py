@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +35,10 @@ import torch.nn.functional as F
 
 from treeserve.engine.models.loading import chat_ids
 from treeserve.engine.drafters.models.parallel import ParallelDrafterModel
-from treeserve.engine.training.batches import SequenceBatches, cosine_lr
+from treeserve.engine.training.batches import SequenceBatches
 from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions, soft_targets
+from treeserve.engine.training.loop import (LoopSettings, StepLoss, holdout_split, run_training,
+                                            target_to_draft_map)
 
 
 @dataclass
@@ -197,8 +198,6 @@ def heldout_agreement(model, data, spans, label_pos, seq_ids, target_to_draft, m
 # ---------------------------------------------------------------------------------------------- training
 def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: ParallelTrainConfig,
                            special_ids: list[int], log=print) -> tuple[ParallelDrafterModel, dict]:
-    from tqdm import tqdm
-
     torch.manual_seed(config.seed)
     gen = torch.Generator().manual_seed(config.seed)
     k = config.num_masks
@@ -213,38 +212,27 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
     else:
         vocab_ids = choose_vocab(data, config.draft_vocab_size, target.config.vocab_size, special_ids)
         model = ParallelDrafterModel.from_target(target, list(config.layers), vocab_ids, k, config.seed).train()
-    target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    target_to_draft = target_to_draft_map(vocab_ids, target.config.vocab_size)
     coverage = float((target_to_draft[data["topk_ids"][:, 0].long()] >= 0).float().mean())
     model.model.embed_tokens.weight.requires_grad_(False)  # the target's own embeddings stay shared, frozen
 
     spans = _sequences(data)
     label_pos = label_positions(data, spans)
-    order = torch.randperm(len(spans), generator=gen).tolist()
-    n_hold = max(1, int(len(order) * config.holdout_fraction))
-    holdout, train = order[:n_hold], order[n_hold:]
+    holdout, train = holdout_split(len(spans), config.holdout_fraction, gen)
     holdout_eval = holdout[:16]  # bounded evaluation cost (the dev-prompt agreement is the real measure)
     trunk = [p for n, p in model.named_parameters() if p.requires_grad and n != "mask_embeddings"]
     groups = [{"params": trunk, "scale": 1.0}, {"params": [model.mask_embeddings], "scale": config.mask_lr_scale}]
     opt = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
     weights = torch.tensor([config.slot_decay ** j for j in range(k + 1)])
-    before = heldout_agreement(model, data, spans, label_pos, holdout_eval, target_to_draft, config.max_seq_len)
-    log(f"vocab {len(vocab_ids)} covers {coverage:.1%} of teacher top-1; held-out agreement per position before "
-        f"training: {[round(a, 3) for a in before]}")
-    start, step, tokens_seen = time.time(), 0, 0
-    batches = SequenceBatches(train, spans, config.batch_tokens, config.max_seq_len, gen)
-    last_eval = start
-    budget = config.minutes * 60
-    progress = tqdm(total=int(budget), desc="train parallel drafter", unit="s")
-    loss_value = first_loss = float("nan")
-    while (elapsed := time.time() - start) < budget:
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(config.lr, elapsed, budget) * g["scale"]
-        batch, _ = batches.next()
+
+    def agreement() -> list[float]:
+        return heldout_agreement(model, data, spans, label_pos, holdout_eval, target_to_draft, config.max_seq_len)
+
+    def step_loss(batch: list[int], _tokens: int) -> StepLoss | None:
         layouts, targets = _sequence_batch(data, batch, spans, label_pos, config.max_seq_len, k,
                                            config.group_fraction, gen)
         if not len(targets):
-            continue
+            return None
         ids, pos, mask = collate(layouts)
         hidden = model.hidden(input_ids=ids, position_ids=pos, attention_mask=mask)
         logits = model.head(hidden[targets[:, 0], targets[:, 1]])  # the head only where there is a label
@@ -252,26 +240,23 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
                                target_to_draft, len(vocab_ids))
         per_row = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1)
         w = weights[targets[:, 3]]
-        loss = (per_row * w).sum() / w.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
-        opt.step()
-        step += 1
-        tokens_seen += sum(len(x.input_ids) for x in layouts)
-        loss_value = loss.item()
-        if step == 1:
-            first_loss = loss_value
-        progress.update(int(time.time() - start) - progress.n)
-        progress.set_postfix(loss=f"{loss_value:.3f}", step=step)
-        if time.time() - last_eval > 480:  # held-out check every 8 minutes
-            last_eval = time.time()
-            agree = heldout_agreement(model, data, spans, label_pos, holdout_eval, target_to_draft, config.max_seq_len)
-            log(f"step {step} loss {loss_value:.3f} held-out top-1 per position {[round(a, 3) for a in agree]}")
-    progress.close()
-    after = heldout_agreement(model, data, spans, label_pos, holdout_eval, target_to_draft, config.max_seq_len)
-    stats = {"steps": step, "train_minutes": round((time.time() - start) / 60, 1), "layout_tokens_seen": tokens_seen,
-             "first_loss": round(first_loss, 4), "final_loss": round(loss_value, 4), "train_sequences": len(train), "holdout_sequences": len(holdout_eval),
+        # Counted: the tokens of the group layouts fed (a sequence's own and its mask slots).
+        return StepLoss((per_row * w).sum() / w.sum(), sum(len(x.input_ids) for x in layouts))
+
+    def report(step: int, out: StepLoss) -> None:
+        agree = agreement()
+        log(f"step {step} loss {out.loss.item():.3f} held-out top-1 per position {[round(a, 3) for a in agree]}")
+
+    before = agreement()
+    log(f"vocab {len(vocab_ids)} covers {coverage:.1%} of teacher top-1; held-out agreement per position before "
+        f"training: {[round(a, 3) for a in before]}")
+    batches = SequenceBatches(train, spans, config.batch_tokens, config.max_seq_len, gen)
+    # Held-out check every 8 minutes.
+    run = run_training(opt, batches, step_loss, LoopSettings(config.lr, config.minutes, "train parallel drafter",
+                                                              report_every_seconds=480), report)
+    after = agreement()
+    stats = {"steps": run.steps, "train_minutes": round(run.seconds / 60, 1), "layout_tokens_seen": run.tokens_seen,
+             "first_loss": round(run.first_loss, 4), "final_loss": round(run.final_loss, 4), "train_sequences": len(train), "holdout_sequences": len(holdout_eval),
              "labelled_positions": int(len(data["label_pos"])), "vocab_coverage_teacher_top1": round(coverage, 4),
              "heldout_top1_before_by_position": [round(a, 4) for a in before],
              "heldout_top1_by_position": [round(a, 4) for a in after],
