@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from treeserve.engine.drafters.models.base import DrafterModel  # an EAGLE model reads parent features
 from treeserve.engine.models.attention import attention_for, use_attention
 from treeserve.engine.models.packed_linear import use_fast_cpu_linears
 from treeserve.engine.tree import ancestor_mask
@@ -286,7 +287,7 @@ class CachedLM:
         self.pool.reserve(max(c.row for c in caches) + 1, past + width)
         pkv = PoolCache(self.pool, [c.row for c in caches], offsets, width)
         extra = {}
-        if getattr(self.model, "reads_target_features", False):
+        if isinstance(self.model, DrafterModel) and self.model.reads_target_features:
             extra["parent_features"] = self._parent_features([requests[i] for i in order], inputs, width)
         elif hidden:
             extra["output_hidden_states"] = True

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treeserve.engine.drafters.models.base import DrafterModel
+
 
 @dataclass
 class ChainCounts:
@@ -49,7 +51,7 @@ def target_features(target, drafter, sequence: torch.Tensor) -> torch.Tensor:
     """[T, F] the target's features of every token of `sequence` [T] that `drafter` reads: its fused
     layers (EAGLE-3) or the final post-norm state (EAGLE-1/2)."""
     states = target(input_ids=sequence[None], output_hidden_states=True).hidden_states
-    layers = getattr(drafter, "feature_layers", None)
+    layers = drafter.feature_layers if isinstance(drafter, DrafterModel) else None
     return (torch.cat([states[i] for i in layers], dim=-1) if layers else states[-1])[0]
 
 
@@ -60,7 +62,7 @@ def chain_hits(drafter, sequence: torch.Tensor, first: int, depth: int,
     chain depth d equals x_{r+1+d}, and whether that token exists. `features` [T, F]: the target's features
     of `sequence` (None for a drafter that reads none)."""
     length = len(sequence)
-    vocab_ids = getattr(drafter, "vocab_ids", None)
+    vocab_ids = drafter.vocab_ids if isinstance(drafter, DrafterModel) else None  # None: a full-vocabulary LM
     roots = torch.arange(max(first - 1, 0), length - 1)
     hits = torch.zeros(depth, len(roots), dtype=torch.bool)
     valid = torch.stack([roots + 1 + d < length for d in range(depth)])
@@ -80,7 +82,7 @@ def chain_hits(drafter, sequence: torch.Tensor, first: int, depth: int,
     # Context row r reads x_r with the target's feature of x_{r-1} (zeros for r = 0), as the runner feeds it.
     n_ctx, n_root = length - 1, len(roots)
     context_feats = torch.cat([features.new_zeros(1, features.shape[1]), features[:n_ctx - 1]])
-    if hasattr(drafter, "project_target_features"):
+    if isinstance(drafter, DrafterModel) and drafter.projects_target_features:
         context_feats = drafter.project_target_features(context_feats)
     min_value = torch.finfo(context_feats.dtype).min
     chain_feats: list[torch.Tensor] = []
