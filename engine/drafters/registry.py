@@ -14,11 +14,11 @@ still accepted, with a deprecation warning, because the default drafter of the C
 
 from __future__ import annotations
 
-import importlib
 import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -28,27 +28,34 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 DEPRECATED_NAME = "default"
 
 
+def _local_drafter() -> type:
+    from treeserve.engine.drafters.autoregressive import LocalDrafter
+
+    return LocalDrafter
+
+
+def _parallel_tree_drafter() -> type:
+    from treeserve.engine.drafters.parallel import ParallelTreeDrafter
+
+    return ParallelTreeDrafter
+
+
 @dataclass(frozen=True)
 class DrafterKind:
     """One way of drafting."""
 
     name: str  # what `drafter.kind` and `--drafter-kind` say
-    drafter_class: str  # "module:Class" of its Drafter, imported on use (this module stays torch-free)
+    load_class: Callable[[], type]  # its Drafter class, imported on use (this module stays torch-free)
     layouts: tuple[str, ...]  # drafter directory layouts it drafts with (compatibility.detect_layout)
     shipped: str  # the shipped drafter the deprecated name "default" stands for under this kind
-    description: str  # one line for help texts
-
-    def load_class(self) -> type:
-        module, _, name = self.drafter_class.partition(":")
-        return getattr(importlib.import_module(module), name)
 
 
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (
-    DrafterKind(AUTOREGRESSIVE_KIND, "treeserve.engine.drafters.autoregressive:LocalDrafter",
-                ("restricted", "treeserve_eagle", "eagle3", "eagle", "causal_lm"), "distilled",
-                "one drafter forward per tree depth (distilled, EAGLE, EAGLE-3, a causal LM)"),
-    DrafterKind(PARALLEL_KIND, "treeserve.engine.drafters.parallel:ParallelTreeDrafter", ("parallel",), "parallel",
-                "every tree depth from one forward (ParallelSpec [MASK] tokens)"),
+    # One drafter forward per tree depth: the distilled LM, EAGLE, EAGLE-3, published heads, any causal LM.
+    DrafterKind(AUTOREGRESSIVE_KIND, _local_drafter, ("restricted", "treeserve_eagle", "eagle3", "eagle", "causal_lm"),
+                "distilled"),
+    # Every tree depth from one forward (ParallelSpec's [MASK] tokens).
+    DrafterKind(PARALLEL_KIND, _parallel_tree_drafter, ("parallel",), "parallel"),
 )}
 DRAFTER_KINDS = tuple(KINDS)
 
