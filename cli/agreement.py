@@ -4,6 +4,9 @@ The target greedily answers each prompt (first turn, chat template); the drafter
 the same sequence, and at every answer position its top-1 and top-k are compared with the target's
 token (engine/training/agreement.py). This is the per-token acceptance a greedy chain sees, measured on
 prompts the drafter never saw.
+
+`--kind parallel` measures a parallel drafter instead, per position 1..k+1 of one forward (position j+1 reads
+[MASK]_j; engine/training/parallel.py dev_agreement), printed as one JSON object.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from treeserve.engine.dev_prompts import DEV_PROMPTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kind", choices=["autoregressive", "parallel"], default="autoregressive",
+                        help="drafter kind: 'autoregressive' (top-1 / top-k per answer position, acceptance by chain "
+                             "depth) or 'parallel' (one parallel drafter, agreement per position of its forward; "
+                             "default --drafter parallel)")
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
     parser.add_argument("--drafter", nargs="+", default=None,
                         help="drafter(s): shipped names (default, eagle, eagle3) or directories; several are compared "
@@ -31,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-card", action="store_true",
                         help="(re)write the drafter directory's README.md model card with this measurement "
                              "(one drafter only)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top_k < 1 or args.depth < 1:
         raise ValueError("--num-prompts, --max-new-tokens, --top-k and --depth must be >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.kind == "parallel":
+        return run_parallel(args)
     if args.drafter is None:
         args.drafter = [n for n in SHIPPED_NAMES if (drafter_dir(n) / "config.json").is_file()]
     if args.write_card and len(args.drafter) != 1:
@@ -79,4 +91,22 @@ def run(args: argparse.Namespace) -> int:
               + ", ".join(f"{k} {v:.0%}" for k, v in result["top1_by_category"].items()))
     if not args.json:
         print(depth_table(chains, args.depth))
+    return 0
+
+
+def run_parallel(args: argparse.Namespace) -> int:
+    """`--kind parallel`: per-position agreement of one parallel drafter, as JSON."""
+    from treeserve.engine.dev_prompts import load_prompts
+    from treeserve.engine.drafters.models.loading import load_parallel_drafter
+    from treeserve.engine.models.loading import load_causal_lm
+    from treeserve.engine.training.parallel import dev_agreement
+
+    drafters = args.drafter or ["parallel"]
+    if len(drafters) != 1 or args.write_card:
+        raise ValueError("--kind parallel measures exactly one --drafter and writes no card")
+    target = load_causal_lm(args.target)
+    drafter = load_parallel_drafter(drafters[0], target.model)
+    result = dev_agreement(target.model, target.tokenizer, drafter, load_prompts(args.prompts, args.num_prompts),
+                           args.max_new_tokens, args.top_k)
+    print(json.dumps(result))
     return 0

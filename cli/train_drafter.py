@@ -121,7 +121,7 @@ def run_parallel(args: argparse.Namespace) -> int:
     drafter.save(out, card=card)
     (out / "training.json").write_text(json.dumps(card, indent=2))
     print(f"parallel drafter written to {out}; per-position dev agreement: "
-          f"`python -m treeserve.engine.training.parallel --drafter {out}`")
+          f"`treeserve agreement --kind parallel --drafter {out}`")
     return 0
 
 

@@ -20,15 +20,12 @@ slot, slot j weighted by `slot_decay**j` (Medusa-style lambda_k, eq. 3).
 
 Also: held-out per-position agreement during training, and `dev_agreement` (the model card's numbers:
 per position 1..k+1, top-1 of the drafter vs the target's greedy token on Spec-Bench dev prompts), run
-as `python -m treeserve.engine.training.parallel --drafter parallel`.
+as `treeserve agreement --kind parallel --drafter parallel`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -297,31 +294,3 @@ def dev_agreement(target, tokenizer, drafter: ParallelDrafterModel, rows: list[d
     return {"prompts": len(rows), "positions": total,
             "top1_by_position": [round(h / max(t, 1), 4) for h, t in zip(hit1, total)],
             f"top{top_k}_by_position": [round(h / max(t, 1), 4) for h, t in zip(hitk, total)]}
-
-
-def main(argv: list[str] | None = None) -> int:
-    from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
-
-    parser = argparse.ArgumentParser(description="per-position agreement of a parallel drafter on dev prompts")
-    parser.add_argument("--target", default="default")
-    parser.add_argument("--drafter", default="parallel", help="parallel drafter ('parallel': the shipped one, or a directory)")
-    parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS)
-    parser.add_argument("--num-prompts", type=int, default=80)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.drafters.models.loading import load_parallel_drafter
-
-    torch.set_num_threads(args.threads)
-    target = load_causal_lm(args.target)
-    drafter = load_parallel_drafter(args.drafter, target.model)
-    result = dev_agreement(target.model, target.tokenizer, drafter, load_prompts(args.prompts, args.num_prompts),
-                           args.max_new_tokens, args.top_k)
-    print(json.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -29,7 +29,7 @@ def target():
 @shipped
 def test_card():
     card = (SHIPPED["parallel"].directory / "README.md").read_text()
-    assert "python -m treeserve.engine.training.parallel" in card and "position" in card
+    assert "treeserve agreement --kind parallel" in card and "position" in card
 
 
 @shipped

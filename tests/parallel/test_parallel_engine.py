@@ -138,6 +138,30 @@ def test_dev_agreement_per_position(tiny_target, drafter_dir):
     assert all(a <= b for a, b in zip(result["top1_by_position"], result["top4_by_position"]))
 
 
+def test_agreement_command_kind_parallel(tiny_target, tiny_target_dir, drafter_dir, tmp_path, capsys):
+    """`treeserve agreement --kind parallel` prints dev_agreement's per-position numbers for one drafter."""
+    import json
+
+    from treeserve.cli.main import main
+    from treeserve.engine.dev_prompts import load_prompts
+    from treeserve.engine.drafters.models.loading import load_parallel_drafter
+    from treeserve.engine.training.parallel import dev_agreement
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                               for i, (c, t) in enumerate([("writing", "Tell me a story."), ("math", "2+2=?")])))
+    argv = ["agreement", "--kind", "parallel", "--target", str(tiny_target_dir), "--prompts", str(prompts),
+            "--num-prompts", "2", "--max-new-tokens", "10", "--threads", "1"]
+    capsys.readouterr()
+    assert main([*argv, "--drafter", str(drafter_dir)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    drafter = load_parallel_drafter(str(drafter_dir), tiny_target.model)
+    assert printed == dev_agreement(tiny_target.model, tiny_target.tokenizer, drafter, load_prompts(prompts, 2),
+                                    max_new_tokens=10)
+    assert main([*argv, "--drafter", str(drafter_dir), str(drafter_dir)]) == 2
+    assert "exactly one --drafter" in capsys.readouterr().err
+
+
 def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
     from treeserve.engine.drafters.base import DraftRequest
     from treeserve.engine.requests import StepRecord
