@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.engine.drafters.models.loading import load_drafter
     from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.training.agreement import Counts, depth_table
+    from treeserve.engine.training.agreement import Counts, depth_table, greedy_sequence
     from treeserve.engine.training.chain_acceptance import ChainCounts, chain_hits, target_features
 
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top_k < 1 or args.depth < 1:
@@ -70,8 +70,7 @@ def run(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         for row in tqdm(load_prompts(args.prompts, args.num_prompts), desc="agreement"):
             ids = chat_ids(target.tokenizer, row["turns"][0])
-            out = target.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
-                                        do_sample=False, top_p=None, top_k=None, temperature=None)[0]
+            out = greedy_sequence(target.model, ids, args.max_new_tokens)
             for name, drafter in drafters.items():
                 counts[name].add(drafter, out, len(ids), args.top_k, row.get("category", "all"), target.model)
                 features = (target_features(target.model, drafter, out)

@@ -73,7 +73,7 @@ def agreement(target: str, drafter: str, chat_template: str | None, dtype: str, 
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.factory import parse_dtype
     from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
-    from treeserve.engine.training.agreement import Counts
+    from treeserve.engine.training.agreement import Counts, greedy_sequence
 
     torch_dtype = parse_dtype(dtype)
     loaded = load_causal_lm(target, dtype=torch_dtype, chat_template=chat_template)
@@ -82,8 +82,7 @@ def agreement(target: str, drafter: str, chat_template: str | None, dtype: str, 
     with torch.inference_mode():
         for row in load_prompts(DEV_PROMPTS, num_prompts):
             ids = chat_ids(loaded.tokenizer, row["turns"][0])
-            out = loaded.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                        top_p=None, top_k=None, temperature=None)[0]
+            out = greedy_sequence(loaded.model, ids, max_new_tokens)
             counts.add(model, out, len(ids), 4, row.get("category", "all"), loaded.model)
     return {"prompts": num_prompts, "positions": counts.total, "top1": round(counts.hit1 / counts.total, 4),
             "top4": round(counts.hitk / counts.total, 4)}

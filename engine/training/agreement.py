@@ -9,6 +9,15 @@ chain_acceptance.py adds the acceptance at deeper chain positions.
 from __future__ import annotations
 
 
+def greedy_sequence(target, prompt_ids: list[int], max_new_tokens: int):
+    """[len(prompt_ids) + answer] the prompt followed by the target's greedy answer (Hugging Face `generate`,
+    sampling switched off whatever the model's generation config says)."""
+    import torch
+
+    return target.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                           top_p=None, top_k=None, temperature=None)[0]
+
+
 class Counts:
     """Top-1 / top-k hits of one drafter over the target's answer positions."""
 
