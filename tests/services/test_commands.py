@@ -102,7 +102,7 @@ def test_session_autoscaling_policy():
 
     from ray.serve.config import AutoscalingConfig
 
-    from treeserve.services.app import SESSION_POLICY, session_autoscaling_policy
+    from treeserve.services.app import ROUTER_POLICY, SESSION_POLICY, session_autoscaling_policy
 
     AutoscalingConfig(min_replicas=1, max_replicas=3, policy={"policy_function": SESSION_POLICY})  # importable
 
@@ -118,4 +118,6 @@ def test_session_autoscaling_policy():
 
     assert _deployment_options(config.app.deployment("Drafter"), {})["autoscaling_config"]["policy"] == {
         "policy_function": SESSION_POLICY}
-    assert "policy" not in _deployment_options(config.app.deployment("Router"), {})["autoscaling_config"]
+    # The Router scales on requests in flight, not sessions (bug #30: services/app.py router_autoscaling_policy).
+    assert _deployment_options(config.app.deployment("Router"), {})["autoscaling_config"]["policy"] == {
+        "policy_function": ROUTER_POLICY}
