@@ -62,7 +62,6 @@ class InternalGrpcConfig:
                              f"got {self.max_message_bytes}")
 
 
-
 @dataclass
 class AppConfig:
     target: ModelConfig = described("the model whose output is served", default_factory=ModelConfig)

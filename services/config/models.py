@@ -58,8 +58,6 @@ DEFAULT_TARGET_FACTS = ModelFacts(hidden_size=576, num_hidden_layers=30, num_att
                                   max_position_embeddings=8192, head_dim=64, tie_word_embeddings=True)
 
 
-
-
 @dataclass
 class ModelConfig:
     path: str = described('"default" = the embedded SmolLM2-135M, else a local Hugging Face model directory '
