@@ -107,7 +107,7 @@ class RouterServicer:
         remaining = _time_remaining(context)
         if remaining is not None and remaining <= 0:
             code = "DEADLINE_EXCEEDED"
-        self.metrics.record_request(code, getattr(job, "method", None))
+        self.metrics.record_request(code, job.method if job is not None else None)
 
     async def Generate(self, request, context):
         rid, job = request_id(context.invocation_metadata()), None
@@ -115,7 +115,7 @@ class RouterServicer:
             job = await self._admit(request, context, rid)
             reply = await self.router.collect(job)
         except RequestError as exc:
-            await self._reject(rid, exc, getattr(job, "method", None), context)
+            await self._reject(rid, exc, job.method if job is not None else None, context)
             return None
         except asyncio.CancelledError:
             self._gone(job, context)
@@ -136,7 +136,7 @@ class RouterServicer:
                 # own yield: close it now (it marks the job cancelled), not whenever it is garbage-collected.
                 await messages.aclose()
         except RequestError as exc:
-            await self._reject(rid, exc, getattr(job, "method", None), context)
+            await self._reject(rid, exc, job.method if job is not None else None, context)
             return
         except (asyncio.CancelledError, GeneratorExit):
             self._gone(job, context)
