@@ -26,7 +26,9 @@ from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
 class TargetServicer(pb_grpc.TargetServicer):
     def __init__(self, runner: Any, replica_id: str = "local", dense_dtype: str = "float32"):
-        self.runner = runner  # TargetRunner or TensorParallelTarget: score(list[ScoreRequest]), release(id)
+        # TargetRunner or TensorParallelTarget: score(list[ScoreRequest]), release(id), vocab_size,
+        # provides_features, lm (the KV cache, None where the ranks hold it)
+        self.runner = runner
         self.vocab_size = int(runner.vocab_size)
         self.replica_id = replica_id
         self.address = ""
@@ -44,7 +46,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         for item in message.items:
             if not item.context:
                 raise ValueError(f"session {item.session_id}: empty context")
-            check_target_provides(item, type(self.runner).__name__, getattr(self.runner, "provides_features", False))
+            check_target_provides(item, type(self.runner).__name__, self.runner.provides_features)
             requests.append(ScoreRequest(item.session_id, list(item.context), wire.decode_tree(item.tree),
                                          wire.decode_sampling(item.sampling), wire.hint(item),
                                          want_features=item.want_features))
@@ -80,9 +82,8 @@ class TargetServicer(pb_grpc.TargetServicer):
 
     def session_ids(self) -> list[str]:
         # A TargetRunner's KV pool knows its sessions (evictions included); a tensor-parallel target's ranks hold
-        # them, so the servicer counts the ones it scored and did not release.
-        lm = getattr(self.runner, "lm", None)
-        return list(lm.sessions) if lm is not None else sorted(self._seen)
+        # them (its `lm` is None), so the servicer counts the ones it scored and did not release.
+        return list(self.runner.lm.sessions) if self.runner.lm is not None else sorted(self._seen)
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         sessions = self.session_ids()

@@ -200,6 +200,9 @@ class TensorParallelTarget:
     """`score`/`release` like TargetRunner, computed by `tensor_parallel_size` rank actors."""
 
     provides_features = True  # honours ScoreRequest.want_features, as TargetRunner (EAGLE drafters need it)
+    # TargetRunner's KV cache, which knows its sessions; here the caches live in the rank actors (the Target
+    # servicer counts the sessions it scored and did not release).
+    lm = None
 
     def __init__(self, model_path: str | os.PathLike = "default", tensor_parallel_size: int = 2,
                  device: str = "cpu", dtype: str | torch.dtype = "float32", *, cpus_per_rank: float = 1.0,

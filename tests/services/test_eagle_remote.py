@@ -285,9 +285,11 @@ def test_feature_store_deltas_missing_rows_and_release(tiny_parts, eagle):
 
 
 class _NoFeaturesRunner:
-    """A target runner without `provides_features` (as the tensor-parallel target); never asked to score."""
+    """A target runner that does not return its features; never asked to score."""
 
     vocab_size = 100
+    provides_features = False
+    lm = None
 
 
 def test_bad_feature_input_is_refused(tiny_parts, eagle):

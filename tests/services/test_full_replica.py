@@ -28,6 +28,7 @@ class FakeRunner:
 
     vocab_size = 16
     provides_features = False
+    lm = None  # no KV cache here: the servicer counts the sessions it scored
 
     def __init__(self, full: bool):
         self.full = full
