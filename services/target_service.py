@@ -100,6 +100,8 @@ class TargetReplica(GrpcReplica):
 
         config = AppConfig.from_args(args)
         self.runner = runner if runner is not None else load_target_from_config(config)
+        # A tensor-parallel target's rank actors can die while this replica lives: its health() raises then.
+        self.tensor_parallel = config.target.tensor_parallel_size > 1
         self.servicer = TargetServicer(self.runner)
         # No request outlives limits.request_timeout_s; a session unused for twice that has no router.
         self.servicer.clock.idle_s = 2 * config.limits.request_timeout_s
@@ -107,9 +109,8 @@ class TargetReplica(GrpcReplica):
 
     async def check_health(self) -> None:
         await super().check_health()
-        health = getattr(self.runner, "health", None)
-        if callable(health):  # TensorParallelTarget: raises if a rank died
-            health()
+        if self.tensor_parallel:  # TensorParallelTarget.health raises if a rank died
+            self.runner.health()
 
 
 def load_target_from_config(config) -> Any:
