@@ -28,10 +28,9 @@ category's speedup, so a method that wins on one kind of prompt and loses on ano
 
 Drafter kinds: an entry `METHOD[:BUDGET]` drafts with the autoregressive drafter (`--drafter`);
 `METHOD[:BUDGET]@parallel` drafts the same tree method and budget from ONE forward of the parallel drafter
-(`--parallel-drafter`). `--drafter-kind both` runs every speculative entry with
-both kinds, so one run compares them at the same tree budget.
+(`--parallel-drafter`). `--drafter-kind both` runs every speculative entry with both kinds, so one run
+compares them at the same tree budget.
 """
-
 
 from __future__ import annotations
 
@@ -59,15 +58,11 @@ EXAMPLES = """examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = doc_summary()
+    parser.description = (__doc__ or "").split("\n\n")[0]
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXAMPLES
     add_method_arguments(parser)
     add_service_arguments(parser)
-
-
-def doc_summary() -> str:
-    return (__doc__ or "").split("\n\n")[0]
 
 
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
