@@ -16,7 +16,7 @@ from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig, split_method
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.drafters.loading import build_local_drafter
 from treeserve.engine.drafters.models.loading import target_feature_layers
-from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND, canonical_name
+from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND, canonical_name, check_kind
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import LoadedModel, load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
@@ -49,14 +49,17 @@ def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
     return config
 
 
-def build_engine(target_path: str = "default", drafter_path: str = "distilled", method: str = DEFAULT_METHOD,
+def build_engine(target_path: str = "default", drafter_path: str | None = None, method: str = DEFAULT_METHOD,
                  budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
                  drafter_kind: str | None = None, **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
-    the kind of the drafter's weights (engine/drafters/registry.py)."""
+    the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's shipped
+    drafter ("distilled", or "parallel" for kind parallel)."""
     torch_dtype = parse_dtype(dtype)
+    if drafter_path is None:
+        drafter_path = check_kind(drafter_kind or AUTOREGRESSIVE_KIND).shipped
     drafter_path = canonical_name(drafter_path, drafter_kind)
     base, lookup = split_method(method)
     if lookup and drafter_kind not in (None, AUTOREGRESSIVE_KIND):

@@ -130,6 +130,6 @@ def kind_of(path: str, kind: str | None = None) -> str:
         found = next(k.name for k in KINDS.values() if layout in k.layouts)
         what = f"{directory} (a {LAYOUT_NAMES[layout]})"
     if kind is not None and kind != found:
-        raise ValueError(f"drafter kind {kind!r} does not match {what}, a {found} drafter: set the kind to "
-                         f"{found!r} or name a {kind} drafter")
+        raise ValueError(f"drafter kind {kind!r} does not match {what}, which is of kind {found!r}: set the kind "
+                         f"to {found!r} or name a drafter of kind {kind!r}")
     return found
