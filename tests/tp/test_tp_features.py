@@ -11,7 +11,6 @@ equal to TP=1's, with the mean accepted lengths of both printed side by side.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -67,15 +66,6 @@ def test_feature_layers_beyond_the_target_are_refused_before_ray_work(tiny_tp_di
 
 
 @pytest.fixture(scope="module")
-def default_tp3(ray_cpu, default_model_dir):
-    start = time.perf_counter()
-    tp = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=RANK_CPUS)
-    print(f"\nTP=3 default start-up {time.perf_counter() - start:.1f} s")
-    yield tp
-    tp.shutdown()
-
-
-@pytest.fixture(scope="module")
 def default_pair(default_model_dir):
     from treeserve.engine.drafters.models.loading import load_drafter
 
@@ -97,18 +87,15 @@ def test_default_tp3_features_equal_tp1(default_tp3, default_pair):
 
 
 @pytest.mark.slow
-def test_default_tp3_features_equal_tp1_in_float64(ray_cpu, default_model_dir):
+def test_default_tp3_features_equal_tp1_in_float64(default_tp3_float64, default_model_dir):
     """Without fp32 round-off the same code gives features equal to TP=1's within an absolute 1e-5."""
-    tp64 = TensorParallelTarget("default", tensor_parallel_size=3, cpus_per_rank=RANK_CPUS, dtype=torch.float64)
-    try:
-        loaded = load_causal_lm(default_model_dir, dtype=torch.float64)
-        ref = TargetRunner(loaded.model, dtype=torch.float64)
-        prompts = dev_prompts(loaded.tokenizer, 2)
-        worst, scale = _compare_features(tp64, ref, [prompts[0][:60], prompts[1][:30]], ref.vocab_size, seed=4)
-        print(f"default TP=3 float64 features: max|diff| {worst:.2e} (max|feature| {scale:.1f})")
-        assert worst < 1e-5
-    finally:
-        tp64.shutdown()
+    loaded = load_causal_lm(default_model_dir, dtype=torch.float64)
+    ref = TargetRunner(loaded.model, dtype=torch.float64)
+    prompts = dev_prompts(loaded.tokenizer, 2)
+    worst, scale = _compare_features(default_tp3_float64, ref, [prompts[0][:60], prompts[1][:30]], ref.vocab_size,
+                                     seed=4)
+    print(f"default TP=3 float64 features: max|diff| {worst:.2e} (max|feature| {scale:.1f})")
+    assert worst < 1e-5
 
 
 def _engine(target, tokenizer, drafter):
