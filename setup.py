@@ -1,6 +1,6 @@
 """Build hooks: map the top-level folders into the `treeserve` namespace and generate gRPC stubs.
 
-The repository keeps `engine/`, `services/` and `cli/` at the top level (DESIGN.md section 2); installed, they are
+The repository keeps `engine/`, `services/` and `cli/` at the top level (docs/design.md section 2); installed, they are
 `treeserve.engine`, `treeserve.services` and `treeserve.cli`, so no generic top-level module is created. The `.proto`
 files under `proto/treeserve/v1/` are compiled by grpcio-tools whenever the project is built into the package
 `treeserve.v1`: the import path in the generated code follows the proto path, so nothing is patched.

@@ -8,7 +8,7 @@ eq. (6)-(10) give P[verify_i | path_i] * draft_{t_i} = (1 - sum_{earlier sibling
 d_{t_i} / (1 - sum_{earlier siblings} d) = d_{t_i}, so eq. (11) with rho = 1 is again the sum of
 the path products. Hence one formula covers every ChildDraw.
 
-Counting (DESIGN.md section 7): MAL counts the bonus/recovered token, so
+Counting (docs/design.md section 7): MAL counts the bonus/recovered token, so
 
     expected_accepted_length(tree) = 1 + sum_{i >= 1} exp(log_joint[i])
 

@@ -1,9 +1,9 @@
 """Hardware-aware tree budget: pick the draft-tree size that maximises measured tokens per second.
 
 The best tree size depends on the machine (how a target forward's time grows with the number of tree
-nodes: on this project's 2-core CPUs, SmolLM2-135M with oneDNN linears, T(1) ~ 45 ms and T(4) 1.0-1.2 T(1),
-T(8) 1.3-1.6 T(1), T(32) 2.0-2.4 T(1), T(64) 3.3-3.9 T(1), by VM; on a GPU a 70B target verifies 64 tokens for
-about the price of one) and on the drafter (how many extra tokens a bigger tree buys). So:
+nodes: on a 2-core CPU a 64-node tree costs a few plain steps, on a GPU a 70B target verifies 64 tokens for
+about the price of one; curves in docs/performance.md section 3) and on the drafter (how many extra tokens a
+bigger tree buys). So:
 
 1. `measure_profile` times the target forward against tree size and one drafter step at start-up, and
    caches the curve per model and machine (`$TREESERVE_CACHE/profiles/`). As in Sequoia, the hardware

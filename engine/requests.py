@@ -59,7 +59,7 @@ class GenerationResult:
 
     @property
     def mean_accepted_length(self) -> float:
-        """MAL: tokens emitted per target forward, bonus included (DESIGN.md section 7)."""
+        """MAL: tokens emitted per target forward, bonus included (docs/design.md section 7)."""
         return sum(s.emitted for s in self.steps) / max(1, len(self.steps))
 
     @property

@@ -1,7 +1,7 @@
 """Sampling parameters, the shared logit warp, and vocabulary-scale selection helpers.
 
 The same warp (temperature, then top-k, then top-p, renormalised) is applied to the target and
-to the draft distributions, so that verification compares like with like (DESIGN.md section 5).
+to the draft distributions, so that verification compares like with like (docs/design.md section 5).
 
 The selection helpers (`topk_rows`, `ResidualRow`) exist because tree builders run
 on the CPU between drafter forwards: a plain `torch.topk` over a 49k-token row costs ~0.1-0.2 ms

@@ -1,6 +1,6 @@
 """In-process speculative generation: the reference decoding loop the services distribute.
 
-One step for the active batch (`step`) reads like the protocol (DESIGN.md section 3):
+One step for the active batch (`step`) reads like the protocol (docs/design.md section 3):
 
     trees, _ = self.draft(batch)                   # drafter: TokenTree per sequence
     dists = self.target.score(requests(trees))     # target: one forward over all trees
@@ -10,7 +10,7 @@ One step for the active batch (`step`) reads like the protocol (DESIGN.md sectio
 Timings and per-step records are kept by a `StepRecorder` (engine/step_recorder.py) beside the loop.
 
 Batch size 1 uses the configured (dynamic) tree method; above 1, C2T chain mode with early exit, all
-chains scored in one padded target forward (DESIGN.md section 6). Method "autoregressive" drafts
+chains scored in one padded target forward (docs/design.md section 6). Method "autoregressive" drafts
 nothing: the tree is the root alone, so the same loop is plain decoding.
 """
 

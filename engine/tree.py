@@ -1,4 +1,4 @@
-"""The token tree exchanged between drafter, target and router (DESIGN.md section 3).
+"""The token tree exchanged between drafter, target and router (docs/design.md section 3).
 
 Node 0 is the ROOT: the last emitted token, not yet in the target's KV cache. Nodes 1.. are draft
 tokens in topological order (every parent precedes its children). Siblings keep the order in which
@@ -20,7 +20,7 @@ _SUM_TOL = 1e-3
 
 
 class ChildDraw(enum.IntEnum):
-    """How a node's children were drawn; selects the verification rule (DESIGN.md section 5)."""
+    """How a node's children were drawn; selects the verification rule (docs/design.md section 5)."""
 
     TOP_K = 0  # deterministic top-k of q: point-mass rule (accept x w.p. p'(x), zero it, renormalise)
     WITHOUT_REPLACEMENT = 1  # sampled from residual q, earlier siblings removed: DySpec Algorithm 3
@@ -31,7 +31,7 @@ class Source(enum.IntEnum):
     """Which draft source proposed a node (engine/lookup/: hybrid trees). A LOOKUP or BOTH node is a
     deterministic proposal (copied from the request's context): under a WITHOUT_REPLACEMENT parent it is
     verified by the point-mass rule before the sampled siblings, which were drawn from the parent's draft
-    row with those tokens removed (DESIGN.md section 5; engine/verify.py)."""
+    row with those tokens removed (docs/design.md section 5; engine/verify.py)."""
 
     MODEL = 0  # the model drafter alone
     LOOKUP = 1  # copied from the context (the model's top-1 at the parent, if it ran there, was another token)

@@ -7,9 +7,9 @@ Terms (as in vLLM's rejection sampler):
   rejected; it comes from the residual target distribution that the rejections leave behind;
 - bonus token: drawn where the walk stops because the current node has no children; it comes from
   the target distribution at that node. Either way exactly one token follows the accepted ones, so a
-  step emits len(accepted_nodes) + 1 tokens (the MAL of DESIGN.md section 7 counts all of them).
+  step emits len(accepted_nodes) + 1 tokens (the MAL of docs/design.md section 7 counts all of them).
 
-Rules per node (DESIGN.md section 5):
+Rules per node (docs/design.md section 5):
 - temperature 0: follow the child whose token equals the target argmax; emit the argmax at the end.
 - WITHOUT_REPLACEMENT children (DySpec Algorithm 3, SpecInfer's multi-round rule): accept child x
   w.p. min(1, R[x] / D[x]); on rejection R <- norm(max(R - D, 0)), D[x] <- 0, D <- norm(D); if no

@@ -1,7 +1,7 @@
 """Router metrics through `ray.util.metrics`; Ray's metrics agent exports them in Prometheus format on each node's
 metrics export port, each name prefixed with `ray_` (`ray_treeserve_requests_total`, ...).
 
-Names follow DESIGN.md section 7: MAL = tokens emitted per target forward (bonus token included); tree size
+Names follow docs/design.md section 7: MAL = tokens emitted per target forward (bonus token included); tree size
 = candidate (draft) tokens sent to the target per step. Series (tags in brackets):
 
 - treeserve_requests_total [code, method]: finished requests by final gRPC status (OK, INVALID_ARGUMENT,

@@ -2,7 +2,7 @@
 
 One background step loop per router drives `SpeculativeEngine.step` on the batch of active sequences:
 requests join and leave only at step boundaries, so the batch changes continuously; at batch size 1 the
-drafter builds the configured dynamic tree, above 1 C2T chains (DESIGN.md section 6; the decision is the
+drafter builds the configured dynamic tree, above 1 C2T chains (docs/design.md section 6; the decision is the
 drafter's, per call). The engine is injected: in the Serve deployment (`RouterReplica`,
 services/router_replica.py) its Target and Drafter are gRPC clients of the replicas
 (services/transport/clients.py); in unit tests they are in-process runners. Verification, emission and stop conditions are the engine's own (`start`, `step`, `result`);

@@ -12,7 +12,7 @@ rows it lacks (services/features.py).
 
 How it is laid out:
 
-- **Placement.** Inside a Serve replica that was given `placement_group_bundles` (DESIGN.md; on cuda the
+- **Placement.** Inside a Serve replica that was given `placement_group_bundles` (docs/design.md section 11; on cuda the
   replica holds no GPU itself), the rank actors are scheduled into the replica's own placement group: on
   cuda rank r into the r-th bundle that has a GPU, asking for that bundle's GPU share (below 1 where the
   rank shares its GPU with a drafter, as in the one-node 4xA100 layouts), elsewhere any bundle with room. Anywhere else it creates its own placement group of N bundles,

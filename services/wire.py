@@ -1,6 +1,6 @@
 """Engine objects <-> protobuf messages of the internal protocol (proto/treeserve/v1/internal.proto).
 
-Compact on the wire (DESIGN.md section 3):
+Compact on the wire (docs/design.md section 3):
 - at temperature 0 the target sends only the argmax per node;
 - probability rows whose warp (top-k / top-p) leaves them sparse go as (int32 index, float32 value) pairs;
 - everything else is dense little-endian bytes, float32 by default (exactly what the replica computed, so

@@ -36,7 +36,7 @@ Constants (each with its source; ASSUMED ones are not measured anywhere and are 
 | A  | 2 all-reduces per layer | engine/tp.py: rowwise o_proj and down_proj each end in one (Megatron layout) |
 | lat | 20e-6 s | ASSUMED: latency of one small NCCL all-reduce among 4 NVLink-connected GPUs |
 | k  | 40e-6 s per layer | ASSUMED: ~10 kernels per decoder layer at ~4 us launch each, no CUDA graphs |
-| rpc_call | 1e-3 s | DESIGN.md section 4: a direct grpcio (aio) call costs ~1 ms (measured on the CPU box) |
+| rpc_call | 1e-3 s | docs/design.md section 3: a direct grpcio (aio) call costs ~1 ms (measured on the CPU box) |
 | rank_dispatch | 1e-3 s | ASSUMED: the Target replica's coordinator handing a step to its 4 rank actors (Ray calls) |
 | d  | 2 B | deploy/*-4xa100.yaml: dtype bfloat16 for target and drafter |
 | model sizes | config.json | deploy/models/*/config.json (public Hugging Face config facts) |

@@ -1,5 +1,5 @@
 """Chain drafts: vanilla speculative sampling (Leviathan et al. 2023; Chen et al. 2023), and the
-C2T chain with classifier early exit used for batch > 1 (C2T section 5.5, DESIGN.md section 6).
+C2T chain with classifier early exit used for batch > 1 (C2T section 5.5, docs/design.md section 6).
 
 How children are drawn (and hence the verification rule):
 - temperature 0: argmax of q at every step -> ChildDraw.GREEDY (target-argmax matching).

@@ -1,4 +1,4 @@
-"""Batched C2T chain drafting for batch sizes above 1 (C2T section 5.5; DESIGN.md section 6).
+"""Batched C2T chain drafting for batch sizes above 1 (C2T section 5.5; docs/design.md section 6).
 
 Every sequence drafts a top-1 chain; all still-growing chains advance together, one drafter forward per
 depth, and a chain stops before the first token whose classifier confidence falls under `beta`. Chains are

@@ -13,7 +13,7 @@ Children are deterministic top-ranked tokens, so every node is ChildDraw.TOP_K a
 point-mass rule (lossless whatever q is; at temperature 0 it follows the target argmax) - ParallelSpec's
 Algorithm 1 token tree verification. Draft probabilities are not needed by that rule and not shipped.
 
-Above batch size 1 (DESIGN.md section 6) every sequence drafts a chain (top-1 of each position) cut where
+Above batch size 1 (docs/design.md section 6) every sequence drafts a chain (top-1 of each position) cut where
 its joint probability drops below `batch_chain_min_joint`, all from the same single batched forward.
 """
 

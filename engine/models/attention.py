@@ -2,15 +2,14 @@
 
 transformers' eager attention (and its SDPA path, except for one-token queries) first expands the KV
 heads to the query heads (`repeat_kv`): a copy of every layer's whole K and V per forward. Tree forwards
-have many query tokens and batched steps read long caches, so on this CPU that copy was ~40% of a batch-8
-step (SmolLM2-135M, 9 query / 3 KV heads, 8 sessions x 300 cached tokens: 282 -> 163 ms per step, one
-thread; one session, 1 token: 98 -> 75 ms; 16 tree nodes: 193 -> 142 ms).
+have many query tokens and batched steps read long caches, so on a CPU that copy is a large share of a
+batched step (measured: docs/performance.md section 4).
 
 Folding each group's query heads into the query axis gives the same products from the KV heads as stored:
 query [B, H, q, D] -> [B, H_kv, g * q, D] (query head h = kv head h // g, as `repeat_kv` pairs them), one
 matmul against K [B, H_kv, L, D], the additive mask broadcast over the g heads, float32 softmax, one matmul
 against V. These are eager's operations in eager's order, so the 4D additive tree masks behave exactly as
-there (DESIGN.md section 4); only matmul blocking differs (float rounding). Heads are whatever the module
+there (docs/design.md section 4); only matmul blocking differs (float rounding). Heads are whatever the module
 holds, so a tensor-parallel shard (fewer heads per rank) works unchanged.
 
 Which implementation runs is chosen per device (`attention_for`): this one on the CPU; on a GPU PyTorch's

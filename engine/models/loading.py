@@ -145,7 +145,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     from transformers import AutoModelForCausalLM
 
     causal_lm_config(model_dir)
-    # Eager attention: the 4D additive tree masks are exact there (DESIGN.md section 4); CachedLM picks the
+    # Eager attention: the 4D additive tree masks are exact there (docs/design.md section 4); CachedLM picks the
     # implementation it runs per device (engine/models/attention.py).
     model, info = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype,
                                                        attn_implementation="eager", output_loading_info=True)

@@ -2,14 +2,9 @@
 
 A token tree feeds a handful of rows (M = 2..64) through every linear layer, and decoding a 135M-parameter
 model on a CPU is memory-bound: each forward streams every weight from DRAM once, so an M-row matmul
-should cost about what a one-row one does. PyTorch's `nn.Linear` goes to MKL's sgemm, which does not:
-measured on this project's 2-core AMD EPYC box (2 threads, fp32, 30 distinct [1536, 576] weights so they
-stream from DRAM, us per matmul): M=1 241, M=2 370, M=3 474, M=4 437, M=8 442 (and 402 / 660 / 764 / 409 /
-512 in the default [out, in] layout). oneDNN's inner-product on a weight reordered once into its blocked
-layout streams it at the bandwidth for every small M: M=1 204, 2 204, 3 173, 4 165, 8 195, 16 215. The
-LM head ([49152, 576]): MKL 6.1 ms at M=1, 13.2 at M=2, 30 at M=8; oneDNN 5.1 / 5.2 / 5.4 ms. Whole
-SmolLM2-135M forward at prefix 128 (CachedLM, noisy VM, medians of 7): T(1..8) 50-65 ms flat and T(16)
-~75 ms with oneDNN, against T(1) 65, T(2) 99, T(4) 130, T(16) 149 ms with MKL. So on a CPU, as on a GPU,
+should cost about what a one-row one does. PyTorch's `nn.Linear` goes to MKL's sgemm, whose cost grows with
+M at these sizes; oneDNN's inner-product on a weight reordered once into its blocked layout streams it at the
+bandwidth for every small M (measurements: docs/performance.md section 4). So on a CPU, as on a GPU,
 verifying a small tree costs about one plain decoding step.
 
 `use_fast_cpu_linears` turns every CPU floating-point `nn.Linear` of a model into a `PackedLinear` (same

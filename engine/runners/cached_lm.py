@@ -1,4 +1,4 @@
-"""A causal LM with one KV cache per session that scores token trees (DESIGN.md sections 3 and 4).
+"""A causal LM with one KV cache per session that scores token trees (docs/design.md sections 3 and 4).
 
 Both the target and the drafter run through this class; only how they use the logits differs.
 

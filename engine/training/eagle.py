@@ -1,11 +1,11 @@
 """Training of the EAGLE drafter (engine/drafters/models/eagle.py) on the self-distillation data.
 
-EAGLE (Li et al., 2024; not among the papers DESIGN.md cites, C2T's section 5.1 uses its drafters): the
+EAGLE (Li et al., 2024; C2T's section 5.1 uses its drafters): the
 drafter reads (token x_j, target feature f_{j-1}) and is trained to predict f_j, with the loss of EAGLE's
 "training of the draft models": L = L_reg + w_cls * L_cls, L_reg = SmoothL1(f_j, f^_j), L_cls = cross-entropy
 between the target's next-token distribution softmax(head(f_j)) and the drafter's softmax(head(f^_j))
-(EAGLE: w_cls = 0.1 at a small learning rate; on 2 CPU cores w_cls = 1 and a 3x higher rate reached 33.6%
-held-out top-1 in 25 minutes where EAGLE's settings reached 19.4% in 20). Input features
+(EAGLE: w_cls = 0.1 at a small learning rate; with a short CPU budget w_cls = 1 and a 3x higher rate learn
+faster, docs/performance.md section 5). Input features
 get uniform noise U(-a, a) so that the drafter tolerates its own predicted features deeper in a tree (EAGLE's
 data augmentation, a = 0.1).
 

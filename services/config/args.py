@@ -52,7 +52,7 @@ class LimitsConfig:
 
 @dataclass
 class InternalGrpcConfig:
-    # Trees and distributions exceed grpcio's 4 MB default (DESIGN.md section 4).
+    # Trees and distributions exceed grpcio's 4 MB default (docs/design.md section 4).
     max_message_bytes: int = described("max message size on the replica-to-replica gRPC channels",
                                        default=64 * 1024 * 1024)
 

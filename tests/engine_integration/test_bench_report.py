@@ -210,7 +210,7 @@ def test_projection_cost_model():
     assert many < 1.1 * one and huge > 2 * one
     # Every constant of the model is stated with its source in the module docstring.
     for name in ("2.039e12", "312e12", "300e9", "0.75", "0.5", "20e-6", "40e-6", "1e-3", "datasheet", "ASSUMED",
-                 "DESIGN.md section 4", "engine/tp.py"):
+                 "docs/design.md section 3", "engine/tp.py"):
         assert name in bp.__doc__, name
 
 

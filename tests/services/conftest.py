@@ -4,7 +4,7 @@
 - `local_service`: the Router on in-process runners behind a plain grpc.aio server (no Ray): fast tests of
   validation, streaming and batching through a real gRPC client.
 - `serve_service`: the whole Serve application (Router, Drafter, Target deployments) on the tiny pair, on
-  ONE Ray instance shared by the test session (start-up costs ~13 s on this box; DESIGN.md section 4).
+  ONE Ray instance shared by the test session (start-up costs ~13 s on this box; docs/design.md section 4).
 """
 
 from __future__ import annotations
