@@ -35,4 +35,4 @@ run: setup
 	$(BIN)/treeserve demo
 
 test: setup tools
-	HELM=$(CURDIR)/$(HELM) $(BIN)/python -m pytest -q
+	HELM=$(CURDIR)/$(HELM) $(BIN)/python -m pytest -q --durations=20
