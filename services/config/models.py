@@ -150,6 +150,10 @@ class ModelConfig:
 
 @dataclass
 class DrafterConfig(ModelConfig):
+    path: Optional[str] = described(
+        "the drafter's weights: a shipped drafter (distilled, eagle, eagle3, parallel) or a local directory; "
+        "null = the kind's own shipped drafter (distilled, or parallel for kind parallel). \"default\" is the "
+        "deprecated name of that null", default=None)
     kind: Literal["autoregressive", "parallel"] = described(
         "autoregressive: one token per drafter forward; parallel: several tokens per forward "
         "(ParallelSpec-style mask tokens)", default="autoregressive")
@@ -160,6 +164,12 @@ class DrafterConfig(ModelConfig):
         "files wherever they are readable, and refused when it disagrees with them", default=None)
 
     is_target = False
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            from treeserve.engine.drafters.registry import KINDS
+
+            self.path = KINDS[self.kind].shipped
 
     def reads_target_features(self) -> bool:
         """An EAGLE drafter (the shipped "eagle"/"eagle3", a saved one, or a published EAGLE-1/2 or EAGLE-3
