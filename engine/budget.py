@@ -303,12 +303,11 @@ class BudgetChooser:
 
     @staticmethod
     def resized(builder, budget: int):  # type: ignore[no-untyped-def]
-        """`builder` with `budget` draft nodes (a chain's length); builders without a budget are unchanged."""
-        if hasattr(builder, "budget"):
-            return dataclasses.replace(builder, budget=budget)
-        if hasattr(builder, "length"):
-            return dataclasses.replace(builder, length=budget)
-        return builder
+        """`builder` with `budget` draft nodes (a chain's length): the field its `size_field` names; builders
+        without one are unchanged."""
+        if builder.size_field is None:
+            return builder
+        return dataclasses.replace(builder, **{builder.size_field: budget})
 
     def observe(self, record: StepRecord) -> None:
         """Credit one sequence's record to the current budget (records of steps it did not decide are

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -88,6 +88,10 @@ class DraftOracle(Protocol):
 
 @runtime_checkable
 class TreeBuilder(Protocol):
+    # The field the hardware-aware chooser sets to its step budget (engine/budget.py): "budget" (draft nodes),
+    # "length" (a fixed chain), or None for shapes it does not size (a static tree, C2T's classifier-cut chain).
+    size_field: ClassVar[str | None]
+
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
         ...
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ from treeserve.engine.tree import ChildDraw, TokenTree
 
 @dataclass
 class C2TBuilder:
+    size_field: ClassVar[str | None] = "budget"
+
     classifier: C2TClassifier
     beta: float = 0.5  # confidence threshold
     top_k: int = 15  # K for both uses of Top-K (paper default 15)

@@ -18,6 +18,7 @@ samples from the model's row elsewhere: the choice depends on the root path only
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +31,8 @@ from treeserve.engine.tree import ChildDraw, TokenTree
 @dataclass
 class ChainBuilder:
     """Fixed-length chain of `length` draft tokens, one oracle call per token."""
+
+    size_field: ClassVar[str | None] = "length"
 
     length: int = 5
     sampled: bool = True  # at temperature > 0: sample (SpS) rather than take the top-1 token
@@ -81,6 +84,8 @@ class ChainBuilder:
 @dataclass
 class C2TChainBuilder:
     """Top-1 chain that stops before the first token whose C2T confidence is below `beta`."""
+
+    size_field: ClassVar[str | None] = None
 
     classifier: C2TClassifier
     max_length: int = 8

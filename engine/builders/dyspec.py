@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -46,6 +47,8 @@ from treeserve.engine.tree import ChildDraw, TokenTree
 @dataclass
 class DySpecBuilder:
     """DySpec Algorithm 1: a heap of sampling positions, expanded one node at a time."""
+
+    size_field: ClassVar[str | None] = "budget"
 
     budget: int = 64  # draft nodes
     max_depth: int | None = None  # optional guard; the paper has none
@@ -259,6 +262,8 @@ class DySpecThresholdBuilder:
     drawing children while the next position's reach s exceeds `threshold` (the printed
     `while v_i < t` is a typo for `>`, as the surrounding text says). `budget` caps the tree;
     frontier nodes are served in descending value so a cap cuts the least valuable positions."""
+
+    size_field: ClassVar[str | None] = "budget"
 
     threshold: float = 0.05
     budget: int = 64

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -24,6 +25,8 @@ from treeserve.engine.tree import ChildDraw, TokenTree
 
 @dataclass
 class Eagle2Builder:
+    size_field: ClassVar[str | None] = "budget"
+
     budget: int = 60  # N: draft nodes kept by the rerank
     depth: int = 6  # expansion rounds
     top_k: int = 10  # K: children per expanded node and nodes expanded per layer

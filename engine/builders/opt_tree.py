@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -25,6 +26,8 @@ from treeserve.engine.tree import TokenTree
 
 @dataclass
 class OptTreeBuilder:
+    size_field: ClassVar[str | None] = "budget"
+
     budget: int = 60  # n: draft nodes per layer and in the final tree
     delta: float = 0.2  # stop when E_sub grows by delta or less (paper: between mu and 1)
     max_depth: int | None = None  # D(T) < n in the paper; an extra cap on drafter calls

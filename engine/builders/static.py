@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -120,6 +120,8 @@ def named_tree(name: str, depth: int = 4) -> tuple[Path, ...]:
 @dataclass
 class StaticTreeBuilder:
     """Fill a fixed path set with top-ranked draft tokens, one oracle call per tree level."""
+
+    size_field: ClassVar[str | None] = None
 
     paths: tuple[Path, ...] = field(default=MC_SIM_7B_63)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.builders.static import named_tree
@@ -38,6 +39,8 @@ class ParallelTreeSearch:
     `paths` set: a static tree (ranks per depth). Otherwise best-first over rank paths: the `budget` nodes
     of largest path probability, depth <= max_depth, at most `max_width` children per node, stopping at
     path probabilities below `min_prob`."""
+
+    size_field: ClassVar[str | None] = "budget"
 
     budget: int = 16
     max_depth: int = 5

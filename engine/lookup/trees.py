@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -88,6 +88,8 @@ def plan_lookup(session: LookupSession, root_token: int, max_nodes: int, min_val
 class LookupTreeBuilder:
     """Method "lookup": drafts copy-from-context candidates only (no model drafter forward): the `budget` most
     probable nodes of the lookup-only plan (`plan_lookup`); needs a HybridOracle (the LocalDrafter makes one)."""
+
+    size_field: ClassVar[str | None] = "budget"
 
     budget: int = 16
     min_value: float = 0.02
