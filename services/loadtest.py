@@ -247,7 +247,9 @@ class LoadTest:
                 return
             except grpc.aio.AioRpcError as exc:
                 out.code, out.details = exc.code().name, exc.details() or ""
-                if out.code == "RESOURCE_EXHAUSTED" and out.expected_code == "OK" and \
+                # A valid request (one the client means to cancel too) refused because the router is full is
+                # retried; a malformed one's RESOURCE_EXHAUSTED is its expected answer.
+                if out.code == "RESOURCE_EXHAUSTED" and not out.kind.startswith("malformed") and \
                         "too many concurrent requests" in out.details and time.monotonic() < deadline - 1:
                     out.refusals += 1
                     await asyncio.sleep(0.2 + 0.3 * self.rng.random())

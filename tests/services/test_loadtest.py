@@ -40,3 +40,51 @@ def test_helpers():
     prompts = load_prompts(10)
     assert len(prompts) == 10 and len(set(prompts)) == 10
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 99) != percentile([], 99)  # nan when empty
+
+
+def test_a_request_meant_to_be_cancelled_is_retried_while_the_router_is_full():
+    """A full router's RESOURCE_EXHAUSTED is retried for every valid request, the ones the client will cancel
+    included (they were once left with it and judged an unexpected status); a malformed request's is its answer."""
+    import asyncio
+
+    import grpc
+
+    from treeserve.services.loadtest import LoadTest, LoadTestOptions, Outcome
+
+    full = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details="too many concurrent requests (limit 2)")
+
+    class Reply:
+        token_ids, text_delta, finish_reason = [5], "x", 0
+
+    class Stream:
+        def __init__(self):
+            self.cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+        async def __aiter__(self):
+            for _ in range(3):
+                yield Reply()
+
+    class Stub:
+        def __init__(self):
+            self.calls = 0
+
+        def GenerateStream(self, message, metadata, timeout):  # noqa: N802 (the rpc's name)
+            self.calls += 1
+            if self.calls == 1:
+                raise full
+            return Stream()
+
+    test = LoadTest(LoadTestOptions(request_timeout=30.0), "127.0.0.1:1", None, [], [], [], 8, {}, None)
+    stub = Stub()
+    out = Outcome(kind="cancel", expected_code="CANCELLED", streamed=True)
+    asyncio.run(test._call(stub, None, out, object()))
+    assert (out.code, out.refusals, stub.calls) == ("CANCELLED", 1, 2)
+
+    stub = Stub()
+    malformed = Outcome(kind="malformed:too_many_new_tokens", expected_code="RESOURCE_EXHAUSTED", streamed=True)
+    asyncio.run(test._call(stub, None, malformed, object()))
+    assert (malformed.code, malformed.refusals, stub.calls) == ("RESOURCE_EXHAUSTED", 0, 1)
