@@ -6,6 +6,7 @@ models exercise the same loading path, chat template and vocabulary as the real 
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -53,3 +54,30 @@ def tiny_drafter_dir(tmp_path_factory, default_model_dir) -> Path:
     # Same seed, one layer: shares the target's embeddings, so it agrees with the target often enough to
     # exercise long accepted paths while still being wrong sometimes.
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_drafter"), default_model_dir, seed=1, layers=1)
+
+
+def _fits_any_order(gpus: int, requests: list[float]) -> bool:
+    """Ray's GPU instance allocation: a whole-GPU request takes a free GPU, a fractional one the first GPU with
+    room for it. True when every allocation order of `requests` succeeds on `gpus` GPUs."""
+    for order in set(itertools.permutations(requests)):
+        free = [1.0] * gpus
+        for request in order:
+            if request >= 1:
+                whole = [i for i, f in enumerate(free) if f >= 1 - 1e-9][:int(request)]
+                if len(whole) < request:
+                    return False
+                for i in whole:
+                    free[i] = 0.0
+            else:
+                room = next((i for i, f in enumerate(free) if f >= request - 1e-9), None)
+                if room is None:
+                    return False
+                free[room] -= request
+    return True
+
+
+@pytest.fixture(scope="session")
+def fits_any_order():
+    """Whether GPU requests (whole or fractional) fit `gpus` GPUs in every arrival order, as Ray allocates them:
+    shared by the deploy layouts' and the chart's placement tests."""
+    return _fits_any_order

@@ -80,28 +80,6 @@ def test_gpu_layouts(name):
     assert app.deployment("Router").ray_actor_options.resources == {"TreeServeRouter": 1.0}
 
 
-def _fits_in_any_order(gpus: int, requests: list[float]) -> bool:
-    """Ray's GPU instance allocation: a whole-GPU request takes a free GPU, a fractional one the first GPU with
-    room for it. True when every allocation order of `requests` succeeds on `gpus` GPUs."""
-    import itertools
-
-    for order in set(itertools.permutations(requests)):
-        free = [1.0] * gpus
-        for request in order:
-            if request >= 1:
-                whole = [i for i, f in enumerate(free) if f >= 1 - 1e-9][:int(request)]
-                if len(whole) < request:
-                    return False
-                for i in whole:
-                    free[i] = 0.0
-            else:
-                room = next((i for i, f in enumerate(free) if f >= request - 1e-9), None)
-                if room is None:
-                    return False
-                free[room] -= request
-    return True
-
-
 @pytest.mark.parametrize("name", sorted(EAGLE_LAYOUTS))
 def test_eagle_layouts(name):
     """A published EAGLE-1/2 head drafts for the tensor-parallel target from the target's own node: declared by
@@ -130,14 +108,14 @@ def test_eagle_layouts(name):
 
 
 @pytest.mark.parametrize("name", ["llama2-70b-4xa100.yaml", "vicuna-33b-4xa100.yaml"] + sorted(EAGLE_LAYOUTS))
-def test_one_node_layouts_fit_one_4_gpu_node_in_any_start_order(name):
+def test_one_node_layouts_fit_one_4_gpu_node_in_any_start_order(name, fits_any_order):
     app = load_serve_config(DEPLOY / name).app
     requests = app.deployment("Target").rank_gpu_shares() + [app.deployment("Drafter").ray_actor_options.num_gpus]
-    assert _fits_in_any_order(4, requests)
-    assert not _fits_in_any_order(4, requests + [0.45])  # no room for a second drafter: max_replicas is 1
+    assert fits_any_order(4, requests)
+    assert not fits_any_order(4, requests + [0.45])  # no room for a second drafter: max_replicas is 1
     assert app.deployment("Drafter").autoscaling_config.max_replicas == 1
     # The old layout (a whole GPU for the drafter) needs a fifth GPU.
-    assert not _fits_in_any_order(4, [1.0] * 4 + [1.0]) and _fits_in_any_order(5, [1.0] * 5)
+    assert not fits_any_order(4, [1.0] * 4 + [1.0]) and fits_any_order(5, [1.0] * 5)
 
 
 def test_fractional_drafter_must_state_its_memory_share(tmp_path):

@@ -3,7 +3,6 @@ whatever Serve may place there, the GPU presets filling their nodes, non-root po
 
 from __future__ import annotations
 
-import itertools
 import shutil
 
 import pytest
@@ -93,26 +92,6 @@ def test_notes_point_at_services_that_exist(tmp_path):
 
 
 # --------------------------------------------------------------------------------- GPUs and CPUs per pod
-def _fits_any_order(gpus: int, requests: list[float]) -> bool:
-    """Ray's GPU instance allocation, every arrival order: a whole-GPU request takes free GPUs, a fractional one
-    the first GPU with room."""
-    for order in set(itertools.permutations(requests)):
-        free = [1.0] * gpus
-        for request in order:
-            if request >= 1:
-                whole = [i for i, f in enumerate(free) if f >= 1 - 1e-9][:int(request)]
-                if len(whole) < request:
-                    return False
-                for i in whole:
-                    free[i] = 0.0
-            elif request > 0:
-                room = next((i for i, f in enumerate(free) if f >= request - 1e-9), None)
-                if room is None:
-                    return False
-                free[room] -= request
-    return True
-
-
 def _pod_worst_case(objs: dict, group: dict) -> tuple[float, list[float]]:
     """CPUs and GPU requests of everything that can land on one pod of `group` at once: the custom resources
     it advertises bound how many replicas of each deployment it takes."""
@@ -135,7 +114,7 @@ def _pod_worst_case(objs: dict, group: dict) -> tuple[float, list[float]]:
 
 
 @pytest.mark.parametrize("values", [None, *PRESETS], ids=lambda p: "defaults" if p is None else p.stem)
-def test_whatever_lands_on_a_pod_fits_it(values):
+def test_whatever_lands_on_a_pod_fits_it(values, fits_any_order):
     objs = render(*([values] if values else []))
     app = serve_config(objs).app
     capacity = {"Target": 0, "Drafter": 0, "Router": 0}
@@ -146,7 +125,7 @@ def test_whatever_lands_on_a_pod_fits_it(values):
         assert int(ctr["resources"]["requests"].get("nvidia.com/gpu", 0)) == pod_gpus
         cpus, gpu_requests = _pod_worst_case(objs, group)
         assert cpus <= int(group["rayStartParams"]["num-cpus"]), group["groupName"]
-        assert _fits_any_order(pod_gpus, gpu_requests), (group["groupName"], pod_gpus, gpu_requests)
+        assert fits_any_order(pod_gpus, gpu_requests), (group["groupName"], pod_gpus, gpu_requests)
         slots = ray_resources(group)
         for name, resource in (("Target", "TreeServeTarget"), ("Drafter", "TreeServeDrafter"), ("Router", "TreeServeRouter")):
             capacity[name] += slots.get(resource, 0) * group["maxReplicas"]
