@@ -41,7 +41,7 @@ import socket
 from pathlib import Path
 
 from treeserve.cli.connection import add_credential_arguments, credentials
-from treeserve.engine.bench.options import DEFAULT_METHODS, SWEEP_BUDGETS, SWEEP_METHODS, BenchOptions
+from treeserve.engine.bench.options import DEFAULT_METHODS, PEER_SETS, SWEEP_BUDGETS, SWEEP_METHODS, BenchOptions
 from treeserve.engine.bench.runner import BENCH_METHODS
 from treeserve.engine.dev_prompts import DEV_PROMPTS
 from treeserve.engine.methods import SERVED_METHODS  # torch-free
@@ -101,10 +101,11 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compare every method's (and peer's) tokens with the target's own greedy `generate` "
                              "(temperature 0); divergence is allowed only where the top-2 logits nearly tie")
     peers = parser.add_argument_group("peers (what a user would pick instead, measured in the same run)")
-    peers.add_argument("--peers", nargs="*", default=[], choices=["hf"],
+    peers.add_argument("--peers", nargs="*", default=[], choices=list(PEER_SETS),
                        help="'hf': Hugging Face greedy generate, prompt-lookup decoding "
                             "(prompt_lookup_num_tokens=10) and assisted generation with --peer-drafter, on the "
-                            "same prompts, repeats and greedy check; speedups also against HF generate")
+                            "same prompts, repeats and greedy check; speedups also against HF generate (needs "
+                            "hf-generate). 'hf-generate', 'hf-pld', 'hf-assisted': one of them")
     peers.add_argument("--peer-drafter", default="distilled",
                        help="drafter for HF assisted generation ('distilled': the shipped distilled drafter; "
                             "skipped with the reason printed when transformers cannot run it, e.g. EAGLE)")

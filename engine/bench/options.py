@@ -12,7 +12,10 @@ DEFAULT_METHODS = ("autoregressive", "chain:4", "static:60", "eagle2:32", "dyspe
                    "opt_tree:32", "c2t:32", "dyspec:auto", "opt_tree:auto", "c2t:auto")
 SWEEP_METHODS = ("eagle2", "dyspec", "opt_tree", "c2t")
 SWEEP_BUDGETS = (8, 16, 32, 64)
-
+# Peer sets (engine/bench/peers.py): "hf" runs all three; each may also be named alone (a run that needs only
+# prompt lookup saves the others' minutes).
+PEER_SETS = {"hf": ("hf-generate", "hf-pld", "hf-assisted"), "hf-generate": ("hf-generate",), "hf-pld": ("hf-pld",),
+             "hf-assisted": ("hf-assisted",)}
 
 @dataclass
 class BenchOptions:

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-PEER_SETS = {"hf": ("hf-generate", "hf-pld", "hf-assisted")}
+from treeserve.engine.bench.options import PEER_SETS
+
 PLD_TOKENS = 10  # prompt_lookup_num_tokens: transformers' documented example value, the one users copy
 
 

@@ -181,6 +181,9 @@ def test_eagle_drafter_is_skipped_with_a_reason(tiny, monkeypatch):
     assert len(skipped) == 1 and "EAGLE" in skipped[0] and "hidden states" in skipped[0]
     with pytest.raises(ValueError, match="unknown peer set"):
         build_peers(["vllm"], tiny, "distilled")
+    # one peer named alone, or sets overlapping: each peer once, in the sets' order
+    assert [p.key for p in build_peers(["hf-pld"], tiny, "eagle")[0]] == ["hf-pld"]
+    assert [p.key for p in build_peers(["hf-pld", "hf-generate", "hf-pld"], tiny, "eagle")[0]] == ["hf-pld", "hf-generate"]
 
 
 def test_forward_log_reads_first_position(tiny):
@@ -227,6 +230,9 @@ def test_summaries_compare_with_both_baselines():
     assert rows["c2t:auto"]["category_speedups_vs_hf"] == {"qa": 4.0, "extraction": 1.0}
     assert rows["c2t:auto"]["speedup"] == pytest.approx(1.5) and rows["c2t:auto"]["speedup_vs_hf"] == pytest.approx(2.5)
     assert rows["c2t:auto"]["worst_category_speedup"] == 1.0 and rows["c2t:auto"]["mal"] == 2.0
+    # the mean over categories weighs each category the same (Spec-Bench's overall): (2 + 1) / 2
+    assert rows["c2t:auto"]["category_mean_speedup"] == pytest.approx(1.5)
+    assert rows[AR_KEY]["category_mean_speedup"] == pytest.approx(1.0)
     assert not math.isnan(rows[HF_KEY]["speedup"])
 
 
