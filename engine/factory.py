@@ -17,6 +17,7 @@ from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.drafters.loading import build_local_drafter
 from treeserve.engine.drafters.models.loading import target_feature_layers
 from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND, canonical_name, check_kind
+from treeserve.engine.lookup import LookupSettings
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import LoadedModel, load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
@@ -52,11 +53,13 @@ def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
 def build_engine(target_path: str = "default", drafter_path: str | None = None, method: str = DEFAULT_METHOD,
                  budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
-                 drafter_kind: str | None = None, **tree_overrides) -> SpeculativeEngine:
+                 drafter_kind: str | None = None, lookup: LookupSettings | None = None,
+                 **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
     the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's shipped
-    drafter ("distilled", or "parallel" for kind parallel)."""
+    drafter ("distilled", or "parallel" for kind parallel); `lookup` sets copy-from-context drafting (methods
+    "lookup" and "<builder>+lookup"; None: the defaults)."""
     torch_dtype = parse_dtype(dtype)
     if drafter_path is None:
         drafter_path = check_kind(drafter_kind or AUTOREGRESSIVE_KIND).shipped
@@ -69,7 +72,7 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     drafter = None
     if method != AUTOREGRESSIVE:
         drafter = build_local_drafter(drafter_path, target.model, device, torch_dtype, budget,
-                                      drafter_kind=drafter_kind)
+                                      drafter_kind=drafter_kind, lookup=lookup)
     if drafter is not None and base == "opt_tree" and "delta" not in tree_overrides:
         # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens, whatever
         # the node budget (the profile is measured once per machine and cached).

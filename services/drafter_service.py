@@ -159,7 +159,8 @@ def load_drafter_from_config(config) -> tuple[Drafter, int]:
 
         target = load_target_parts(config.target.path, config.drafter.device, dtype)
     drafter = build_local_drafter(config.drafter.path, target, config.drafter.device, dtype,
-                                  config.speculation.budget, drafter_kind=config.drafter.kind)
+                                  config.speculation.budget, drafter_kind=config.drafter.kind,
+                                  lookup=config.speculation.lookup)
     # The KV pool is preallocated now: max_sessions x max_context_tokens (treeserve memory-estimate).
     drafter.lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
     drafter.lm.warm_up()

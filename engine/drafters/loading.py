@@ -15,6 +15,7 @@ from treeserve.engine.budget import BudgetChooser, measure_profile
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafters.base import DrafterBase
 from treeserve.engine.drafters.registry import KINDS, PARALLEL_KIND, canonical_name, drafter_dir, kind_of
+from treeserve.engine.lookup import LookupSettings
 
 C2T_CLASSIFIER_FILE = "c2t.safetensors"  # a drafter directory's own C2T classifier (trained on its trees)
 
@@ -51,14 +52,15 @@ def _chooser(budget: int | str, target: torch.nn.Module, model: torch.nn.Module,
 
 def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str = "cpu",
                         dtype: torch.dtype = torch.float32, budget: int | str = "auto",
-                        classifier_path: str | None = "default", drafter_kind: str | None = None) -> DrafterBase:
+                        classifier_path: str | None = "default", drafter_kind: str | None = None,
+                        lookup: LookupSettings | None = None) -> DrafterBase:
     """The drafter of `drafter_kind` over the weights at `drafter_path`, for `target`; budget "auto" measures
     the hardware and chooses per step.
 
     `drafter_kind` None takes the kind the weights are (a directory's config.json, a shipped name's own); a
     stated kind that disagrees with them is a ValueError (engine/drafters/registry.py). Kind "parallel" gives a
     ParallelTreeDrafter (k+1 positions per forward), "autoregressive" a LocalDrafter with the drafter's own C2T
-    classifier."""
+    classifier and `lookup`'s copy-from-context settings (None: the defaults)."""
     drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
     kind = kind_of(drafter_path, drafter_kind)
     drafter_class = KINDS[kind].load_class()
@@ -74,4 +76,4 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     model = load_drafter(drafter_path, target, device, dtype)
     chooser = _chooser(budget, target, model, device, dtype)
     return drafter_class(DrafterRunner(model, target.config.vocab_size, device, dtype),
-                         classifier=load_classifier(classifier_path, drafter_path), budget=chooser)
+                         classifier=load_classifier(classifier_path, drafter_path), budget=chooser, lookup=lookup)

@@ -25,6 +25,9 @@ suffix, counts every continuation of the match and expands the most probable one
   them, get no model row at all (the drafter forward is skipped there). Sampled builders (DySpec, SpS chains
   at T > 0) add lookup candidates as deterministic children first and sample the model's children from q
   without those tokens; the verifier applies the point-mass rule to the former (engine/verify.py).
+- `SharedOutputs` (optional, off by default: `LookupSettings.shared_tokens`): SuffixDecoding's global tree, an
+  index of the drafter's recent requests' outputs bounded in tokens; a node drafts from them where their
+  best candidate is more probable than its own context's, calibrated in buckets of their own.
 - `LookupPlan`: the lookup-only tree, best-first by path probability (SuffixDecoding's tree expansion), whose
   cumulative values are the expected accepted tokens the hardware-aware chooser prices a step without the
   model drafter by (engine/budget.py).
@@ -32,17 +35,32 @@ suffix, counts every continuation of the match and expands the most probable one
 Every lookup candidate is a deterministic function of the context, so verification stays lossless.
 
 Modules: suffix_index (the index, match states and candidate rows), session (per-request calibration and
-predictions, pooled prior, settings), trees (lookup-only trees and chains), hybrid_oracle (the mixing oracle).
+predictions, pooled prior, settings), shared_outputs (the cross-request index), trees (lookup-only trees and
+chains), hybrid_oracle (the mixing oracle).
 """
 
-from treeserve.engine.lookup.hybrid_oracle import HybridOracle, head_index
-from treeserve.engine.lookup.session import (MATCH_BUCKETS, PRIOR_HIT, LookupSession, LookupSettings, LookupSources,
-                                             LookupStats, match_bucket)
-from treeserve.engine.lookup.suffix_index import NO_MATCH, LookupRow, LookupState, SuffixIndex
-from treeserve.engine.lookup.trees import LookupPlan, LookupTreeBuilder, lookup_chain, merge_chains, plan_lookup
+import importlib
+
+from treeserve.engine.lookup.session import (MATCH_BUCKETS, PRIOR_HIT, PRIORS, LookupSession, LookupSettings,
+                                             LookupSources, LookupStats, match_bucket)
+from treeserve.engine.lookup.shared_outputs import SharedOutputs
+from treeserve.engine.lookup.suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
+
+# The parts that use torch, imported on first use: the settings and the index stay torch-free (the Serve
+# config validates `speculation.lookup` without loading torch).
+_TORCH_PARTS = {"HybridOracle": "hybrid_oracle", "head_index": "hybrid_oracle", "LookupPlan": "trees",
+                "LookupTreeBuilder": "trees", "lookup_chain": "trees", "merge_chains": "trees", "plan_lookup": "trees"}
+
+
+def __getattr__(name: str):
+    module = _TORCH_PARTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
-    "MATCH_BUCKETS", "PRIOR_HIT", "NO_MATCH", "HybridOracle", "LookupPlan", "LookupRow", "LookupSession",
-    "LookupSettings", "LookupSources", "LookupState", "LookupStats", "LookupTreeBuilder", "SuffixIndex", "head_index",
-    "lookup_chain", "match_bucket", "merge_chains", "plan_lookup",
+    "MATCH_BUCKETS", "PRIOR_HIT", "PRIORS", "NO_MATCH", "SEPARATOR", "HybridOracle", "LookupPlan", "LookupRow",
+    "LookupSession", "LookupSettings", "LookupSources", "LookupState", "LookupStats", "LookupTreeBuilder",
+    "SharedOutputs", "SuffixIndex", "head_index", "lookup_chain", "match_bucket", "merge_chains", "plan_lookup",
 ]

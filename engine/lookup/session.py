@@ -9,6 +9,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from treeserve.engine.lookup.shared_outputs import SharedOutputs
 from treeserve.engine.lookup.suffix_index import NO_MATCH, LookupRow, LookupState, SuffixIndex
 
 # Lower edges of the match-length buckets the calibration keeps, and the probability each starts from that
@@ -16,10 +17,15 @@ from treeserve.engine.lookup.suffix_index import NO_MATCH, LookupRow, LookupStat
 # size and SuffixDecoding's max_spec_factor assume).
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 10, 16, 32)
 PRIOR_HIT = (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.8)
+# The same for matches in other requests' outputs (SharedOutputs), calibrated apart: text another request
+# wrote predicts this one less than this request's own context does until measured otherwise.
+PRIOR_HIT_SHARED = (0.05, 0.1, 0.15, 0.25, 0.35, 0.45, 0.55, 0.6)
+PRIORS = PRIOR_HIT + PRIOR_HIT_SHARED  # calibration bucket -> prior hit rate
 
 
-def match_bucket(length: int) -> int:
-    return max(0, bisect.bisect_right(MATCH_BUCKETS, length) - 1)
+def match_bucket(length: int, shared: bool = False) -> int:
+    """The calibration bucket of a match: by length, the shared outputs' buckets after the request's own."""
+    return max(0, bisect.bisect_right(MATCH_BUCKETS, length) - 1) + (len(MATCH_BUCKETS) if shared else 0)
 
 
 @dataclass
@@ -37,12 +43,21 @@ class LookupSettings:
     skip_model_above: float = field(default=0.6, metadata={
         "help": "a node whose best lookup candidate is at least this probable gets no model row (nor do its descendants)"})
     session_prior: float = field(default=4.0, metadata={"help": "observations the pooled estimate counts as in a request's calibration"})
-    pooled_prior: float = field(default=8.0, metadata={"help": "observations PRIOR_HIT counts as in the pooled calibration"})
+    pooled_prior: float = field(default=8.0, metadata={
+        "help": "observations the fixed prior hit rates (PRIORS) count as in the pooled calibration"})
     chain_min_joint: float = field(default=0.3, metadata={"help": "batched steps: a lookup chain stops below this path probability"})
     max_sessions: int = field(default=256, metadata={"help": "sessions whose index is kept (least recently used dropped)"})
+    shared_tokens: int = field(default=0, metadata={
+        "help": "0: off. Else the outputs of a drafter's recent requests, up to this many tokens, are indexed too "
+                "(SuffixDecoding's global tree; ~650 bytes per token at max_ngram 4): a node drafts from them "
+                "where their best candidate is more probable than its own context's. Output is unchanged, but decoding speed may reveal "
+                "what other requests recently generated: leave off where tenants must not learn of each other"})
+    shared_min_match: int = field(default=2, metadata={
+        "help": "shortest match in the shared outputs that is drafted from (a single token recurs everywhere)"})
 
     def __post_init__(self) -> None:
-        for name in ("max_ngram", "max_positions", "max_match", "max_branches", "plan_nodes", "max_sessions"):
+        for name in ("max_ngram", "max_positions", "max_match", "max_branches", "plan_nodes", "max_sessions",
+                     "shared_min_match"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"lookup.{name} must be an integer >= 1, got {value!r}")
@@ -54,19 +69,21 @@ class LookupSettings:
                 raise ValueError(f"lookup.{name} must lie in (0, 1], got {value!r}")
         if self.session_prior <= 0 or self.pooled_prior <= 0:
             raise ValueError("lookup.session_prior and pooled_prior must be > 0")
+        if not isinstance(self.shared_tokens, int) or self.shared_tokens < 0 or self.shared_tokens == 1:
+            raise ValueError(f"lookup.shared_tokens must be 0 (off) or an integer >= 2, got {self.shared_tokens!r}")
 
 
 class LookupStats:
-    """Hit rates per match-length bucket pooled over a drafter's requests: the prior of each new request's
-    calibration (starting from PRIOR_HIT, counted as `prior` observations)."""
+    """Hit rates per calibration bucket pooled over a drafter's requests: the prior of each new request's
+    calibration (starting from PRIORS, counted as `prior` observations)."""
 
     def __init__(self, prior: float = 8.0) -> None:
         self.prior = prior
-        self.hits = [0.0] * len(MATCH_BUCKETS)
-        self.trials = [0.0] * len(MATCH_BUCKETS)
+        self.hits = [0.0] * len(PRIORS)
+        self.trials = [0.0] * len(PRIORS)
 
     def mean(self, bucket: int) -> float:
-        return (self.hits[bucket] + self.prior * PRIOR_HIT[bucket]) / (self.trials[bucket] + self.prior)
+        return (self.hits[bucket] + self.prior * PRIORS[bucket]) / (self.trials[bucket] + self.prior)
 
     def observe(self, bucket: int, hit: bool) -> None:
         self.hits[bucket] += float(hit)
@@ -76,12 +93,14 @@ class LookupStats:
 class LookupSession:
     """One request's index, calibration and last step's predictions (kept by the drafter across steps)."""
 
-    def __init__(self, settings: LookupSettings, pooled: LookupStats) -> None:
+    def __init__(self, settings: LookupSettings, pooled: LookupStats, shared: SharedOutputs | None = None) -> None:
         self.settings = settings
         self.pooled = pooled
+        self.shared = shared  # other requests' recent outputs (None: off)
         self.index = SuffixIndex(settings.max_ngram)
-        self.hits = [0.0] * len(MATCH_BUCKETS)
-        self.trials = [0.0] * len(MATCH_BUCKETS)
+        self.first_context = -1  # context length at the first sync: where this request's output starts
+        self.hits = [0.0] * len(PRIORS)
+        self.trials = [0.0] * len(PRIORS)
         # path after the root (tuple of tokens) -> (candidate tokens, bucket) of the last step, scored when the
         # next step shows what the target emitted there
         self._predictions: dict[tuple[int, ...], tuple[frozenset[int], int]] = {}
@@ -95,9 +114,12 @@ class LookupSession:
         step's predictions on the tokens emitted since, and index the new tokens. A context that does not
         extend what was indexed rebuilds the index."""
         held = len(self.index)
+        if self.first_context < 0:
+            self.first_context = len(context)
         if held > len(context) or (held and context[held - 1] != self.index.tokens[-1]):
             self.index = SuffixIndex(self.settings.max_ngram)
             self._predictions, held = {}, 0
+            self.first_context = min(self.first_context, len(context))
         if self._predictions and self._predicted_at == held:
             emitted = list(context[held:])
             for i, token in enumerate(emitted):  # emitted[:i] is an accepted path (i = 0: the root)
@@ -121,6 +143,11 @@ class LookupSession:
         k = self.settings.session_prior
         return (self.hits[bucket] + k * self.pooled.mean(bucket)) / (self.trials[bucket] + k)
 
+    def output(self) -> list[int]:
+        """The tokens this request generated so far (from the last token of its first synced context on: the
+        prompt's last token or the first generated one; what the shared outputs index when it ends)."""
+        return self.index.tokens[max(0, self.first_context - 1):]
+
     def predict(self, path: tuple[int, ...], row: LookupRow) -> None:
         """Remember a node's candidates, scored at the next `sync` if the node lies on the accepted path."""
         self._predictions[path] = (frozenset(row.tokens), row.bucket)
@@ -132,29 +159,45 @@ class LookupSession:
 
     def root_state(self) -> LookupState:
         if self._root_state is None:
-            s = self.settings
-            self._root_state = LookupState(*self.index.longest_match(self.tail(), s.max_positions, s.max_match))
+            self._root_state = self._match(self.tail())
         return self._root_state
+
+    def _match(self, tail: Sequence[int]) -> LookupState:
+        """The longest match of `tail` in this request's tokens or, with shared outputs, the longest there
+        (of at least shared_min_match tokens) when its best candidate is the more probable of the two under
+        the calibration (SuffixDecoding scores both trees' candidates and keeps the better)."""
+        s = self.settings
+        length, positions = self.index.longest_match(tail, s.max_positions, s.max_match)
+        own = LookupState(length, positions) if positions else NO_MATCH
+        if self.shared is None or own.length >= s.max_match:
+            return own
+        index = self.shared.index
+        length, positions = index.longest_match(tail, s.max_positions, s.max_match)
+        if not positions or length < s.shared_min_match:
+            return own
+        shared = LookupState(length, positions, index)
+        if not own.positions or self.row(shared).values[0] > self.row(own).values[0]:
+            return shared
+        return own
 
     def child_state(self, state: LookupState, token: int, path: Sequence[int]) -> LookupState:
         """The state after appending `token` to a node's sequence in `state` (`path`: the root path including
-        `token`): its occurrences that continue with `token`, or a fresh match when none does."""
-        toks = self.index.tokens
+        `token`): its occurrences that continue with `token` (and have a continuation), or a fresh match when
+        none does."""
+        toks = (state.index or self.index).tokens
         last = len(toks) - 1
-        kept = tuple(p + 1 for p in state.positions if toks[p + 1] == token and p + 1 < last)
+        kept = tuple(p + 1 for p in state.positions if p + 1 < last and toks[p + 1] == token and toks[p + 2] >= 0)
         if kept:
-            return LookupState(min(state.length + 1, self.settings.max_match), kept)
-        s = self.settings
-        length, positions = self.index.longest_match(self.tail(path), s.max_positions, s.max_match)
-        return LookupState(length, positions) if positions else NO_MATCH
+            return LookupState(min(state.length + 1, self.settings.max_match), kept, state.index)
+        return self._match(self.tail(path))
 
     def row(self, state: LookupState) -> LookupRow | None:
         """The candidates of a node in `state`, or None without a match."""
         if not state.positions:
             return None
-        toks = self.index.tokens
+        toks = (state.index or self.index).tokens
         counts = Counter(toks[p + 1] for p in state.positions)
-        bucket = match_bucket(state.length)
+        bucket = match_bucket(state.length, state.shared)
         scale = self.hit_rate(bucket) / len(state.positions)
         ranked = counts.most_common(self.settings.max_branches)
         values = tuple(scale * c for _, c in ranked)
@@ -167,21 +210,32 @@ class LookupSources:
     def __init__(self, settings: LookupSettings | None = None) -> None:
         self.settings = settings or LookupSettings()
         self.pooled = LookupStats(self.settings.pooled_prior)
+        self.shared = (SharedOutputs(self.settings.shared_tokens, self.settings.max_ngram)
+                       if self.settings.shared_tokens else None)
         self._sessions: OrderedDict[str, LookupSession] = OrderedDict()
 
     def session(self, session_id: str, context: Sequence[int]) -> LookupSession:
         """The session synced with `context` (created on first use)."""
         session = self._sessions.pop(session_id, None)
         if session is None:
-            session = LookupSession(self.settings, self.pooled)
+            session = LookupSession(self.settings, self.pooled, self.shared)
             while len(self._sessions) >= self.settings.max_sessions:
-                self._sessions.popitem(last=False)
+                self._finish(self._sessions.popitem(last=False)[1])
         self._sessions[session_id] = session
         session.sync(context)
         return session
 
     def release(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self._finish(session)
+        return True
+
+    def _finish(self, session: LookupSession) -> None:
+        """A session ends (released, or dropped as least recently used): its output joins the shared outputs."""
+        if self.shared is not None:
+            self.shared.add(session.output())
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions

@@ -3,8 +3,12 @@ a tree node's match there looks like (`LookupState`) and proposes (`LookupRow`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
+
+# Ends one output in an index holding several (engine/lookup/shared_outputs.py): never matched, never a
+# continuation, so no match crosses from one request's output into the next.
+SEPARATOR = -1
 
 
 class SuffixIndex:
@@ -25,6 +29,8 @@ class SuffixIndex:
             toks.append(int(token))
             end = len(toks) - 1
             for start in range(end, max(-1, end - size), -1):
+                if toks[start] == SEPARATOR:  # no n-gram spans or holds a separator
+                    break
                 key = tuple(toks[start:end + 1])
                 hit = ends.get(key)
                 if hit is None:
@@ -38,13 +44,14 @@ class SuffixIndex:
         max_positions of the most recent positions where it ends), or (0, ()) if not even the last token occurs
         with a continuation. Lengths past max_ngram are measured per occurrence (up to max_match)."""
         toks, ends_of = self.tokens, self._ends
-        last = len(toks) - 1  # a match ending here has no continuation
+        last = len(toks) - 1  # a match ending here (or before a SEPARATOR) has no continuation
         # Growing n: an n-gram with an occurrence followed by a token has such an occurrence of its (n-1)-suffix,
         # so the search stops at the first n without one (most tree nodes match 0-3 tokens: 1-4 lookups).
         length, found = 0, []
         for n in range(1, min(self.max_ngram, len(tail)) + 1):
             ends = ends_of.get(tuple(tail[len(tail) - n:]))
-            valid = [p for p in ends[-(max_positions + 1):] if p < last][-max_positions:] if ends else None
+            valid = ([p for p in ends[-(max_positions + 1):] if p < last and toks[p + 1] != SEPARATOR][-max_positions:]
+                     if ends else None)
             if not valid:
                 break
             length, found = n, valid
@@ -64,11 +71,17 @@ class SuffixIndex:
 
 @dataclass(frozen=True)
 class LookupState:
-    """Where a node's sequence (context + root path) matches the indexed tokens: the match length and the end
-    positions of its occurrences (each followed by a continuation); length 0 = no match."""
+    """Where a node's sequence (context + root path) matches indexed tokens: the match length, the end
+    positions of its occurrences (each followed by a continuation) and the index they are in (None: the
+    request's own; else the shared index of recent outputs); length 0 = no match."""
 
     length: int
     positions: tuple[int, ...]
+    index: SuffixIndex | None = field(default=None, repr=False)
+
+    @property
+    def shared(self) -> bool:
+        return self.index is not None
 
 
 @dataclass(frozen=True)

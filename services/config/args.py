@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
+from treeserve.engine.lookup import LookupSettings  # torch-free
 from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
 from treeserve.services.config.api import ApiConfig, SecurityConfig
 from treeserve.services.config.builder import build
@@ -30,6 +31,10 @@ class SpeculationConfig:
         default="auto")
     batch_method: Literal["c2t_chain"] = described("drafting above batch size 1: chains with C2T early exit",
                                                    default="c2t_chain")
+    lookup: LookupSettings = described(
+        "copy-from-context drafting of the lookup methods (lookup, <method>+lookup): index sizes, calibration, "
+        "and the optional cross-request index of recent outputs (shared_tokens, off by default)",
+        default_factory=LookupSettings)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         if self.budget != "auto" and not 1 <= self.budget <= 1024:

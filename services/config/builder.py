@@ -34,7 +34,10 @@ def build(cls: type, data: Any, path: str, base_dir: Optional[Path]) -> Any:
             kw[name] = convert(data[name], hints[name], join(path, name), base_dir)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ValueError(f"{join(path, name)}: required")
-    obj = cls(**kw)
+    try:
+        obj = cls(**kw)
+    except ValueError as exc:  # a dataclass's own __post_init__ rule (e.g. the engine's LookupSettings)
+        raise ValueError(f"{path or 'config'}: {exc}") from None
     if hasattr(obj, "_check"):
         obj._check(path or "", base_dir)
     return obj

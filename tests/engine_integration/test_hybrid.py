@@ -9,6 +9,7 @@ import torch
 from treeserve.engine.budget import LOOKUP_ONLY, BudgetChooser, HardwareProfile
 from treeserve.engine.builders import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.lookup import MATCH_BUCKETS, LookupSettings
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import GenerationRequest, StepRecord
@@ -163,3 +164,21 @@ def test_chooser_prices_lookup_only_steps():
     alone = BudgetChooser(profile, max_budget=8)
     assert alone.next_hybrid([0.001], model=False) in ((0, 0), (0, 1))
     assert alone.next_hybrid([0.9, 1.7], model=False) == (0, 2)
+
+
+def test_shared_outputs_feed_later_requests_and_stay_greedy_equal(pair, references):
+    """With the cross-request index on, a request that repeats an earlier one drafts from that one's output
+    (predictions from the shared outputs are made and hit), and its output is still the target's greedy output."""
+    target, drafter = pair
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size),
+                         lookup=LookupSettings(shared_tokens=4096))
+    engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
+                               TreeConfig(method="lookup", budget=8), max_context_tokens=2048)
+    for text in PROMPTS:
+        prompt, expected = references[text]
+        for _ in range(2):
+            result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
+            assert result.token_ids == expected[:len(result.token_ids)]
+    assert local.lookups.shared.outputs == 4  # each finished request's output joined the index
+    shared_buckets = slice(len(MATCH_BUCKETS), None)
+    assert sum(local.lookups.pooled.trials[shared_buckets]) > 0 and sum(local.lookups.pooled.hits[shared_buckets]) > 0

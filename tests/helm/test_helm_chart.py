@@ -166,6 +166,7 @@ def test_vendored_crds_state_their_source_and_the_chart_its_minimum():
     ("ray: {targetWorkers: {replicas: -2}}", "ray.targetWorkers.replicas: Must be greater than or equal to 0"),
     ("speculation: {method: medusa}", "speculation.method"),
     ("speculation: {budget: 5000}", "speculation.budget"),
+    ("speculation: {lookupSharedTokens: -5}", "speculation.lookupSharedTokens"),
     ("target: {path: meta-llama/Llama-2-70b-hf}", "target.path"),
     ("target: {path: eagle}", "target.path"),  # "eagle" names a shipped drafter, not a target
     ("drafter: {path: medusa}", "drafter.path"),
@@ -214,6 +215,14 @@ def test_one_node_preset_guards(tmp_path, content, message):
     bad = tmp_path / "bad.yaml"
     bad.write_text(content + "\n")
     assert message in render_error(preset("llama2-70b-4xa100"), bad)
+
+
+def test_cross_request_lookup_index_reaches_the_serve_config():
+    """Off in every preset; `speculation.lookupSharedTokens` turns on the drafter's index of recent outputs."""
+    assert serve_config(render(preset("cpu-demo"))).app.args.speculation.lookup.shared_tokens == 0
+    objs = render(preset("cpu-demo"), sets=("speculation.method=c2t+lookup", "speculation.lookupSharedTokens=65536"))
+    speculation = serve_config(objs).app.args.speculation
+    assert (speculation.method, speculation.lookup.shared_tokens) == ("c2t+lookup", 65536)
 
 
 def test_host_path_volume():

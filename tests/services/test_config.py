@@ -42,6 +42,10 @@ def test_from_args_parses_sections():
                                 "drafter": {"kind": "parallel"}})
     assert args.target.dtype == "bfloat16" and args.speculation.budget == 32
     assert args.limits.max_batch_size == 2 and args.drafter.kind == "parallel"
+    assert args.speculation.lookup.shared_tokens == 0  # the cross-request lookup index is off unless asked for
+    speculation = {"method": "c2t+lookup", "lookup": {"shared_tokens": 65536, "max_ngram": 6}}
+    lookup = AppConfig.from_args({"speculation": speculation}).speculation.lookup
+    assert (lookup.shared_tokens, lookup.max_ngram) == (65536, 6)
     assert AppConfig.from_args(None) == AppConfig()
 
 
@@ -49,9 +53,11 @@ def test_every_field_has_help():
     def walk(cls):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
-    for cls in (cfg.ModelFacts, cfg.ModelConfig, cfg.DrafterConfig, cfg.SpeculationConfig, cfg.LimitsConfig,
-                cfg.InternalGrpcConfig, cfg.ApiConfig, cfg.SecurityConfig, AppConfig, cfg.DeploymentConfig,
-                cfg.RuntimeEnv, cfg.ApplicationConfig, ServeConfigFile):
+    from treeserve.engine.lookup import LookupSettings
+
+    for cls in (cfg.ModelFacts, cfg.ModelConfig, cfg.DrafterConfig, cfg.SpeculationConfig, LookupSettings,
+                cfg.LimitsConfig, cfg.InternalGrpcConfig, cfg.ApiConfig, cfg.SecurityConfig, AppConfig,
+                cfg.DeploymentConfig, cfg.RuntimeEnv, cfg.ApplicationConfig, ServeConfigFile):
         walk(cls)
 
 
@@ -96,6 +102,9 @@ def test_serve_sections_are_ray_serves_own_models():
     ({"speculation": {"budget": 0}}, "applications[0].args.speculation.budget"),
     ({"speculation": {"budget": 1025}}, "applications[0].args.speculation.budget"),
     ({"speculation": {"budget": "many"}}, "applications[0].args.speculation.budget"),
+    ({"speculation": {"lookup": {"shared_tokens": -1}}},
+     "applications[0].args.speculation.lookup: lookup.shared_tokens must be 0 (off) or an integer >= 2"),
+    ({"speculation": {"lookup": {"max_ngam": 4}}}, "applications[0].args.speculation.lookup.max_ngam: unknown field"),
     ({"limits": {"max_batch_size": -1}}, "applications[0].args.limits.max_batch_size: must be > 0"),
     ({"limits": {"max_prompt_tokens": 4000}}, "applications[0].args.limits: max_prompt_tokens + max_new_tokens"),
     ({"grpc": {"max_message_bytes": 1024}}, "applications[0].args.grpc.max_message_bytes"),

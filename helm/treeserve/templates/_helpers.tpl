@@ -379,6 +379,8 @@ applications:
         method: {{ $v.speculation.method }}
         budget: {{ if eq (toString $v.speculation.budget) "auto" }}auto{{ else }}{{ int $v.speculation.budget }}{{ end }}
         batch_method: {{ $v.speculation.batchMethod }}
+        lookup:
+          shared_tokens: {{ int $v.speculation.lookupSharedTokens }}
       limits:
         max_prompt_tokens: {{ int $v.limits.maxPromptTokens }}
         max_new_tokens: {{ int $v.limits.maxNewTokens }}
