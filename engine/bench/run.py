@@ -147,10 +147,12 @@ def run_bench(options: BenchOptions) -> int:
                                      "speedup over Hugging Face generate (greedy), by category"))
     choosers = {}
     for key, runner in runners.items():  # what each hardware-aware chooser measured: budget -> tokens/s
-        chooser = runner.budget_chooser() if isinstance(runner, EngineRunner) else None
-        if chooser is not None and chooser.arms:
-            choosers[key] = chooser.summary()
-            print(f"{key}: measured tokens/s per budget {choosers[key]}")
+        found = runner.budget_choosers() if isinstance(runner, EngineRunner) else {}
+        for context, chooser in found.items():
+            if chooser.arms:
+                name = f"{key} ({context})" if context else key
+                choosers[name] = chooser.summary()
+                print(f"{name}: measured tokens/s per budget {choosers[name]}")
     greedy = {}
     if checks:
         for s in summary:

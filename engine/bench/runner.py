@@ -100,6 +100,10 @@ class EngineRunner:
         outcome.drafter_tokens = sum(n for _, n in log.calls)
         return outcome
 
-    def budget_chooser(self):
-        """The drafter's batch-1 hardware-aware budget chooser (None: plain decoding or fixed budgets)."""
-        return self.engine.drafter.budget if self.engine.drafter is not None else None
+    def budget_choosers(self) -> dict[str, object]:
+        """The drafter's batch-1 hardware-aware budget choosers by context ("": every step, or a hybrid's steps
+        with nothing to copy; "copying": a hybrid's steps where the lookup expects to copy); empty for plain
+        decoding or fixed budgets."""
+        drafter = self.engine.drafter
+        found = {"": getattr(drafter, "budget", None), "copying": getattr(drafter, "copy_budget", None)}
+        return {context: chooser for context, chooser in found.items() if chooser is not None}

@@ -9,8 +9,9 @@ Methods "lookup" and "<builder>+lookup" also draft from the request's own tokens
 drafter keeps a suffix index per session, updated with the tokens each call's context adds, and scores the
 previous step's lookup candidates against them. At batch size 1 with an auto budget the chooser decides each
 step between a lookup-only tree (no drafter forward), the builder's tree over merged candidates (the model's
-and the lookup's) at a measured budget, and plain decoding (engine/budget.py, `next_hybrid`); above 1 a
-sequence's lookup chain joins its C2T chain in one tree (or replaces it where the lookup is confident).
+and the lookup's) at a measured budget, and plain decoding (engine/budget.py, `next_hybrid`); steps where the
+lookup expects to copy are measured by a chooser of their own (`copy_budget`). Above 1 a sequence's lookup
+chain joins its C2T chain in one tree (or replaces it where the lookup is confident).
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ class LocalDrafter(DrafterBase):
         # batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
         self.batch_budgets: dict[int, BudgetChooser] = {}
         self._batch_chooser: BudgetChooser | None = None
+        # Hybrid steps where the lookup expects to copy something are measured by a chooser of their own: a
+        # budget's tokens/s there (trees carrying long copies) says little about stretches with nothing to copy,
+        # and one set of measurements over both would size the latter's trees by the former's (a contextual
+        # bandit with two contexts). Created on first use; `budget` measures every other batch-1 step.
+        self.copy_budget: BudgetChooser | None = None
+        self._step_chooser: BudgetChooser | None = None  # the chooser that decided the last batch-1 step
 
     @property
     def model(self) -> torch.nn.Module:
@@ -103,6 +110,7 @@ class LocalDrafter(DrafterBase):
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         trees: dict[int, TokenTree] = {}
         self.hold_steps = 0
+        self._step_chooser = self.budget
         batch = batch_size or len(requests)
         if speculative and batch > 1:
             depth = self._batch_depth(batch, speculative)
@@ -152,7 +160,9 @@ class LocalDrafter(DrafterBase):
         builder = self.builder(r.tree)
         if auto:
             plan = plan_lookup(session, root, settings.plan_nodes, settings.min_value)
-            budget, nodes = self.budget.next_hybrid(plan.gains(), model=base != LOOKUP)
+            gains = plan.gains()
+            self._step_chooser = self._hybrid_chooser(gains)
+            budget, nodes = self._step_chooser.next_hybrid(gains, model=base != LOOKUP)
             if nodes:
                 return plan.tree(nodes, greedy)
             if budget == 0:
@@ -165,6 +175,16 @@ class LocalDrafter(DrafterBase):
         model = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
         oracle = HybridOracle(model, session, self.runner.vocab_size, head_index=self._head_index)
         return builder.build(root, oracle, r.sampling, generator)
+
+    def _hybrid_chooser(self, gains: list[float]) -> BudgetChooser:
+        """The chooser measuring this hybrid step's context: `copy_budget` where the lookup-only plan expects
+        at least `copy_context_gain` accepted tokens, else `budget`."""
+        if not gains or gains[-1] < self.lookups.settings.copy_context_gain:
+            return self.budget
+        if self.copy_budget is None:
+            # Same settings, its own measurements (replace() starts a dataclass's init=False state afresh).
+            self.copy_budget = dataclasses.replace(self.budget)
+        return self.copy_budget
 
     def _lookup_chains(self, speculative: list[DraftRequest]) -> dict[int, tuple[tuple[list[int], list[float]], bool]]:
         """Batched steps: each lookup request's copy chain (free to draft), and whether the model drafts a chain
@@ -207,7 +227,7 @@ class LocalDrafter(DrafterBase):
         """Feed a finished step's records to the chooser that picked its budget: the batch-1 tree budget,
         or the batched chain depth (one record per sequence of the batch); each ignores steps it did not
         decide."""
-        chooser = self._batch_chooser if record.batch_size > 1 else self.budget
+        chooser = self._batch_chooser if record.batch_size > 1 else self._step_chooser or self.budget
         if chooser is not None:
             chooser.observe(record)
 

@@ -47,6 +47,9 @@ class LookupSettings:
         "help": "observations the fixed prior hit rates (PRIORS) count as in the pooled calibration"})
     chain_min_joint: float = field(default=0.3, metadata={"help": "batched steps: a lookup chain stops below this path probability"})
     max_sessions: int = field(default=256, metadata={"help": "sessions whose index is kept (least recently used dropped)"})
+    copy_context_gain: float = field(default=0.5, metadata={
+        "help": "auto budgets: steps whose lookup-only plan expects at least this many accepted tokens are measured "
+                "by a budget chooser of their own (what a tree size buys differs where there is something to copy)"})
     shared_tokens: int = field(default=0, metadata={
         "help": "0: off. Else the outputs of a drafter's recent requests, up to this many tokens, are indexed too "
                 "(SuffixDecoding's global tree; ~650 bytes per token at max_ngram 4): a node drafts from them "
@@ -67,6 +70,8 @@ class LookupSettings:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"lookup.{name} must lie in (0, 1], got {value!r}")
+        if self.copy_context_gain < 0:
+            raise ValueError(f"lookup.copy_context_gain must be >= 0, got {self.copy_context_gain!r}")
         if self.session_prior <= 0 or self.pooled_prior <= 0:
             raise ValueError("lookup.session_prior and pooled_prior must be > 0")
         if not isinstance(self.shared_tokens, int) or self.shared_tokens < 0 or self.shared_tokens == 1:

@@ -105,6 +105,29 @@ def test_auto_budget_drafts_lookup_only_steps_and_stays_greedy_equal(pair, refer
     assert engine.drafter.hold_steps == 0
 
 
+def test_steps_with_something_to_copy_are_measured_apart(pair, references):
+    """Auto budgets: hybrid steps whose lookup expects to copy are decided and measured by the drafter's
+    `copy_budget`, the others by its `budget`; each chooser gets the records of the steps it decided."""
+    chooser = BudgetChooser(flat_profile())
+    engine = make_engine(pair, TreeConfig(method="c2t+lookup", budget_auto=True, depth=4, top_k=4), chooser)
+    contexts = []
+    original = engine.drafter._hybrid_chooser
+
+    def spy(gains):
+        picked = original(gains)
+        contexts.append((bool(gains) and gains[-1] >= 0.5, picked))
+        return picked
+
+    engine.drafter._hybrid_chooser = spy
+    check_greedy(engine, references)
+    copy = engine.drafter.copy_budget
+    assert copy is not None and copy is not chooser and copy.profile is chooser.profile
+    assert {copying for copying, _ in contexts} == {True, False}, "both contexts should occur on these prompts"
+    assert all((picked is copy) == copying for copying, picked in contexts)
+    for decided in (chooser, copy):  # every chooser was credited its own steps (model budgets or lookup-only)
+        assert sum(a.steps for a in decided.arms.values()) + decided.lookup_predicted > 0
+
+
 def test_lookup_method_auto_never_calls_the_model(pair, references):
     engine = make_engine(pair, TreeConfig(method="lookup", budget_auto=True), BudgetChooser(flat_profile()))
     for text in PROMPTS:
