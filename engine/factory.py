@@ -64,8 +64,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     if drafter_path is None:
         drafter_path = check_kind(drafter_kind or AUTOREGRESSIVE_KIND).shipped
     drafter_path = canonical_name(drafter_path, drafter_kind)
-    base, lookup = split_method(method)
-    if lookup and drafter_kind not in (None, AUTOREGRESSIVE_KIND):
+    base, copies = split_method(method)
+    if copies and drafter_kind not in (None, AUTOREGRESSIVE_KIND):
         raise ValueError(f"method {method!r} drafts copy-from-context candidates with the autoregressive drafter, "
                          f"not drafter_kind {drafter_kind!r}")
     target = target or load_causal_lm(target_path, device, torch_dtype)
