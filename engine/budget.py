@@ -277,18 +277,22 @@ class BudgetChooser:
     def next_hybrid(self, gains: list[float], model: bool = True) -> tuple[int, int]:
         """This step's (model budget, lookup-only nodes), at most one of them non-zero (both 0: plain decoding).
         `gains[n - 1]`: expected accepted tokens of the best n-node lookup-only tree (engine.lookup.LookupPlan).
-        `model` False: no model drafter to weigh against (method "lookup"). Never holds plain steps."""
+        `model` False: no model drafter to weigh against (method "lookup"). Never holds plain steps. While the
+        chooser still explores (its first `explore_steps` steps at each promising budget) the model budget is
+        taken whatever the lookup offers: a lookup-only plan priced against no measurement would win every
+        step and the model budgets would never be measured."""
         nodes, best = 0, 0.0
         for n, gain in enumerate(gains, start=1):
             rate = self.lookup_rate(gain, n)
             if rate > best:
                 nodes, best = n, rate
         budget = self.choose() if model else 0
+        exploring = model and budget in self._to_explore and self.arms.get(budget, _Arm()).steps < self.explore_steps
         factor = self.acceptance_factor
         measured = [self.arms[b].rate_at(factor) for b in self.arms if self.arms[b].steps and (model or b == 0)]
         reference = max(measured, default=self.lookup_rate(0.0, 0))
         self.held, self.owed = 0, 1.0
-        if nodes and best > reference:
+        if nodes and best > reference and not exploring:
             self.current, self._lookup_gain = LOOKUP_ONLY, gains[nodes - 1]
             return 0, nodes
         self.current = budget
