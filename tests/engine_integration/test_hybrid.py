@@ -101,7 +101,8 @@ def test_auto_budget_drafts_lookup_only_steps_and_stays_greedy_equal(pair, refer
     check_greedy(engine, references)
     assert any(nodes > 0 for _, nodes in seen), "no lookup-only step"
     assert all(budget == 0 or nodes == 0 for budget, nodes in seen)
-    assert chooser.cost_ratios or engine.drafter.copy_budget.cost_ratios, "lookup-only steps did not calibrate their cost"
+    calibrated = chooser.cost_ratios or engine.drafter.copy_budget.cost_ratios
+    assert calibrated, "lookup-only steps did not calibrate their cost"
     assert engine.drafter.hold_steps == 0
 
 
