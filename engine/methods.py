@@ -18,9 +18,10 @@ METHODS = BUILDERS + (LOOKUP,) + tuple(b + LOOKUP_SUFFIX for b in HYBRID_BUILDER
 # What a request, the CLI and the Serve config may name at batch size 1 (c2t_chain is the batched drafting mode).
 SERVED_METHODS = (AUTOREGRESSIVE,) + tuple(m for m in METHODS if not m.startswith("c2t_chain"))
 # The method of `treeserve generate --in-process`, the typed Serve config and a drafter replica when none is
-# named. The hybrid (e.g. "c2t+lookup") becomes the default by changing this line (and `speculation.method` in
-# deploy/*.yaml and the Helm presets, which name theirs) once its bench numbers are in.
-DEFAULT_METHOD = "dyspec"
+# named (deploy/*.yaml and the Helm presets name theirs: the same). The hybrid: C2T's pruned trees over the
+# drafter's and the context's candidates; it beat every model-only and lookup-only method and HF prompt lookup
+# on the dev bench (docs/performance.md section 1).
+DEFAULT_METHOD = "c2t+lookup"
 
 
 def split_method(method: str) -> tuple[str, bool]:

@@ -9,7 +9,8 @@ from pathlib import Path
 from treeserve.engine.dev_prompts import DEV_PROMPTS
 
 DEFAULT_METHODS = ("autoregressive", "chain:4", "static:60", "eagle2:32", "dyspec:32", "dyspec_threshold:32",
-                   "opt_tree:32", "c2t:32", "dyspec:auto", "opt_tree:auto", "c2t:auto")
+                   "opt_tree:32", "c2t:32", "dyspec:auto", "opt_tree:auto", "c2t:auto", "lookup:auto",
+                   "c2t+lookup:auto")
 SWEEP_METHODS = ("eagle2", "dyspec", "opt_tree", "c2t")
 SWEEP_BUDGETS = (8, 16, 32, 64)
 # Peer sets (engine/bench/peers.py): "hf" runs all three; each may also be named alone (a run that needs only
