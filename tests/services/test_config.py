@@ -250,8 +250,13 @@ def test_drafter_kind_must_match_its_weights(tmp_path):
     message = _error(_app({"drafter": {"path": str(parallel_dir)}}))
     assert message.startswith("applications[0].args.drafter: drafter kind 'autoregressive' does not match")
     assert "set the kind to 'parallel'" in message
-    message = _error(_app({"drafter": {"path": "eagle", "kind": "parallel"}}))
+    # A parallel drafter cannot draft the default hybrid method (copy-from-context candidates): name a method.
+    message = _error(_app({"drafter": {"kind": "parallel"}}))
+    assert "drafts with the autoregressive drafter, not drafter.kind parallel" in message
+    model_only = {"method": "dyspec"}
+    message = _error(_app({"drafter": {"path": "eagle", "kind": "parallel"}, "speculation": model_only}))
     assert message.startswith("applications[0].args.drafter: drafter kind 'parallel' does not match the shipped "
                               'drafter "eagle"')
-    config = load_serve_config(_app({"drafter": {"path": str(parallel_dir), "kind": "parallel"}}))
+    config = load_serve_config(_app({"drafter": {"path": str(parallel_dir), "kind": "parallel"},
+                                     "speculation": model_only}))
     assert config.app.args.drafter.kind == "parallel"

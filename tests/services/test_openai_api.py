@@ -15,7 +15,6 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from treeserve.engine.methods import DEFAULT_METHOD  # noqa: E402
 from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig  # noqa: E402
 from treeserve.v1 import generation_pb2 as gen  # noqa: E402
 from treeserve.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
@@ -68,7 +67,7 @@ def test_chat_greedy_equals_grpc_generate(http_service, client):
     assert usage.prompt_tokens == expected.stats.prompt_tokens
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     spec = usage.model_extra["speculation"]
-    assert spec["method"] == DEFAULT_METHOD and spec["steps"] == expected.stats.steps
+    assert spec["method"] == "dyspec" and spec["steps"] == expected.stats.steps
     assert spec["mean_accepted_length"] == pytest.approx(expected.stats.mean_accepted_length, abs=1e-3)
     assert spec["mean_tree_size_tokens"] > 0
 

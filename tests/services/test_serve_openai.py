@@ -13,7 +13,6 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from treeserve.engine.methods import DEFAULT_METHOD  # noqa: E402
 from treeserve.v1 import generation_pb2 as gen  # noqa: E402
 from treeserve.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
 from treeserve.v1 import internal_pb2 as pb  # noqa: E402
@@ -51,7 +50,7 @@ def test_openai_client_equals_grpc_through_the_router_replica(serve_service):
     reply = client.chat.completions.create(model=model, messages=CHAT, max_tokens=32, temperature=0)
     assert reply.choices[0].message.content == expected.text
     assert reply.usage.completion_tokens == len(expected.token_ids)
-    assert reply.usage.model_extra["speculation"]["method"] == DEFAULT_METHOD  # deploy/local-cpu.yaml's
+    assert reply.usage.model_extra["speculation"]["method"] == "dyspec"
     chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=32, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text

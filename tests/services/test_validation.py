@@ -6,7 +6,6 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from treeserve.engine.methods import DEFAULT_METHOD
 from treeserve.services.config import LimitsConfig
 from treeserve.services.validation import (HTTP_STATUS, RequestError, RequestValidator, chat_prompt_ids,
                                            decode_generate_request, special_token_strings)
@@ -89,7 +88,7 @@ def test_token_id_prompts_are_verbatim(validator, tokenizer):
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     ids = [im_start, 9690, 198, 42, im_start]
     request, method = validator.from_proto(gen.GenerateRequest(token_ids=gen.TokenIds(ids=ids), max_new_tokens=4))
-    assert request.prompt_ids == ids and method == DEFAULT_METHOD
+    assert request.prompt_ids == ids and method == "dyspec"
 
 
 def test_text_prompt_through_the_validator_is_safe(validator, tokenizer):
