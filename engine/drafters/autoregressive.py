@@ -114,7 +114,9 @@ class LocalDrafter(DrafterBase):
         batch = batch_size or len(requests)
         if speculative and batch > 1:
             depth = self._batch_depth(batch, speculative)
-            lookups = self._lookup_chains(speculative)
+            # Depth 0 is the chooser's "no drafting pays at this batch size": copy chains would still make every
+            # sequence's target forward longer, so they are left out too (and plain steps may be held).
+            lookups = self._lookup_chains(speculative) if depth > 0 else {}
             modelled = [r for r in speculative if lookups.get(id(r), (None, True))[1]]
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
                        for r in modelled]
