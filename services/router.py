@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -78,6 +79,9 @@ class Router:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        # In-process runners are not thread-safe: a release (a worker thread) must not run while a step (another
+        # worker thread) is in a forward, or the last session's release clears the KV pool under it.
+        self._engine_lock = threading.Lock()
         self._retries_seen: dict[int, int] = {}
         self.steps = 0
 
@@ -209,7 +213,7 @@ class Router:
             jobs = list(self._active)
             batch = [j.seq for j in jobs]
             try:
-                await asyncio.to_thread(self.engine.step, batch)
+                await asyncio.to_thread(self._locked, self.engine.step, batch)
             except Exception as exc:  # the engine already retried on other replicas: fail this batch
                 from treeserve.services.transport.pool import NoReplicaError, ReplicasFullError
 
@@ -316,6 +320,11 @@ class Router:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    def _locked(self, call, *args):  # type: ignore[no-untyped-def]
+        """`call(*args)` with the engine to itself (see `_engine_lock`)."""
+        with self._engine_lock:
+            return call(*args)
+
     async def _release(self, seq: Sequence) -> None:
         """Free the session's caches: on every replica through the engine's remote clients (`clients`), else in
         its in-process runners."""
@@ -326,6 +335,6 @@ class Router:
             else:
                 parts = [self.engine.target] + ([self.engine.drafter] if self.engine.drafter is not None else [])
                 for part in parts:
-                    await asyncio.to_thread(part.release, seq.session_id)
+                    await asyncio.to_thread(self._locked, part.release, seq.session_id)
         except Exception as exc:  # a replica cache left behind is evicted later; never fail a request for it
             log.warning("release of %s failed: %s", seq.session_id, exc)
