@@ -298,6 +298,11 @@ class BudgetChooser:
         self.current = budget
         return budget, 0
 
+    def fresh(self, **changes) -> "BudgetChooser":
+        """A chooser with these settings (and `changes`) and none of this one's measurements (another context
+        or batch size measures its own)."""
+        return dataclasses.replace(self, **changes)  # init=False state starts afresh
+
     def builder_for(self, builder):
         """`builder` with this step's budget (a chain's length), or None for no drafting this step;
         builders without a budget are unchanged."""

@@ -16,8 +16,6 @@ chain joins its C2T chain in one tree (or replaces it where the lookup is confid
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from treeserve.engine.budget import BudgetChooser
@@ -184,8 +182,7 @@ class LocalDrafter(DrafterBase):
         if not gains or gains[-1] < self.lookups.settings.copy_context_gain:
             return self.budget
         if self.copy_budget is None:
-            # Same settings, its own measurements (replace() starts a dataclass's init=False state afresh).
-            self.copy_budget = dataclasses.replace(self.budget)
+            self.copy_budget = self.budget.fresh()
         return self.copy_budget
 
     def _lookup_chains(self, speculative: list[DraftRequest]) -> dict[int, tuple[tuple[list[int], list[float]], bool]]:
@@ -218,8 +215,7 @@ class LocalDrafter(DrafterBase):
             return min([self.batch_chain_depth, *explicit])
         bucket = batch_size_bucket(batch_size)
         if bucket not in self.batch_budgets:
-            # Same settings, its own measurements (replace() starts a dataclass's init=False state afresh).
-            self.batch_budgets[bucket] = dataclasses.replace(self.budget, max_budget=self.batch_chain_depth)
+            self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth)
         self._batch_chooser = self.batch_budgets[bucket]
         depth = self._batch_chooser.next_budget()
         self.hold_steps = self._batch_chooser.held

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from treeserve.engine.lookup.shared_outputs import SharedOutputs
-from treeserve.engine.lookup.suffix_index import NO_MATCH, LookupRow, LookupState, SuffixIndex
+from treeserve.engine.lookup.suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
 
 # Lower edges of the match-length buckets the calibration keeps, and the probability each starts from that
 # the target's next token is one of the candidates (rising with the match length, as prompt lookup's n-gram
@@ -191,7 +191,8 @@ class LookupSession:
         none does."""
         toks = (state.index or self.index).tokens
         last = len(toks) - 1
-        kept = tuple(p + 1 for p in state.positions if p + 1 < last and toks[p + 1] == token and toks[p + 2] >= 0)
+        kept = tuple(p + 1 for p in state.positions
+                     if p + 1 < last and toks[p + 1] == token and toks[p + 2] != SEPARATOR)
         if kept:
             return LookupState(min(state.length + 1, self.settings.max_match), kept, state.index)
         return self._match(self.tail(path))
