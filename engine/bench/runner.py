@@ -104,6 +104,4 @@ class EngineRunner:
         """The drafter's batch-1 hardware-aware budget choosers by context ("": every step, or a hybrid's steps
         with nothing to copy; "copying": a hybrid's steps where the lookup expects to copy); empty for plain
         decoding or fixed budgets."""
-        drafter = self.engine.drafter
-        found = {"": getattr(drafter, "budget", None), "copying": getattr(drafter, "copy_budget", None)}
-        return {context: chooser for context, chooser in found.items() if chooser is not None}
+        return self.engine.drafter.step_choosers() if self.engine.drafter is not None else {}

@@ -185,6 +185,10 @@ class LocalDrafter(DrafterBase):
             self.copy_budget = self.budget.fresh()
         return self.copy_budget
 
+    def step_choosers(self) -> dict[str, BudgetChooser]:
+        choosers = {"": self.budget, "copying": self.copy_budget}
+        return {context: chooser for context, chooser in choosers.items() if chooser is not None}
+
     def _lookup_chains(self, speculative: list[DraftRequest]) -> dict[int, tuple[tuple[list[int], list[float]], bool]]:
         """Batched steps: each lookup request's copy chain (free to draft), and whether the model drafts a chain
         for it too (not for method "lookup", nor where the chain's first token is confident)."""

@@ -87,6 +87,11 @@ class Drafter(Protocol):
         """A finished step's record, for the budget chooser that decided it."""
         ...
 
+    def step_choosers(self) -> dict[str, BudgetChooser]:
+        """The batch-1 budget choosers by the context they measure ("": every step, or a hybrid's steps with
+        nothing to copy; "copying": a hybrid's steps where the lookup expects to copy); empty without one."""
+        ...
+
     def release(self, session_id: str) -> bool:
         """Free the session's state; True if there was any."""
         ...
@@ -117,6 +122,9 @@ class DrafterBase:
 
     def observe(self, record: StepRecord) -> None:
         """Ignored by default: a drafter without a budget chooser learns nothing from step records."""
+
+    def step_choosers(self) -> dict[str, BudgetChooser]:
+        return {"": self.budget} if self.budget is not None else {}
 
     def release(self, session_id: str) -> bool:
         raise NotImplementedError

@@ -129,6 +129,7 @@ def test_steps_with_something_to_copy_are_measured_apart(pair, references):
     # short answers the other context occurs at a request's first step, a prefill step, which no chooser is
     # credited.)
     assert sum(a.steps for a in copy.arms.values()) > 0
+    assert engine.drafter.step_choosers() == {"": chooser, "copying": copy}  # what the bench reports
 
 
 def test_lookup_method_auto_never_calls_the_model(pair, references):
