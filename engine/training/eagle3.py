@@ -144,37 +144,48 @@ def unroll(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor,
     `needed` columns (bool [B, T], row-major order; default all): the drafter at depth k + 1 above the real
     context x_0..x_{j+1}; `logits(drafter, hidden)` turns rows of it into draft logits.
 
-    Every step's attention runs over all columns (step 0's keys are the context of every chain), but the
-    layer's o_proj / MLP, and so the next step's inputs, only at the needed columns: prompt columns of a
-    training window are context, never a loss, and skipping them halves the cost on this corpus."""
+    Only step 0's keys and values are computed at every column (they are the context every chain attends
+    to); queries, and every later step's keys and values (a chain's own, seen only by its own column), are
+    computed at the needed columns alone: prompt columns of a training window are context, never a loss, and
+    skipping their queries, attention rows, o_proj and MLP is most of the unroll's cost on this corpus."""
     attn = drafter.midlayer.self_attn
     layer = drafter.midlayer
     batch, width = tokens.shape
     needed = torch.ones(batch, width, dtype=torch.bool) if needed is None else needed
-    where = needed.nonzero(as_tuple=True)
-    positions = torch.arange(width)[None].expand(batch, width)
-    causal = torch.full((width, width), torch.finfo(torch.float32).min).triu(1)
+    rows, columns = needed.nonzero(as_tuple=True)
+    per_row = needed.sum(1).tolist()  # needed columns of each sequence (contiguous in row-major order)
     group = attn.num_heads // attn.num_kv_heads
-    feat = drafter.project_target_features(features)
-    keys, values = [], []
+    heads, head_dim = attn.num_heads, attn.head_dim
+    feat = drafter.project_target_features(features)  # [B, T, H]
+    x = layer.attention_input(drafter.embed_tokens(shift(tokens, 1)), feat)
+    cos, sin = drafter.rotary(x, torch.arange(width)[None].expand(batch, width))
+    context_keys, context_values = attn.keys_values(x, cos, sin)  # [B, h_kv, T, D]
+    context_keys = context_keys.repeat_interleave(group, dim=1)
+    context_values = context_values.repeat_interleave(group, dim=1)
+    # Additive causal mask of each needed column's query over the context: columns <= j.
+    causal = torch.where(torch.arange(width)[None] > columns[:, None], torch.finfo(torch.float32).min, 0.0)
+    feat = feat[rows, columns]  # [N, H]: each chain's feature input, then its previous step's output
+    chain_keys, chain_values = [], []
     for k in range(steps):
-        token_in = shift(tokens, 1 + k)
-        x = layer.attention_input(drafter.embed_tokens(token_in), feat)
-        cos, sin = drafter.rotary(x, positions + k)
-        q, kk, vv = attn.project(x, cos, sin)
-        keys.append(kk.repeat_interleave(group, dim=1))
-        values.append(vv.repeat_interleave(group, dim=1))
-        scores = [torch.matmul(q, keys[0].transpose(2, 3)) * attn.scaling + causal]
-        scores += [((q * ki).sum(-1) * attn.scaling)[..., None] for ki in keys[1:]]
-        weights = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
-        out = torch.matmul(weights[..., :width], values[0])
-        for i, vi in enumerate(values[1:]):
-            out = out + weights[..., width + i, None] * vi
-        attended = attn.o_proj(out.transpose(1, 2)[where].reshape(len(where[0]), -1))
-        hidden = layer.finish(feat[where], attended)
+        x = layer.attention_input(drafter.embed_tokens(shift(tokens, 1 + k)[rows, columns]), feat)[None]
+        cos, sin = drafter.rotary(x, (columns + k)[None])
+        q, kk, vv = attn.project(x, cos, sin)  # [1, h, N, D], [1, h_kv, N, D]
+        q = q[0].transpose(0, 1)  # [N, h, D]
+        if k:  # step 0's own key and value are the context's at column j
+            chain_keys.append(kk[0].transpose(0, 1).repeat_interleave(group, dim=1))
+            chain_values.append(vv[0].transpose(0, 1).repeat_interleave(group, dim=1))
+        queries = q.split(per_row)
+        context_scores = torch.cat([torch.einsum("nhd,hwd->nhw", qb, kb)
+                                    for qb, kb in zip(queries, context_keys)]) * attn.scaling + causal[:, None]
+        chain_scores = [(q * ck).sum(-1, keepdim=True) * attn.scaling for ck in chain_keys]  # [N, h, 1] each
+        weights = torch.softmax(torch.cat([context_scores, *chain_scores], dim=-1).float(), dim=-1).to(q.dtype)
+        out = torch.cat([torch.einsum("nhw,hwd->nhd", wb, vb)
+                         for wb, vb in zip(weights[..., :width].split(per_row), context_values)])
+        for i, cv in enumerate(chain_values):
+            out = out + weights[..., width + i, None] * cv
+        hidden = layer.finish(feat, attn.o_proj(out.reshape(len(rows), heads * head_dim)))
         yield hidden
-        # The next step's feature inputs: this step's outputs where needed (other columns feed no loss).
-        feat = torch.zeros_like(feat).index_put(where, hidden)
+        feat = hidden
 
 
 def logits(drafter: Eagle3Drafter, hidden: torch.Tensor) -> torch.Tensor:

@@ -87,10 +87,23 @@ class Eagle3Attention(nn.Module):
 
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = self._kv(x)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, 2H] -> rotated k and v [B, h_kv, T, D] (`project` without the queries)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        k, v = self._kv(x)
+        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+        return k, v
+
+    def _kv(self, x: torch.Tensor):
+        batch, length, _ = x.shape
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return k, v
 
     def forward(self, x, cos, sin, attention_mask, past_key_values=None):
         """Inference: attention over the cache (a CachedLM pool or a transformers Cache) plus the new rows,
