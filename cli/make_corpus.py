@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, CorpusConfig
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
     parser.add_argument("--out", type=Path, default=DEFAULT_CORPUS_DIR,
-                        help=f"corpus directory; existing chunks are kept and the next missing one is generated "
+                        help=f"corpus directory; existing chunks are kept and the next missing one is generated, "
+                             f"with its corpus.json's settings wherever a corpus option below is not given "
                              f"(default: {DEFAULT_CORPUS_DIR.relative_to(REPO_ROOT)})")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 leaves a core free on a 2-core box; default: 1)")
@@ -27,11 +29,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--features-dir", type=Path, default=None,
                         help="where captured features are cached (default: <cache>/corpus_features/<corpus name>)")
     add_dataclass_options(parser, CorpusConfig, "corpus")
+    # Unset corpus options resume the recipe of an existing corpus (see `corpus_config`).
+    parser.set_defaults(**{f.name: None for f in dataclasses.fields(CorpusConfig)})
+
+
+def corpus_config(args: argparse.Namespace) -> CorpusConfig:
+    """The corpus settings: those given on the command line, the rest from the recipe of the corpus at
+    `--out` when one exists (so a bare `treeserve make-corpus` resumes it), else CorpusConfig's defaults."""
+    recipe = args.out / "corpus.json"
+    saved = json.loads(recipe.read_text()) if recipe.is_file() else {}
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(CorpusConfig) if getattr(args, f.name) is not None}
+    config = CorpusConfig(**{**{k: v for k, v in saved.items() if k in CorpusConfig.__dataclass_fields__}, **given})
+    if config.batch_size < 1 or config.chunk_size < 1 or config.num_conversations < 1:
+        raise ValueError("--batch-size, --chunk-size and --num-conversations must be >= 1")
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -43,9 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.summary:
         print(json.dumps(corpus_summary(args.out), indent=2))
         return 0
-    config = CorpusConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CorpusConfig)})
-    if config.batch_size < 1 or config.chunk_size < 1 or config.num_conversations < 1:
-        raise ValueError("--batch-size, --chunk-size and --num-conversations must be >= 1")
+    config = corpus_config(args)
     torch.set_num_threads(args.threads)
     target = load_causal_lm(args.target)
     # SDPA: generation needs no tree mask, and batched decoding is faster under it than under eager.

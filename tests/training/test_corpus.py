@@ -100,3 +100,26 @@ def test_captured_features_equal_a_teacher_forced_forward(tiny):
         assert got.shape == expected.shape
         torch.testing.assert_close(got[:-1].float(), expected[:-1], atol=2e-2, rtol=1e-2)
         assert not got[-1].any()  # the last new token is never fed
+
+
+def test_make_corpus_resumes_the_recipe_on_disk(tmp_path):
+    """A bare `treeserve make-corpus` continues the corpus at --out with the settings it was made with;
+    options given on the command line win (and build_corpus refuses them if they differ from the recipe)."""
+    import json
+    from dataclasses import asdict
+
+    from treeserve.cli.main import build_parser
+    from treeserve.cli.make_corpus import add_arguments, corpus_config
+    from treeserve.engine.training.corpus import CorpusConfig
+
+    parser, commands = build_parser()
+    add_arguments(commands["make-corpus"])
+    fresh = corpus_config(parser.parse_args(["make-corpus", "--out", str(tmp_path)]))
+    assert fresh == CorpusConfig()
+    saved = asdict(CorpusConfig(max_new_tokens=256, batch_size=8))
+    (tmp_path / "corpus.json").write_text(json.dumps(saved))
+    assert asdict(corpus_config(parser.parse_args(["make-corpus", "--out", str(tmp_path)]))) == saved
+    given = corpus_config(parser.parse_args(["make-corpus", "--out", str(tmp_path), "--max-new-tokens", "64"]))
+    assert given.max_new_tokens == 64 and given.batch_size == 8
+    with pytest.raises(ValueError, match="batch-size"):
+        corpus_config(parser.parse_args(["make-corpus", "--out", str(tmp_path), "--batch-size", "0"]))
