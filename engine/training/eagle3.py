@@ -51,6 +51,9 @@ class Eagle3TrainConfig:
     holdout_sequences: int = field(default=200, metadata={"help": "sequences kept out of training to measure agreement"})
     grad_clip: float = field(default=0.5, metadata={"help": "gradient-norm clip (EAGLE-3: 0.5)"})
     init_from: str = field(default="", metadata={"help": "continue training this EAGLE-3 drafter directory (its vocabulary wins)"})
+    compute_dtype: str = field(default="float32", metadata={
+        "help": "float32, or bfloat16: the drafter's matmuls under autocast (weights, optimiser and labels stay "
+                "float32); ~2x faster steps on CPUs with AMX-BF16, slower on CPUs without bf16 units"})
     seed: int = field(default=0, metadata={"help": "shuffle seed"})
 
 
@@ -221,6 +224,8 @@ def ttt_losses(drafter: Eagle3Drafter, tokens, answer, features, labels, in_draf
 def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids: list[int],
                  progress: bool = True) -> tuple[Eagle3Drafter, dict]:
     """Train an EAGLE-3 drafter for `target` on `corpus` within `config.minutes`; returns it and statistics."""
+    if config.compute_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"compute_dtype must be float32 or bfloat16, got {config.compute_dtype!r}")
     generator = torch.Generator().manual_seed(config.seed)
     if config.init_from:
         drafter = Eagle3Drafter.load(Path(config.init_from), target.get_input_embeddings().weight)
@@ -242,7 +247,8 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
     def step_loss(seq_ids: list[int], n: int) -> StepLoss:
         tokens, answer, features, last, valid = make_batch(corpus, seq_ids, config.max_seq_len)
         labels, in_draft = target_labels(drafter, head_weight, last, shift(valid & answer, 1, False))
-        results = ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid, config.ttt_steps)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.compute_dtype == "bfloat16"):
+            results = ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid, config.ttt_steps)
         loss = sum(w * r[0] for w, r in zip(weights, results))
         return StepLoss(loss, n, {"acc0": results[0][1] / max(1, results[0][2])})
 

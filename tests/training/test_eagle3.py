@@ -59,6 +59,33 @@ def test_a_batch_unrolls_each_sequence_as_alone(target, random_eagle3):
                 torch.testing.assert_close(batched[k][picked], alone[k], atol=1e-5, rtol=1e-5)
 
 
+def test_bfloat16_compute_gives_the_float32_losses(target, random_eagle3):
+    """compute_dtype bfloat16 runs the unroll's matmuls under autocast: the same losses to bf16 precision,
+    gradients reach the float32 weights; an unknown dtype is refused before any work."""
+    from treeserve.engine.training.eagle3 import shift, target_labels, ttt_losses
+
+    model, _ = target
+    drafter = random_eagle3(model, 300)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+    features = torch.randn(2, 16, drafter.target_feature_size)
+    last = torch.randn(2, 16, model.config.hidden_size)
+    answer, valid = torch.zeros(2, 16, dtype=torch.bool), torch.ones(2, 16, dtype=torch.bool)
+    answer[:, 6:] = True
+    head = model.get_output_embeddings().weight.detach().float()
+    labels, in_draft = target_labels(drafter, head, last, shift(valid & answer, 1, False))
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            results = ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid, 3)
+        losses[dtype] = torch.stack([r[0] for r in results])
+        losses[dtype].sum().backward()
+        assert drafter.fc.weight.dtype == torch.float32 and torch.isfinite(drafter.fc.weight.grad).all()
+        drafter.zero_grad()
+    torch.testing.assert_close(losses[torch.bfloat16], losses[torch.float32], rtol=3e-2, atol=3e-2)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        train_eagle3(model, None, Eagle3TrainConfig(compute_dtype="float16"), [0], progress=False)
+
+
 def test_published_layout_round_trips(target, random_eagle3, tmp_path):
     from safetensors.torch import load_file
 
