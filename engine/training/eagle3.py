@@ -129,16 +129,51 @@ def shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, k:], pad], dim=1)
 
 
+@dataclass
+class Labels:
+    """The target's distributions at a batch's label positions, stored compactly (a [B, T, V_draft] tensor
+    would be mostly zeros and cost more to fill and shift than the unroll's matmuls)."""
+
+    probs: torch.Tensor  # [M, V_draft]: the target's distribution over the draft vocabulary at each label position
+    row: torch.Tensor  # [B, T] long: position -> its row of `probs`, -1 where no label was computed
+    in_draft: torch.Tensor  # [B, T] bool: the target's argmax over the full vocabulary is in the draft vocabulary
+    top: torch.Tensor  # [M] long: the draft-vocabulary argmax of each row of `probs`
+
+    def at(self, rows: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([n, V_draft] distributions, [n] their argmax) at positions (rows, columns), which must hold labels."""
+        index = self.row[rows, columns]
+        return self.probs[index], self.top[index]
+
+
+@dataclass
+class LabelHead:
+    """The target's LM head split for `target_labels`: the draft vocabulary's rows (float32: they make the
+    labels) and the other rows (`compute_dtype`: they only decide whether the argmax lies outside)."""
+
+    draft: torch.Tensor  # [V_draft, H]
+    others: torch.Tensor  # [V - V_draft, H]
+
+    @classmethod
+    def split(cls, head_weight: torch.Tensor, vocab_ids: torch.Tensor,
+              compute_dtype: torch.dtype = torch.float32) -> "LabelHead":
+        others = torch.ones(head_weight.shape[0], dtype=torch.bool)
+        others[vocab_ids] = False
+        return cls(head_weight[vocab_ids].float(), head_weight[others].to(compute_dtype))
+
+
 @torch.no_grad()
-def target_labels(drafter: Eagle3Drafter, head_weight: torch.Tensor, last: torch.Tensor, needed: torch.Tensor):
-    """At the `needed` positions [B, T]: the target's distribution over the draft vocabulary [B, T, V_draft]
-    (zeros elsewhere), and whether its argmax over the full vocabulary is in the draft vocabulary [B, T]."""
-    logits = last[needed] @ head_weight.T  # [M, V]: the full head only where a loss is taken
-    labels = torch.zeros(*needed.shape, len(drafter.vocab_ids))
+def target_labels(head: LabelHead, last: torch.Tensor, needed: torch.Tensor) -> Labels:
+    """At the `needed` positions [B, T]: the target's distribution renormalised over the draft vocabulary
+    (float32), and whether its argmax over the full vocabulary lies in the draft vocabulary (a bfloat16
+    near-tie in the other rows may flip that mask bit, never a label)."""
+    states = last[needed]  # [M, H]
+    draft_logits = states @ head.draft.T  # [M, V_draft]
+    other_best = (states.to(head.others.dtype) @ head.others.T).amax(-1).float()
+    row = torch.full(needed.shape, -1, dtype=torch.long)
+    row[needed] = torch.arange(len(states))
     in_draft = torch.zeros(needed.shape, dtype=torch.bool)
-    labels[needed] = torch.softmax(logits[:, drafter.vocab_ids], dim=-1)
-    in_draft[needed] = drafter.t2d[logits.argmax(-1)]
-    return labels, in_draft
+    in_draft[needed] = draft_logits.amax(-1) >= other_best
+    return Labels(torch.softmax(draft_logits, dim=-1), row, in_draft, draft_logits.argmax(-1))
 
 
 def unroll(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor, steps: int,
@@ -204,19 +239,28 @@ def loss_columns(answer: torch.Tensor, valid: torch.Tensor, steps: int) -> torch
     return columns
 
 
-def ttt_losses(drafter: Eagle3Drafter, tokens, answer, features, labels, in_draft, valid, steps: int):
+def ttt_losses(drafter: Eagle3Drafter, tokens, answer, features, labels: Labels, valid, steps: int):
     """Per unrolled step k, (loss, positions where the drafter's top-1 is the target's, answer positions)."""
     needed = loss_columns(answer, valid, steps)
+    rows, columns = needed.nonzero(as_tuple=True)
+    width = tokens.shape[1]
+    answered_at = valid & answer
+
+    def flag(x: torch.Tensor, offset: int) -> torch.Tensor:  # x[rows, columns + offset], False past the end
+        shifted = columns + offset
+        inside = shifted < width
+        return inside & x[rows, shifted.clamp(max=width - 1)]
+
     results = []
     for k, hidden in enumerate(unroll(drafter, tokens, features, steps, needed)):
         # Step k at column j predicts the token after x_{j+1+k}: the target's distribution at j + 1 + k.
-        answered = shift(valid & answer, 2 + k, False)[needed]
-        counted = answered & shift(in_draft, 1 + k, False)[needed]  # a target argmax outside the draft vocabulary: no label
-        label = shift(labels, 1 + k)[needed][counted]
+        answered = flag(answered_at, 2 + k)
+        counted = answered & flag(labels.in_draft, 1 + k)  # a target argmax outside the draft vocabulary: no label
+        label, label_top = labels.at(rows[counted], columns[counted] + 1 + k)
         log_probs = F.log_softmax(logits(drafter, hidden[counted]).float(), dim=-1)
-        loss = -(label * log_probs).sum(-1)
+        loss = -(label * log_probs).sum(-1)  # float32 (an einsum would run in bfloat16 under autocast)
         # Agreement counts every answer position (outside the draft vocabulary is a miss, as when serving).
-        results.append((loss.sum() / max(1, len(loss)), int((log_probs.argmax(-1) == label.argmax(-1)).sum()),
+        results.append((loss.sum() / max(1, len(loss)), int((log_probs.argmax(-1) == label_top).sum()),
                         int(answered.sum())))
     return results
 
@@ -226,6 +270,7 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
     """Train an EAGLE-3 drafter for `target` on `corpus` within `config.minutes`; returns it and statistics."""
     if config.compute_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"compute_dtype must be float32 or bfloat16, got {config.compute_dtype!r}")
+    compute_dtype = getattr(torch, config.compute_dtype)
     generator = torch.Generator().manual_seed(config.seed)
     if config.init_from:
         drafter = Eagle3Drafter.load(Path(config.init_from), target.get_input_embeddings().weight)
@@ -237,6 +282,7 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
     drafter.train()
     drafter.embed_tokens.weight.requires_grad_(False)  # the target's own embeddings, frozen and not stored
     head_weight = target.get_output_embeddings().weight.detach().float()
+    head = LabelHead.split(head_weight, drafter.vocab_ids, compute_dtype)
     order = torch.randperm(len(corpus.spans), generator=generator).tolist()
     holdout, train_ids = order[:config.holdout_sequences], order[config.holdout_sequences:]
     batches = SequenceBatches(train_ids, corpus.spans, config.batch_tokens, config.max_seq_len, generator)
@@ -246,9 +292,9 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
 
     def step_loss(seq_ids: list[int], n: int) -> StepLoss:
         tokens, answer, features, last, valid = make_batch(corpus, seq_ids, config.max_seq_len)
-        labels, in_draft = target_labels(drafter, head_weight, last, shift(valid & answer, 1, False))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.compute_dtype == "bfloat16"):
-            results = ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid, config.ttt_steps)
+        labels = target_labels(head, last, shift(valid & answer, 1, False))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16):
+            results = ttt_losses(drafter, tokens, answer, features, labels, valid, config.ttt_steps)
         loss = sum(w * r[0] for w, r in zip(weights, results))
         return StepLoss(loss, n, {"acc0": results[0][1] / max(1, results[0][2])})
 
@@ -268,10 +314,11 @@ def heldout_accuracy(drafter: Eagle3Drafter, corpus: Corpus, seq_ids: list[int],
     """Top-1 agreement with the target at each unrolled step on held-out sequences (step k: the drafter
     fed its own k previous outputs, as a depth-(k+1) tree node)."""
     correct, counted = [0] * config.ttt_steps, [0] * config.ttt_steps
+    head = LabelHead.split(head_weight, drafter.vocab_ids)
     for start in range(0, len(seq_ids), 8):
         tokens, answer, features, last, valid = make_batch(corpus, seq_ids[start:start + 8], config.max_seq_len)
-        labels, in_draft = target_labels(drafter, head_weight, last, shift(valid & answer, 1, False))
-        for k, (_, c, n) in enumerate(ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid,
+        labels = target_labels(head, last, shift(valid & answer, 1, False))
+        for k, (_, c, n) in enumerate(ttt_losses(drafter, tokens, answer, features, labels, valid,
                                                  config.ttt_steps)):
             correct[k] += c
             counted[k] += n

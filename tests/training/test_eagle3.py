@@ -62,7 +62,7 @@ def test_a_batch_unrolls_each_sequence_as_alone(target, random_eagle3):
 def test_bfloat16_compute_gives_the_float32_losses(target, random_eagle3):
     """compute_dtype bfloat16 runs the unroll's matmuls under autocast: the same losses to bf16 precision,
     gradients reach the float32 weights; an unknown dtype is refused before any work."""
-    from treeserve.engine.training.eagle3 import shift, target_labels, ttt_losses
+    from treeserve.engine.training.eagle3 import LabelHead, shift, target_labels, ttt_losses
 
     model, _ = target
     drafter = random_eagle3(model, 300)
@@ -72,11 +72,11 @@ def test_bfloat16_compute_gives_the_float32_losses(target, random_eagle3):
     answer, valid = torch.zeros(2, 16, dtype=torch.bool), torch.ones(2, 16, dtype=torch.bool)
     answer[:, 6:] = True
     head = model.get_output_embeddings().weight.detach().float()
-    labels, in_draft = target_labels(drafter, head, last, shift(valid & answer, 1, False))
+    labels = target_labels(LabelHead.split(head, drafter.vocab_ids), last, shift(valid & answer, 1, False))
     losses = {}
     for dtype in (torch.float32, torch.bfloat16):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            results = ttt_losses(drafter, tokens, answer, features, labels, in_draft, valid, 3)
+            results = ttt_losses(drafter, tokens, answer, features, labels, valid, 3)
         losses[dtype] = torch.stack([r[0] for r in results])
         losses[dtype].sum().backward()
         assert drafter.fc.weight.dtype == torch.float32 and torch.isfinite(drafter.fc.weight.grad).all()
@@ -84,6 +84,29 @@ def test_bfloat16_compute_gives_the_float32_losses(target, random_eagle3):
     torch.testing.assert_close(losses[torch.bfloat16], losses[torch.float32], rtol=3e-2, atol=3e-2)
     with pytest.raises(ValueError, match="compute_dtype"):
         train_eagle3(model, None, Eagle3TrainConfig(compute_dtype="float16"), [0], progress=False)
+
+
+def test_labels_are_the_target_head_over_the_draft_vocabulary(target):
+    """target_labels: at each needed position the target's softmax renormalised over the draft vocabulary, its
+    argmax, and whether the full head's argmax lies in the draft vocabulary (here some do, some do not)."""
+    from treeserve.engine.training.eagle3 import LabelHead, target_labels
+
+    model, _ = target
+    head = model.get_output_embeddings().weight.detach().float()
+    last = torch.randn(2, 9, head.shape[1])
+    full = last @ head.T
+    vocab = torch.cat([full[0].argmax(-1), torch.arange(40)]).unique()  # row 0's argmaxes are in the vocabulary
+    needed = torch.zeros(2, 9, dtype=torch.bool)
+    needed[0, 3:] = True
+    needed[1, :4] = True
+    labels = target_labels(LabelHead.split(head, vocab), last, needed)
+    rows, columns = needed.nonzero(as_tuple=True)
+    probs, top = labels.at(rows, columns)
+    expected = torch.softmax(full[rows, columns][:, vocab], dim=-1)
+    torch.testing.assert_close(probs, expected)
+    assert torch.equal(top, expected.argmax(-1))
+    assert torch.equal(labels.in_draft[needed], torch.isin(full[rows, columns].argmax(-1), vocab))
+    assert not labels.in_draft[~needed].any() and labels.in_draft[0, 3:].all()
 
 
 def test_published_layout_round_trips(target, random_eagle3, tmp_path):
