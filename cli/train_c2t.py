@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from treeserve.engine.drafters.models.loading import load_drafter
+    from treeserve.engine.drafters.models.loading import load_drafter, target_feature_layers
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.drafters.loading import drafter_classifier_path
     from treeserve.engine.drafters.model_runner import DrafterRunner
@@ -56,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
     rng.shuffle(texts)
     prompts = [chat_ids(target.tokenizer, t)[-384:] for t in texts[:args.num_prompts]]
     eos = {target.tokenizer.eos_token_id}
-    features, labels = collect(TargetRunner(target.model), DrafterRunner(drafter, target.model.config.vocab_size),
-                               prompts, config, eos)
+    # The target returns the features the drafter reads (an EAGLE-3 head: its fused layers, not the final state).
+    layers = target_feature_layers(str(args.drafter), target.model.config.num_hidden_layers)
+    features, labels = collect(TargetRunner(target.model, feature_layers=layers),
+                               DrafterRunner(drafter, target.model.config.vocab_size), prompts, config, eos)
     model, stats = train_classifier(features, labels, config)
     if args.out is None:
         args.out = drafter_classifier_path(args.drafter)

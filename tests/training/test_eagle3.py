@@ -191,3 +191,21 @@ def test_a_head_that_does_not_fit_is_refused_clearly(target, random_eagle3, tmp_
     refused("hidden size", config={**config, "hidden_size": 32})
     refused("reads target hidden_states", config={**config, "eagle_aux_hidden_state_layer_ids": [1, 2, 9]},
             target_layers=2)
+
+
+def test_train_c2t_labels_trees_of_an_eagle3_head(target, random_eagle3, tiny_target_dir, tmp_path):
+    """`treeserve train-c2t --drafter <EAGLE-3 head>`: the target hands the head its fused layers (not the final
+    state, which its fc cannot read) and a classifier is written."""
+    from treeserve.cli.main import main
+
+    model, _ = target
+    random_eagle3(model, 300).save(tmp_path / "head")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["Write a haiku about the sea.", "List three prime numbers."]))
+    out = tmp_path / "c2t.safetensors"
+    code = main(["train-c2t", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "head"),
+                 "--prompts-file", str(prompts), "--num-prompts", "2", "--depth", "2", "--top-k", "2",
+                 "--answer-tokens", "6", "--trees-per-prompt", "2", "--epochs", "1", "--threads", "1",
+                 "--out", str(out)])
+    assert code == 0 and out.is_file()
+    assert json.loads(out.with_suffix(".json").read_text())["nodes"] > 0
