@@ -51,12 +51,16 @@ def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
         f"`{training['corpus']}`; the corpus on disk then held {totals.get('chunks', '?')} chunks, "
         f"{totals.get('sequences', '?')} sequences and {totals.get('answer_tokens', '?')} answer tokens, generated "
         f"in {generated_minutes:.0f} min on 2 shared CPU cores (batched KV-cached decoding, batch 48). The "
-        "target's features were captured from the generating forwards (no second pass).",
+        "target's features are captured from the generating forwards; `train-eagle3` recomputes them (one "
+        "teacher-forced pass) for chunks whose cached features are missing"
+        + (f" ({training['feature_minutes']} min in this run)." if training.get("feature_minutes") else "."),
         "",
         "## Training",
         "",
-        f"`treeserve train-eagle3 --minutes {settings['minutes']} --lr {settings['lr']} --ttt-steps "
-        f"{settings['ttt_steps']} --draft-vocab-size {settings['draft_vocab_size']}`"
+        f"`treeserve train-eagle3 --max-chunks {training['corpus_chunks_used']} --minutes {settings['minutes']} "
+        f"--lr {settings['lr']} --ttt-steps {settings['ttt_steps']} --draft-vocab-size {settings['draft_vocab_size']}"
+        + (f" --compute-dtype {settings['compute_dtype']}" if settings.get("compute_dtype", "float32") != "float32" else "")
+        + "`"
         + (f" continuing `{settings['init_from']}`" if settings.get("init_from") else "")
         + f": {stats['minutes']} min, {stats['steps']} steps, {stats['tokens_seen']} tokens seen. Held-out "
         f"top-1 by unrolled step: {', '.join(f'{a:.1%}' for a in stats['holdout_step_accuracy'])} "
