@@ -7,7 +7,7 @@ which kind of model it holds, and a mismatch is refused here, before anything lo
 this module, so it imports no torch).
 
 Shipped drafters (engine/drafters/weights/<name>): "distilled" (a 4-layer LM distilled from SmolLM2-135M,
-restricted vocabulary), "eagle" (TreeServe's EAGLE head), "eagle3" (an EAGLE-3 head, when trained) and
+restricted vocabulary), "eagle" (TreeServe's EAGLE head), "eagle3" (TreeServe's EAGLE-3 head) and
 "parallel" (the parallel drafter). "default" is the old name of "distilled" (of "parallel" for kind parallel):
 still accepted, with a deprecation warning, because the default drafter of the CPU preset is "eagle".
 """
