@@ -56,6 +56,11 @@ class Eagle3TrainConfig:
                 "float32); ~2x faster steps on CPUs with AMX-BF16, slower on CPUs without bf16 units"})
     seed: int = field(default=0, metadata={"help": "shuffle seed"})
 
+    def __post_init__(self) -> None:
+        # Checked here, so the CLI refuses it before loading the target or computing features.
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+
 
 @dataclass
 class Corpus:
@@ -268,8 +273,6 @@ def ttt_losses(drafter: Eagle3Drafter, tokens, answer, features, labels: Labels,
 def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids: list[int],
                  progress: bool = True) -> tuple[Eagle3Drafter, dict]:
     """Train an EAGLE-3 drafter for `target` on `corpus` within `config.minutes`; returns it and statistics."""
-    if config.compute_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"compute_dtype must be float32 or bfloat16, got {config.compute_dtype!r}")
     compute_dtype = getattr(torch, config.compute_dtype)
     generator = torch.Generator().manual_seed(config.seed)
     if config.init_from:
