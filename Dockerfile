@@ -83,7 +83,7 @@ RUN pip install ./src
 
 # The image must serve, not only import: every file the package ships is installed (the same files as in the
 # build context's package folders), the default target is converted once into $TREESERVE_CACHE, and one
-# in-process generation loads the target with the shipped EAGLE drafter and its C2T classifier (the CPU preset's
+# in-process generation loads the target with the shipped EAGLE-3 drafter and its C2T classifier (the CPU preset's
 # pair) and answers.
 RUN <<'EOF'
 set -eu
@@ -100,7 +100,7 @@ if not shipped or missing:
 print(f"{len(shipped)} shipped model files installed")
 PY
 treeserve prepare-model default
-treeserve generate --in-process --drafter eagle --method dyspec --budget 4 --max-new-tokens 4 --prompt "Say hi"
+treeserve generate --in-process --drafter eagle3 --method dyspec --budget 4 --max-new-tokens 4 --prompt "Say hi"
 mkdir -p "$TREESERVE_CACHE/profiles"
 rm -rf "$TREESERVE_CACHE/profiles/"* src
 EOF

@@ -44,6 +44,7 @@ from treeserve.cli.connection import add_credential_arguments, credentials
 from treeserve.engine.bench.options import DEFAULT_METHODS, PEER_SETS, SWEEP_BUDGETS, SWEEP_METHODS, BenchOptions
 from treeserve.engine.bench.runner import BENCH_METHODS
 from treeserve.engine.dev_prompts import DEV_PROMPTS
+from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 from treeserve.engine.methods import SERVED_METHODS  # torch-free
 from treeserve.services.bench_service import CONCURRENCY
 from treeserve.services.launch import DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE
@@ -76,8 +77,9 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                              "(hardware-aware); 'autoregressive' is TreeServe's plain decoding, the speedup "
                              "baseline" % ", ".join(BENCH_METHODS))
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf; default: %(default)s)")
-    parser.add_argument("--drafter", default="eagle",
-                        help="drafter: 'eagle' (the shipped EAGLE drafter), 'distilled' (the distilled one) or a directory")
+    parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                        help="drafter: a shipped one ('eagle3', 'eagle', 'distilled') or a directory "
+                             "(default: %(default)s)")
     parser.add_argument("--parallel-drafter", default="parallel",
                         help="parallel drafter for METHOD@parallel entries ('parallel': the shipped one, or a directory)")
     parser.add_argument("--drafter-kind", choices=["autoregressive", "parallel", "both"], default=None,

@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
+from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 from treeserve.cli.connection import add_credential_arguments, credentials
 from treeserve.cli.main import CliError
 
@@ -39,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     local = parser.add_argument_group("in-process generation")
     local.add_argument("--in-process", action="store_true", help="run the engine here instead of calling a service")
     local.add_argument("--target", default="default", help="target model (in-process)")
-    local.add_argument("--drafter", default="eagle",
-                       help="drafter (in-process): 'eagle' (the shipped EAGLE drafter), 'default' (the distilled one) "
-                            "or a directory")
+    local.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                       help="drafter (in-process): a shipped one ('eagle3', 'eagle', 'distilled') or a directory "
+                            "(default: %(default)s)")
     local.add_argument("--device", default="cpu")
     local.add_argument("--dtype", default="float32")
 

@@ -8,12 +8,14 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
+from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 from treeserve.engine.training.c2t_tune import DEFAULT_BETAS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf)")
-    parser.add_argument("--drafter", default="eagle", help="drafter ('default', 'eagle' or a directory)")
+    parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                        help="drafter: a shipped one ('eagle3', 'eagle', 'distilled') or a directory (default: %(default)s)")
     parser.add_argument("--classifier", type=Path, default=None,
                         help="classifier file to tune and rewrite (default: the drafter's own c2t.safetensors)")
     parser.add_argument("--prompts-file", type=Path, default=None,

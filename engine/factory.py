@@ -16,7 +16,7 @@ from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig, split_method
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.drafters.loading import build_local_drafter
 from treeserve.engine.drafters.models.loading import target_feature_layers
-from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND, canonical_name, check_kind
+from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND, canonical_name, default_drafter
 from treeserve.engine.lookup import LookupSettings
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import LoadedModel, load_causal_lm
@@ -57,12 +57,12 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                  **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
-    the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's shipped
-    drafter ("distilled", or "parallel" for kind parallel); `lookup` sets copy-from-context drafting (methods
+    the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's default
+    drafter ("eagle3", or "parallel" for kind parallel); `lookup` sets copy-from-context drafting (methods
     "lookup" and "<builder>+lookup"; None: the defaults)."""
     torch_dtype = parse_dtype(dtype)
     if drafter_path is None:
-        drafter_path = check_kind(drafter_kind or AUTOREGRESSIVE_KIND).shipped
+        drafter_path = default_drafter(drafter_kind)
     drafter_path = canonical_name(drafter_path, drafter_kind)
     base, copies = split_method(method)
     if copies and drafter_kind not in (None, AUTOREGRESSIVE_KIND):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treeserve.engine.dev_prompts import DEV_PROMPTS
+from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 
 DEFAULT_METHODS = ("autoregressive", "chain:4", "static:60", "eagle2:32", "dyspec:32", "dyspec_threshold:32",
                    "opt_tree:32", "c2t:32", "dyspec:auto", "opt_tree:auto", "c2t:auto", "lookup:auto",
@@ -30,7 +31,7 @@ class BenchOptions:
     # METHOD[:BUDGET][@KIND] entries (runner.parse_entry); "autoregressive" is the speedup baseline.
     methods: tuple[str, ...] = DEFAULT_METHODS
     target: str = "default"  # target model: 'default', a directory or a .gguf
-    drafter: str = "eagle"  # drafter of autoregressive-kind entries: a shipped name or a directory
+    drafter: str = DEFAULT_DRAFTER  # drafter of autoregressive-kind entries: a shipped name or a directory
     parallel_drafter: str = "parallel"  # drafter of METHOD@parallel entries
     # Drafter kind of entries without '@KIND': "autoregressive", "parallel" or "both" (each entry with both).
     drafter_kind: str = "autoregressive"

@@ -8,8 +8,10 @@ this module, so it imports no torch).
 
 Shipped drafters (engine/drafters/weights/<name>): "distilled" (a 4-layer LM distilled from SmolLM2-135M,
 restricted vocabulary), "eagle" (TreeServe's EAGLE head), "eagle3" (TreeServe's EAGLE-3 head) and
-"parallel" (the parallel drafter). "default" is the old name of "distilled" (of "parallel" for kind parallel):
-still accepted, with a deprecation warning, because the default drafter of the CPU preset is "eagle".
+"parallel" (the parallel drafter). A drafter path left unset is the kind's default: "eagle3" (it agrees with the
+target most often: engine/drafters/weights/eagle3/README.md), "parallel" for kind parallel. "default" is the old
+name of "distilled" (of "parallel" for kind parallel): still accepted, with a deprecation warning, and not
+redirected to "eagle3", so a config that said "default" keeps the drafter it was written for.
 """
 
 from __future__ import annotations
@@ -47,17 +49,24 @@ class DrafterKind:
     name: str  # what `drafter.kind` and `--drafter-kind` say
     load_class: Callable[[], type]  # its Drafter class, imported on use (this module stays torch-free)
     layouts: tuple[str, ...]  # drafter directory layouts it drafts with (compatibility.detect_layout)
-    shipped: str  # the shipped drafter the deprecated name "default" stands for under this kind
+    default: str  # the shipped drafter an unset drafter path stands for under this kind
+    deprecated_alias: str  # the shipped drafter the deprecated name "default" stands for under this kind
 
 
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (
     # One drafter forward per tree depth: the distilled LM, EAGLE, EAGLE-3, published heads, any causal LM.
     DrafterKind(AUTOREGRESSIVE_KIND, _local_drafter, ("restricted", "treeserve_eagle", "eagle3", "eagle", "causal_lm"),
-                "distilled"),
+                "eagle3", "distilled"),
     # Every tree depth from one forward (ParallelSpec's [MASK] tokens).
-    DrafterKind(PARALLEL_KIND, _parallel_tree_drafter, ("parallel",), "parallel"),
+    DrafterKind(PARALLEL_KIND, _parallel_tree_drafter, ("parallel",), "parallel", "parallel"),
 )}
 DRAFTER_KINDS = tuple(KINDS)
+DEFAULT_DRAFTER = KINDS[AUTOREGRESSIVE_KIND].default  # what the CLI, the Serve configs and the Helm chart draft with
+
+
+def default_drafter(kind: str | None = None) -> str:
+    """The shipped drafter an unset drafter path stands for under `kind` (default autoregressive)."""
+    return check_kind(kind or AUTOREGRESSIVE_KIND).default
 
 
 @dataclass(frozen=True)
@@ -92,9 +101,9 @@ def canonical_name(path: str, kind: str | None = None) -> str:
     """`path` with the deprecated name "default" replaced by the shipped drafter it stands for (a warning says so)."""
     if path != DEPRECATED_NAME:
         return path
-    name = check_kind(kind or AUTOREGRESSIVE_KIND).shipped
+    name = check_kind(kind or AUTOREGRESSIVE_KIND).deprecated_alias
     message = (f'drafter "{DEPRECATED_NAME}" is deprecated: it is the shipped "{name}" drafter (the default drafter '
-               f'is "eagle"); name it "{name}"')
+               f'is "{KINDS[AUTOREGRESSIVE_KIND].default}"); name it "{name}"')
     warnings.warn(message, DeprecationWarning, stacklevel=3)
     log.warning(message)
     return name

@@ -152,8 +152,8 @@ class ModelConfig:
 class DrafterConfig(ModelConfig):
     path: Optional[str] = described(
         "the drafter's weights: a shipped drafter (distilled, eagle, eagle3, parallel) or a local directory; "
-        "null = the kind's own shipped drafter (distilled, or parallel for kind parallel). \"default\" is the "
-        "deprecated name of that null", default=None)
+        "null = the kind's default drafter (eagle3, or parallel for kind parallel). \"default\" is the "
+        "deprecated name of distilled (of parallel for kind parallel)", default=None)
     kind: Literal["autoregressive", "parallel"] = described(
         "autoregressive: one token per drafter forward; parallel: several tokens per forward "
         "(ParallelSpec-style mask tokens)", default="autoregressive")
@@ -167,9 +167,9 @@ class DrafterConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         if self.path is None:
-            from treeserve.engine.drafters.registry import KINDS
+            from treeserve.engine.drafters.registry import default_drafter
 
-            self.path = KINDS[self.kind].shipped
+            self.path = default_drafter(self.kind)
 
     def reads_target_features(self) -> bool:
         """An EAGLE drafter (the shipped "eagle"/"eagle3", a saved one, or a published EAGLE-1/2 or EAGLE-3

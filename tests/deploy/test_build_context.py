@@ -100,9 +100,10 @@ def test_every_shipped_file_reaches_the_image():
     files = context_files()
     shipped = shipped_files(files)
     # The artifacts whose absence broke the image: each drafter's weights and its C2T classifier.
-    for drafter in ("distilled", "eagle", "parallel"):
+    for drafter in ("distilled", "eagle", "eagle3", "parallel"):
         assert f"engine/drafters/weights/{drafter}/model.safetensors" in shipped
-    assert "engine/drafters/weights/eagle/c2t.safetensors" in shipped
+    for drafter in ("eagle", "eagle3"):
+        assert f"engine/drafters/weights/{drafter}/c2t.safetensors" in shipped
     assert "deploy/local-cpu.yaml" in shipped and "proto/treeserve/v1/generation.proto" in shipped
     problems = missing_from_image(dockerignore.load(ROOT / ".dockerignore"), DOCKERFILE.read_text(), files)
     assert not problems, f"the image would lack: {problems}"

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.services.config import load_serve_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -25,9 +26,9 @@ def test_layout_loads(path):
     assert {d.name for d in app.deployments} == {"Router", "Drafter", "Target"}
     for d in app.deployments:
         assert d.autoscaling_config is not None and d.autoscaling_config.min_replicas >= 1
-    # shipped models (the target "default", its drafters "default" and "eagle") or a mounted volume, never a hub id
+    # shipped models (the target "default", its drafters) or a mounted volume, never a hub id
     assert app.args.target.path == "default" or app.args.target.path.startswith("/models/")
-    assert app.args.drafter.path in ("default", "eagle") or app.args.drafter.path.startswith("/models/")
+    assert app.args.drafter.path in SHIPPED or app.args.drafter.path.startswith("/models/")
 
 
 @pytest.mark.parametrize("path", LAYOUTS, ids=lambda p: p.name)

@@ -4,6 +4,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import yaml
 
 from treeserve.cli import memory_estimate as command
 from treeserve.services import memory_estimate as me
@@ -123,7 +124,13 @@ def test_tree_room_matches_the_budget_chooser():
     assert me.AUTO_BUDGET_NODES == max(CANDIDATE_BUDGETS)
 
 
-def test_shipped_drafters_are_estimated():
-    text, ok = me.report(DEPLOY / "local-cpu.yaml", 80.0, 2.0)
+@pytest.mark.parametrize("drafter", ["eagle3", "eagle", "distilled"])
+def test_shipped_drafters_are_estimated(tmp_path, drafter):
+    """Every shipped autoregressive drafter is sized from its own config.json (no weights loaded)."""
+    layout = yaml.safe_load((DEPLOY / "local-cpu.yaml").read_text())
+    layout["applications"][0]["args"]["drafter"]["path"] = drafter
+    (tmp_path / "local-cpu.yaml").write_text(yaml.safe_dump(layout))
+    text, ok = me.report(tmp_path / "local-cpu.yaml", 80.0, 2.0)
     rows = _rows(text)
-    assert ok and ("cpu", "drafter") in rows and "drafter: eagle (float32, TP=1" in text
+    assert ok and ("cpu", "drafter") in rows and f"drafter: {drafter} (float32, TP=1" in text
+    assert float(rows[("cpu", "drafter")][0].split()[0]) > 0  # weights

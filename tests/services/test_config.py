@@ -193,7 +193,10 @@ def test_eagle_drafter_with_a_tensor_parallel_target(tmp_path):
     for path in ("eagle", str(tmp_path)):
         args = load_serve_config(_app({"drafter": {"path": path}, "target": {"tensor_parallel_size": 3}})).app.args
         assert args.drafter.reads_target_features() and args.target.tensor_parallel_size == 3
-    assert not load_serve_config(_app({})).app.args.drafter.reads_target_features()
+    # The default drafter (eagle3) reads the target's features; the distilled LM does not.
+    default = load_serve_config(_app({})).app.args.drafter
+    assert default.path == "eagle3" and default.reads_target_features()
+    assert not load_serve_config(_app({"drafter": {"path": "distilled"}})).app.args.drafter.reads_target_features()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -167,9 +167,9 @@ replica with no pod to land on would stay pending forever).
 {{- end }}
 {{- range $role := list "target" "drafter" }}
 {{- $m := index $v $role }}
-{{- /* models shipped in the image: the target "default", its drafters "distilled", "eagle" and "parallel"
-("default": the deprecated name of "distilled") */}}
-{{- $embedded := ternary (list "distilled" "eagle" "parallel" "default") (list "default") (eq $role "drafter") }}
+{{- /* models shipped in the image: the target "default", its drafters "eagle3", "eagle", "distilled" and
+"parallel" ("default": the deprecated name of "distilled") */}}
+{{- $embedded := ternary (list "eagle3" "eagle" "distilled" "parallel" "default") (list "default") (eq $role "drafter") }}
 {{- if and (not (has $m.path $embedded)) (not (hasPrefix (printf "%s/" (trimSuffix "/" $v.modelVolume.mountPath)) $m.path)) }}
 {{- fail (printf "%s.path=%s must be one of %s or a directory under modelVolume.mountPath=%s" $role $m.path (join ", " $embedded) $v.modelVolume.mountPath) }}
 {{- end }}
