@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.engine.training.eagle3 import load_corpus, train_eagle3
 
     config = Eagle3TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Eagle3TrainConfig)})
+    previous = None  # read now: --out may be the --init-from directory
+    if config.init_from and (Path(config.init_from) / "training.json").is_file():
+        previous = json.loads((Path(config.init_from) / "training.json").read_text())
     if config.ttt_steps < 1 or config.draft_vocab_size < 2 or config.minutes <= 0:
         raise ValueError("--ttt-steps must be >= 1, --draft-vocab-size >= 2 and --minutes > 0")
     if config.init_from and not is_eagle3_drafter(Path(config.init_from)):
@@ -59,9 +62,11 @@ def run(args: argparse.Namespace) -> int:
     corpus = load_corpus(chunks, features_dir)
     specials = sorted({target.tokenizer.eos_token_id, *target.tokenizer.all_special_ids})
     drafter, stats = train_eagle3(target.model, corpus, config, specials)
-    totals = corpus_summary(args.corpus)
+    totals = corpus_summary(args.corpus, chunks)
     card = {"target": str(args.target), "corpus": args.corpus.name, "corpus_chunks_used": len(chunks),
             "corpus_totals": {k: v for k, v in totals.items() if k != "kinds"},
+            # A continued drafter's earlier runs, so its card can name every command that made it.
+            "continued_from": previous,
             "feature_minutes": round(feature_minutes, 1), "training": stats,
             "config": {**dataclasses.asdict(config),
                        "init_from": Path(config.init_from).name if config.init_from else ""}}

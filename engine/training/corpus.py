@@ -306,10 +306,10 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
     return [chunk_path(out, i) for i in range(n_chunks) if chunk_path(out, i).is_file()]
 
 
-def corpus_summary(out: Path) -> dict:
-    """Totals over the chunks written so far (for the model card and the command's report)."""
+def corpus_summary(out: Path, chunks: list[Path] | None = None) -> dict:
+    """Totals over the chunks written so far, or over `chunks` (for the model card and the command's report)."""
     totals = {"chunks": 0, "sequences": 0, "answer_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "kinds": {}}
-    for path in sorted(out.glob("chunk-*.safetensors")):
+    for path in sorted(out.glob("chunk-*.safetensors")) if chunks is None else chunks:
         stats = chunk_stats(path)
         totals["chunks"] += 1
         for key in ("sequences", "answer_tokens", "generated_tokens", "seconds"):

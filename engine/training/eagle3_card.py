@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from treeserve.engine.drafters.models.eagle3 import feature_layers_from_config
+
 
 def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
     training = json.loads((directory / "training.json").read_text())
     config = json.loads((directory / "config.json").read_text())
     stats, settings, totals = training["training"], training["config"], training.get("corpus_totals", {})
-    layers = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    layers = list(feature_layers_from_config(config))  # hidden_states indices (SGLang's eagle_config: index - 1)
     depth = agreement.get("acceptance_by_depth", [])
     topk_key = next(k for k in agreement if k.startswith("top") and k not in ("top1", "top1_by_category"))
     generated_minutes = totals.get("seconds", 0) / 60
@@ -57,18 +59,41 @@ def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
         "",
         "## Training",
         "",
-        f"`treeserve train-eagle3 --max-chunks {training['corpus_chunks_used']} --minutes {settings['minutes']} "
-        f"--lr {settings['lr']} --ttt-steps {settings['ttt_steps']} --draft-vocab-size {settings['draft_vocab_size']}"
-        + (f" --compute-dtype {settings['compute_dtype']}" if settings.get("compute_dtype", "float32") != "float32" else "")
-        + "`"
-        + (f" continuing `{settings['init_from']}`" if settings.get("init_from") else "")
-        + f": {stats['minutes']} min, {stats['steps']} steps, {stats['tokens_seen']} tokens seen. Held-out "
-        f"top-1 by unrolled step: {', '.join(f'{a:.1%}' for a in stats['holdout_step_accuracy'])} "
-        f"({stats['holdout_sequences']} held-out corpus sequences).",
+        *[run_line(run) for run in training_runs(training)],
         "",
         "Reproduce from a clean checkout: `treeserve make-corpus` (resumes the committed chunks; features are "
-        "recomputed by `train-eagle3` for chunks whose cached features are missing), then the command above.",
+        "recomputed by `train-eagle3` for chunks whose cached features are missing), then the command"
+        + (" above." if len(training_runs(training)) == 1 else "s above, in order (each later run continues the "
+                                                                 "drafter the one before wrote)."),
     ]
     path = directory / "README.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def training_runs(training: dict) -> list[dict]:
+    """The training runs that made a drafter, oldest first (a continued run's card holds the earlier one's)."""
+    earlier = training.get("continued_from")
+    return (training_runs(earlier) if earlier else []) + [training]
+
+
+def run_line(training: dict) -> str:
+    """One run's command line and statistics, as a list item of the card."""
+    stats, settings = training["training"], training["config"]
+    command = (f"treeserve train-eagle3 --max-chunks {training['corpus_chunks_used']} --minutes {settings['minutes']} "
+               f"--lr {settings['lr']} --ttt-steps {settings['ttt_steps']} "
+               f"--draft-vocab-size {settings['draft_vocab_size']}"
+               + (f" --compute-dtype {settings['compute_dtype']}"
+                  if settings.get("compute_dtype", "float32") != "float32" else "")
+               + (f" --init-from {init_from_path(settings['init_from'])}" if settings.get("init_from") else ""))
+    return (f"- `{command}`: {stats['minutes']} min, {stats['steps']} steps, {stats['tokens_seen']} tokens seen; "
+            f"held-out top-1 by unrolled step {', '.join(f'{a:.1%}' for a in stats['holdout_step_accuracy'])} "
+            f"({stats['holdout_sequences']} held-out corpus sequences).")
+
+
+def init_from_path(name: str) -> str:
+    """Where a run's --init-from drafter was: a shipped drafter's weights directory, else the recorded name."""
+    from treeserve.engine.dev_prompts import REPO_ROOT
+    from treeserve.engine.drafters.registry import SHIPPED
+
+    return str(SHIPPED[name].directory.relative_to(REPO_ROOT)) if name in SHIPPED else name

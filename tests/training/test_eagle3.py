@@ -209,3 +209,38 @@ def test_train_c2t_labels_trees_of_an_eagle3_head(target, random_eagle3, tiny_ta
                  "--out", str(out)])
     assert code == 0 and out.is_file()
     assert json.loads(out.with_suffix(".json").read_text())["nodes"] > 0
+
+
+def test_train_eagle3_command_continues_a_drafter_and_its_card_names_every_run(target, tiny_target_dir, tmp_path):
+    """`treeserve train-eagle3` on the tiny pair, then again with --init-from: the second drafter's
+    training.json holds the first run's, its corpus totals count the chunks it used, and the model card lists
+    both command lines in order."""
+    from treeserve.cli.main import main
+    from treeserve.engine.training.eagle3_card import write_eagle3_card
+
+    model, tokenizer = target
+    layers = default_feature_layers(model.config.num_hidden_layers)
+    corpus_dir, features_dir = tmp_path / "corpus", tmp_path / "features"
+    chunks = build_corpus(model, tokenizer, CorpusConfig(num_conversations=12, chunk_size=4, batch_size=4,
+                                                         max_new_tokens=16, instruction_tokens=8),
+                          corpus_dir, features_dir=features_dir, feature_layers=layers)
+    common = ["train-eagle3", "--target", str(tiny_target_dir), "--corpus", str(corpus_dir), "--features-dir",
+              str(features_dir), "--threads", "1", "--draft-vocab-size", "256", "--ttt-steps", "2",
+              "--minutes", "0.02", "--batch-tokens", "128", "--max-seq-len", "64", "--holdout-sequences", "2"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(common + ["--max-chunks", "2", "--out", str(first)]) == 0
+    assert main(common + ["--init-from", str(first), "--out", str(second)]) == 0
+    earlier = json.loads((first / "training.json").read_text())
+    later = json.loads((second / "training.json").read_text())
+    assert later["continued_from"] == earlier and earlier["continued_from"] is None
+    assert earlier["corpus_chunks_used"] == earlier["corpus_totals"]["chunks"] == 2
+    assert later["corpus_chunks_used"] == later["corpus_totals"]["chunks"] == len(chunks) == 3
+    assert later["config"]["init_from"] == "first"
+    assert json.loads((second / "config.json").read_text())["draft_vocab_size"] == 256  # the first run's vocabulary
+    agreement = {"top1": 0.5, "top4": 0.75, "positions": 10, "prompts": 1, "max_new_tokens": 10,
+                 "acceptance_by_depth": [0.5, 0.4]}
+    card = write_eagle3_card(second, agreement, "second").read_text()
+    runs = [line for line in card.splitlines() if line.startswith("- `treeserve train-eagle3")]
+    assert len(runs) == 2 and "--max-chunks 2 " in runs[0] and "--init-from" not in runs[0]
+    assert "--max-chunks 3 " in runs[1] and runs[1].split("`")[1].endswith("--init-from first")
+    assert "commands above, in order" in card
