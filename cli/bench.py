@@ -80,6 +80,9 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
                         help="drafter: a shipped one ('eagle3', 'eagle', 'distilled') or a directory "
                              "(default: %(default)s)")
+    parser.add_argument("--drafter-dtype", default="auto",
+                        help="drafter dtype: float32, bfloat16, float16, or auto (the faster of float32 and bfloat16 "
+                             "here, measured once; the target runs in float32) (default: %(default)s)")
     parser.add_argument("--parallel-drafter", default="parallel",
                         help="parallel drafter for METHOD@parallel entries ('parallel': the shipped one, or a directory)")
     parser.add_argument("--drafter-kind", choices=["autoregressive", "parallel", "both"], default=None,

@@ -102,23 +102,42 @@ def _time_extend(lm: CachedLM, context: list[int], nodes: int, repeats: int) -> 
     return 1e3 * sorted(times[1:])[len(times[1:]) // 2]  # median, first run is warm-up
 
 
-def _profile_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str, dtype) -> str:
-    parts = [target.config.to_json_string(), "" if drafter is None else drafter.config.to_json_string(),
-             str(sum(p.numel() for p in target.parameters())), device, str(dtype), platform.machine(),
-             platform.processor(), str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, LAYOUT_VERSION, GROUPED_ATTENTION]
+def machine_key(device: str, *parts: str) -> str:
+    """A short hash of `parts` and this machine (CPU, cores, torch threads and version, the GPU's name): the
+    name of a measurement cached per machine."""
+    parts = [*parts, device, platform.machine(), platform.processor(), str(os.cpu_count()),
+             str(torch.get_num_threads()), torch.__version__, LAYOUT_VERSION, GROUPED_ATTENTION]
     if device.startswith("cuda"):
         parts.append(torch.cuda.get_device_name(torch.device(device)))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def _profile_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str, dtype,
+                 drafter_dtype) -> str:
+    return machine_key(device, target.config.to_json_string(),
+                       "" if drafter is None else drafter.config.to_json_string(),
+                       str(sum(p.numel() for p in target.parameters())), str(dtype), str(drafter_dtype))
+
+
+def time_drafter_step(drafter: torch.nn.Module, device: str, dtype: torch.dtype, nodes: int = 1,
+                      prefix_tokens: int = 128, repeats: int = 20) -> float:
+    """Median ms of one drafter forward over `nodes` tree nodes after a `prefix_tokens` context. A drafter
+    step is a few ms, so one stall of this shared VM skews a short median (seen: 15.6 ms for a 5 ms step):
+    many repeats, which cost little."""
+    context = [11 + (i % 97) for i in range(prefix_tokens + 1)]
+    return _time_extend(CachedLM(drafter, device, dtype), context, nodes, repeats)
+
+
 def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str = "cpu",
                     dtype: torch.dtype = torch.float32, prefix_tokens: int = 128, repeats: int = 5,
-                    cache_dir: Path | None = None) -> HardwareProfile:
-    """Time target forwards of PROFILE_SIZES tree nodes and one drafter step (medians); cached per model and
-    machine."""
+                    cache_dir: Path | None = None, drafter_dtype: torch.dtype | None = None) -> HardwareProfile:
+    """Time target forwards of PROFILE_SIZES tree nodes (in `dtype`) and one drafter step (in `drafter_dtype`,
+    default `dtype`) (medians); cached per model and machine."""
     from treeserve.engine.models.loading import cache_root
 
-    path = (cache_dir or cache_root() / "profiles") / f"{_profile_key(target, drafter, device, dtype)}.json"
+    drafter_dtype = drafter_dtype or dtype
+    key = _profile_key(target, drafter, device, dtype, drafter_dtype)
+    path = (cache_dir or cache_root() / "profiles") / f"{key}.json"
     if path.is_file():
         raw = json.loads(path.read_text())
         return HardwareProfile({int(k): v for k, v in raw["target_ms"].items()}, raw["drafter_step_ms"],
@@ -126,9 +145,8 @@ def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, de
     context = [11 + (i % 97) for i in range(prefix_tokens + 1)]
     lm = CachedLM(target, device, dtype)
     target_ms = {n: _time_extend(lm, context, n, repeats) for n in PROFILE_SIZES}
-    # A drafter step is a few ms, so one stall of this shared VM skews a short median (seen: 15.6 ms for a
-    # 5 ms step), and mu sets OPT-Tree's delta: more repeats cost little.
-    drafter_ms = _time_extend(CachedLM(drafter, device, dtype), context, 1, 4 * repeats) if drafter is not None else 0.0
+    drafter_ms = (time_drafter_step(drafter, device, drafter_dtype, 1, prefix_tokens, 4 * repeats)
+                  if drafter is not None else 0.0)
     profile = HardwareProfile(target_ms, drafter_ms, prefix_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))

@@ -14,6 +14,7 @@ import torch
 from treeserve.engine.budget import measure_profile
 from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig, split_method
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
+from treeserve.engine.drafters.dtype_choice import AUTO as AUTO_DTYPE
 from treeserve.engine.drafters.loading import build_local_drafter
 from treeserve.engine.drafters.models.loading import target_feature_layers
 from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND, canonical_name, default_drafter
@@ -28,6 +29,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def parse_drafter_dtype(name: str) -> torch.dtype | str:
+    """A drafter dtype: a dtype name, or "auto" (kept: build_local_drafter measures it)."""
+    if name == AUTO_DTYPE:
+        return AUTO_DTYPE
+    if name not in DTYPES:
+        raise ValueError(f"drafter dtype must be {AUTO_DTYPE!r} or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
@@ -54,13 +64,15 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                  budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
                  drafter_kind: str | None = None, lookup: LookupSettings | None = None,
-                 **tree_overrides) -> SpeculativeEngine:
+                 drafter_dtype: str | None = None, **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
     the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's default
     drafter ("eagle3", or "parallel" for kind parallel); `lookup` sets copy-from-context drafting (methods
-    "lookup" and "<builder>+lookup"; None: the defaults)."""
+    "lookup" and "<builder>+lookup"; None: the defaults). `dtype` is the target's (it defines the output);
+    `drafter_dtype` the drafter's: None = `dtype`, a dtype name, or "auto" (measured: dtype_choice.py)."""
     torch_dtype = parse_dtype(dtype)
+    drafter_torch_dtype = parse_drafter_dtype(drafter_dtype or dtype)
     if drafter_path is None:
         drafter_path = default_drafter(drafter_kind)
     drafter_path = canonical_name(drafter_path, drafter_kind)
@@ -71,13 +83,14 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     target = target or load_causal_lm(target_path, device, torch_dtype)
     drafter = None
     if method != AUTOREGRESSIVE:
-        drafter = build_local_drafter(drafter_path, target.model, device, torch_dtype, budget,
-                                      drafter_kind=drafter_kind, lookup=lookup)
+        drafter = build_local_drafter(drafter_path, target.model, device, drafter_torch_dtype, budget,
+                                      drafter_kind=drafter_kind, lookup=lookup, target_dtype=torch_dtype)
     if drafter is not None and base == "opt_tree" and "delta" not in tree_overrides:
         # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens, whatever
         # the node budget (the profile is measured once per machine and cached).
         profile = drafter.budget.profile if drafter.budget is not None else \
-            measure_profile(target.model, drafter.model, device, torch_dtype)
+            measure_profile(target.model, drafter.model, device, torch_dtype,
+                            drafter_dtype=next(drafter.model.parameters()).dtype)
         tree_overrides["delta"] = profile.opt_tree_delta()
     # An EAGLE-3 head whose config names no layers reads EAGLE-3's default for this target's depth.
     feature_layers = (target_feature_layers(drafter_path, target.model.config.num_hidden_layers)

@@ -147,20 +147,24 @@ def load_drafter_from_config(config) -> tuple[Drafter, int]:
     sit beside a 70B tensor-parallel target on a share of one GPU."""
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.drafters.loading import build_local_drafter
-    from treeserve.engine.factory import parse_dtype
+    from treeserve.engine.factory import parse_drafter_dtype, parse_dtype
     from treeserve.engine.runners.kv_pool import limit_gpu_memory
 
-    dtype = parse_dtype(config.drafter.dtype)
+    dtype = parse_drafter_dtype(config.drafter.dtype)  # a dtype, or "auto": measured by build_local_drafter
+    # The target's parts load in the target's dtype: budget "auto" times the target as the Target replica runs
+    # it, and the drafter casts what it borrows (embeddings, LM head) to its own dtype.
+    target_dtype = parse_dtype(config.target.dtype)
     limit_gpu_memory(config.drafter.device, config.drafter.gpu_memory_fraction)
     if config.speculation.budget == "auto":
-        target = load_causal_lm(config.target.path, config.drafter.device, dtype).model
+        target = load_causal_lm(config.target.path, config.drafter.device, target_dtype).model
     else:
         from treeserve.engine.models.target_parts import load_target_parts
 
-        target = load_target_parts(config.target.path, config.drafter.device, dtype)
+        target = load_target_parts(config.target.path, config.drafter.device,
+                                   target_dtype if dtype == "auto" else dtype)
     drafter = build_local_drafter(config.drafter.path, target, config.drafter.device, dtype,
                                   config.speculation.budget, drafter_kind=config.drafter.kind,
-                                  lookup=config.speculation.lookup)
+                                  lookup=config.speculation.lookup, target_dtype=target_dtype)
     # The KV pool is preallocated now: max_sessions x max_context_tokens (treeserve memory-estimate).
     drafter.lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
     drafter.lm.warm_up()

@@ -83,10 +83,16 @@ def kv_pool_bytes(facts: ModelFacts, tp: int, dtype_bytes: int, sessions: int, c
         * sessions * context
 
 
+def dtype_bytes(model: ModelConfig, args: AppConfig) -> int:
+    """Bytes per weight / activation element; a drafter's "auto" dtype is sized as the larger it may pick
+    (the target's dtype or bfloat16)."""
+    return DTYPE_BYTES[args.target.dtype if model.dtype == "auto" else model.dtype]
+
+
 def activation_bytes(facts: ModelFacts, model: ModelConfig, args: AppConfig, tp: int) -> int:
     """Peak activations of the largest forward one process runs."""
     limits, spec = args.limits, args.speculation
-    dtype = DTYPE_BYTES[model.dtype]
+    dtype = dtype_bytes(model, args)
     nodes = AUTO_BUDGET_NODES if spec.budget == "auto" else spec.budget
     fwd = max(limits.max_prompt_tokens, limits.max_batch_size * nodes)
     context = model.max_context_tokens
@@ -208,7 +214,7 @@ def report(path: Path, gpu_memory_gib: float, overhead_gib: float) -> tuple[str,
                      f"{facts.num_hidden_layers} layers, {facts.num_key_value_heads} KV heads; KV pool {sessions} "
                      f"sessions x {model.max_context_tokens} tokens; GPU share {shares}, memory fraction "
                      f"{fraction if cuda else '-'})")
-        dtype = DTYPE_BYTES[model.dtype]
+        dtype = dtype_bytes(model, args)
         weights = (sharded // tp + replicated) * dtype
         kv = kv_pool_bytes(facts, tp, dtype, sessions, model.max_context_tokens)
         margin = activation_bytes(facts, model, args, tp) + (overhead if cuda else 0)

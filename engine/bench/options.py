@@ -32,6 +32,7 @@ class BenchOptions:
     methods: tuple[str, ...] = DEFAULT_METHODS
     target: str = "default"  # target model: 'default', a directory or a .gguf
     drafter: str = DEFAULT_DRAFTER  # drafter of autoregressive-kind entries: a shipped name or a directory
+    drafter_dtype: str = "auto"  # drafters' dtype (float32, bfloat16, float16, auto); the target runs in float32
     parallel_drafter: str = "parallel"  # drafter of METHOD@parallel entries
     # Drafter kind of entries without '@KIND': "autoregressive", "parallel" or "both" (each entry with both).
     drafter_kind: str = "autoregressive"

@@ -41,7 +41,8 @@ def budget_sweep(options: BenchOptions, target, rows: list[dict], sampling) -> l
     prompts = [chat_ids(target.tokenizer, row["turns"][0]) for row in rows]
     with tqdm(total=len(pairs) * len(rows), desc="budget sweep") as bar:
         for method, budget in pairs:
-            engine = build_engine(drafter_path=options.drafter, method=method, budget=budget, target=target)
+            engine = build_engine(drafter_path=options.drafter, method=method, budget=budget, target=target,
+                                  drafter_dtype=options.drafter_dtype)
             tokens = steps = candidates = 0
             for prompt in prompts:
                 result = engine.generate([GenerationRequest(prompt, max_new_tokens=options.max_new_tokens,
@@ -68,11 +69,14 @@ def build_runners(options: BenchOptions, methods: list[tuple[str, int | str, str
     for m, b, k in methods:
         key = entry_key(m, b, k)
         drafter = parallel_path if k == "parallel" else options.drafter
-        runners[key] = EngineRunner(key, build_engine(drafter_path=drafter, method=m, budget=b, target=target,
-                                                      drafter_kind=k), sampling)
-        # The drafter's name (the kind alone, "autoregressive", reads like a method in this column).
-        stats[key] = MethodStats(m, str(b), k, "-" if m == "autoregressive" else
-                                 (f"parallel:{parallel_path}" if k == "parallel" else str(options.drafter)))
+        engine = build_engine(drafter_path=drafter, method=m, budget=b, target=target, drafter_kind=k,
+                              drafter_dtype=options.drafter_dtype)
+        runners[key] = EngineRunner(key, engine, sampling)
+        # The drafter's name (the kind alone, "autoregressive", reads like a method in this column) and the
+        # dtype it runs in ("auto" is resolved by measurement, so the report says what was chosen).
+        name = f"parallel:{parallel_path}" if k == "parallel" else str(options.drafter)
+        stats[key] = MethodStats(m, str(b), k, "-" if engine.drafter is None else
+                                 f"{name} ({str(next(engine.drafter.model.parameters()).dtype).removeprefix('torch.')})")
     peers, skipped = build_peers(list(options.peers), target, options.peer_drafter)
     for reason in skipped:
         print(reason)

@@ -14,6 +14,7 @@ import torch
 from treeserve.engine.budget import BudgetChooser, measure_profile
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafters.base import DrafterBase
+from treeserve.engine.drafters.dtype_choice import AUTO, fastest_dtype
 from treeserve.engine.drafters.registry import KINDS, PARALLEL_KIND, canonical_name, drafter_dir, kind_of
 from treeserve.engine.lookup import LookupSettings
 
@@ -41,21 +42,25 @@ def load_classifier(path: str | None = "default", drafter_path: str = "distilled
 
 
 def _chooser(budget: int | str, target: torch.nn.Module, model: torch.nn.Module, device: str,
-             dtype: torch.dtype) -> BudgetChooser | None:
+             target_dtype: torch.dtype, dtype: torch.dtype) -> BudgetChooser | None:
     """Budget "auto": a chooser over the measured cost curve of this pair (cached per machine); an integer: none."""
     if budget == "auto":
-        return BudgetChooser(measure_profile(target, model, device, dtype))
+        return BudgetChooser(measure_profile(target, model, device, target_dtype, drafter_dtype=dtype))
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
     return None
 
 
 def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str = "cpu",
-                        dtype: torch.dtype = torch.float32, budget: int | str = "auto",
+                        dtype: torch.dtype | str = torch.float32, budget: int | str = "auto",
                         classifier_path: str | None = "default", drafter_kind: str | None = None,
-                        lookup: LookupSettings | None = None) -> DrafterBase:
+                        lookup: LookupSettings | None = None, target_dtype: torch.dtype | None = None) -> DrafterBase:
     """The drafter of `drafter_kind` over the weights at `drafter_path`, for `target`; budget "auto" measures
     the hardware and chooses per step.
+
+    `dtype` is the drafter's: a torch dtype, or "auto" for the faster of the target's dtype and bfloat16 on
+    this machine (engine/drafters/dtype_choice.py). `target_dtype` is the dtype the target runs in (default:
+    its parameters'), timed for budget "auto".
 
     `drafter_kind` None takes the kind the weights are (a directory's config.json, a shipped name's own); a
     stated kind that disagrees with them is a ValueError (engine/drafters/registry.py). Kind "parallel" gives a
@@ -64,16 +69,19 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
     kind = kind_of(drafter_path, drafter_kind)
     drafter_class = KINDS[kind].load_class()
+    target_dtype = target_dtype or next(target.parameters()).dtype
+    from treeserve.engine.drafters.models.loading import load_drafter, load_parallel_drafter
+
+    load = load_parallel_drafter if kind == PARALLEL_KIND else load_drafter
+    if dtype == AUTO:
+        dtype = fastest_dtype(lambda candidate: load(drafter_path, target, device, candidate), device, target_dtype)
+    elif not isinstance(dtype, torch.dtype):
+        raise ValueError(f"drafter dtype must be a torch dtype or {AUTO!r}, got {dtype!r}")
+    model = load(drafter_path, target, device, dtype)
+    chooser = _chooser(budget, target, model, device, target_dtype, dtype)
     if kind == PARALLEL_KIND:  # ParallelTreeDrafter
-        from treeserve.engine.drafters.models.loading import load_parallel_drafter
-
-        model = load_parallel_drafter(drafter_path, target, device, dtype)
-        return drafter_class(model, target.config.vocab_size, device, dtype,
-                             budget=_chooser(budget, target, model, device, dtype))
+        return drafter_class(model, target.config.vocab_size, device, dtype, budget=chooser)
     from treeserve.engine.drafters.model_runner import DrafterRunner  # LocalDrafter
-    from treeserve.engine.drafters.models.loading import load_drafter
 
-    model = load_drafter(drafter_path, target, device, dtype)
-    chooser = _chooser(budget, target, model, device, dtype)
     return drafter_class(DrafterRunner(model, target.config.vocab_size, device, dtype),
                          classifier=load_classifier(classifier_path, drafter_path), budget=chooser, lookup=lookup)

@@ -13,6 +13,8 @@ from treeserve.services.config.fields import check_positive, check_positive_opt,
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 Dtype = Literal["float32", "bfloat16", "float16"]
+# A drafter's dtype may also be "auto": it changes speed, never output (engine/drafters/dtype_choice.py).
+DrafterDtype = Literal["float32", "bfloat16", "float16", "auto"]
 Device = Literal["cpu", "cuda"]
 
 
@@ -154,6 +156,9 @@ class DrafterConfig(ModelConfig):
         "the drafter's weights: a shipped drafter (distilled, eagle, eagle3, parallel) or a local directory; "
         "null = the kind's default drafter (eagle3, or parallel for kind parallel). \"default\" is the "
         "deprecated name of distilled (of parallel for kind parallel)", default=None)
+    dtype: DrafterDtype = described(
+        "weights and activations dtype; auto = the faster of the target's dtype and bfloat16 on this machine, "
+        "measured at start (the drafter only proposes, so its dtype never changes the output)", default="auto")
     kind: Literal["autoregressive", "parallel"] = described(
         "autoregressive: one token per drafter forward; parallel: several tokens per forward "
         "(ParallelSpec-style mask tokens)", default="autoregressive")

@@ -132,5 +132,5 @@ def test_shipped_drafters_are_estimated(tmp_path, drafter):
     (tmp_path / "local-cpu.yaml").write_text(yaml.safe_dump(layout))
     text, ok = me.report(tmp_path / "local-cpu.yaml", 80.0, 2.0)
     rows = _rows(text)
-    assert ok and ("cpu", "drafter") in rows and f"drafter: {drafter} (float32, TP=1" in text
+    assert ok and ("cpu", "drafter") in rows and f"drafter: {drafter} (auto, TP=1" in text
     assert float(rows[("cpu", "drafter")][0].split()[0]) > 0  # weights

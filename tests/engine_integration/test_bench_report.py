@@ -72,6 +72,7 @@ def bench_run(tmp_path_factory, prompts_file, tiny_target_dir, tiny_drafter_dir)
     args = parser.parse_args(["--prompts", str(prompts_file), "--num-prompts", "3", "--max-new-tokens", "12",
                               "--target", str(tiny_target_dir), "--drafter", str(tiny_drafter_dir),
                               "--peer-drafter", str(tiny_drafter_dir), "--threads", "1", "--warmup-prompts", "0",
+                              "--drafter-dtype", "bfloat16",  # a bfloat16 drafter for the float32 target: lossless
                               "--methods", "autoregressive", "chain:4", "--check-greedy",
                               "--peers", "hf", "--answers-dir", str(out / "answers"), "--json-out",
                               str(out / "bench.json"), "--plot", str(out / "plots"), "--sweep-methods", "eagle2",
@@ -108,7 +109,8 @@ def test_rows_name_drafters_and_compare_with_peers(bench_run, tiny_drafter_dir):
     assisted = f"hf-assisted:{tiny_drafter_dir.name}"
     assert set(rows) == {"autoregressive:auto", "chain:4", "hf-generate", "hf-pld", assisted}
     assert rows[assisted]["drafter"] == str(tiny_drafter_dir)
-    assert rows["chain:4"]["drafter"] == str(tiny_drafter_dir) and rows["autoregressive:auto"]["drafter"] == "-"
+    assert rows["chain:4"]["drafter"] == f"{tiny_drafter_dir} (bfloat16)"
+    assert rows["autoregressive:auto"]["drafter"] == "-"
     for key, row in rows.items():
         assert row["greedy_mismatches"] == 0, key  # peers pass the same greedy check
         assert row["speedup"] > 0 and row["speedup_vs_hf"] > 0

@@ -33,6 +33,7 @@ def test_empty_config_gives_local_cpu_defaults():
     assert args.api.max_request_bytes == 4 * 1024 * 1024
     assert not args.security.tls and args.security.auth_token_file is None
     assert (args.target.path, args.target.device, args.target.tensor_parallel_size) == ("default", "cpu", 1)
+    assert (args.target.dtype, args.drafter.path, args.drafter.dtype) == ("float32", "eagle3", "auto")
     assert args.speculation.budget == "auto" and args.speculation.batch_method == "c2t_chain"
 
 
@@ -96,6 +97,8 @@ def test_serve_sections_are_ray_serves_own_models():
                  "tensor_parallel_size": 4}},
      "applications[0].args.target.tensor_parallel_size: must divide num_key_value_heads=6"),
     ({"target": {"dtype": "float64"}}, "applications[0].args.target.dtype: must be one of"),
+    # "auto" is a drafter's dtype only: the target's dtype defines the output.
+    ({"target": {"dtype": "auto"}}, "applications[0].args.target.dtype: must be one of"),
     ({"target": {"path": "hf://meta-llama/Llama-2-7b"}}, "applications[0].args.target.path"),
     ({"target": {"tensor_parallel_size": True}}, "applications[0].args.target.tensor_parallel_size: expected an integer"),
     ({"speculation": {"method": "medusa"}}, "applications[0].args.speculation.method"),
@@ -263,3 +266,14 @@ def test_drafter_kind_must_match_its_weights(tmp_path):
     config = load_serve_config(_app({"drafter": {"path": str(parallel_dir), "kind": "parallel"},
                                      "speculation": model_only}))
     assert config.app.args.drafter.kind == "parallel"
+
+
+def test_drafter_dtype_auto_is_sized_as_the_larger_choice():
+    """drafter.dtype auto (the faster of the target's dtype and bfloat16, measured at start) is accepted, and the
+    memory estimate sizes it as the target's dtype (float32 here: the larger of the two)."""
+    from treeserve.services.memory_estimate import dtype_bytes
+
+    args = load_serve_config(_app({"drafter": {"dtype": "auto"}})).app.args
+    assert args.drafter.dtype == "auto" and dtype_bytes(args.drafter, args) == 4
+    args = load_serve_config(_app({"drafter": {"dtype": "auto"}, "target": {"dtype": "bfloat16"}})).app.args
+    assert dtype_bytes(args.drafter, args) == 2
