@@ -18,7 +18,7 @@ class SequenceBatches:
         self.batch_tokens = batch_tokens
         self.max_len = max_len
         self.generator = generator
-        self.cursor = 0
+        self.cursor = len(self.order)  # every epoch is shuffled, the first too (callers may pass sorted ids)
 
     def next(self) -> tuple[list[int], int]:
         """Sequence ids of the next batch and the number of tokens they hold."""

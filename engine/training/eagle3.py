@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
 from treeserve.engine.training.batches import SequenceBatches
-from treeserve.engine.training.loop import LoopSettings, StepLoss, run_training
+from treeserve.engine.training.loop import LoopSettings, StepLoss, growing_corpus_holdout, run_training
 
 
 @dataclass
@@ -286,8 +286,7 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
     drafter.embed_tokens.weight.requires_grad_(False)  # the target's own embeddings, frozen and not stored
     head_weight = target.get_output_embeddings().weight.detach().float()
     head = LabelHead.split(head_weight, drafter.vocab_ids, compute_dtype)
-    order = torch.randperm(len(corpus.spans), generator=generator).tolist()
-    holdout, train_ids = order[:config.holdout_sequences], order[config.holdout_sequences:]
+    holdout, train_ids = growing_corpus_holdout(len(corpus.spans), config.holdout_sequences, config.seed)
     batches = SequenceBatches(train_ids, corpus.spans, config.batch_tokens, config.max_seq_len, generator)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)

@@ -8,6 +8,7 @@ as the budget lasts), so a run's length follows the machine it runs on.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -100,6 +101,19 @@ def holdout_split(count: int, fraction: float, generator: torch.Generator | None
     order = torch.randperm(count, generator=generator).tolist()
     n_hold = max(1, int(len(order) * fraction))
     return order[:n_hold], order[n_hold:]
+
+
+def growing_corpus_holdout(count: int, n_hold: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(held out, training) ids of sequences 0..count-1 of a corpus that grows by appending: the `n_hold` ids
+    whose seeded hash is smallest. A sequence's hash never changes and the cut only falls as the corpus grows,
+    so a drafter continued on a larger corpus (`--init-from`) is never measured on a sequence an earlier run
+    trained on (a fresh permutation of the larger corpus would hold out ~all-old sequences)."""
+    def rank(i: int) -> bytes:
+        return hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
+
+    order = sorted(range(count), key=rank)
+    held = set(order[:n_hold])
+    return sorted(held), [i for i in range(count) if i not in held]
 
 
 def target_to_draft_map(vocab_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
