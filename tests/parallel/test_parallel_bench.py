@@ -33,14 +33,15 @@ def test_bench_reports_both_kinds(tmp_path, tiny_target, tiny_target_dir, tiny_d
                               "--target", str(tiny_target_dir), "--drafter", str(tiny_drafter_dir),
                               "--parallel-drafter", str(pd), "--drafter-kind", "both", "--threads", "1",
                               "--methods", "autoregressive", "chain:4", "opt_tree:8", "--check-greedy", "--repeats", "2",
+                              "--drafter-dtype", "float32",
                               "--json-out", str(out), "--answers-dir", str(tmp_path / "answers")])
     assert bench.run(args) == 0
     rows = {(r["method"], r["drafter_kind"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {("autoregressive", "autoregressive"), ("chain", "autoregressive"), ("chain", "parallel"),
                          ("opt_tree", "autoregressive"), ("opt_tree", "parallel")}
-    # The drafter column names the drafter, not its kind.
-    assert rows[("chain", "autoregressive")]["drafter"] == str(tiny_drafter_dir)
-    assert rows[("chain", "parallel")]["drafter"] == f"parallel:{pd}"
+    # The drafter column names the drafter (not its kind) and the dtype it ran in.
+    assert rows[("chain", "autoregressive")]["drafter"] == f"{tiny_drafter_dir} (float32)"
+    assert rows[("chain", "parallel")]["drafter"] == f"parallel:{pd} (float32)"
     assert rows[("autoregressive", "autoregressive")]["drafter"] == "-"
     for key, row in rows.items():
         assert row["greedy_mismatches"] == 0
