@@ -34,26 +34,28 @@ def candidate_dtypes(target_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
 
 
 def fastest_dtype(load: Callable[[torch.dtype], torch.nn.Module], device: str, target_dtype: torch.dtype,
-                  cache_dir: Path | None = None) -> torch.dtype:
+                  cache_dir: Path | None = None) -> tuple[torch.dtype, torch.nn.Module]:
     """The dtype among `candidate_dtypes(target_dtype)` whose drafter step (`FRONTIER_NODES` nodes) is fastest
-    on this machine; `load(dtype)` gives the drafter in a dtype. Measured once per drafter and machine."""
+    on this machine, and the drafter in it; `load(dtype)` gives the drafter in a dtype (each dtype is loaded at
+    most once). Measured once per drafter and machine."""
     from treeserve.engine.models.loading import cache_root
 
     candidates = candidate_dtypes(target_dtype)
-    first = load(candidates[0])
+    loaded = {candidates[0]: load(candidates[0])}
     if len(candidates) == 1:
-        return candidates[0]
-    key = machine_key(device, "drafter-dtype", first.config.to_json_string(), *map(str, candidates))
+        return candidates[0], loaded[candidates[0]]
+    key = machine_key(device, "drafter-dtype", loaded[candidates[0]].config.to_json_string(), *map(str, candidates))
     path = (cache_dir or cache_root() / "profiles") / f"drafter-dtype-{key}.json"
     if path.is_file():
         step_ms = json.loads(path.read_text())["step_ms"]
     else:
+        loaded.update((dtype, load(dtype)) for dtype in candidates[1:])
         step_ms = {str(dtype): time_drafter_step(model, device, dtype, FRONTIER_NODES)
-                   for dtype, model in ((candidates[0], first),
-                                        *((dtype, load(dtype)) for dtype in candidates[1:]))}
+                   for dtype, model in loaded.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"step_ms": step_ms, "nodes": FRONTIER_NODES}, indent=1))
-    return choose(candidates, step_ms)
+    chosen = choose(candidates, step_ms)
+    return chosen, loaded[chosen] if chosen in loaded else load(chosen)
 
 
 def choose(candidates: tuple[torch.dtype, ...], step_ms: dict[str, float]) -> torch.dtype:

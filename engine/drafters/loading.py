@@ -74,10 +74,12 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
 
     load = load_parallel_drafter if kind == PARALLEL_KIND else load_drafter
     if dtype == AUTO:
-        dtype = fastest_dtype(lambda candidate: load(drafter_path, target, device, candidate), device, target_dtype)
-    elif not isinstance(dtype, torch.dtype):
+        dtype, model = fastest_dtype(lambda candidate: load(drafter_path, target, device, candidate), device,
+                                     target_dtype)
+    elif isinstance(dtype, torch.dtype):
+        model = load(drafter_path, target, device, dtype)
+    else:
         raise ValueError(f"drafter dtype must be a torch dtype or {AUTO!r}, got {dtype!r}")
-    model = load(drafter_path, target, device, dtype)
     chooser = _chooser(budget, target, model, device, target_dtype, dtype)
     if kind == PARALLEL_KIND:  # ParallelTreeDrafter
         return drafter_class(model, target.config.vocab_size, device, dtype, budget=chooser)

@@ -31,11 +31,11 @@ def test_fastest_dtype_measures_once_per_machine(tiny_drafter_dir, tmp_path, mon
         return {torch.float32: 4.0, torch.bfloat16: 2.0}[dtype]
 
     monkeypatch.setattr(dtype_choice, "time_drafter_step", fake_step)
-    assert fastest_dtype(load, "cpu", torch.float32, cache_dir=tmp_path) == torch.bfloat16
+    assert fastest_dtype(load, "cpu", torch.float32, cache_dir=tmp_path)[0] == torch.bfloat16
     assert timed == [torch.float32, torch.bfloat16]
-    assert fastest_dtype(load, "cpu", torch.float32, cache_dir=tmp_path) == torch.bfloat16  # from the cache
+    assert fastest_dtype(load, "cpu", torch.float32, cache_dir=tmp_path)[0] == torch.bfloat16  # from the cache
     assert timed == [torch.float32, torch.bfloat16]
-    assert fastest_dtype(load, "cpu", torch.bfloat16, cache_dir=tmp_path) == torch.bfloat16  # nothing to choose
+    assert fastest_dtype(load, "cpu", torch.bfloat16, cache_dir=tmp_path)[0] == torch.bfloat16  # nothing to choose
     assert len(timed) == 2
 
 

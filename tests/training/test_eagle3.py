@@ -133,15 +133,24 @@ def test_published_layout_round_trips(target, random_eagle3, tmp_path):
         torch.testing.assert_close(loaded(ids, feats).logits, drafter(ids, feats).logits, atol=2e-2, rtol=1e-2)
 
 
+def tiny_corpus(target, tmp_path, conversations: int, answer_tokens: int):
+    """A corpus of 4-conversation chunks the tiny target answered, its EAGLE-3 features captured:
+    (corpus dir, features dir, chunk paths)."""
+    model, tokenizer = target
+    corpus_dir, features_dir = tmp_path / "corpus", tmp_path / "features"
+    chunks = build_corpus(model, tokenizer, CorpusConfig(num_conversations=conversations, chunk_size=4, batch_size=4,
+                                                         max_new_tokens=answer_tokens, instruction_tokens=8),
+                          corpus_dir, features_dir=features_dir,
+                          feature_layers=default_feature_layers(model.config.num_hidden_layers))
+    return corpus_dir, features_dir, chunks
+
+
 def test_tiny_eagle3_trained_end_to_end_drafts_losslessly(target, tiny_target_dir, tmp_path):
     from treeserve.engine.factory import build_engine
 
     model, tokenizer = target
     layers = default_feature_layers(model.config.num_hidden_layers)
-    corpus_dir, features_dir = tmp_path / "corpus", tmp_path / "features"
-    chunks = build_corpus(model, tokenizer, CorpusConfig(num_conversations=8, chunk_size=4, batch_size=4,
-                                                         max_new_tokens=24, instruction_tokens=8),
-                          corpus_dir, features_dir=features_dir, feature_layers=layers)
+    corpus_dir, features_dir, chunks = tiny_corpus(target, tmp_path, conversations=8, answer_tokens=24)
     captured = (features_dir / chunks[0].name).read_bytes()
     recomputed = compute_chunk_features(model, chunks[0], tmp_path / "recomputed", layers)
     from safetensors.torch import load_file
@@ -218,12 +227,7 @@ def test_train_eagle3_command_continues_a_drafter_and_its_card_names_every_run(t
     from treeserve.cli.main import main
     from treeserve.engine.training.eagle3_card import write_eagle3_card
 
-    model, tokenizer = target
-    layers = default_feature_layers(model.config.num_hidden_layers)
-    corpus_dir, features_dir = tmp_path / "corpus", tmp_path / "features"
-    chunks = build_corpus(model, tokenizer, CorpusConfig(num_conversations=12, chunk_size=4, batch_size=4,
-                                                         max_new_tokens=16, instruction_tokens=8),
-                          corpus_dir, features_dir=features_dir, feature_layers=layers)
+    corpus_dir, features_dir, chunks = tiny_corpus(target, tmp_path, conversations=12, answer_tokens=16)
     common = ["train-eagle3", "--target", str(tiny_target_dir), "--corpus", str(corpus_dir), "--features-dir",
               str(features_dir), "--threads", "1", "--draft-vocab-size", "256", "--ttt-steps", "2",
               "--minutes", "0.02", "--batch-tokens", "128", "--max-seq-len", "64", "--holdout-sequences", "2"]
