@@ -96,6 +96,9 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the run as JSON: rows (measured), per-category speedups, sweep, chooser "
                              "rates, projection, greedy check")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device of the in-process target, drafters and peers: cpu or cuda[:N] "
+                             "(default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs of every (prompt, method), interleaved; the run of median wall time "
                              "counts (the faster of two; a 64-token answer alone varies by +-10%% on a shared "

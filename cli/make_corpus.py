@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from treeserve.cli.options import add_dataclass_options
+from treeserve.cli.options import add_dataclass_options, check_device
 from treeserve.engine.dev_prompts import DEV_PROMPTS, REPO_ROOT
 from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, CorpusConfig
 
@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: {DEFAULT_CORPUS_DIR.relative_to(REPO_ROOT)})")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 leaves a core free on a 2-core box; default: 1)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device of the target: cpu or cuda[:N] (a GPU takes a far larger --batch-size; "
+                             "the batch size may differ from the corpus's recipe) (default: cpu)")
     parser.add_argument("--max-chunks", type=int, default=None,
                         help="stop after generating this many new chunks (default: until the corpus is complete)")
     parser.add_argument("--summary", action="store_true", help="only print the totals of the chunks on disk")
@@ -58,11 +61,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(corpus_summary(args.out), indent=2))
         return 0
     config = corpus_config(args)
+    check_device(args.device)
     torch.set_num_threads(args.threads)
     target = load_causal_lm(args.target)
     # SDPA: generation needs no tree mask, and batched decoding is faster under it than under eager.
     model = AutoModelForCausalLM.from_pretrained(target.path, local_files_only=True, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+                                                 attn_implementation="sdpa").eval().to(args.device)
     layers = (default_feature_layers(model.config.num_hidden_layers) if args.feature_layers is None
               else tuple(args.feature_layers))
     features_dir = args.features_dir or cache_root() / "corpus_features" / args.out.name

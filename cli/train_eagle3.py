@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from treeserve.cli.options import add_dataclass_options
+from treeserve.cli.options import add_dataclass_options, check_device
 from treeserve.engine.dev_prompts import REPO_ROOT
 from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR
 from treeserve.engine.training.eagle3 import Eagle3TrainConfig
@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"where the drafter is written (default: the shipped {SHIPPED['eagle3'].directory.name})")
     parser.add_argument("--max-chunks", type=int, default=None, help="train on the first N chunks only")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device of the target, the corpus and the drafter while training: cpu or "
+                             "cuda[:N] (default: cpu)")
     add_dataclass_options(parser, Eagle3TrainConfig, "EAGLE-3 training")
 
 
@@ -35,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from treeserve.engine.drafters.models.eagle3 import default_feature_layers, is_eagle3_drafter
+    from treeserve.engine.devices import device_name
     from treeserve.engine.models.loading import cache_root, load_causal_lm
     from treeserve.engine.training.corpus import compute_chunk_features, corpus_summary, features_path
     from treeserve.engine.training.eagle3 import load_corpus, train_eagle3
@@ -47,11 +51,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--ttt-steps must be >= 1, --draft-vocab-size >= 2 and --minutes > 0")
     if config.init_from and not is_eagle3_drafter(Path(config.init_from)):
         raise ValueError(f"--init-from {config.init_from} is not an EAGLE-3 drafter directory")
+    check_device(args.device)
     chunks = sorted(args.corpus.glob("chunk-*.safetensors"))[:args.max_chunks]
     if not chunks:
         raise FileNotFoundError(f"no corpus chunks in {args.corpus}; run `treeserve make-corpus` first")
     torch.set_num_threads(args.threads)
-    target = load_causal_lm(args.target)
+    target = load_causal_lm(args.target, args.device)
     features_dir = args.features_dir or cache_root() / "corpus_features" / args.corpus.name
     layers = default_feature_layers(target.model.config.num_hidden_layers)
     started = time.time()
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         if not features_path(features_dir, chunk).is_file():
             compute_chunk_features(target.model, chunk, features_dir, layers)
     feature_minutes = (time.time() - started) / 60
-    corpus = load_corpus(chunks, features_dir)
+    corpus = load_corpus(chunks, features_dir, args.device)
     specials = sorted({target.tokenizer.eos_token_id, *target.tokenizer.all_special_ids})
     drafter, stats = train_eagle3(target.model, corpus, config, specials)
     totals = corpus_summary(args.corpus, chunks)
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             "corpus_totals": {k: v for k, v in totals.items() if k != "kinds"},
             # A continued drafter's earlier runs, so its card can name every command that made it.
             "continued_from": previous,
-            "feature_minutes": round(feature_minutes, 1), "training": stats,
+            "feature_minutes": round(feature_minutes, 1), "training": stats, "device": device_name(args.device),
             "config": {**dataclasses.asdict(config),
                        "init_from": Path(config.init_from).name if config.init_from else ""}}
     drafter.save(args.out, card={"training": stats})

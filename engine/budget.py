@@ -97,6 +97,8 @@ def _time_extend(lm: CachedLM, context: list[int], nodes: int, repeats: int) -> 
         lm.begin("profile", context)
         start = time.perf_counter()
         lm.extend([ExtendRequest("profile", [context[-1]] + [7] * (nodes - 1), [-1] + list(range(nodes - 1)))])
+        if lm.device.type == "cuda":  # kernels run asynchronously: time their end, not their launch
+            torch.cuda.synchronize(lm.device)
         times.append(time.perf_counter() - start)
     lm.release("profile")
     return 1e3 * sorted(times[1:])[len(times[1:]) // 2]  # median, first run is warm-up

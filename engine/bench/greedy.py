@@ -36,7 +36,7 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
     import torch
 
     with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        out = model.generate(input_ids=torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
                              top_p=None, top_k=None, temperature=None, output_logits=True,
                              return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()

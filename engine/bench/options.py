@@ -40,6 +40,7 @@ class BenchOptions:
     answers_dir: Path | None = None  # one Spec-Bench answer file per method here
     json_out: Path | None = None  # the run as JSON here
     threads: int = 2  # torch CPU threads
+    device: str = "cpu"  # torch device of the target, the drafters and the peers ("cpu", "cuda", "cuda:1")
     repeats: int = 1  # timed runs of every (prompt, method), interleaved; the run of median wall time counts
     warmup_prompts: int = 2  # untimed prompts per method first (hardware-aware budgets finish exploring)
     check_greedy: bool = False  # compare every method's tokens with the target's own greedy `generate`
@@ -66,5 +67,8 @@ class BenchOptions:
             raise ValueError("--peers run greedy Hugging Face generate: they need --temperature 0")
         if self.sweep_prompts < 0 or any(b < 1 for b in self.sweep_budgets):
             raise ValueError("--sweep-prompts must be >= 0 and --sweep-budgets >= 1")
+        from treeserve.engine.devices import check_device
+
+        check_device(self.device)
         if self.drafter_kind not in ("autoregressive", "parallel", "both"):
             raise ValueError(f"--drafter-kind must be autoregressive, parallel or both, got {self.drafter_kind!r}")

@@ -133,7 +133,8 @@ def hf_assistant(name: str, target_model):
     wrapper.model = drafter.model
     wrapper.lm_head = FullVocabHead(drafter.head, drafter.vocab_ids, target_model.config.vocab_size)
     wrapper.generation_config = copy.deepcopy(target_model.generation_config)
-    return wrapper.to(next(target_model.parameters()).dtype).eval(), ""
+    weight = next(target_model.parameters())
+    return wrapper.to(device=weight.device, dtype=weight.dtype).eval(), ""
 
 
 class HFPeer:
@@ -152,7 +153,7 @@ class HFPeer:
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> Outcome:
         model = self.target.model
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         drafter_log = ForwardLog(self.assistant) if self.assistant is not None else None
         with torch.inference_mode(), ForwardLog(model) as log:
             if drafter_log:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+from treeserve.engine.devices import device_name
 from treeserve.engine.bench.greedy import TIE_GAP, GreedyCheck, greedy_reference
 from treeserve.engine.bench.options import BenchOptions
 from treeserve.engine.bench.report import (MethodStats, category_table, label, measured_table, projection_rows,
@@ -42,7 +43,7 @@ def budget_sweep(options: BenchOptions, target, rows: list[dict], sampling) -> l
     with tqdm(total=len(pairs) * len(rows), desc="budget sweep") as bar:
         for method, budget in pairs:
             engine = build_engine(drafter_path=options.drafter, method=method, budget=budget, target=target,
-                                  drafter_dtype=options.drafter_dtype)
+                                  drafter_dtype=options.drafter_dtype, device=options.device)
             tokens = steps = candidates = 0
             for prompt in prompts:
                 result = engine.generate([GenerationRequest(prompt, max_new_tokens=options.max_new_tokens,
@@ -70,7 +71,7 @@ def build_runners(options: BenchOptions, methods: list[tuple[str, int | str, str
         key = entry_key(m, b, k)
         drafter = parallel_path if k == "parallel" else options.drafter
         engine = build_engine(drafter_path=drafter, method=m, budget=b, target=target, drafter_kind=k,
-                              drafter_dtype=options.drafter_dtype)
+                              drafter_dtype=options.drafter_dtype, device=options.device)
         runners[key] = EngineRunner(key, engine, sampling)
         # The drafter's name (the kind alone, "autoregressive", reads like a method in this column) and the
         # dtype it runs in ("auto" is resolved by measurement, so the report says what was chosen).
@@ -106,7 +107,7 @@ def run_bench(options: BenchOptions) -> int:
     sweep_wanted = (options.sweep or plot_dir is not None) and options.sweep_prompts > 0
     sampling = SamplingParams(temperature=options.temperature)
     rows = load_prompts(options.prompts, options.num_prompts)
-    target = load_causal_lm(options.target)
+    target = load_causal_lm(options.target, options.device)
     runners, stats = build_runners(options, methods, target, sampling)
 
     def encode(text: str) -> list[int]:  # what every engine's encode_chat does with this target's tokenizer
@@ -182,7 +183,7 @@ def run_bench(options: BenchOptions) -> int:
                   f"--tokenizer-path {target.path}")
     report = {"config": {"prompts": len(rows), "max_new_tokens": options.max_new_tokens, "repeats": repeats,
                          "temperature": options.temperature, "target": str(options.target), "drafter": str(options.drafter),
-                         "threads": options.threads},
+                         "threads": options.threads, "device": device_name(options.device)},
               "rows": summary, "choosers": choosers, "greedy_check": greedy, "projection_context_tokens": context,
               "projection": projection, "sweep": []}
     if options.json_out:  # written now and again after the sweep: the measured results never wait for it

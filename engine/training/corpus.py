@@ -53,6 +53,16 @@ class CorpusConfig:
     seed: int = field(default=0, metadata={"help": "seed of the prompt mix and the sampling"})
 
 
+# Settings that say how fast a chunk is made, not what it holds: a corpus may be resumed with others (a GPU
+# decodes far larger batches). Each chunk's stats record the batch size and device that made it.
+RUN_SETTINGS = frozenset({"batch_size"})
+
+
+def recipe_fields(settings: dict) -> dict:
+    """The settings two runs must share to extend one corpus (everything but RUN_SETTINGS)."""
+    return {k: v for k, v in settings.items() if k not in RUN_SETTINGS}
+
+
 def chunk_path(out: Path, index: int) -> Path:
     return out / f"chunk-{index:05d}.safetensors"
 
@@ -70,6 +80,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     final post-norm hidden state, one row per token; the last new token is never fed, so its row is zero."""
     from transformers import DynamicCache
 
+    device = next(model.parameters()).device
     batch = len(prompts)
     width = max(map(len, prompts))
     ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -77,23 +88,26 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    temps = torch.tensor(temperatures, dtype=torch.float32)
-    eos = torch.tensor(sorted(eos_ids))
+    temps = torch.tensor(temperatures, dtype=torch.float32, device=device)
+    eos = torch.tensor(sorted(eos_ids), device=device)
     cache = DynamicCache(config=model.config)
     capture = feature_layers is not None
     rows_features: list[list[torch.Tensor]] = [[] for _ in range(batch)]
 
     def keep_features(out, live: torch.Tensor, columns: slice) -> None:
         states = out.hidden_states
-        fused = torch.cat([states[i][:, columns] for i in feature_layers] + [states[-1][:, columns]], dim=-1)
+        # One conversion for the batch: the rows below are views (a kernel per row would dominate on a GPU).
+        fused = torch.cat([states[i][:, columns] for i in feature_layers] + [states[-1][:, columns]],
+                          dim=-1).to(torch.float16)
         for b, row in enumerate(live.tolist()):
-            rows_features[row].append(fused[b].to(torch.float16))
+            rows_features[row].append(fused[b])
 
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                 use_cache=True, logits_to_keep=1, output_hidden_states=capture)
     logits = out.logits[:, -1].float()
-    active = torch.arange(batch)  # original row of each live batch row
+    active = torch.arange(batch, device=device)  # original row of each live batch row
     if capture:
         for row, prompt in enumerate(prompts):
             states = out.hidden_states
@@ -127,7 +141,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     features = []
     for row in range(batch):
         fed = torch.cat(rows_features[row])  # every token but the last new one was fed
-        features.append(torch.cat([fed, fed.new_zeros(1, fed.shape[1])]))
+        features.append(torch.cat([fed, fed.new_zeros(1, fed.shape[1])]).cpu())
     return outputs, features
 
 
@@ -173,7 +187,8 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
     (with `feature_layers`) the target features of every token, [T, (len(feature_layers) + 1) * H] float16."""
     specs = prompt_mix.prompt_mix(config.seed * 100_003 + index, config.chunk_size, config.multi_turn_fraction,
                                   config.sampled_fraction, config.temperature, exclude)
-    generator = torch.Generator().manual_seed(config.seed * 100_003 + index)
+    # Sampling draws on the model's device (a CPU and a GPU run of one chunk differ in their sampled answers).
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(config.seed * 100_003 + index)
     eos_ids = {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])}
     eos_ids.discard(None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -230,6 +245,7 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
              "temperatures": temps, "answer_tokens": answer_tokens, "generated_tokens": generated,
              "seconds": round(seconds_taken, 1), "tokens_per_second": round(generated / seconds_taken, 1),
              "batch_size": config.batch_size, "threads": torch.get_num_threads(),
+             "device": str(next(model.parameters()).device),
              "self_instruct_kept": len(meta_rows) - len(dropped), "self_instruct_dropped": len(dropped)}
     # uint16 halves the files of vocabularies under 65,536 tokens (the chunks are committed with the drafter).
     token_dtype = torch.uint16 if len(tokenizer) <= 65_536 else torch.int32
@@ -273,7 +289,7 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
     recipe = out / "corpus.json"
     if recipe.is_file():
         saved = json.loads(recipe.read_text())
-        if saved != asdict(config):
+        if recipe_fields(saved) != recipe_fields(asdict(config)):
             raise ValueError(f"{out} holds a corpus made with other settings ({recipe}); use another --out "
                              "or the same settings to resume it")
     else:
@@ -326,6 +342,7 @@ def compute_chunk_features(model, chunk: Path, features_dir: Path, feature_layer
     teacher-forced forward per batch of its sequences, written as `save_features` does."""
     from safetensors.torch import load_file
 
+    device = next(model.parameters()).device
     data = load_file(str(chunk))
     tokens, offsets = data["tokens"].long(), data["seq_offsets"].tolist()
     spans = list(zip(offsets[:-1], offsets[1:]))
@@ -339,10 +356,11 @@ def compute_chunk_features(model, chunk: Path, features_dir: Path, feature_layer
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for r, (s, e) in enumerate(rows):
             ids[r, :e - s], mask[r, :e - s] = tokens[s:e], 1
-        states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1).hidden_states
-        fused = torch.cat([states[i] for i in feature_layers] + [states[-1]], dim=-1)
+        states = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
+                       logits_to_keep=1).hidden_states
+        fused = torch.cat([states[i] for i in feature_layers] + [states[-1]], dim=-1).to(torch.float16).cpu()
         for r, (s, e) in enumerate(rows):
-            out[s:e - 1] = fused[r, :e - s - 1].to(torch.float16)  # the last token's row stays zero, as captured
+            out[s:e - 1] = fused[r, :e - s - 1]  # the last token's row stays zero, as captured
     path = features_path(features_dir, chunk)
     save_features(path, out, feature_layers)
     return path

@@ -74,8 +74,9 @@ class Corpus:
     feature_layers: tuple[int, ...]
 
 
-def load_corpus(chunks: list[Path], features_dir: Path) -> Corpus:
-    """The chunks that have cached features (see corpus.build_corpus), concatenated."""
+def load_corpus(chunks: list[Path], features_dir: Path, device: str = "cpu") -> Corpus:
+    """The chunks that have cached features (see corpus.build_corpus), concatenated, on `device` (on a GPU
+    the whole corpus lives there, so a batch is gathered without a host copy)."""
     tokens, mask, feats, last, spans, layers, base = [], [], [], [], [], None, 0
     for chunk in chunks:
         cached = features_dir / chunk.name
@@ -98,12 +99,13 @@ def load_corpus(chunks: list[Path], features_dir: Path) -> Corpus:
         last.append(f["last_hidden"])
     if not tokens:
         raise FileNotFoundError(f"no corpus chunk has cached features in {features_dir}; run `treeserve make-corpus`")
-    return Corpus(torch.cat(tokens), torch.cat(mask), torch.cat(feats), torch.cat(last), spans, layers)
+    return Corpus(torch.cat(tokens).to(device), torch.cat(mask).to(device), torch.cat(feats).to(device),
+                  torch.cat(last).to(device), spans, layers)
 
 
 def choose_draft_vocab(corpus: Corpus, size: int, target_vocab: int, always: list[int]) -> torch.Tensor:
     """The `size` most frequent answer tokens (EAGLE-3's scandata), plus `always` (special tokens)."""
-    counts = torch.bincount(corpus.tokens[corpus.answer_mask], minlength=target_vocab).double()
+    counts = torch.bincount(corpus.tokens[corpus.answer_mask], minlength=target_vocab).double().cpu()
     counts[torch.tensor(always, dtype=torch.long)] = float("inf")
     return counts.topk(min(size, target_vocab)).indices.sort().values
 
@@ -114,11 +116,12 @@ def make_batch(corpus: Corpus, seq_ids: list[int], max_len: int):
     windows = [(max(s, e - max_len), e) for s, e in (corpus.spans[i] for i in seq_ids)]
     width = max(e - s for s, e in windows)
     batch = len(windows)
-    tokens = torch.zeros(batch, width, dtype=torch.long)
-    answer = torch.zeros(batch, width, dtype=torch.bool)
-    valid = torch.zeros(batch, width, dtype=torch.bool)
-    features = torch.zeros(batch, width, corpus.features.shape[1])
-    last = torch.zeros(batch, width, corpus.last_hidden.shape[1])
+    device = corpus.tokens.device
+    tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+    answer = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    features = torch.zeros(batch, width, corpus.features.shape[1], device=device)
+    last = torch.zeros(batch, width, corpus.last_hidden.shape[1], device=device)
     for r, (s, e) in enumerate(windows):
         n = e - s
         tokens[r, :n], answer[r, :n], valid[r, :n] = corpus.tokens[s:e], corpus.answer_mask[s:e], True
@@ -161,9 +164,9 @@ class LabelHead:
     @classmethod
     def split(cls, head_weight: torch.Tensor, vocab_ids: torch.Tensor,
               compute_dtype: torch.dtype = torch.float32) -> "LabelHead":
-        others = torch.ones(head_weight.shape[0], dtype=torch.bool)
-        others[vocab_ids] = False
-        return cls(head_weight[vocab_ids].float(), head_weight[others].to(compute_dtype))
+        others = torch.ones(head_weight.shape[0], dtype=torch.bool, device=head_weight.device)
+        others[vocab_ids.to(head_weight.device)] = False
+        return cls(head_weight[vocab_ids.to(head_weight.device)].float(), head_weight[others].to(compute_dtype))
 
 
 @torch.no_grad()
@@ -174,9 +177,9 @@ def target_labels(head: LabelHead, last: torch.Tensor, needed: torch.Tensor) -> 
     states = last[needed]  # [M, H]
     draft_logits = states @ head.draft.T  # [M, V_draft]
     other_best = (states.to(head.others.dtype) @ head.others.T).amax(-1).float()
-    row = torch.full(needed.shape, -1, dtype=torch.long)
-    row[needed] = torch.arange(len(states))
-    in_draft = torch.zeros(needed.shape, dtype=torch.bool)
+    row = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
+    row[needed] = torch.arange(len(states), device=needed.device)
+    in_draft = torch.zeros(needed.shape, dtype=torch.bool, device=needed.device)
     in_draft[needed] = draft_logits.amax(-1) >= other_best
     return Labels(torch.softmax(draft_logits, dim=-1), row, in_draft, draft_logits.argmax(-1))
 
@@ -194,19 +197,20 @@ def unroll(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor,
     attn = drafter.midlayer.self_attn
     layer = drafter.midlayer
     batch, width = tokens.shape
-    needed = torch.ones(batch, width, dtype=torch.bool) if needed is None else needed
+    device = tokens.device
+    needed = torch.ones(batch, width, dtype=torch.bool, device=device) if needed is None else needed
     rows, columns = needed.nonzero(as_tuple=True)
     per_row = needed.sum(1).tolist()  # needed columns of each sequence (contiguous in row-major order)
     group = attn.num_heads // attn.num_kv_heads
     heads, head_dim = attn.num_heads, attn.head_dim
     feat = drafter.project_target_features(features)  # [B, T, H]
     x = layer.attention_input(drafter.embed_tokens(shift(tokens, 1)), feat)
-    cos, sin = drafter.rotary(x, torch.arange(width)[None].expand(batch, width))
+    cos, sin = drafter.rotary(x, torch.arange(width, device=device)[None].expand(batch, width))
     context_keys, context_values = attn.keys_values(x, cos, sin)  # [B, h_kv, T, D]
     context_keys = context_keys.repeat_interleave(group, dim=1)
     context_values = context_values.repeat_interleave(group, dim=1)
     # Additive causal mask of each needed column's query over the context: columns <= j.
-    causal = torch.where(torch.arange(width)[None] > columns[:, None], torch.finfo(torch.float32).min, 0.0)
+    causal = torch.where(torch.arange(width, device=device)[None] > columns[:, None], torch.finfo(torch.float32).min, 0.0)
     feat = feat[rows, columns]  # [N, H]: each chain's feature input, then its previous step's output
     chain_keys, chain_values = [], []
     for k in range(steps):
@@ -272,16 +276,18 @@ def ttt_losses(drafter: Eagle3Drafter, tokens, answer, features, labels: Labels,
 
 def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids: list[int],
                  progress: bool = True) -> tuple[Eagle3Drafter, dict]:
-    """Train an EAGLE-3 drafter for `target` on `corpus` within `config.minutes`; returns it and statistics."""
+    """Train an EAGLE-3 drafter for `target` on `corpus` within `config.minutes`, on the device that holds the
+    target (and the corpus); returns it (on that device) and statistics."""
     compute_dtype = getattr(torch, config.compute_dtype)
+    device = next(target.parameters()).device
     generator = torch.Generator().manual_seed(config.seed)
     if config.init_from:
-        drafter = Eagle3Drafter.load(Path(config.init_from), target.get_input_embeddings().weight)
+        drafter = Eagle3Drafter.load(Path(config.init_from), target.get_input_embeddings().weight, str(device))
         if drafter.feature_layers != corpus.feature_layers:
             raise ValueError(f"--init-from reads layers {drafter.feature_layers}, the corpus holds {corpus.feature_layers}")
     else:
         vocab = choose_draft_vocab(corpus, config.draft_vocab_size, target.config.vocab_size, special_ids)
-        drafter = Eagle3Drafter.from_target(target, vocab, corpus.feature_layers)
+        drafter = Eagle3Drafter.from_target(target, vocab, corpus.feature_layers).to(device)
     drafter.train()
     drafter.embed_tokens.weight.requires_grad_(False)  # the target's own embeddings, frozen and not stored
     head_weight = target.get_output_embeddings().weight.detach().float()
@@ -295,7 +301,7 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
     def step_loss(seq_ids: list[int], n: int) -> StepLoss:
         tokens, answer, features, last, valid = make_batch(corpus, seq_ids, config.max_seq_len)
         labels = target_labels(head, last, shift(valid & answer, 1, False))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute_dtype == torch.bfloat16):
             results = ttt_losses(drafter, tokens, answer, features, labels, valid, config.ttt_steps)
         loss = sum(w * r[0] for w, r in zip(weights, results))
         return StepLoss(loss, n, {"acc0": results[0][1] / max(1, results[0][2])})

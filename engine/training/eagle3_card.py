@@ -85,8 +85,11 @@ def run_line(training: dict) -> str:
                f"--draft-vocab-size {settings['draft_vocab_size']}"
                + (f" --compute-dtype {settings['compute_dtype']}"
                   if settings.get("compute_dtype", "float32") != "float32" else "")
-               + (f" --init-from {init_from_path(settings['init_from'])}" if settings.get("init_from") else ""))
-    return (f"- `{command}`: {stats['minutes']} min, {stats['steps']} steps, {stats['tokens_seen']} tokens seen; "
+               + (f" --batch-tokens {settings['batch_tokens']}" if settings.get("batch_tokens", 4096) != 4096 else "")
+               + (f" --init-from {init_from_path(settings['init_from'])}" if settings.get("init_from") else "")
+               + (" --device cuda" if training.get("device", "cpu") != "cpu" else ""))
+    where = training.get("device", "cpu")
+    return (f"- `{command}`: {stats['minutes']} min on {'the CPU' if where == 'cpu' else where}, {stats['steps']} steps, {stats['tokens_seen']} tokens seen; "
             f"held-out top-1 by unrolled step {', '.join(f'{a:.1%}' for a in stats['holdout_step_accuracy'])} "
             f"({stats['holdout_sequences']} held-out corpus sequences).")
 

@@ -3,6 +3,7 @@ resume; the prompt mix is deterministic, diverse and free of evaluation prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -74,8 +75,13 @@ def test_corpus_chunks_resume_and_mark_answers(tiny, tmp_path):
     first = build_corpus(model, tokenizer, config, tmp_path, max_chunks=1)
     assert len(first) == 1
     before = first[0].read_bytes()
-    paths = build_corpus(model, tokenizer, config, tmp_path)
+    # Resumed with another batch size (how fast, not what: a GPU run takes far larger batches).
+    paths = build_corpus(model, tokenizer, dataclasses.replace(config, batch_size=2), tmp_path)
     assert len(paths) == 2 and paths[0].read_bytes() == before  # the existing chunk is kept, not redone
+    assert [chunk_stats(p)["batch_size"] for p in paths] == [4, 2]
+    assert chunk_stats(paths[1])["device"] == "cpu"
+    with pytest.raises(ValueError, match="other settings"):  # what the chunks hold must match
+        build_corpus(model, tokenizer, dataclasses.replace(config, max_new_tokens=7), tmp_path)
     data = load_file(str(paths[1]))
     offsets = data["seq_offsets"].tolist()
     assert offsets[-1] == len(data["tokens"]) == len(data["answer_mask"])

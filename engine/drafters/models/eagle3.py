@@ -248,7 +248,7 @@ class Eagle3Drafter(DrafterModel):
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.feature_layers]}
         config[DRAFTER_KEY] = {"kind": self.card_kind, **(card or {})}
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous()
+        state = {k: (v.to("cpu", torch.float16) if v.is_floating_point() else v.cpu()).contiguous()
                  for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
         save_file(state, str(out_dir / "model.safetensors"))
 
