@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from treeserve.engine.devices import device_name
 from treeserve.engine.models.loading import chat_ids
 from treeserve.engine.training import prompt_mix
 from treeserve.engine.training.prompts import clean_instruction
@@ -245,7 +246,7 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
              "temperatures": temps, "answer_tokens": answer_tokens, "generated_tokens": generated,
              "seconds": round(seconds_taken, 1), "tokens_per_second": round(generated / seconds_taken, 1),
              "batch_size": config.batch_size, "threads": torch.get_num_threads(),
-             "device": str(next(model.parameters()).device),
+             "device": device_name(str(next(model.parameters()).device)),
              "self_instruct_kept": len(meta_rows) - len(dropped), "self_instruct_dropped": len(dropped)}
     # uint16 halves the files of vocabularies under 65,536 tokens (the chunks are committed with the drafter).
     token_dtype = torch.uint16 if len(tokenizer) <= 65_536 else torch.int32
@@ -323,8 +324,10 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
 
 
 def corpus_summary(out: Path, chunks: list[Path] | None = None) -> dict:
-    """Totals over the chunks written so far, or over `chunks` (for the model card and the command's report)."""
-    totals = {"chunks": 0, "sequences": 0, "answer_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "kinds": {}}
+    """Totals over the chunks written so far, or over `chunks` (for the model card and the command's report);
+    `made_on` splits chunks and seconds by the device and batch size that generated them."""
+    totals = {"chunks": 0, "sequences": 0, "answer_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "kinds": {},
+              "made_on": {}}
     for path in sorted(out.glob("chunk-*.safetensors")) if chunks is None else chunks:
         stats = chunk_stats(path)
         totals["chunks"] += 1
@@ -332,6 +335,11 @@ def corpus_summary(out: Path, chunks: list[Path] | None = None) -> dict:
             totals[key] += stats[key]
         for kind in stats["kinds"]:
             totals["kinds"][kind] = totals["kinds"].get(kind, 0) + 1
+        # Chunks from before devices were recorded were all made on CPUs.
+        where = f"{stats.get('device', 'cpu')}, batch {stats['batch_size']}"
+        made = totals["made_on"].setdefault(where, {"chunks": 0, "seconds": 0.0})
+        made["chunks"] += 1
+        made["seconds"] += stats["seconds"]
     return totals
 
 

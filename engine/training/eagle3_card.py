@@ -13,7 +13,10 @@ from treeserve.engine.drafters.models.eagle3 import feature_layers_from_config
 def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
     training = json.loads((directory / "training.json").read_text())
     config = json.loads((directory / "config.json").read_text())
-    stats, settings, totals = training["training"], training["config"], training.get("corpus_totals", {})
+    stats, settings = training["training"], training["config"]
+    # The data section describes the widest corpus any of the runs trained on (a continued run may use fewer chunks).
+    widest = max(training_runs(training), key=lambda run: run["corpus_chunks_used"])
+    totals = widest.get("corpus_totals", {})
     layers = list(feature_layers_from_config(config))  # hidden_states indices (SGLang's eagle_config: index - 1)
     depth = agreement.get("acceptance_by_depth", [])
     topk_key = next(k for k in agreement if k.startswith("top") and k not in ("top1", "top1_by_category"))
@@ -49,13 +52,13 @@ def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
         "",
         f"`treeserve make-corpus`: the target's own answers to offline conversations (self-instruct, standard-library "
         f"documentation and code tasks, math word problems, a quarter multi-turn, a quarter sampled at T=0.8; never "
-        f"the evaluation prompts). This drafter used {training['corpus_chunks_used']} chunks of the corpus "
+        f"the evaluation prompts). This drafter's runs used up to {widest['corpus_chunks_used']} chunks of the corpus "
         f"`{training['corpus']}`; the corpus on disk then held {totals.get('chunks', '?')} chunks, "
         f"{totals.get('sequences', '?')} sequences and {totals.get('answer_tokens', '?')} answer tokens, generated "
-        f"in {generated_minutes:.0f} min on 2 shared CPU cores (batched KV-cached decoding, batch 48). The "
+        f"(batched, KV-cached decoding) {made_on(totals, generated_minutes)}. The "
         "target's features are captured from the generating forwards; `train-eagle3` recomputes them (one "
         "teacher-forced pass) for chunks whose cached features are missing"
-        + (f" ({training['feature_minutes']} min in this run)." if training.get("feature_minutes") else "."),
+        + (f" ({widest['feature_minutes']} min in that run)." if widest.get("feature_minutes") else "."),
         "",
         "## Training",
         "",
@@ -69,6 +72,19 @@ def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
     path = directory / "README.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def made_on(totals: dict, minutes: float) -> str:
+    """Where the corpus's chunks were generated: "in 12 min on cpu (batch 48, 3 chunks) and 1 min on ..."."""
+    places = totals.get("made_on")
+    if not places:  # a card of a corpus summarised before devices were recorded: all on CPUs
+        return f"in {minutes:.0f} min on CPUs"
+    parts = []
+    for where, made in places.items():
+        device, _, batch = where.partition(", ")
+        device = "2-core CPUs" if device == "cpu" else device
+        parts.append(f"{made['seconds'] / 60:.0f} min on {device} ({batch}, {made['chunks']} chunks)")
+    return "in " + " and ".join(parts)
 
 
 def training_runs(training: dict) -> list[dict]:

@@ -43,7 +43,10 @@ def test_oracle_answers_match_the_cpu_runner(target):
     assert rows_g.device.type == sum_g.values.device.type == sum_g.tokens.device.type == "cpu"
     assert torch.allclose(rows_c, rows_g, atol=1e-5)
     assert [d[0] for d in draws_c] == [d[0] for d in draws_g]
-    assert torch.allclose(sum_c.values, sum_g.values, atol=1e-5) and torch.equal(sum_c.tokens, sum_g.tokens)
+    assert torch.allclose(sum_c.values, sum_g.values, atol=1e-5)
+    # Tokens past a row's support all have probability 0: their order is the top-k kernel's own, not the drafter's.
+    support = sum_c.values > 0
+    assert torch.equal(sum_c.tokens[support], sum_g.tokens[support])
     assert torch.allclose(sum_c.entropy, sum_g.entropy, atol=1e-4)
 
 
