@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from treeserve.cli.main import main
-from treeserve.engine.training.corpus import decode_batch
+from treeserve.engine.training.corpus import chunk_stats, decode_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -46,8 +46,8 @@ def test_make_corpus_train_eagle3_and_bench_on_cuda(tiny_target_dir, tmp_path):
                  "--batch-size", "8", "--max-new-tokens", "16", "--instruction-tokens", "8"]) == 0
     chunks = sorted(corpus.glob("chunk-*.safetensors"))
     assert len(chunks) == 2
-    stats = json.loads(__import__("safetensors").safe_open(str(chunks[0]), "pt").metadata()["stats"])
-    assert stats["device"].startswith("cuda") and stats["batch_size"] == 8
+    stats = chunk_stats(chunks[0])
+    assert stats["device"] == torch.cuda.get_device_name() and stats["batch_size"] == 8
     # A fresh features directory: train-eagle3 computes every chunk's features on the GPU first.
     assert main(["train-eagle3", "--target", str(tiny_target_dir), "--corpus", str(corpus), "--features-dir",
                  str(computed), "--device", "cuda", "--draft-vocab-size", "256", "--ttt-steps", "2",
