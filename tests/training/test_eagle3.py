@@ -248,3 +248,6 @@ def test_train_eagle3_command_continues_a_drafter_and_its_card_names_every_run(t
     assert len(runs) == 2 and "--max-chunks 2 " in runs[0] and "--init-from" not in runs[0]
     assert "--max-chunks 3 " in runs[1] and runs[1].split("`")[1].endswith("--init-from first")
     assert "commands above, in order" in card
+    # The data section names where the chunks were generated, and describes the widest run's corpus.
+    assert "on 2-core CPUs (batch 4, 3 chunks)" in card and "runs used up to 3 chunks" in card
+    assert runs[0].split("`")[2].startswith(": ") and "min on the CPU" in runs[0]
