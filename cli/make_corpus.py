@@ -7,7 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from treeserve.cli.options import add_dataclass_options, check_device
+from treeserve.cli.options import add_dataclass_options
+from treeserve.engine.devices import check_device
 from treeserve.engine.dev_prompts import DEV_PROMPTS, REPO_ROOT
 from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, CorpusConfig
 

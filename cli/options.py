@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from treeserve.engine.devices import check_device  # noqa: F401 (the commands' --device check)
-
 
 def add_dataclass_options(parser: argparse.ArgumentParser, cls, title: str, skip=()) -> None:
     """An argument group `title` with one option per field of `cls` (not those in `skip`); tuple fields take
@@ -22,5 +20,3 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls, title: str, skip
         else:
             group.add_argument(flag, type=type(f.default), default=f.default,
                                help=f"{f.metadata['help']} (default: {f.default})")
-
-

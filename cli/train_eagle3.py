@@ -8,7 +8,8 @@ import json
 import time
 from pathlib import Path
 
-from treeserve.cli.options import add_dataclass_options, check_device
+from treeserve.cli.options import add_dataclass_options
+from treeserve.engine.devices import check_device
 from treeserve.engine.dev_prompts import REPO_ROOT
 from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR
 from treeserve.engine.training.eagle3 import Eagle3TrainConfig

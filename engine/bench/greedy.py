@@ -36,8 +36,8 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
     import torch
 
     with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
-                             top_p=None, top_k=None, temperature=None, output_logits=True,
+        out = model.generate(input_ids=torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens,
+                             do_sample=False, top_p=None, top_k=None, temperature=None, output_logits=True,
                              return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
     gaps = [float(t.topk(2, dim=-1).values[0].diff().abs()) for t in out.logits]
