@@ -188,8 +188,9 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
     (with `feature_layers`) the target features of every token, [T, (len(feature_layers) + 1) * H] float16."""
     specs = prompt_mix.prompt_mix(config.seed * 100_003 + index, config.chunk_size, config.multi_turn_fraction,
                                   config.sampled_fraction, config.temperature, exclude)
+    device = next(model.parameters()).device
     # Sampling draws on the model's device (a CPU and a GPU run of one chunk differ in their sampled answers).
-    generator = torch.Generator(next(model.parameters()).device).manual_seed(config.seed * 100_003 + index)
+    generator = torch.Generator(device).manual_seed(config.seed * 100_003 + index)
     eos_ids = {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])}
     eos_ids.discard(None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -246,7 +247,7 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
              "temperatures": temps, "answer_tokens": answer_tokens, "generated_tokens": generated,
              "seconds": round(seconds_taken, 1), "tokens_per_second": round(generated / seconds_taken, 1),
              "batch_size": config.batch_size, "threads": torch.get_num_threads(),
-             "device": device_name(str(next(model.parameters()).device)),
+             "device": device_name(str(device)),
              "self_instruct_kept": len(meta_rows) - len(dropped), "self_instruct_dropped": len(dropped)}
     # uint16 halves the files of vocabularies under 65,536 tokens (the chunks are committed with the drafter).
     token_dtype = torch.uint16 if len(tokenizer) <= 65_536 else torch.int32
