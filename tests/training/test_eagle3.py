@@ -40,9 +40,11 @@ def test_training_time_test_sees_what_a_tree_node_sees(target, random_eagle3):
                 torch.testing.assert_close(out.logits[:, -1], trained[k][:, j], atol=1e-4, rtol=1e-4)
 
 
-def test_a_batch_unrolls_each_sequence_as_alone(target, random_eagle3):
-    """Sequences of a batch with different needed columns (some none) unroll as each would alone: no query
-    reads another sequence's context, and the needed columns come out in row-major order."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_batch_unrolls_each_sequence_as_alone(target, random_eagle3, packed):
+    """Sequences of a batch with different needed columns (some none) unroll as each would alone, in both
+    forms of the context attention: no query reads another sequence's context (nor a padded slot), and the
+    needed columns come out in row-major order."""
     model, _ = target
     drafter = random_eagle3(model, 300)
     tokens = torch.randint(0, model.config.vocab_size, (3, 10))
@@ -51,9 +53,10 @@ def test_a_batch_unrolls_each_sequence_as_alone(target, random_eagle3):
     needed[0, 2:6] = True
     needed[2, [0, 4, 9]] = True
     with torch.no_grad():
-        batched = list(unroll(drafter, tokens, features, 3, needed))
+        batched = list(unroll(drafter, tokens, features, 3, needed, packed=packed))
         for row in (0, 2):
-            alone = list(unroll(drafter, tokens[row:row + 1], features[row:row + 1], 3, needed[row:row + 1]))
+            alone = list(unroll(drafter, tokens[row:row + 1], features[row:row + 1], 3, needed[row:row + 1],
+                                  packed=not packed))
             picked = (needed.nonzero()[:, 0] == row)
             for k in range(3):
                 torch.testing.assert_close(batched[k][picked], alone[k], atol=1e-5, rtol=1e-5)
