@@ -102,7 +102,7 @@ def run_line(training: dict) -> str:
                + (f" --compute-dtype {settings['compute_dtype']}"
                   if settings.get("compute_dtype", "float32") != "float32" else "")
                + (f" --batch-tokens {settings['batch_tokens']}" if settings.get("batch_tokens", 4096) != 4096 else "")
-               + (f" --init-from {init_from_path(settings['init_from'])}" if settings.get("init_from") else "")
+               + (f" --init-from {shipped_directory()}" if settings.get("init_from") else "")
                + (" --device cuda" if training.get("device", "cpu") != "cpu" else ""))
     where = training.get("device", "cpu")
     return (f"- `{command}`: {stats['minutes']} min on {'the CPU' if where == 'cpu' else where}, {stats['steps']} steps, {stats['tokens_seen']} tokens seen; "
@@ -110,9 +110,10 @@ def run_line(training: dict) -> str:
             f"({stats['holdout_sequences']} held-out corpus sequences).")
 
 
-def init_from_path(name: str) -> str:
-    """Where a run's --init-from drafter was: a shipped drafter's weights directory, else the recorded name."""
+def shipped_directory() -> str:
+    """What a continued run's --init-from reads when the card is replayed: the directory the run before wrote
+    (train-eagle3's default --out), whatever scratch directory the original run used."""
     from treeserve.engine.dev_prompts import REPO_ROOT
     from treeserve.engine.drafters.registry import SHIPPED
 
-    return str(SHIPPED[name].directory.relative_to(REPO_ROOT)) if name in SHIPPED else name
+    return str(SHIPPED["eagle3"].directory.relative_to(REPO_ROOT))
