@@ -226,7 +226,8 @@ def test_train_c2t_labels_trees_of_an_eagle3_head(target, random_eagle3, tiny_ta
 def test_train_eagle3_command_continues_a_drafter_and_its_card_names_every_run(target, tiny_target_dir, tmp_path):
     """`treeserve train-eagle3` on the tiny pair, then again with --init-from: the second drafter's
     training.json holds the first run's, its corpus totals count the chunks it used, and the model card lists
-    both command lines in order."""
+    both command lines in order, the second continuing the directory a replay's first run writes (the default
+    --out), not the scratch directory it was trained from."""
     from treeserve.cli.main import main
     from treeserve.engine.training.eagle3_card import write_eagle3_card
 
@@ -249,7 +250,7 @@ def test_train_eagle3_command_continues_a_drafter_and_its_card_names_every_run(t
     card = write_eagle3_card(second, agreement, "second").read_text()
     runs = [line for line in card.splitlines() if line.startswith("- `treeserve train-eagle3")]
     assert len(runs) == 2 and "--max-chunks 2 " in runs[0] and "--init-from" not in runs[0]
-    assert "--max-chunks 3 " in runs[1] and runs[1].split("`")[1].endswith("--init-from first")
+    assert "--max-chunks 3 " in runs[1] and runs[1].split("`")[1].endswith("--init-from engine/drafters/weights/eagle3")
     assert "commands above, in order" in card
     # The data section names where the chunks were generated, and describes the widest run's corpus.
     assert "on 2-core CPUs (batch 4, 3 chunks)" in card and "runs used up to 3 chunks" in card
