@@ -150,7 +150,8 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None,
                        help="Serve config YAML of the service started here (default: deploy/local-cpu.yaml)")
     group.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCY,
-                       help="concurrent streams per level, one prompt each (default: %(default)s)")
+                       help="concurrent streams per level; each level sends all --num-prompts prompts (at least as many as "
+                            "the largest level) through that many streams (default: %(default)s)")
     group.add_argument("--service-rounds", type=int, default=1,
                        help="timed rounds per level (same prompts), summed (default: %(default)s)")
     group.add_argument("--service-method", default=None, choices=SERVED_METHODS, metavar="METHOD",
@@ -212,7 +213,7 @@ def run_service(args: argparse.Namespace) -> int:
     tls, token = credentials(args)
     torch.set_num_threads(args.threads)
     most = max(args.concurrency)
-    rows = load_prompts(args.prompts, most)
+    rows = load_prompts(args.prompts, max(most, args.num_prompts))
     if len(rows) < most:
         raise ValueError(f"--concurrency {most} needs {most} prompts; {args.prompts} holds {len(rows)}")
     target = load_causal_lm(args.target)

@@ -1,9 +1,10 @@
 """The gRPC service under concurrent streams, measured from the client side (`treeserve bench --service`,
 cli/bench.py, which starts the service or points at a running one with `--address`).
 
-For every concurrency level N, `measure` opens N GenerateStream calls at once (one client thread and channel
-each, released together), each on its own prompt (sent as token ids so both sides decode exactly the same
-prompt), greedy, `max_new_tokens` tokens. Per level it reports:
+For every concurrency level N, `measure` sends every prompt once through N concurrent GenerateStream clients
+(one thread and channel each, released together; a client sends its next prompt when its last one ends, as
+serving benchmarks' max-concurrency mode does), as token ids so both sides decode exactly the same prompt,
+greedy, `max_new_tokens` tokens. Per level it reports:
 
 - aggregate tokens/s: tokens of all streams / wall time from the first send to the last stream's end
   (summed over the timed rounds);
@@ -85,11 +86,12 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
 
 
 def stream_round(address: str, prompts: list[list[int]], max_new_tokens: int, application: str | None = None,
-                 timeout_s: float = 600.0, tls: dict | None = None,
-                 token: str | None = None) -> tuple[list[StreamRecord], float]:
-    """len(prompts) GenerateStream calls at once (a barrier releases them together) -> records, round wall s.
-    `tls`: keyword arguments of services.client.open_channel (none: plaintext); `token`: the bearer token;
-    `application`: sent as 'application' metadata."""
+                 timeout_s: float = 600.0, tls: dict | None = None, token: str | None = None,
+                 streams: int | None = None) -> tuple[list[StreamRecord], float]:
+    """Every prompt once, through `streams` concurrent GenerateStream clients (default: one per prompt), each
+    sending its next prompt as soon as its last one ended (a closed loop; a barrier starts them together)
+    -> one record per prompt, round wall s. `tls`: keyword arguments of services.client.open_channel (none:
+    plaintext); `token`: the bearer token; `application`: sent as 'application' metadata."""
     import grpc
 
     from treeserve.services.client import auth_metadata, open_channel
@@ -98,26 +100,37 @@ def stream_round(address: str, prompts: list[list[int]], max_new_tokens: int, ap
 
     records = [StreamRecord(i) for i in range(len(prompts))]
     metadata = auth_metadata(token) + ([("application", application)] if application else [])
-    barrier = threading.Barrier(len(prompts) + 1)
+    streams = min(streams or len(prompts), len(prompts))
+    barrier = threading.Barrier(streams + 1)
+    queue = iter(records)
+    queue_lock = threading.Lock()
 
-    def call(record: StreamRecord, prompt: list[int]) -> None:
-        request = gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt), max_new_tokens=max_new_tokens)
+    def call(stub, record: StreamRecord) -> None:
+        request = gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompts[record.index]), max_new_tokens=max_new_tokens)
+        record.sent = time.perf_counter()
+        try:
+            for message in stub.GenerateStream(request, metadata=metadata, timeout=timeout_s):
+                if message.token_ids:
+                    record.arrivals.append((time.perf_counter(), len(message.token_ids)))
+                    record.token_ids += list(message.token_ids)
+                if message.HasField("stats"):
+                    record.mal = message.stats.mean_accepted_length
+        except grpc.RpcError as exc:
+            record.error = exc.code().name
+        record.ended = time.perf_counter()
+
+    def client() -> None:
         with open_channel(address, **(tls or {})) as channel:
             stub = gen_grpc.TreeServeStub(channel)
             barrier.wait()
-            record.sent = time.perf_counter()
-            try:
-                for message in stub.GenerateStream(request, metadata=metadata, timeout=timeout_s):
-                    if message.token_ids:
-                        record.arrivals.append((time.perf_counter(), len(message.token_ids)))
-                        record.token_ids += list(message.token_ids)
-                    if message.HasField("stats"):
-                        record.mal = message.stats.mean_accepted_length
-            except grpc.RpcError as exc:
-                record.error = exc.code().name
-            record.ended = time.perf_counter()
+            while True:
+                with queue_lock:
+                    record = next(queue, None)
+                if record is None:
+                    return
+                call(stub, record)
 
-    threads = [threading.Thread(target=call, args=(r, p), daemon=True) for r, p in zip(records, prompts)]
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(streams)]
     for t in threads:
         t.start()
     barrier.wait()
@@ -131,9 +144,11 @@ def measure(address: str, prompts: list[list[int]], references: list[tuple[list[
             concurrency: list[int], max_new_tokens: int, rounds: int = 1, warmup: bool = True,
             application: str | None = None, progress: bool = True, tls: dict | None = None,
             token: str | None = None) -> list[dict]:
-    """Every level: an untimed warm-up round (if `warmup`), then `rounds` timed rounds -> one summary each.
-    Level N streams prompts[0:N]; `references` are the target's greedy answers to `prompts`; `tls` and `token`
-    reach the API as in `stream_round`."""
+    """Every level N: an untimed warm-up (if `warmup`: prompts[0:N] at once), then `rounds` timed rounds of
+    every prompt through N concurrent streams (`stream_round`) -> one summary each. Every level sees the same
+    prompts, so levels and methods compare on the same mix (one prompt at one stream would measure one
+    category). `references` are the target's greedy answers to `prompts`; `tls` and `token` reach the API as
+    in `stream_round`."""
     from tqdm import tqdm
 
     from treeserve.engine.bench.greedy import GreedyCheck
@@ -141,7 +156,7 @@ def measure(address: str, prompts: list[list[int]], references: list[tuple[list[
     if max(concurrency) > len(prompts):
         raise ValueError(f"{max(concurrency)} streams need as many prompts, got {len(prompts)}")
     levels = []
-    with tqdm(total=sum(n * (rounds + int(warmup)) for n in concurrency), desc="service streams",
+    with tqdm(total=sum(n * int(warmup) + len(prompts) * rounds for n in concurrency), desc="service streams",
               disable=not progress) as bar:
         for n in concurrency:
             if warmup:
@@ -150,13 +165,14 @@ def measure(address: str, prompts: list[list[int]], references: list[tuple[list[
             records, wall = [], 0.0
             check = GreedyCheck()
             for _ in range(rounds):
-                got, seconds = stream_round(address, prompts[:n], max_new_tokens, application, tls=tls, token=token)
+                got, seconds = stream_round(address, prompts, max_new_tokens, application, tls=tls, token=token,
+                                            streams=n)
                 records += got
                 wall += seconds
                 for r in got:
                     if r.error is None:
                         check.compare(*references[r.index], r.token_ids)
-                bar.update(n)
+                bar.update(len(prompts))
             levels.append(summarize_level(n, records, wall, check))
     return levels
 

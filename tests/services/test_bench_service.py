@@ -34,8 +34,9 @@ def test_level_summary_counts_errors_and_equality():
 
 
 def test_streams_through_grpc_equal_in_process_greedy(local_service, tiny_parts):
-    """Levels of 1 and 3 concurrent streams through the public gRPC API: no errors, every stream's tokens are
-    the target's own greedy answer, TTFT/ITL measured."""
+    """Levels of 1 and 3 concurrent streams through the public gRPC API: each level sends every prompt once
+    (the single stream one after another), no errors, every stream's tokens are the target's own greedy answer,
+    TTFT/ITL measured."""
     tokenizer = tiny_parts.target.tokenizer
     texts = ["Why is the sky blue?", "Name three rivers.", "Write a haiku about snow."]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
@@ -45,9 +46,9 @@ def test_streams_through_grpc_equal_in_process_greedy(local_service, tiny_parts)
                      progress=False)
     assert [lv["streams"] for lv in levels] == [1, 3]
     for lv in levels:
-        assert lv["errors"] == 0 and lv["requests"] == lv["streams"]
-        assert lv["greedy_compared"] == lv["streams"] and lv["greedy_mismatches"] == 0
-        assert lv["tokens"] == sum(len(references[i][0]) for i in range(lv["streams"]))
+        assert lv["errors"] == 0 and lv["requests"] == len(prompts)
+        assert lv["greedy_compared"] == len(prompts) and lv["greedy_mismatches"] == 0
+        assert lv["tokens"] == sum(len(tokens) for tokens, _ in references)
         assert lv["ttft_ms_p50"] > 0 and lv["ttft_ms_p95"] >= lv["ttft_ms_p50"]
         assert lv["itl_ms_p95"] >= lv["itl_ms_p50"] > 0
     with pytest.raises(ValueError, match="prompts"):
@@ -89,10 +90,28 @@ def test_bench_address_loads_a_running_secure_service(tiny_parts, tiny_target_di
         assert report["config"]["address"] == service.address
         assert [lv["streams"] for lv in report["levels"]] == [1, 2]
         for lv in report["levels"]:
-            assert lv["errors"] == 0 and lv["greedy_compared"] == lv["streams"] and lv["greedy_mismatches"] == 0
+            assert lv["errors"] == 0 and lv["greedy_compared"] == 2 and lv["greedy_mismatches"] == 0  # every prompt
         # Without the token every stream is refused (UNAUTHENTICATED): counted as errors, exit status 1.
         monkeypatch.delenv("TREESERVE_TOKEN", raising=False)
         assert main(base) == 1
-        assert json.loads(out.read_text())["levels"][0]["error_codes"] == {"UNAUTHENTICATED": 1}
+        assert json.loads(out.read_text())["levels"][0]["error_codes"] == {"UNAUTHENTICATED": 2}
     finally:
         service.server.stop(0.5)
+
+
+def test_a_round_keeps_its_streams_busy_until_every_prompt_is_sent(local_service, tiny_parts):
+    """Two streams over three prompts: every prompt answered once, at most two in flight at any moment, and the
+    third sent only after one of the first two ended (a closed loop, not three at once)."""
+    from treeserve.services.bench_service import stream_round
+
+    tokenizer = tiny_parts.target.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+               for t in ("One.", "Two words.", "Three small words.")]
+    records, wall = stream_round(local_service.address, prompts, 6, streams=2)
+    assert sorted(r.index for r in records) == [0, 1, 2] and all(r.error is None and r.token_ids for r in records)
+    for r in records:
+        in_flight = sum(1 for o in records if o.sent <= r.sent < o.ended)
+        assert in_flight <= 2
+    first_end = min(records[0].ended, records[1].ended)
+    assert records[2].sent >= first_end and wall > 0
