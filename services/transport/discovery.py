@@ -38,6 +38,11 @@ class Endpoint:
     address: str
 
 
+HEARTBEAT_PERIOD_S = 5.0
+# Three missed heartbeats: a live replica re-publishes every period (a GCS hiccup may cost it one).
+STALE_AFTER_S = 3 * HEARTBEAT_PERIOD_S
+
+
 class Registry:
     """Replica addresses in Ray's internal KV: key replicas/<app>/<scope>/<deployment>/<replica>, value JSON.
     `scope` (internal_auth.registry_scope of the application secret) separates application builds: a router
@@ -71,22 +76,27 @@ class Registry:
         except Exception:  # pragma: no cover - Ray already shutting down
             pass
 
-    def list(self) -> list[Endpoint]:
+    def list(self, max_age_s: float | None = None) -> list[Endpoint]:
+        """The published replicas, without those whose last heartbeat is older than `max_age_s` (default
+        STALE_AFTER_S): a replica killed outright never withdraws its entry, and until a router's probe
+        forgets it, everyone listing the registry would try it."""
         from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
 
+        oldest = time.time() - (STALE_AFTER_S if max_age_s is None else max_age_s)
         out = []
         for key in _internal_kv_list(self.prefix, namespace=self.NAMESPACE):
             raw = _internal_kv_get(key, namespace=self.NAMESPACE)
             if raw:
                 data = json.loads(raw)
-                out.append(Endpoint(data["replica_id"], data["address"]))
+                if data.get("time", oldest) >= oldest:
+                    out.append(Endpoint(data["replica_id"], data["address"]))
         return out
 
 
 class Heartbeat:
     """Publishes a replica's address now and every `period_s` (re-creates the entry if a router removed it)."""
 
-    def __init__(self, registry: Registry, replica_id: str, address: str, period_s: float = 5.0):
+    def __init__(self, registry: Registry, replica_id: str, address: str, period_s: float = HEARTBEAT_PERIOD_S):
         self.registry, self.replica_id, self.address = registry, replica_id, address
         self._stop = threading.Event()
         registry.publish(replica_id, address)
