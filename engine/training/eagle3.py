@@ -194,12 +194,12 @@ class ContextAttention:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, needed: torch.Tensor, packed: bool):
         self.keys, self.values, self.packed = keys, values, packed  # [B, h, T, D] each
-        self.rows, columns = needed.nonzero(as_tuple=True)
+        self.rows, self.columns = needed.nonzero(as_tuple=True)  # the queries' positions, row-major
         self.per_row = needed.sum(1).tolist()  # needed columns of each sequence (contiguous in row-major order)
-        self.slot = (needed.cumsum(1) - 1)[self.rows, columns]  # each query's slot among its row's
+        self.slot = (needed.cumsum(1) - 1)[self.rows, self.columns]  # each query's slot among its row's
         self.slots = max(self.per_row, default=0)
         width = needed.shape[1]
-        self.causal = torch.where(torch.arange(width, device=needed.device)[None] > columns[:, None],
+        self.causal = torch.where(torch.arange(width, device=needed.device)[None] > self.columns[:, None],
                                   torch.finfo(torch.float32).min, 0.0)  # [N, T] additive mask
 
     def scores(self, q: torch.Tensor) -> torch.Tensor:
@@ -236,7 +236,6 @@ def unroll(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor,
     batch, width = tokens.shape
     device = tokens.device
     needed = torch.ones(batch, width, dtype=torch.bool, device=device) if needed is None else needed
-    rows, columns = needed.nonzero(as_tuple=True)
     group = attn.num_heads // attn.num_kv_heads
     heads, head_dim = attn.num_heads, attn.head_dim
     feat = drafter.project_target_features(features)  # [B, T, H]
@@ -246,6 +245,7 @@ def unroll(drafter: Eagle3Drafter, tokens: torch.Tensor, features: torch.Tensor,
     context = ContextAttention(context_keys.repeat_interleave(group, dim=1),
                                context_values.repeat_interleave(group, dim=1), needed,
                                tokens.is_cuda if packed is None else packed)
+    rows, columns = context.rows, context.columns
     feat = feat[rows, columns]  # [N, H]: each chain's feature input, then its previous step's output
     chain_keys, chain_values = [], []
     for k in range(steps):

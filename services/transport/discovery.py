@@ -76,13 +76,13 @@ class Registry:
         except Exception:  # pragma: no cover - Ray already shutting down
             pass
 
-    def list(self, max_age_s: float | None = None) -> list[Endpoint]:
-        """The published replicas, without those whose last heartbeat is older than `max_age_s` (default
-        STALE_AFTER_S): a replica killed outright never withdraws its entry, and until a router's probe
-        forgets it, everyone listing the registry would try it."""
+    def list(self, max_age_s: float = STALE_AFTER_S) -> list[Endpoint]:
+        """The published replicas, without those whose last heartbeat is older than `max_age_s`: a replica
+        killed outright never withdraws its entry, and until a router's probe forgets it, everyone listing the
+        registry would try it."""
         from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
 
-        oldest = time.time() - (STALE_AFTER_S if max_age_s is None else max_age_s)
+        oldest = time.time() - max_age_s
         out = []
         for key in _internal_kv_list(self.prefix, namespace=self.NAMESPACE):
             raw = _internal_kv_get(key, namespace=self.NAMESPACE)

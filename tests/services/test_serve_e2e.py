@@ -163,17 +163,17 @@ def test_replica_killed_mid_stream_does_not_fail_the_request(serve_service, tiny
             tokens.extend(message.token_ids)
     assert tokens == expected
     # Serve replaces the replica; the service keeps answering.
+    stub_class = getattr(pb_grpc, f"{deployment}Stub")
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not _live(serve_service, deployment, getattr(pb_grpc, f"{deployment}Stub")):
+    while time.monotonic() < deadline and not _live(serve_service, deployment, stub_class):
         time.sleep(0.5)
-    assert _live(serve_service, deployment, getattr(pb_grpc, f"{deployment}Stub"))
+    assert _live(serve_service, deployment, stub_class)
     # The killed replica never withdrew its registry entry: it goes once its heartbeats are stale (later tests
     # list the registry and expect every entry to answer).
-    while time.monotonic() < deadline and (len(_live(serve_service, deployment, getattr(pb_grpc, f"{deployment}Stub")))
+    while time.monotonic() < deadline and (len(_live(serve_service, deployment, stub_class))
                                            < len(serve_service.replicas(deployment))):
         time.sleep(0.5)
-    assert len(_live(serve_service, deployment, getattr(pb_grpc, f"{deployment}Stub"))) == len(
-        serve_service.replicas(deployment))
+    assert len(_live(serve_service, deployment, stub_class)) == len(serve_service.replicas(deployment))
 
 
 def test_control_plane_is_found_and_reniced(serve_service):
