@@ -7,6 +7,9 @@ needed: the layouts point at deploy/models/*/config.json). Per process (a target
   MLP projections: colwise q/k/v/gate/up, rowwise o/down);
 - KV pool: exactly what the replica preallocates at start and never grows, `max_sessions x max_context_tokens`
   slots (engine/runners/kv_pool.py): 2 x layers x kv_heads/TP x head_dim x dtype bytes per slot;
+- the static-shape step on CUDA (`cuda_graphs`, on by default): its input buffers, the pool's scratch row and
+  the captured graphs' memory pool (engine/runners/step_settings.py `static_step_bytes`), at most
+  `graph_memory_mib` (a replica whose graphs would take more is refused at start);
 - activations of the largest forward (a full prompt prefill or a batch of trees: MLP and attention inputs,
   eager attention scores against the whole context, fp32 logits, and the one-layer gather of the batch's KV
   rows that a non-consecutive batch makes) plus a fixed margin per process (CUDA context, NCCL, allocator).
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from treeserve.engine.runners.step_settings import default_static_step, static_step_bytes
 from treeserve.services.config import DTYPE_BYTES, AppConfig, ModelConfig, ModelFacts, ServeConfigFile, load_serve_config
 
 GIB = 1024**3
@@ -39,12 +43,13 @@ class ProcessRow:
     role: str
     weights: int
     kv_pool: int
+    graphs: int  # the static-shape step: buffers, scratch KV row, CUDA graph pool (0 without it)
     margin: int
     limit: int | None  # bytes it may take (its memory fraction of the GPU, or the whole GPU); None: host RAM
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_pool + self.margin
+        return self.weights + self.kv_pool + self.graphs + self.margin
 
     @property
     def verdict(self) -> str:
@@ -81,6 +86,17 @@ def kv_pool_bytes(facts: ModelFacts, tp: int, dtype_bytes: int, sessions: int, c
     """The preallocated pool of one process (engine/runners/kv_pool.py pool_bytes)."""
     return 2 * facts.num_hidden_layers * (facts.num_key_value_heads // tp) * facts.head_dim * dtype_bytes \
         * sessions * context
+
+
+def graph_bytes(facts: ModelFacts, model: ModelConfig, tp: int, dtype: int, sessions: int) -> int:
+    """The static-shape step's memory on one process (0 off CUDA or with cuda_graphs off), as the replica sizes
+    it (buckets capped at its sessions)."""
+    settings = default_static_step(model.device, model.cuda_graphs, model.graph_memory_mib, max_rows=sessions)
+    if settings is None:
+        return 0
+    return static_step_bytes(settings, model.max_context_tokens, facts.num_hidden_layers, facts.hidden_size,
+                             facts.intermediate_size // tp, facts.num_attention_heads // tp,
+                             facts.num_key_value_heads // tp, facts.head_dim, facts.vocab_size, dtype)
 
 
 def dtype_bytes(model: ModelConfig, args: AppConfig) -> int:
@@ -217,29 +233,36 @@ def report(path: Path, gpu_memory_gib: float, overhead_gib: float) -> tuple[str,
         dtype = dtype_bytes(model, args)
         weights = (sharded // tp + replicated) * dtype
         kv = kv_pool_bytes(facts, tp, dtype, sessions, model.max_context_tokens)
+        graphs = graph_bytes(facts, model, tp, dtype, sessions) if role == "target" else 0
+        if graphs > model.graph_memory_mib * 2**20:
+            lines.append(f"  {role}: the CUDA graphs need ~{_gib(graphs)}, over graph_memory_mib="
+                         f"{model.graph_memory_mib}: the replica would refuse to start (raise graph_memory_mib or "
+                         "set cuda_graphs: false)")
         margin = activation_bytes(facts, model, args, tp) + (overhead if cuda else 0)
         limit = None
         if cuda:
             limit = int(capacity * model.gpu_memory_fraction) if model.gpu_memory_fraction is not None else capacity
         for rank, device in enumerate(placed.devices):
             label = f"{role} rank {rank}/{tp}" if tp > 1 else role
-            rows.append(ProcessRow(device, label, weights, kv, margin, limit))
+            rows.append(ProcessRow(device, label, weights, kv, graphs, margin, limit))
     lines.append("")
-    header = ("device", "process", "weights", "kv-pool", "act+margin", "peak", "may take", "verdict")
+    header = ("device", "process", "weights", "kv-pool", "graphs", "act+margin", "peak", "may take", "verdict")
     table = [header]
     ok = all(r.verdict != "DOES NOT FIT" for r in rows)
     devices = sorted({r.device for r in rows}, key=lambda d: (d == "cpu", len(d), d))
     for device in devices:
         here = [r for r in rows if r.device == device]
         for r in here:
-            table.append((r.device, r.role, _gib(r.weights), _gib(r.kv_pool), _gib(r.margin), _gib(r.total),
+            table.append((r.device, r.role, _gib(r.weights), _gib(r.kv_pool), _gib(r.graphs), _gib(r.margin),
+                          _gib(r.total),
                           "-" if r.limit is None else _gib(r.limit), r.verdict))
         if device != "cpu" and len(here) > 1:
             total = sum(r.total for r in here)
             verdict = "FITS" if total <= capacity else "DOES NOT FIT"
             ok &= verdict == "FITS"
             table.append((device, "= GPU total", _gib(sum(r.weights for r in here)),
-                          _gib(sum(r.kv_pool for r in here)), _gib(sum(r.margin for r in here)), _gib(total),
+                          _gib(sum(r.kv_pool for r in here)), _gib(sum(r.graphs for r in here)),
+                          _gib(sum(r.margin for r in here)), _gib(total),
                           _gib(capacity), verdict))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]

@@ -15,6 +15,7 @@ import grpc
 
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.engine.runners.target import ScoreRequest
+from treeserve.engine.runners.step_settings import default_static_step
 from treeserve.services import wire
 from treeserve.services.features import FeaturesUnavailable, check_target_provides
 from treeserve.services.transport.replica import GrpcReplica, SessionClock
@@ -124,11 +125,13 @@ def load_target_from_config(config) -> Any:
     # from the drafter's config.json alone; EAGLE-1/2 and other drafters: None, the final state).
     facts = config.target.facts()
     feature_layers = target_feature_layers(config.drafter.path, facts.num_hidden_layers if facts else None)
+    static = default_static_step(target.device, target.cuda_graphs, target.graph_memory_mib, max_rows=sessions)
     if target.tensor_parallel_size > 1:
         from treeserve.services.tp_target import TensorParallelTarget  # lazy: needs Ray and torch.distributed
 
         return TensorParallelTarget(target.path, target.tensor_parallel_size, target.device, target.dtype,
                                     max_sessions=sessions, max_context_tokens=target.max_context_tokens,
+                                    static=static,
                                     gpu_memory_fraction=target.gpu_memory_fraction, feature_layers=feature_layers)
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.factory import parse_dtype
@@ -138,7 +141,8 @@ def load_target_from_config(config) -> Any:
     dtype = parse_dtype(target.dtype)
     limit_gpu_memory(target.device, target.gpu_memory_fraction)
     loaded = load_causal_lm(target.path, target.device, dtype)
-    runner = TargetRunner(loaded.model, target.device, dtype, max_sessions=sessions, feature_layers=feature_layers)
+    runner = TargetRunner(loaded.model, target.device, dtype, max_sessions=sessions, feature_layers=feature_layers,
+                          static=static)
     runner.lm.bound(sessions, target.max_context_tokens)
     runner.lm.warm_up()
     return runner

@@ -49,6 +49,7 @@ import ray
 import torch
 
 from treeserve.engine.tp import check_tp_size
+from treeserve.engine.runners.step_settings import StaticStepSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,7 +121,8 @@ class _Rank:
     def setup(self, init_method: str, backend: str, model_dir: str, device: str, dtype: torch.dtype,
               max_sessions: int, timeout_s: float, from_slices: bool = True, max_context_tokens: int | None = None,
               gpu_memory_fraction: float | None = None,
-              feature_layers: tuple[int, ...] | None = None) -> dict[str, Any]:
+              feature_layers: tuple[int, ...] | None = None,
+              static: StaticStepSettings | None = None) -> dict[str, Any]:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -141,7 +143,8 @@ class _Rank:
         mesh = DeviceMesh(dev.type, list(range(self.world_size)))
         init_s = time.perf_counter() - start
         model, _, info = load_tp_shard(model_dir, mesh, dev, dtype, from_slices=from_slices)
-        self.runner = TargetRunner(model, dev, dtype, max_sessions, feature_layers=feature_layers)
+        # Each rank replays its own graphs, the all-reduces inside them (as vLLM captures NCCL collectives).
+        self.runner = TargetRunner(model, dev, dtype, max_sessions, feature_layers=feature_layers, static=static)
         if max_context_tokens is not None:  # the bounded KV pool, allocated now (every rank at once: collectives)
             self.runner.lm.bound(max_sessions, max_context_tokens)
             self.runner.lm.warm_up()
@@ -208,7 +211,8 @@ class TensorParallelTarget:
                  device: str = "cpu", dtype: str | torch.dtype = "float32", *, cpus_per_rank: float = 1.0,
                  feature_layers: tuple[int, ...] | None = None,
                  max_sessions: int = 256, max_context_tokens: int | None = None,
-                 gpu_memory_fraction: float | None = None, num_threads: int = 1, placement_strategy: str = "STRICT_PACK",
+                 gpu_memory_fraction: float | None = None, static: StaticStepSettings | None = None,
+                 num_threads: int = 1, placement_strategy: str = "STRICT_PACK",
                  start_timeout_s: float = 600.0, step_timeout_s: float = 600.0,
                  health_timeout_s: float = 30.0, load_from_slices: bool = True):
         from transformers import AutoConfig
@@ -223,6 +227,7 @@ class TensorParallelTarget:
         self.load_from_slices = load_from_slices
         self.max_context_tokens = max_context_tokens
         self.gpu_memory_fraction = gpu_memory_fraction
+        self.static = static  # each rank's static-shape step (CUDA graphs); None: eager forwards
         self.actors: list = []
         self.load_info: list[dict[str, Any]] = []
         self._own_pg = None
@@ -282,7 +287,7 @@ class TensorParallelTarget:
         backend = backend_for(self.device)
         refs = [a.setup.remote(init_method, backend, str(model_dir), self.device, self.dtype, max_sessions,
                                self.step_timeout_s, self.load_from_slices, self.max_context_tokens,
-                               self.gpu_memory_fraction, self.feature_layers) for a in self.actors]
+                               self.gpu_memory_fraction, self.feature_layers, self.static) for a in self.actors]
         self.load_info = self._gather(refs, timeout_s)
         self.init_method, self.backend = init_method, backend
 

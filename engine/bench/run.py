@@ -43,7 +43,8 @@ def budget_sweep(options: BenchOptions, target, rows: list[dict], sampling) -> l
     with tqdm(total=len(pairs) * len(rows), desc="budget sweep") as bar:
         for method, budget in pairs:
             engine = build_engine(drafter_path=options.drafter, method=method, budget=budget, target=target,
-                                  drafter_dtype=options.drafter_dtype, device=options.device)
+                                  drafter_dtype=options.drafter_dtype, device=options.device,
+                                  cuda_graphs=options.cuda_graphs)
             tokens = steps = candidates = 0
             for prompt in prompts:
                 result = engine.generate([GenerationRequest(prompt, max_new_tokens=options.max_new_tokens,
@@ -71,7 +72,8 @@ def build_runners(options: BenchOptions, methods: list[tuple[str, int | str, str
         key = entry_key(m, b, k)
         drafter = parallel_path if k == "parallel" else options.drafter
         engine = build_engine(drafter_path=drafter, method=m, budget=b, target=target, drafter_kind=k,
-                              drafter_dtype=options.drafter_dtype, device=options.device)
+                              drafter_dtype=options.drafter_dtype, device=options.device,
+                              cuda_graphs=options.cuda_graphs)
         runners[key] = EngineRunner(key, engine, sampling)
         # The drafter's name (the kind alone, "autoregressive", reads like a method in this column) and the
         # dtype it runs in ("auto" is resolved by measurement, so the report says what was chosen).

@@ -17,7 +17,11 @@ current tree (node 0, the root, first), left-aligned in the session's row of a s
    position ids `past + depth`, and returns the logits of the new nodes. Each row's new KV is written
    straight into its pool row by `PoolCache`; nothing else is copied back.
 
-The model is called as a plain transformers causal LM, so it stays tensor-parallel agnostic.
+The model is called as a plain transformers causal LM, so it stays tensor-parallel agnostic. With `static`
+settings and a Llama-layout model, forwards run instead as a static-shape step (engine/runners/static_step.py:
+the same weights through a lean decoder over a bounded pool with a scratch row, padded to buckets, replayed as
+CUDA graphs on a GPU); the pool is then always bounded (`StaticStepSettings.context_tokens` slots per row when
+`max_context_tokens` is not given, and at most the largest batch bucket of rows).
 
 Bounds (`max_sessions`, `max_context_tokens`): at most `max_sessions` sessions hold a pool row. A new session
 beyond that takes the row of the least recently used session that is not part of the current step (begun
@@ -39,6 +43,9 @@ from torch import Tensor
 from treeserve.engine.drafters.models.base import DrafterModel  # an EAGLE model reads parent features
 from treeserve.engine.models.attention import attention_for, use_attention
 from treeserve.engine.models.packed_linear import use_fast_cpu_linears
+from treeserve.engine.runners.lean_decoder import decoder_parts, unsupported_reason
+from treeserve.engine.runners.static_step import RowInput, StaticStep
+from treeserve.engine.runners.step_settings import StaticStepSettings
 from treeserve.engine.tree import ancestor_mask
 
 
@@ -84,7 +91,7 @@ class CachedLM:
 
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256, max_context_tokens: int | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, static: StaticStepSettings | None = None):
         # Same function, faster on CPU: oneDNN linears on packed weights (a small tree costs about one
         # row), attention without repeat_kv; on a GPU fused SDPA (`attention`: override the per-device choice,
         # engine/models/attention.py). Both read the same additive tree mask.
@@ -97,6 +104,10 @@ class CachedLM:
         # Features returned with `hidden`: None = the final post-norm state (EAGLE-1/2); else these
         # `hidden_states` indices side by side (EAGLE-3's low / middle / high layers).
         self.feature_layers: tuple[int, ...] | None = None
+        # The static-shape step's settings when this model can run it (None: the model's own forward).
+        self.static_settings = static if static is not None and unsupported_reason(model) is None else None
+        self.static_reason = None if static is None else unsupported_reason(model)  # why it could not
+        self.static_step: StaticStep | None = None  # built by the first forward (the pool allocated in full)
         self.bound(max_sessions, max_context_tokens)
 
     def bound(self, max_sessions: int, max_context_tokens: int | None = None) -> None:
@@ -104,11 +115,18 @@ class CachedLM:
         per row (preallocated by the next forward, see `warm_up`). Drops every session."""
         from treeserve.engine.runners.kv_pool import KVPool  # imports transformers: only where a model runs
 
+        scratch_rows = 0
+        if self.static_settings is not None:
+            scratch_rows = 1
+            if max_context_tokens is None:  # a growing pool cannot be captured: bound it
+                max_context_tokens = self.static_settings.context_tokens
+                max_sessions = min(max_sessions, self.static_settings.batch_buckets[-1])
         self.max_sessions = max_sessions
         self.max_context_tokens = max_context_tokens
         self.sessions.clear()
         self._step.clear()
-        self.pool = KVPool(max_rows=max_sessions, max_capacity=max_context_tokens)
+        self.static_step = None
+        self.pool = KVPool(max_rows=max_sessions, max_capacity=max_context_tokens, scratch_rows=scratch_rows)
 
     def warm_up(self) -> int:
         """One 1-token forward: allocates a bounded pool in full now (an out-of-memory error surfaces at start,
@@ -117,6 +135,8 @@ class CachedLM:
         try:
             self.begin(session, [0])
             self.extend([ExtendRequest(session, [0], [-1])])
+            if self.static_step is not None:  # graphs of every bucket now, within their memory budget
+                self.static_step.capture_all(want_hidden=self.feature_layers is not None)
         except torch.OutOfMemoryError as exc:
             raise RuntimeError(f"the KV pool ({self.max_sessions} sessions x {self.max_context_tokens} tokens: "
                                "max_sessions x max_context_tokens) does not fit in this process's share of "
@@ -124,6 +144,11 @@ class CachedLM:
         finally:
             self.release(session)
         return self.pool.nbytes
+
+    @property
+    def graph_bytes(self) -> int:
+        """Memory the captured CUDA graphs of the static step took (0 without them)."""
+        return 0 if self.static_step is None else self.static_step.graph_bytes
 
     @property
     def kv_heads(self) -> int:
@@ -248,6 +273,8 @@ class CachedLM:
                 raise KVPoolExhausted(f"session {r.session_id} would hold {cache.slots + fed} tokens; a KV row holds "
                                       f"max_context_tokens={cap}")
             need.append((cache.slots, fed, i))
+        if self.static_settings is not None:  # a static step reads every slot of each row's own pool row
+            return [list(range(len(requests)))]
         groups: list[list[int]] = []
         top_slots = top_fed = 0
         for slots, fed, i in sorted(need):
@@ -268,8 +295,21 @@ class CachedLM:
         order = sorted(range(len(requests)), key=lambda i: self.sessions[requests[i].session_id].row)
         caches = [self.sessions[requests[i].session_id] for i in order]
         offsets = [c.slots for c in caches]
+        seen = [len(c.committed) for c in caches]  # before the forward commits the extension
         inputs = [self._row_inputs(caches[b], requests[i]) for b, i in enumerate(order)]
         width = max(len(tokens) for tokens, _, _ in inputs)
+        # Logits only from the first new node on: a prompt or re-fed context needs none, and the head over
+        # every prefill row cost a 400-token prefill 0.3 of its 1.2 s (SmolLM2-135M, 2 threads).
+        first_new = min(len(tokens) - len(requests[i].tokens) for (tokens, _, _), i in zip(inputs, order))
+        kept_from = min(first_new, width - 1)  # 0 rows kept would mean "all" to the model
+        if self.static_settings is not None:
+            started = time.perf_counter()
+            rows = [RowInput(tokens, positions, cache.row, offset, committed, attend[:, committed:])
+                    for (tokens, positions, attend), cache, offset, committed in zip(inputs, caches, offsets, seen)]
+            logits, states = self._static().run(rows, kept_from, hidden)
+            logits = logits.float()
+            self.forward_seconds += time.perf_counter() - started
+            return self._results(requests, order, caches, inputs, logits, states, kept_from)
         past = max(offsets)
         batch = len(requests)
         min_value = torch.finfo(self.dtype).min
@@ -291,10 +331,6 @@ class CachedLM:
             extra["parent_features"] = self._parent_features([requests[i] for i in order], inputs, width)
         elif hidden:
             extra["output_hidden_states"] = True
-        # Logits only from the first new node on: a prompt or re-fed context needs none, and the head over
-        # every prefill row cost a 400-token prefill 0.3 of its 1.2 s (SmolLM2-135M, 2 threads).
-        first_new = min(len(tokens) - len(requests[i].tokens) for (tokens, _, _), i in zip(inputs, order))
-        kept_from = min(first_new, width - 1)  # 0 rows kept would mean "all" to the model
         started = time.perf_counter()
         out = self.model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
                          attention_mask=mask.to(self.device), past_key_values=pkv, use_cache=True,
@@ -305,7 +341,13 @@ class CachedLM:
             states = (out.hidden_states[-1] if self.feature_layers is None  # post-norm: what the LM head reads
                       else torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1))
         self.forward_seconds += time.perf_counter() - started
-        results: list[ExtendOutput | None] = [None] * batch
+        return self._results(requests, order, caches, inputs, logits, states, kept_from)
+
+    @staticmethod
+    def _results(requests: list[ExtendRequest], order: list[int], caches: list[SessionCache], inputs,
+                 logits: Tensor, states: Tensor | None, kept_from: int) -> list[ExtendOutput]:
+        """Commit each row's fed tokens and cut its logits (of rows kept_from..) and features out of the batch."""
+        results: list[ExtendOutput | None] = [None] * len(requests)
         for b, (i, cache, (tokens, _, _)) in enumerate(zip(order, caches, inputs)):
             n, m = len(tokens), len(requests[i].tokens)
             cache.slots += n  # what padding queries wrote past n is masked and overwritten later
@@ -314,6 +356,21 @@ class CachedLM:
             results[i] = ExtendOutput(logits[b, n - m - kept_from:n - kept_from],
                                       None if states is None else states[b, :n])
         return results
+
+    def _static(self) -> StaticStep:
+        """The static step, built on first use: the pool allocated in full (its tensors never move again)."""
+        if self.static_step is None:
+            parts = decoder_parts(self.model, self.max_context_tokens + self.static_settings.token_buckets[-1],
+                                  self.device, self.dtype)
+            attn = parts.layers[0].self_attn
+            with torch.inference_mode():  # one key projection tells this rank's KV heads (a TP shard has fewer)
+                probe = attn.k_proj(torch.zeros(1, 1, self.model.config.hidden_size, dtype=self.dtype,
+                                                device=self.device))
+            like = probe.view(1, 1, -1, parts.head_dim).transpose(1, 2)
+            keys, values = self.pool.allocate(len(parts.layers), like)
+            self.static_step = StaticStep(parts, keys, values, self.pool.max_rows, self.static_settings,
+                                          self.device, self.dtype, self.feature_layers)
+        return self.static_step
 
     def _parent_features(self, requests: list[ExtendRequest], inputs, width: int) -> Tensor:
         """[B, width, H] parent features of every fed row, from each request (zeros where it has none)."""

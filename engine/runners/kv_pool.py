@@ -36,11 +36,16 @@ from treeserve.engine.runners.cached_lm import KVPoolExhausted  # defined there:
 class KVPool:
     """Rows of KV slots for many sessions; bounded or growing, see the module docstring."""
 
-    def __init__(self, max_rows: int, max_capacity: int | None = None):
+    def __init__(self, max_rows: int, max_capacity: int | None = None, scratch_rows: int = 0):
         if max_rows < 1 or (max_capacity is not None and max_capacity < 1):
             raise ValueError(f"max_rows and max_capacity must be >= 1, got {max_rows} and {max_capacity}")
+        if scratch_rows and max_capacity is None:
+            raise ValueError("scratch rows belong to a bounded pool (max_capacity set)")
         self.max_rows = max_rows  # CachedLM's max_sessions
         self.max_capacity = max_capacity  # slots per row when bounded (max_context_tokens), else None
+        # Rows after the sessions' that no session owns: a static-shape step's padded tokens write there
+        # (engine/runners/static_step.py). Row index max_rows is the first.
+        self.scratch_rows = scratch_rows
         self.rows = 0
         self.capacity = 0
         # Per layer [rows, kv_heads, capacity, head_dim]; None until the layer's first forward.
@@ -94,10 +99,21 @@ class KVPool:
             self.keys.append(None)
             self.values.append(None)
         if self.keys[index] is None:
-            shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
+            shape = (self.rows + self.scratch_rows, like.shape[1], self.capacity, like.shape[3])
             self.keys[index] = like.new_zeros(shape)
             self.values[index] = like.new_zeros(shape)
         return self.keys[index], self.values[index]
+
+    @torch.inference_mode()
+    def allocate(self, layers: int, like: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Allocate a bounded pool's `layers` layers in full now, shaped after `like` [1, kv_heads, 1, head_dim];
+        returns the key and value tensors (a static step holds them for the pool's life)."""
+        if not self.bounded:
+            raise ValueError("only a bounded pool (max_capacity set) is allocated up front")
+        self.reserve(self.max_rows, self.max_capacity)
+        for index in range(layers):
+            self.layer(index, like)
+        return self.keys, self.values
 
     @torch.inference_mode()  # the pool was allocated inside a forward's inference mode
     def move(self, row: int, sources: list[int], target: int) -> None:
@@ -111,7 +127,8 @@ class KVPool:
 
 
 def pool_bytes(rows: int, capacity: int, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of a bounded pool: keys and values of every layer, rows x capacity slots each."""
+    """Bytes of a bounded pool: keys and values of every layer, rows x capacity slots each (rows: the sessions',
+    plus one scratch row under a static-shape step)."""
     return 2 * layers * rows * kv_heads * capacity * head_dim * dtype_bytes
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from treeserve.engine.runners.step_settings import StaticStepSettings
 from treeserve.engine.sampling import SamplingParams, warp_probs
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists
@@ -32,9 +33,11 @@ class TargetRunner:
     provides_features = True  # honours ScoreRequest.want_features (EAGLE drafters need it)
 
     def __init__(self, model: torch.nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_sessions: int = 256, feature_layers: tuple[int, ...] | None = None):
-        """`feature_layers`: the hidden_states an EAGLE-3 drafter fuses (None: the final state, EAGLE-1/2)."""
-        self.lm = CachedLM(model, device, dtype, max_sessions)
+                 max_sessions: int = 256, feature_layers: tuple[int, ...] | None = None,
+                 static: StaticStepSettings | None = None):
+        """`feature_layers`: the hidden_states an EAGLE-3 drafter fuses (None: the final state, EAGLE-1/2);
+        `static`: run the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py)."""
+        self.lm = CachedLM(model, device, dtype, max_sessions, static=static)
         if feature_layers is not None:
             n = model.config.num_hidden_layers
             if any(not 0 <= i <= n for i in feature_layers):
@@ -54,12 +57,29 @@ class TargetRunner:
         outputs = self.lm.extend_outputs([ExtendRequest(r.session_id, r.tree.tokens.tolist(),
                                                         r.tree.parents.tolist()) for r in requests],
                                          hidden=any(r.want_features for r in requests))
-        return [replace(to_target_dists(out.logits, r.sampling), features=out.hidden, features_start=start)
-                if r.want_features else to_target_dists(out.logits, r.sampling)
-                for out, r, start in zip(outputs, requests, starts)]
+        dists = to_target_dists_batch([out.logits for out in outputs], [r.sampling for r in requests])
+        return [replace(d, features=out.hidden, features_start=start) if r.want_features else d
+                for d, out, r, start in zip(dists, outputs, requests, starts)]
 
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)
+
+
+def to_target_dists_batch(logits: list[torch.Tensor], sampling: list[SamplingParams]) -> list[TargetDists]:
+    """`to_target_dists` for a step's requests with one device-to-host copy per kind (argmax rows, probability
+    rows): on a GPU each copy is a synchronisation, and a step should wait for the device once."""
+    greedy = [i for i, s in enumerate(sampling) if s.is_greedy]
+    sampled = [i for i, s in enumerate(sampling) if not s.is_greedy]
+    out: list[TargetDists | None] = [None] * len(logits)
+    if greedy:
+        argmax = torch.cat([logits[i].argmax(dim=-1) for i in greedy]).cpu()
+        for i, part in zip(greedy, argmax.split([logits[i].shape[0] for i in greedy])):
+            out[i] = TargetDists(argmax=part)
+    if sampled:
+        probs = torch.cat([warp_probs(logits[i], sampling[i]) for i in sampled]).cpu()
+        for i, part in zip(sampled, probs.split([logits[i].shape[0] for i in sampled])):
+            out[i] = TargetDists(probs=part)
+    return out
 
 
 def to_target_dists(logits: torch.Tensor, sampling: SamplingParams) -> TargetDists:

@@ -87,6 +87,14 @@ class ModelConfig:
         "(vicuna_v1.1, llama-2-chat) or a Jinja template file (relative to the Serve config file). Needed for "
         "models whose tokenizer ships none (Vicuna v1.3): such a target is refused without it",
         default=None)
+    cuda_graphs: bool = described(
+        "on a CUDA device, run the model's forwards as a static-shape step (fixed buffers per rows x tokens bucket, "
+        "a preallocated KV pool with one scratch row) captured once per bucket as a CUDA graph at start and "
+        "replayed each step, each tensor-parallel rank its own; false = the model's own eager forward. Ignored "
+        "on a CPU and for layouts the lean decoder does not cover (engine/runners/lean_decoder.py)", default=True)
+    graph_memory_mib: int = described(
+        "the most memory (MiB, per GPU) the captured CUDA graphs may take; capturing more is refused at start "
+        "with a message (counted by `treeserve memory-estimate`)", default=4096)
     gpu_memory_fraction: Optional[float] = described(
         "share of each of its GPUs' memory this model's process (each TP rank) may take: weights, KV pool and "
         "activations, enforced with torch.cuda.set_per_process_memory_fraction; the KV pool is refused at start "
@@ -94,7 +102,7 @@ class ModelConfig:
         "(sharing a GPU with another model); null = no cap (the whole GPU)", default=None)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
-        check_positive(self, path, "tensor_parallel_size", "max_context_tokens")
+        check_positive(self, path, "tensor_parallel_size", "max_context_tokens", "graph_memory_mib")
         check_positive_opt(self, path, "num_attention_heads", "num_key_value_heads", "max_sessions")
         if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"{path}.gpu_memory_fraction: must lie in (0, 1], got {self.gpu_memory_fraction}")

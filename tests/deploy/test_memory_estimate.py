@@ -65,9 +65,9 @@ def test_one_node_layouts_count_the_drafter_on_the_shared_gpu(name):
     gib = lambda cell: float(cell.split()[0])  # noqa: E731
     shared = [rows[("cuda:3", "target rank 3/4")], rows[("cuda:3", "drafter")]]
     total = rows[("cuda:3", "= GPU total")]
-    assert gib(total[3]) == pytest.approx(sum(gib(r[3]) for r in shared), abs=0.02) and gib(total[3]) <= 80
+    assert gib(total[4]) == pytest.approx(sum(gib(r[4]) for r in shared), abs=0.02) and gib(total[4]) <= 80
     # Each process within its own memory fraction: 0.55 and 0.45 of 80 GiB.
-    assert [r[4] for r in shared] == ["44.00 GiB", "36.00 GiB"] and all(r[5] == "FITS" for r in shared)
+    assert [r[5] for r in shared] == ["44.00 GiB", "36.00 GiB"] and all(r[6] == "FITS" for r in shared)
 
 
 def test_the_peak_is_the_preallocated_pool():
@@ -97,8 +97,8 @@ def test_a_process_over_its_share_does_not_fit(tmp_path):
     (tmp_path / "models").symlink_to(DEPLOY / "models")
     text, ok = me.report(layout, 80.0, 2.0)
     rows = _rows(text)
-    assert not ok and rows[("cuda:3", "drafter")][5] == "DOES NOT FIT"
-    assert rows[("cuda:3", "= GPU total")][5] == "FITS"
+    assert not ok and rows[("cuda:3", "drafter")][6] == "DOES NOT FIT"
+    assert rows[("cuda:3", "= GPU total")][6] == "FITS"
 
 
 def test_bad_input():
@@ -134,3 +134,13 @@ def test_shipped_drafters_are_estimated(tmp_path, drafter):
     rows = _rows(text)
     assert ok and ("cpu", "drafter") in rows and f"drafter: {drafter} (auto, TP=1" in text
     assert float(rows[("cpu", "drafter")][0].split()[0]) > 0  # weights
+
+
+def test_target_ranks_count_their_cuda_graphs():
+    """A CUDA target runs the static-shape step by default: its buffers, scratch row and graph pool are counted
+    (engine/runners/step_settings.py static_step_bytes); the drafter and a CPU target have none."""
+    rows = _rows(me.report(DEPLOY / "llama2-70b-4xa100.yaml", 80.0, 2.0)[0])
+    graphs = lambda key: float(rows[key][2].split()[0])  # noqa: E731
+    assert graphs(("cuda:0", "target rank 0/4")) > 0 and graphs(("cuda:3", "drafter")) == 0
+    cpu = _rows(me.report(DEPLOY / "local-cpu.yaml", 80.0, 2.0)[0])
+    assert all(float(cells[2].split()[0]) == 0 for cells in cpu.values())

@@ -1,0 +1,146 @@
+"""A Llama-layout decoder stack as bare tensor ops over a static KV pool: the body of the static-shape step.
+
+transformers' modules are written for generality: each forward builds its masks and cache bookkeeping in
+Python, which on a GPU costs ~0.75-1 ms of host time per decoder layer (docs/performance.md, "the GPU step").
+This forward runs the same weights through the same submodules (norms, projections, MLP: a tensor-parallel
+plan or packed CPU linears still apply, since they replace those modules) in eager's order, with nothing
+that depends on the data on the host, so one call can be captured as a CUDA graph (gpt-fast's decoder over a
+static KV cache; vLLM's and SGLang's CUDA-graph runners).
+
+Per layer: RMSNorm, q/k/v projections (+ Qwen3's per-head q/k norms), rotary embedding read from a table
+built once from the model's own rotary module (Llama-3 and linear rope scaling included), the new keys and
+values written into the pool at each token's (row, slot), the batch rows' whole pool rows gathered, attention
+with the additive mask over every slot of a row (grouped, without repeating KV heads: SDPA's `enable_gqa` on
+a GPU, engine/models/attention.py on a CPU), output projection, RMSNorm, MLP.
+
+Supported: the Llama layout (llama, mistral without an active sliding window, qwen2 with its q/k/v bias,
+qwen3); anything else (an EAGLE head, an unknown layout, a dynamic rope) is reported by `decoder_parts` and
+runs through the model's own forward instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from treeserve.engine.models.attention import grouped_attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # rope tables that do not depend on the sequence
+
+
+@dataclass
+class DecoderParts:
+    """The submodules of a causal LM the lean forward calls, found once."""
+
+    embed: nn.Module  # token embedding
+    layers: list[nn.Module]  # decoder layers (input_layernorm, self_attn, post_attention_layernorm, mlp)
+    norm: nn.Module  # final RMSNorm
+    lm_head: nn.Module
+    head_dim: int
+    scaling: float  # attention score scale (head_dim ** -0.5 for every supported layout)
+    cos: Tensor  # [positions, head_dim] rotary cosines, in the model's dtype (the rotary module's own values)
+    sin: Tensor  # [positions, head_dim]
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why `model` cannot run the lean forward (None: it can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "not a decoder-only causal LM layout (model.embed_tokens / layers / norm / rotary_emb)"
+    rope_type = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r} depends on the sequence length"
+    if getattr(config, "use_sliding_window", model_type == "mistral") and getattr(config, "sliding_window", None):
+        return "a sliding attention window is not supported"
+    return None
+
+
+def decoder_parts(model: nn.Module, positions: int, device: torch.device, dtype: torch.dtype) -> DecoderParts:
+    """The parts of a supported model (check `unsupported_reason` first) with rotary tables for `positions`."""
+    inner = model.model
+    first = inner.layers[0].self_attn
+    head_dim = first.head_dim
+    with torch.inference_mode():
+        ids = torch.arange(positions, device=device)[None]
+        cos, sin = inner.rotary_emb(torch.zeros(1, dtype=dtype, device=device), ids)
+    return DecoderParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, head_dim,
+                        first.scaling, cos[0].contiguous(), sin[0].contiguous())
+
+
+@dataclass
+class StepBuffers:
+    """The inputs of one lean forward; the static step keeps one set per bucket, filled in place."""
+
+    input_ids: Tensor  # [B, W] long
+    positions: Tensor  # [B, W] long, rotary position of each token
+    mask: Tensor  # [B, 1, W, C] additive attention mask over the C slots of each batch row's pool row
+    write_rows: Tensor  # [B, W] long: pool row each token's keys and values go to (padding: a scratch row)
+    write_slots: Tensor  # [B, W] long: slot within that row
+    read_rows: Tensor  # [B] long: pool row each batch row attends over (padding rows: the scratch row)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attention(module: nn.Module, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float
+               ) -> Tensor:
+    """query [B, H, W, D], keys/values [B, H_kv, C, D], mask [B, 1, W, C] -> [B, W, H * D]."""
+    batch, _, width, _ = query.shape
+    if query.device.type == "cpu":
+        out, _ = grouped_attention(module, query, keys, values, mask, scaling)  # [B, W, H, D]
+        return out.reshape(batch, width, -1)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                         enable_gqa=keys.shape[1] != query.shape[1])
+    return out.transpose(1, 2).reshape(batch, width, -1)
+
+
+def lean_forward(parts: DecoderParts, keys: list[Tensor], values: list[Tensor], inputs: StepBuffers,
+                 keep_from: int = 0, feature_layers: tuple[int, ...] | None = None,
+                 want_hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+    """One forward of B rows x W tokens: writes their KV into the pool tensors (per layer [rows, H_kv, C, D]),
+    returns logits [B, W - keep_from, V] of tokens keep_from.. and, with `want_hidden`, the features of every
+    row [B, W, H or len(feature_layers) * H] (hidden_states indices: 0 the embeddings, i the output of layer
+    i, the last the final normed state, as transformers numbers them)."""
+    batch, width = inputs.input_ids.shape
+    hidden = parts.embed(inputs.input_ids)
+    cos = parts.cos[inputs.positions][:, None]  # [B, 1, W, D]: broadcast over heads
+    sin = parts.sin[inputs.positions][:, None]
+    states = [hidden] if want_hidden and feature_layers is not None else None
+    for index, layer in enumerate(parts.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        query = attn.q_proj(x).view(batch, width, -1, parts.head_dim)
+        key = attn.k_proj(x).view(batch, width, -1, parts.head_dim)
+        value = attn.v_proj(x).view(batch, width, -1, parts.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
+            query, key = attn.q_norm(query), attn.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        # Advanced indices around a slice put their dims first: the target is [B, W, H_kv, D].
+        keys[index][inputs.write_rows, :, inputs.write_slots] = key.transpose(1, 2)
+        values[index][inputs.write_rows, :, inputs.write_slots] = value
+        out = _attention(attn, query, keys[index].index_select(0, inputs.read_rows),
+                         values[index].index_select(0, inputs.read_rows), inputs.mask, parts.scaling)
+        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if states is not None:
+            states.append(hidden)
+    normed = parts.norm(hidden)
+    logits = parts.lm_head(normed[:, keep_from:])
+    if not want_hidden:
+        return logits, None
+    if feature_layers is None:
+        return logits, normed
+    states[-1] = normed
+    return logits, torch.cat([states[i] for i in feature_layers], dim=-1)

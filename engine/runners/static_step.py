@@ -1,0 +1,225 @@
+"""The static-shape step: CachedLM's forward on fixed buffers per bucket, replayed as CUDA graphs on a GPU.
+
+What a forward needs is reduced to a few device tensors of fixed shape per (rows, tokens) bucket
+(engine/runners/lean_decoder.py `StepBuffers`): token ids, positions, write (row, slot) per token, the pool
+row each batch row reads, and an additive mask over every slot of those rows. Rows and tokens are padded up
+to the bucket: padded tokens write into a scratch pool row that no session owns and attend to one slot, so a
+padded row or token never writes into a live KV slot nor changes another row's output. The host describes
+each row's mask compactly (how many leading slots every token sees, plus a small tree / causal block after
+them); the full [rows, 1, tokens, slots] mask is expanded on the device. Nothing in the forward reads a
+device value on the host, so on CUDA each bucket is captured once as a graph (into one shared memory pool,
+largest first, as vLLM does) and replayed; the caller synchronises once, when it reads the results.
+
+Shapes beyond the largest bucket (a long prefill, a batch wider than the buckets) run the same forward
+eagerly at their exact shape. On a CPU every bucket runs eagerly: the same code and padding, no graphs, so
+its correctness is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from treeserve.engine.runners.lean_decoder import DecoderParts, StepBuffers, lean_forward
+from treeserve.engine.runners.step_settings import StaticStepSettings
+
+log = logging.getLogger(__name__)
+
+
+class GraphMemoryExceeded(RuntimeError):
+    """Capturing the configured buckets would take more than `graph_memory_mib`."""
+
+
+@dataclass
+class RowInput:
+    """What one batch row feeds, described on the host."""
+
+    tokens: list[int]  # [n] token ids
+    positions: Tensor  # [n] long rotary positions
+    row: int  # pool row of the session
+    offset: int  # slots already valid in the row: token t's KV goes to slot offset + t
+    seen: int  # leading slots [0, seen) every token of the row attends to (the committed context)
+    block: Tensor  # [n, offset - seen + n] bool: attention over slots seen .. offset + n (tree / causal part)
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    logits: Tensor  # the captured output buffers, overwritten by each replay
+    hidden: Tensor | None
+
+
+class StaticStep:
+    """Runs `lean_forward` for CachedLM on bucketed static buffers (graphs on CUDA). The pool tensors are the
+    KVPool's, allocated in full before the first call and never reallocated while graphs refer to them."""
+
+    def __init__(self, parts: DecoderParts, keys: list[Tensor], values: list[Tensor], scratch_row: int,
+                 settings: StaticStepSettings, device: torch.device, dtype: torch.dtype,
+                 feature_layers: tuple[int, ...] | None = None):
+        self.parts = parts
+        self.keys, self.values = keys, values
+        self.scratch_row = scratch_row  # a pool row no session owns: padding writes go there
+        self.capacity = keys[0].shape[2]  # C, slots per row
+        self.settings = settings
+        self.device, self.dtype = device, dtype
+        self.feature_layers = feature_layers
+        self.use_graphs = settings.cuda_graphs and device.type == "cuda"
+        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.graph_bytes = 0  # memory the captures took (reserved bytes grown while capturing)
+        most_rows, most_tokens = settings.batch_buckets[-1], settings.token_buckets[-1]
+        # Input buffers shared by every bucket (a bucket uses a leading view), as vLLM's graph runner shares its.
+        self._ids = torch.zeros(most_rows * most_tokens, dtype=torch.long, device=device)
+        self._positions = torch.zeros_like(self._ids)
+        self._write_rows = torch.full_like(self._ids, scratch_row)
+        self._write_slots = torch.zeros_like(self._ids)
+        self._read_rows = torch.full((most_rows,), scratch_row, dtype=torch.long, device=device)
+        self._mask = torch.zeros(most_rows * most_tokens * self.capacity, dtype=dtype, device=device)
+        self._slots = torch.arange(self.capacity, device=device)
+
+    # ------------------------------------------------------------------ buckets
+    def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
+        """The (rows, tokens) bucket a forward is padded to; None: it runs eagerly at its own shape."""
+        b = self.settings.bucket(self.settings.batch_buckets, rows)
+        w = self.settings.bucket(self.settings.token_buckets, tokens)
+        return None if b is None or w is None else (b, w)
+
+    def graph_buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, tokens) bucket captured as a graph, largest first (a capture reuses bigger ones' memory)."""
+        return sorted(((b, w) for b in self.settings.batch_buckets for w in self.settings.token_buckets
+                       if b * w <= self.settings.max_graph_tokens),
+                      key=lambda bw: (bw[0] * bw[1], bw), reverse=True)
+
+    def _buffers(self, rows: int, tokens: int) -> StepBuffers:
+        n = rows * tokens
+        return StepBuffers(self._ids[:n].view(rows, tokens), self._positions[:n].view(rows, tokens),
+                           self._mask[:n * self.capacity].view(rows, 1, tokens, self.capacity),
+                           self._write_rows[:n].view(rows, tokens), self._write_slots[:n].view(rows, tokens),
+                           self._read_rows[:rows])
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def run(self, rows: list[RowInput], keep_from: int, want_hidden: bool) -> tuple[Tensor, Tensor | None]:
+        """Logits [len(rows), W - keep_from, V] (W = the longest row; padded tokens' rows are garbage) and, with
+        `want_hidden`, features [len(rows), W, F]. The returned tensors are the caller's (copied out of graph
+        buffers)."""
+        width = max(len(r.tokens) for r in rows)
+        shape = self.bucket(len(rows), width)
+        if shape is None:
+            buffers = self._fresh_buffers(len(rows), width)
+            self._fill(buffers, rows)
+            return lean_forward(self.parts, self.keys, self.values, buffers, keep_from, self.feature_layers,
+                                want_hidden)
+        buffers = self._buffers(*shape)
+        self._fill(buffers, rows)
+        if not self.use_graphs or shape[0] * shape[1] > self.settings.max_graph_tokens:
+            logits, hidden = lean_forward(self.parts, self.keys, self.values, buffers, 0, self.feature_layers,
+                                          want_hidden)
+        else:
+            graph = self.graphs.get((*shape, want_hidden)) or self.capture(*shape, want_hidden)
+            graph.graph.replay()
+            logits, hidden = graph.logits, graph.hidden
+        # Copies (the graph's buffers are overwritten by the next replay); only real rows and tokens.
+        logits = logits[:len(rows), keep_from:width].clone()
+        return logits, None if hidden is None else hidden[:len(rows), :width].clone()
+
+    def _fresh_buffers(self, rows: int, tokens: int) -> StepBuffers:
+        new = lambda *shape, fill=0: torch.full(shape, fill, dtype=torch.long, device=self.device)  # noqa: E731
+        return StepBuffers(new(rows, tokens), new(rows, tokens),
+                           torch.empty(rows, 1, tokens, self.capacity, dtype=self.dtype, device=self.device),
+                           new(rows, tokens, fill=self.scratch_row), new(rows, tokens), new(rows, fill=self.scratch_row))
+
+    def _fill(self, buffers: StepBuffers, rows: list[RowInput]) -> None:
+        """Write the rows' inputs into `buffers` (padding everywhere else), one host-to-device copy per buffer,
+        and expand the mask on the device."""
+        batch, width = buffers.input_ids.shape
+        span = max(r.block.shape[1] for r in rows)
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        write_rows = torch.full((batch, width), self.scratch_row, dtype=torch.long)
+        write_slots = torch.arange(width).repeat(batch, 1)  # padding: slot t of the scratch row
+        read_rows = torch.full((batch,), self.scratch_row, dtype=torch.long)
+        seen = torch.zeros(batch, dtype=torch.long)
+        block = torch.zeros(batch, width, span, dtype=torch.bool)
+        valid = torch.zeros(batch, width, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            n = len(r.tokens)
+            ids[b, :n] = torch.tensor(r.tokens)
+            positions[b, :n] = r.positions
+            write_rows[b, :n] = r.row
+            write_slots[b, :n] = torch.arange(r.offset, r.offset + n)
+            read_rows[b] = r.row
+            seen[b] = r.seen
+            block[b, :n, :r.block.shape[1]] = r.block
+            valid[b, :n] = True
+        for target, source in ((buffers.input_ids, ids), (buffers.positions, positions),
+                               (buffers.write_rows, write_rows), (buffers.write_slots, write_slots),
+                               (buffers.read_rows, read_rows)):
+            target.copy_(source, non_blocking=True)
+        self._expand_mask(buffers.mask, seen.to(self.device), block.to(self.device), valid.to(self.device))
+
+    def _expand_mask(self, out: Tensor, seen: Tensor, block: Tensor, valid: Tensor) -> None:
+        """out [B, 1, W, C] = 0 where token (b, w) attends slot c, else the dtype's minimum: slots < seen[b], and
+        block[b, w, c - seen[b]] after them; a padded token attends slot 0 only (finite softmax, never read)."""
+        span = block.shape[2]
+        relative = self._slots[None, :] - seen[:, None]  # [B, C]
+        inside = (relative >= 0) & (relative < span)
+        index = relative.clamp(0, span - 1)[:, None, :].expand(-1, block.shape[1], -1)
+        allowed = (block.gather(2, index) & inside[:, None, :]) | (relative < 0)[:, None, :]
+        allowed &= valid[:, :, None]
+        allowed[:, :, 0] |= ~valid
+        out.copy_(torch.where(allowed, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[:, None])
+
+    # ------------------------------------------------------------------ graphs
+    def capture(self, rows: int, tokens: int, want_hidden: bool) -> _Graph:
+        """Capture the forward of one bucket (after two eager warm-up runs on a side stream, as PyTorch's graph
+        API asks) into the shared pool; the inputs are the shared buffers' views, padding everywhere."""
+        buffers = self._buffers(rows, tokens)
+        self._pad(buffers)
+        before = torch.cuda.memory_reserved(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                lean_forward(self.parts, self.keys, self.values, buffers, 0, self.feature_layers, want_hidden)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            logits, hidden = lean_forward(self.parts, self.keys, self.values, buffers, 0, self.feature_layers,
+                                          want_hidden)
+        torch.cuda.synchronize(self.device)
+        self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        captured = _Graph(graph, logits, hidden)
+        self.graphs[(rows, tokens, want_hidden)] = captured
+        return captured
+
+    def _pad(self, buffers: StepBuffers) -> None:
+        """Fill `buffers` with an all-padding step (writes only into the scratch row)."""
+        batch, width = buffers.input_ids.shape
+        buffers.input_ids.zero_()
+        buffers.positions.zero_()
+        buffers.write_rows.fill_(self.scratch_row)
+        buffers.write_slots.copy_(torch.arange(width, device=self.device).repeat(batch, 1))
+        buffers.read_rows.fill_(self.scratch_row)
+        self._expand_mask(buffers.mask, torch.zeros(batch, dtype=torch.long, device=self.device),
+                          torch.zeros(batch, width, 1, dtype=torch.bool, device=self.device),
+                          torch.zeros(batch, width, dtype=torch.bool, device=self.device))
+
+    def capture_all(self, want_hidden: bool) -> int:
+        """Capture every bucket now (replica start), largest first; returns the bytes the graphs took. Refuses
+        when they would take more than `graph_memory_mib`, naming the settings to lower."""
+        if not self.use_graphs:
+            return 0
+        budget = self.settings.graph_memory_mib * 2**20
+        for rows, tokens in self.graph_buckets():
+            if (rows, tokens, want_hidden) not in self.graphs:
+                self.capture(rows, tokens, want_hidden)
+            if self.graph_bytes > budget:
+                raise GraphMemoryExceeded(
+                    f"CUDA graphs up to bucket {rows} rows x {tokens} tokens took {self.graph_bytes / 2**20:.0f} "
+                    f"MiB, over graph_memory_mib={self.settings.graph_memory_mib}: raise it, or lower the largest "
+                    "graph_batch_buckets / graph_token_buckets (or set cuda_graphs: false)")
+        return self.graph_bytes

@@ -1,0 +1,206 @@
+"""The static-shape step (engine/runners/static_step.py) on a CPU: the same buckets, padding and lean decoder
+that CUDA graphs replay on a GPU, checked against the model's own forward through CachedLM's eager path.
+
+- trees over mixed prefix lengths and batch sizes give the eager path's logits and features;
+- a row's output does not depend on which other rows (or how much padding) share its forward;
+- padded tokens never write into a live KV slot (only the scratch row changes besides the rows' new slots);
+- Llama-3 rope scaling and Qwen2's q/k/v bias run the same; layouts it does not cover keep the eager path;
+- greedy decoding through the engine equals `generate`, and the sampling test passes on the static step.
+"""
+
+import collections
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from treeserve.engine.factory import build_engine
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from treeserve.engine.runners.step_settings import StaticStepSettings, default_static_step, static_step_bytes
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.sampling import SamplingParams, warp_probs
+
+SETTINGS = StaticStepSettings(batch_buckets=(1, 2, 4), token_buckets=(1, 4, 8, 16), context_tokens=96)
+VOCAB = 300
+
+
+def tiny_llama(**extra) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **extra)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 1.0)  # peaked, tie-free distributions
+    return model
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, use_sliding_window=False)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # Qwen2's q/k/v bias must be used: make it matter
+            layer.self_attn.q_proj.bias.normal_(0, 1.0)
+            layer.self_attn.k_proj.bias.normal_(0, 1.0)
+    return model
+
+
+def random_tree(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
+    return [rng.randrange(VOCAB) for _ in range(size)], [-1] + [rng.randrange(i) for i in range(1, size)]
+
+
+def run_steps(lm: CachedLM, steps: list[list[tuple[str, list[int], list[int], list[int]]]], hidden: bool = False):
+    outs = []
+    for step in steps:
+        for sid, context, _, _ in step:
+            lm.begin(sid, context)
+        outs.append(lm.extend_outputs([ExtendRequest(sid, t, p) for sid, _, t, p in step], hidden=hidden))
+    return outs
+
+
+def make_steps(seed: int, lengths: list[int], sizes: list[int], steps: int = 3):
+    rng = random.Random(seed)
+    contexts = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate(lengths)}
+    out = []
+    for _ in range(steps):
+        step = []
+        for (sid, context), size in zip(contexts.items(), sizes):
+            tokens, parents = random_tree(rng, size)
+            tokens[0] = context[-1]
+            step.append((sid, list(context), tokens, parents))
+            context.extend(rng.randrange(VOCAB) for _ in range(rng.randrange(1, 4)))  # a few accepted tokens
+        out.append(step)
+    return out
+
+
+@pytest.mark.parametrize("model_fn", [tiny_llama, tiny_qwen2,
+                                      lambda: tiny_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                       "original_max_position_embeddings": 64})],
+                         ids=["llama", "qwen2", "llama3-rope"])
+def test_static_step_equals_the_eager_forward(model_fn):
+    model = model_fn()
+    steps = make_steps(0, lengths=[5, 23, 9], sizes=[7, 12, 1])
+    eager = CachedLM(model)
+    static = CachedLM(model, static=SETTINGS)
+    static.feature_layers = eager.feature_layers = (0, 1, 2)
+    for ref_step, got_step in zip(run_steps(eager, steps, hidden=True), run_steps(static, steps, hidden=True)):
+        for ref, got in zip(ref_step, got_step):
+            assert got.logits.shape == ref.logits.shape
+            torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
+    assert static.static_step is not None and eager.static_step is None
+
+
+def test_a_row_does_not_depend_on_its_batch_or_padding():
+    """Each session alone (bucket 1 x its own width) and batched with longer / shorter rows (other buckets,
+    padded rows and tokens) gives the same logits; a prefill wider than every bucket runs eagerly, same result."""
+    model = tiny_llama()
+    steps = make_steps(1, lengths=[40, 3, 17, 8], sizes=[3, 16, 1, 9], steps=2)
+    batched = run_steps(CachedLM(model, static=SETTINGS), steps)
+    for index in range(4):
+        alone = run_steps(CachedLM(model, static=SETTINGS), [[step[index]] for step in steps])
+        for step_out, alone_out in zip(batched, alone):
+            torch.testing.assert_close(step_out[index].logits, alone_out[0].logits, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_never_writes_a_live_slot():
+    model = tiny_llama()
+    lm = CachedLM(model, static=SETTINGS)
+    rng = random.Random(2)
+    contexts = {"a": [rng.randrange(VOCAB) for _ in range(30)], "b": [rng.randrange(VOCAB) for _ in range(6)]}
+    for sid, context in contexts.items():
+        lm.begin(sid, context)
+    lm.extend([ExtendRequest(sid, [c[-1]], [-1]) for sid, c in contexts.items()])
+    before = [k.clone() for k in lm.pool.keys]
+    rows = {sid: lm.sessions[sid].row for sid in contexts}
+    slots = {sid: lm.sessions[sid].slots for sid in contexts}
+    # Only "b" feeds (3 tokens: bucket 4), so one padded token and, in a 2-row bucket, nothing for "a".
+    lm.begin("b", contexts["b"] + [5])
+    lm.extend([ExtendRequest("b", [5, 6, 7], [-1, 0, 1])])
+    scratch = lm.pool.max_rows
+    for old, new in zip(before, lm.pool.keys):
+        changed = (old != new).any(dim=1).any(dim=-1)  # [rows, slots]
+        changed[scratch] = False  # the scratch row takes the padding
+        where = {(int(r), int(s)) for r, s in changed.nonzero()}
+        assert where <= {(rows["b"], slots["b"] + i) for i in range(4)}, where
+        assert not changed[rows["a"]].any()
+
+
+def test_unsupported_layouts_keep_the_eager_forward():
+    model = tiny_llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    lm = CachedLM(model, static=SETTINGS)
+    assert lm.static_settings is None and "dynamic" in lm.static_reason
+    steps = make_steps(3, lengths=[5], sizes=[4], steps=1)
+    assert run_steps(lm, steps)[0][0].logits.shape == (4, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_target_dir, tiny_drafter_dir):
+    target = load_causal_lm(tiny_target_dir)
+    engine = build_engine(target=target, drafter_path=str(tiny_drafter_dir), method="dyspec", budget=6)
+    engine.target = TargetRunner(target.model, static=SETTINGS)  # the static step on the CPU
+    return target, engine
+
+
+def test_greedy_speculation_on_the_static_step_equals_generate(tiny_pair):
+    target, engine = tiny_pair
+    rng = random.Random(4)
+    vocab = target.model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (6, 13, 30)]
+    results = engine.generate([GenerationRequest(p, max_new_tokens=12) for p in prompts])
+    for prompt, result in zip(prompts, results):
+        with torch.inference_mode():
+            ref = target.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                        eos_token_id=None)[0, len(prompt):]
+        assert result.token_ids[:len(ref)] == ref.tolist()[:len(result.token_ids)]
+        assert len(result.token_ids) == 12 or result.finish_reason == "stop"
+
+
+def test_sampled_speculation_on_the_static_step_follows_the_target(tiny_pair):
+    """Chi-square of the first emitted token (drafted trees, verified against the static step's probabilities)
+    against the target's own warped distribution."""
+    target, engine = tiny_pair
+    prompt = [11, 42, 7, 99, 5]
+    sampling = SamplingParams(temperature=1.0, top_k=6)
+    with torch.inference_mode():
+        logits = target.model(torch.tensor([prompt])).logits[0, -1].float()
+    exact = warp_probs(logits[None], sampling)[0]
+    support = exact.nonzero().flatten().tolist()
+    counts = collections.Counter()
+    draws, batch = 320, 4
+    for seed in range(0, draws, batch):
+        results = engine.generate([GenerationRequest(prompt, max_new_tokens=2, sampling=sampling, seed=seed + i)
+                                   for i in range(batch)])
+        counts.update(r.token_ids[0] for r in results)
+    assert set(counts) <= set(support)
+    expected = [float(exact[t]) * draws for t in support]
+    observed = [counts[t] for t in support]
+    scale = draws / sum(expected)
+    assert chisquare(observed, [e * scale for e in expected]).pvalue > 1e-3
+
+
+def test_default_step_is_static_only_on_cuda():
+    assert default_static_step("cpu") is None
+    assert default_static_step("cuda", cuda_graphs=False) is None
+    settings = default_static_step("cuda", max_rows=12)
+    assert settings.cuda_graphs and settings.batch_buckets[-1] == 12
+    with pytest.raises(ValueError, match="increasing"):
+        StaticStepSettings(token_buckets=(4, 2))
+
+
+def test_static_step_memory_counts_the_largest_graph():
+    args = dict(context=4096, layers=80, hidden=8192, intermediate=7168, heads=16, kv_heads=2, head_dim=128,
+                vocab=32000, dtype_bytes=2)
+    small = static_step_bytes(StaticStepSettings(batch_buckets=(1, 2)), **args)
+    large = static_step_bytes(StaticStepSettings(batch_buckets=(1, 2, 4, 8)), **args)
+    assert 0 < small < large
+    no_graphs = static_step_bytes(StaticStepSettings(batch_buckets=(8,), token_buckets=(256,), max_graph_tokens=64),
+                                  **args)
+    assert no_graphs < large
