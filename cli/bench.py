@@ -116,7 +116,9 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                        help="'hf': Hugging Face greedy generate, prompt-lookup decoding "
                             "(prompt_lookup_num_tokens=10) and assisted generation with --peer-drafter, on the "
                             "same prompts, repeats and greedy check; speedups also against HF generate (needs "
-                            "hf-generate). 'hf-generate', 'hf-pld', 'hf-assisted': one of them")
+                            "hf-generate). 'hf-generate', 'hf-pld', 'hf-assisted': one of them. 'hf-compiled' "
+                            "(not in 'hf'): generate with a static cache, compiled with CUDA graphs on a GPU "
+                            "(the gpt-fast recipe)")
     peers.add_argument("--peer-drafter", default="distilled",
                        help="drafter for HF assisted generation ('distilled': the shipped distilled drafter; "
                             "skipped with the reason printed when transformers cannot run it, e.g. EAGLE)")

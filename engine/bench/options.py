@@ -17,7 +17,7 @@ SWEEP_BUDGETS = (8, 16, 32, 64)
 # Peer sets (engine/bench/peers.py): "hf" runs all three; each may also be named alone (a run that needs only
 # prompt lookup saves the others' minutes).
 PEER_SETS = {"hf": ("hf-generate", "hf-pld", "hf-assisted"), "hf-generate": ("hf-generate",), "hf-pld": ("hf-pld",),
-             "hf-assisted": ("hf-assisted",)}
+             "hf-assisted": ("hf-assisted",), "hf-compiled": ("hf-compiled",)}
 
 @dataclass
 class BenchOptions:

@@ -7,6 +7,10 @@ methods:
 - `hf-generate`: plain greedy `model.generate` (the reference every speedup can also be read against);
 - `hf-pld`: prompt-lookup decoding, `prompt_lookup_num_tokens=10` (transformers' n-gram drafting: candidates
   are copied from the prompt / earlier output, one argument to switch on);
+- `hf-compiled`: greedy `generate` with a static KV cache (`cache_implementation="static"`), which transformers
+  compiles with `torch.compile(mode="reduce-overhead")` (CUDA graphs) on a GPU: the gpt-fast recipe as
+  transformers ships it (on a CPU it does not compile, so there it is the static cache alone). The first
+  prompts of each new length compile: the bench's warm-up prompts take most of that;
 - `hf-assisted:NAME`: assisted generation (`assistant_model=`) with a shipped drafter. transformers can run
   the distilled drafter (`default`: a Llama trunk whose head covers a sub-vocabulary) once its head is
   widened to the full vocabulary (every other token gets the dtype's lowest logit, so its greedy proposals
@@ -148,6 +152,8 @@ class HFPeer:
         self.kwargs: dict = {}
         if key.startswith("hf-pld"):
             self.kwargs = {"prompt_lookup_num_tokens": PLD_TOKENS}
+        elif key == "hf-compiled":
+            self.kwargs = {"cache_implementation": "static"}
         elif key.startswith("hf-assisted"):
             self.kwargs = {"assistant_model": assistant}
 

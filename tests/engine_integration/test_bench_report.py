@@ -248,3 +248,16 @@ def test_help_documents_every_option():
             if action.option_strings and action.dest != "help":
                 assert action.help, f"{action.option_strings} has no help"
         assert parser.parse_args([]).prompts.is_file()  # the vendored dev questions
+
+
+def test_hf_compiled_peer_is_greedy_generate_on_a_static_cache(tiny):
+    """The gpt-fast recipe as transformers ships it (static cache; compiled with CUDA graphs on a GPU only):
+    on the CPU it must still decode the target's greedy output, one forward per token."""
+    from treeserve.engine.models.loading import chat_ids
+
+    prompt = chat_ids(tiny.tokenizer, "Name three rivers.")
+    reference, _ = greedy_reference(tiny.model, prompt, 8)
+    peer = build_peers(["hf-compiled"], tiny, "eagle")[0][0]
+    outcome = peer.generate(prompt, 8)
+    assert peer.key == "hf-compiled" and outcome.token_ids == reference
+    assert outcome.accept_lengths == [1] * len(reference)

@@ -1,0 +1,89 @@
+"""The static-shape step replayed as CUDA graphs: the same logits and features as the model's own eager forward,
+for mixed batches and trees over several steps (graphs replayed on changed inputs), greedy generation equal to
+`generate`, and a graph memory budget that is too small refused at start with the setting named."""
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from treeserve.engine.runners.static_step import GraphMemoryExceeded
+from treeserve.engine.runners.step_settings import StaticStepSettings
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SETTINGS = StaticStepSettings(batch_buckets=(1, 2, 4), token_buckets=(1, 4, 8, 16), context_tokens=128)
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).to("cuda").eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+    return model
+
+
+def steps(seed: int, lengths: list[int], sizes: list[int], count: int = 4):
+    rng = random.Random(seed)
+    contexts = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate(lengths)}
+    for _ in range(count):
+        step = []
+        for (sid, context), size in zip(contexts.items(), sizes):
+            tokens = [context[-1]] + [rng.randrange(VOCAB) for _ in range(size - 1)]
+            parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+            step.append((sid, list(context), tokens, parents))
+            context.extend(rng.randrange(VOCAB) for _ in range(rng.randrange(1, 4)))
+        yield step
+
+
+def run(lm: CachedLM, all_steps, hidden: bool):
+    out = []
+    for step in all_steps:
+        for sid, context, _, _ in step:
+            lm.begin(sid, context)
+        out.append(lm.extend_outputs([ExtendRequest(sid, t, p) for sid, _, t, p in step], hidden=hidden))
+    return out
+
+
+@pytest.mark.parametrize("lengths,sizes", [([7], [1]), ([9, 40, 3], [6, 1, 12]), ([5, 6], [16, 3])])
+def test_graph_replays_equal_the_eager_forward(model, lengths, sizes):
+    eager = CachedLM(model, "cuda", torch.float32, attention="sdpa")
+    graphed = CachedLM(model, "cuda", torch.float32, static=SETTINGS)
+    eager.feature_layers = graphed.feature_layers = (1, 2, 3)
+    plan = list(steps(0, lengths, sizes))
+    for ref_step, got_step in zip(run(eager, plan, True), run(graphed, plan, True)):
+        for ref, got in zip(ref_step, got_step):
+            torch.testing.assert_close(got.logits, ref.logits, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(got.hidden, ref.hidden, atol=2e-3, rtol=2e-3)
+    assert graphed.static_step.graphs, "no bucket was captured"
+
+
+def test_graphs_within_budget_and_refused_over_it(model):
+    lm = CachedLM(model, "cuda", torch.float32, max_sessions=4, max_context_tokens=128, static=SETTINGS)
+    lm.warm_up()
+    assert len(lm.static_step.graphs) == len(lm.static_step.graph_buckets()) and lm.graph_bytes >= 0
+    tight = CachedLM(model, "cuda", torch.float32, max_sessions=4, max_context_tokens=128,
+                     static=StaticStepSettings(batch_buckets=(1, 2, 4), token_buckets=(1, 4, 8, 16),
+                                               graph_memory_mib=0))
+    with pytest.raises(GraphMemoryExceeded, match="graph_memory_mib"):
+        tight.warm_up()
+
+
+def test_greedy_decoding_on_graphs_equals_generate(model):
+    lm = CachedLM(model, "cuda", torch.float32, static=SETTINGS)
+    prompt = [3, 17, 99, 250, 4, 8]
+    context = list(prompt)
+    for _ in range(20):
+        lm.begin("g", context)
+        logits = lm.extend([ExtendRequest("g", [context[-1]], [-1])])[0]
+        context.append(int(logits[0].argmax()))
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=20, do_sample=False,
+                             eos_token_id=None)[0].tolist()
+    assert context == ref
