@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import grpc
+from treeserve.engine.runners.step_settings import default_static_step
 import torch
 
 from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig
@@ -164,7 +165,10 @@ def load_drafter_from_config(config) -> tuple[Drafter, int]:
                                    target_dtype if dtype == "auto" else dtype)
     drafter = build_local_drafter(config.drafter.path, target, config.drafter.device, dtype,
                                   config.speculation.budget, drafter_kind=config.drafter.kind,
-                                  lookup=config.speculation.lookup, target_dtype=target_dtype)
+                                  lookup=config.speculation.lookup, target_dtype=target_dtype,
+                                  static=default_static_step(config.drafter.device, config.drafter.cuda_graphs,
+                                                             config.drafter.graph_memory_mib,
+                                                             max_rows=config.kv_sessions("drafter")))
     # The KV pool is preallocated now: max_sessions x max_context_tokens (treeserve memory-estimate).
     drafter.lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
     drafter.lm.warm_up()

@@ -233,7 +233,7 @@ def report(path: Path, gpu_memory_gib: float, overhead_gib: float) -> tuple[str,
         dtype = dtype_bytes(model, args)
         weights = (sharded // tp + replicated) * dtype
         kv = kv_pool_bytes(facts, tp, dtype, sessions, model.max_context_tokens)
-        graphs = graph_bytes(facts, model, tp, dtype, sessions) if role == "target" else 0
+        graphs = graph_bytes(facts, model, tp, dtype, sessions)
         if graphs > model.graph_memory_mib * 2**20:
             lines.append(f"  {role}: the CUDA graphs need ~{_gib(graphs)}, over graph_memory_mib="
                          f"{model.graph_memory_mib}: the replica would refuse to start (raise graph_memory_mib or "

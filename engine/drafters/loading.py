@@ -17,6 +17,7 @@ from treeserve.engine.drafters.base import DrafterBase
 from treeserve.engine.drafters.dtype_choice import AUTO, fastest_dtype
 from treeserve.engine.drafters.registry import KINDS, PARALLEL_KIND, canonical_name, drafter_dir, kind_of
 from treeserve.engine.lookup import LookupSettings
+from treeserve.engine.runners.step_settings import StaticStepSettings
 
 C2T_CLASSIFIER_FILE = "c2t.safetensors"  # a drafter directory's own C2T classifier (trained on its trees)
 
@@ -54,7 +55,8 @@ def _chooser(budget: int | str, target: torch.nn.Module, model: torch.nn.Module,
 def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str = "cpu",
                         dtype: torch.dtype | str = torch.float32, budget: int | str = "auto",
                         classifier_path: str | None = "default", drafter_kind: str | None = None,
-                        lookup: LookupSettings | None = None, target_dtype: torch.dtype | None = None) -> DrafterBase:
+                        lookup: LookupSettings | None = None, target_dtype: torch.dtype | None = None,
+                        static: StaticStepSettings | None = None) -> DrafterBase:
     """The drafter of `drafter_kind` over the weights at `drafter_path`, for `target`; budget "auto" measures
     the hardware and chooses per step.
 
@@ -65,7 +67,8 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     `drafter_kind` None takes the kind the weights are (a directory's config.json, a shipped name's own); a
     stated kind that disagrees with them is a ValueError (engine/drafters/registry.py). Kind "parallel" gives a
     ParallelTreeDrafter (k+1 positions per forward), "autoregressive" a LocalDrafter with the drafter's own C2T
-    classifier and `lookup`'s copy-from-context settings (None: the defaults)."""
+    classifier and `lookup`'s copy-from-context settings (None: the defaults). `static`: its drafter model's
+    forwards run as the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py)."""
     drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
     kind = kind_of(drafter_path, drafter_kind)
     drafter_class = KINDS[kind].load_class()
@@ -85,5 +88,5 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
         return drafter_class(model, target.config.vocab_size, device, dtype, budget=chooser)
     from treeserve.engine.drafters.model_runner import DrafterRunner  # LocalDrafter
 
-    return drafter_class(DrafterRunner(model, target.config.vocab_size, device, dtype),
+    return drafter_class(DrafterRunner(model, target.config.vocab_size, device, dtype, static=static),
                          classifier=load_classifier(classifier_path, drafter_path), budget=chooser, lookup=lookup)

@@ -32,6 +32,7 @@ from treeserve.engine.builders.base import DraftOracle, RowSummary
 from treeserve.engine.c2t_classifier import top_entropy
 from treeserve.engine.drafters.models.base import DrafterModelFacts
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from treeserve.engine.runners.step_settings import StaticStepSettings
 from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows, warp_probs
 
 
@@ -49,8 +50,10 @@ def _timed(method):
 
 class DrafterRunner:
     def __init__(self, model: torch.nn.Module, target_vocab_size: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_sessions: int = 256):
-        self.lm = CachedLM(model, device, dtype, max_sessions)
+                 dtype: torch.dtype = torch.float32, max_sessions: int = 256,
+                 static: StaticStepSettings | None = None):
+        """`static`: run the drafter model's forwards as the static-shape step (engine/runners/static_step.py)."""
+        self.lm = CachedLM(model, device, dtype, max_sessions, static=static)
         self.vocab_size = target_vocab_size
         facts = DrafterModelFacts.of(model)
         self.vocab_ids = facts.vocab_ids  # [V_draft] target ids of the head's rows (None: the full vocabulary)

@@ -43,7 +43,7 @@ from torch import Tensor
 from treeserve.engine.drafters.models.base import DrafterModel  # an EAGLE model reads parent features
 from treeserve.engine.models.attention import attention_for, use_attention
 from treeserve.engine.models.packed_linear import use_fast_cpu_linears
-from treeserve.engine.runners.lean_decoder import decoder_parts, unsupported_reason
+from treeserve.engine.runners.lean_decoder import decoder_parts, head_forward, lean_forward, unsupported_reason
 from treeserve.engine.runners.static_step import RowInput, StaticStep
 from treeserve.engine.runners.step_settings import StaticStepSettings
 from treeserve.engine.tree import ancestor_mask
@@ -104,9 +104,12 @@ class CachedLM:
         # Features returned with `hidden`: None = the final post-norm state (EAGLE-1/2); else these
         # `hidden_states` indices side by side (EAGLE-3's low / middle / high layers).
         self.feature_layers: tuple[int, ...] | None = None
-        # The static-shape step's settings when this model can run it (None: the model's own forward).
-        self.static_settings = static if static is not None and unsupported_reason(model) is None else None
-        self.static_reason = None if static is None else unsupported_reason(model)  # why it could not
+        # The static-shape step's settings when this model can run it (None: the model's own forward): a
+        # Llama-layout LM through the lean decoder, a feature-reading drafter head through its own forward.
+        self.reads_features = isinstance(model, DrafterModel) and model.reads_target_features
+        reason = None if self.reads_features else unsupported_reason(model)
+        self.static_settings = static if static is not None and reason is None else None
+        self.static_reason = None if static is None else reason  # why it could not
         self.static_step: StaticStep | None = None  # built by the first forward (the pool allocated in full)
         self.bound(max_sessions, max_context_tokens)
 
@@ -136,7 +139,7 @@ class CachedLM:
             self.begin(session, [0])
             self.extend([ExtendRequest(session, [0], [-1])])
             if self.static_step is not None:  # graphs of every bucket now, within their memory budget
-                self.static_step.capture_all(want_hidden=self.feature_layers is not None)
+                self.static_step.capture_all(want_hidden=self.feature_layers is not None or self.reads_features)
         except torch.OutOfMemoryError as exc:
             raise RuntimeError(f"the KV pool ({self.max_sessions} sessions x {self.max_context_tokens} tokens: "
                                "max_sessions x max_context_tokens) does not fit in this process's share of "
@@ -304,9 +307,13 @@ class CachedLM:
         kept_from = min(first_new, width - 1)  # 0 rows kept would mean "all" to the model
         if self.static_settings is not None:
             started = time.perf_counter()
-            rows = [RowInput(tokens, positions, cache.row, offset, committed, attend[:, committed:])
-                    for (tokens, positions, attend), cache, offset, committed in zip(inputs, caches, offsets, seen)]
-            logits, states = self._static().run(rows, kept_from, hidden)
+            rows = [RowInput(tokens, positions, cache.row, offset, committed, attend[:, committed:],
+                             requests[i].features)
+                    for (tokens, positions, attend), cache, offset, committed, i
+                    in zip(inputs, caches, offsets, seen, order)]
+            if self.reads_features:
+                self._check_features(rows, [requests[i] for i in order])
+            logits, states = self._static().run(rows, kept_from, hidden or self.reads_features)
             logits = logits.float()
             self.forward_seconds += time.perf_counter() - started
             return self._results(requests, order, caches, inputs, logits, states, kept_from)
@@ -327,7 +334,7 @@ class CachedLM:
         self.pool.reserve(max(c.row for c in caches) + 1, past + width)
         pkv = PoolCache(self.pool, [c.row for c in caches], offsets, width)
         extra = {}
-        if isinstance(self.model, DrafterModel) and self.model.reads_target_features:
+        if self.reads_features:
             extra["parent_features"] = self._parent_features([requests[i] for i in order], inputs, width)
         elif hidden:
             extra["output_hidden_states"] = True
@@ -359,31 +366,65 @@ class CachedLM:
 
     def _static(self) -> StaticStep:
         """The static step, built on first use: the pool allocated in full (its tensors never move again)."""
-        if self.static_step is None:
-            parts = decoder_parts(self.model, self.max_context_tokens + self.static_settings.token_buckets[-1],
-                                  self.device, self.dtype)
+        if self.static_step is not None:
+            return self.static_step
+        settings = self.static_settings
+        if self.reads_features:
+            layers, like = self._probe_head_kv()
+            keys, values = self.pool.allocate(layers, like)
+            forward = lambda buffers, keep, _hidden: head_forward(self.model, keys, values, buffers, keep)  # noqa: E731
+            feature_size = self.model.config.hidden_size
+        else:
+            parts = decoder_parts(self.model, self.max_context_tokens + settings.token_buckets[-1], self.device,
+                                  self.dtype)
             attn = parts.layers[0].self_attn
             with torch.inference_mode():  # one key projection tells this rank's KV heads (a TP shard has fewer)
                 probe = attn.k_proj(torch.zeros(1, 1, self.model.config.hidden_size, dtype=self.dtype,
                                                 device=self.device))
-            like = probe.view(1, 1, -1, parts.head_dim).transpose(1, 2)
-            keys, values = self.pool.allocate(len(parts.layers), like)
-            self.static_step = StaticStep(parts, keys, values, self.pool.max_rows, self.static_settings,
-                                          self.device, self.dtype, self.feature_layers)
+            keys, values = self.pool.allocate(len(parts.layers), probe.view(1, 1, -1, parts.head_dim).transpose(1, 2))
+            layers = self.feature_layers
+            forward = lambda buffers, keep, hidden: lean_forward(parts, keys, values, buffers, keep,  # noqa: E731
+                                                                 layers, hidden)
+            feature_size = None
+        self.static_step = StaticStep(forward, self.max_context_tokens, self.pool.max_rows, settings, self.device,
+                                      self.dtype, feature_size)
         return self.static_step
+
+    @torch.inference_mode()
+    def _probe_head_kv(self) -> tuple[int, Tensor]:
+        """(layers, a [1, H_kv, 1, D] key) of a drafter head, from one token through its own forward."""
+        seen: list[Tensor] = []
+
+        class Recorder:  # the `update` of a cache, keeping what each layer hands over
+            def update(self, key, value, layer, *args, **kwargs):
+                seen.append(key)
+                return key, value
+
+        size = self.model.config.hidden_size
+        self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                   parent_features=torch.zeros(1, 1, size, dtype=self.dtype, device=self.device),
+                   past_key_values=Recorder(), use_cache=True)
+        return len(seen), seen[0][:, :, :1]
 
     def _parent_features(self, requests: list[ExtendRequest], inputs, width: int) -> Tensor:
         """[B, width, H] parent features of every fed row, from each request (zeros where it has none)."""
         size = self.model.config.hidden_size
         features = torch.zeros(len(requests), width, size, dtype=self.dtype, device=self.device)
         for b, (request, (tokens, _, _)) in enumerate(zip(requests, inputs)):
-            if request.features is None:
-                continue
-            if request.features.shape != (len(tokens), size):
-                raise ValueError(f"session {request.session_id}: {len(tokens)} fed rows need features "
-                                 f"[{len(tokens)}, {size}], got {list(request.features.shape)}")
-            features[b, :len(tokens)] = request.features
+            self._check_feature_shape(request, len(tokens))
+            if request.features is not None:
+                features[b, :len(tokens)] = request.features
         return features
+
+    def _check_features(self, rows: list[RowInput], requests: list[ExtendRequest]) -> None:
+        for row, request in zip(rows, requests):
+            self._check_feature_shape(request, len(row.tokens))
+
+    def _check_feature_shape(self, request: ExtendRequest, fed: int) -> None:
+        size = self.model.config.hidden_size
+        if request.features is not None and request.features.shape != (fed, size):
+            raise ValueError(f"session {request.session_id}: {fed} fed rows need features [{fed}, {size}], "
+                             f"got {list(request.features.shape)}")
 
     def _row_inputs(self, cache: SessionCache, request: ExtendRequest) -> tuple[list[int], Tensor, Tensor]:
         """Tokens to feed, their position ids, and bool attention [n, slots + n] over (cache slots, new)."""

@@ -85,6 +85,25 @@ class StepBuffers:
     write_rows: Tensor  # [B, W] long: pool row each token's keys and values go to (padding: a scratch row)
     write_slots: Tensor  # [B, W] long: slot within that row
     read_rows: Tensor  # [B] long: pool row each batch row attends over (padding rows: the scratch row)
+    features: Tensor | None = None  # [B, W, F] parent features of each row (a feature-reading drafter head only)
+
+
+class PoolRows:
+    """The KV pool seen by one static forward: `update` writes the new keys and values at each token's (row,
+    slot) and returns the batch rows' whole pool rows. It has the `update(key, value, layer)` of a transformers
+    Cache, so a drafter head's own attention (engine/drafters/models/eagle3.py) runs over it unchanged."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], inputs: StepBuffers):
+        self.keys, self.values, self.inputs = keys, values, inputs
+
+    def update(self, key: Tensor, value: Tensor, layer: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """key/value [B, H_kv, W, D] -> keys/values [B, H_kv, C, D] of the batch rows, the new ones included."""
+        rows, slots = self.inputs.write_rows, self.inputs.write_slots
+        # Advanced indices around a slice put their dims first: the target is [B, W, H_kv, D].
+        self.keys[layer][rows, :, slots] = key.transpose(1, 2)
+        self.values[layer][rows, :, slots] = value.transpose(1, 2)
+        read = self.inputs.read_rows
+        return self.keys[layer].index_select(0, read), self.values[layer].index_select(0, read)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -112,6 +131,7 @@ def lean_forward(parts: DecoderParts, keys: list[Tensor], values: list[Tensor], 
     row [B, W, H or len(feature_layers) * H] (hidden_states indices: 0 the embeddings, i the output of layer
     i, the last the final normed state, as transformers numbers them)."""
     batch, width = inputs.input_ids.shape
+    pool = PoolRows(keys, values, inputs)
     hidden = parts.embed(inputs.input_ids)
     cos = parts.cos[inputs.positions][:, None]  # [B, 1, W, D]: broadcast over heads
     sin = parts.sin[inputs.positions][:, None]
@@ -127,11 +147,8 @@ def lean_forward(parts: DecoderParts, keys: list[Tensor], values: list[Tensor], 
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
-        # Advanced indices around a slice put their dims first: the target is [B, W, H_kv, D].
-        keys[index][inputs.write_rows, :, inputs.write_slots] = key.transpose(1, 2)
-        values[index][inputs.write_rows, :, inputs.write_slots] = value
-        out = _attention(attn, query, keys[index].index_select(0, inputs.read_rows),
-                         values[index].index_select(0, inputs.read_rows), inputs.mask, parts.scaling)
+        row_keys, row_values = pool.update(key, value.transpose(1, 2), index)
+        out = _attention(attn, query, row_keys, row_values, inputs.mask, parts.scaling)
         hidden = hidden + attn.o_proj(out)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         if states is not None:
@@ -144,3 +161,13 @@ def lean_forward(parts: DecoderParts, keys: list[Tensor], values: list[Tensor], 
         return logits, normed
     states[-1] = normed
     return logits, torch.cat([states[i] for i in feature_layers], dim=-1)
+
+
+def head_forward(model: nn.Module, keys: list[Tensor], values: list[Tensor], inputs: StepBuffers,
+                 keep_from: int = 0) -> tuple[Tensor, Tensor]:
+    """A feature-reading drafter head's own forward (EAGLE-3: one layer over the token and its parent feature)
+    over the static pool: logits [B, W - keep_from, V_draft] and its predicted features `hidden` [B, W, H]."""
+    out = model(input_ids=inputs.input_ids, parent_features=inputs.features, attention_mask=inputs.mask,
+                position_ids=inputs.positions, past_key_values=PoolRows(keys, values, inputs), use_cache=True,
+                logits_to_keep=inputs.input_ids.shape[1] - keep_from)
+    return out.logits, out.hidden

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treeserve.engine.runners.lean_decoder import DecoderParts, StepBuffers, lean_forward
+from typing import Callable
+
+from treeserve.engine.runners.lean_decoder import StepBuffers
 from treeserve.engine.runners.step_settings import StaticStepSettings
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,12 @@ class RowInput:
     offset: int  # slots already valid in the row: token t's KV goes to slot offset + t
     seen: int  # leading slots [0, seen) every token of the row attends to (the committed context)
     block: Tensor  # [n, offset - seen + n] bool: attention over slots seen .. offset + n (tree / causal part)
+    features: Tensor | None = None  # [n, F] parent features of the fed tokens (a feature-reading drafter head)
+
+
+# (buffers, keep_from, want_hidden) -> (logits [B, W - keep_from, V], features [B, W, F] or None): one forward
+# over the static pool, e.g. lean_decoder.lean_forward or head_forward bound to a model and the pool's tensors.
+StepForward = Callable[[StepBuffers, int, bool], tuple[Tensor, Tensor | None]]
 
 
 @dataclass
@@ -56,16 +64,15 @@ class StaticStep:
     """Runs `lean_forward` for CachedLM on bucketed static buffers (graphs on CUDA). The pool tensors are the
     KVPool's, allocated in full before the first call and never reallocated while graphs refer to them."""
 
-    def __init__(self, parts: DecoderParts, keys: list[Tensor], values: list[Tensor], scratch_row: int,
-                 settings: StaticStepSettings, device: torch.device, dtype: torch.dtype,
-                 feature_layers: tuple[int, ...] | None = None):
-        self.parts = parts
-        self.keys, self.values = keys, values
+    def __init__(self, forward: StepForward, capacity: int, scratch_row: int, settings: StaticStepSettings,
+                 device: torch.device, dtype: torch.dtype, feature_size: int | None = None):
+        """`forward` runs one step over the pool, whose rows hold `capacity` slots; `feature_size`: the width
+        of the parent features a drafter head reads per token (None: the model reads none)."""
+        self._forward = forward
         self.scratch_row = scratch_row  # a pool row no session owns: padding writes go there
-        self.capacity = keys[0].shape[2]  # C, slots per row
+        self.capacity = capacity  # C, slots per row
         self.settings = settings
         self.device, self.dtype = device, dtype
-        self.feature_layers = feature_layers
         self.use_graphs = settings.cuda_graphs and device.type == "cuda"
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -78,6 +85,9 @@ class StaticStep:
         self._write_slots = torch.zeros_like(self._ids)
         self._read_rows = torch.full((most_rows,), scratch_row, dtype=torch.long, device=device)
         self._mask = torch.zeros(most_rows * most_tokens * self.capacity, dtype=dtype, device=device)
+        self._features = (None if feature_size is None else
+                          torch.zeros(most_rows * most_tokens * feature_size, dtype=dtype, device=device))
+        self.feature_size = feature_size
         self._slots = torch.arange(self.capacity, device=device)
 
     # ------------------------------------------------------------------ buckets
@@ -95,10 +105,11 @@ class StaticStep:
 
     def _buffers(self, rows: int, tokens: int) -> StepBuffers:
         n = rows * tokens
+        features = None if self._features is None else self._features[:n * self.feature_size].view(rows, tokens, -1)
         return StepBuffers(self._ids[:n].view(rows, tokens), self._positions[:n].view(rows, tokens),
                            self._mask[:n * self.capacity].view(rows, 1, tokens, self.capacity),
                            self._write_rows[:n].view(rows, tokens), self._write_slots[:n].view(rows, tokens),
-                           self._read_rows[:rows])
+                           self._read_rows[:rows], features)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -111,13 +122,11 @@ class StaticStep:
         if shape is None:
             buffers = self._fresh_buffers(len(rows), width)
             self._fill(buffers, rows)
-            return lean_forward(self.parts, self.keys, self.values, buffers, keep_from, self.feature_layers,
-                                want_hidden)
+            return self._forward(buffers, keep_from, want_hidden)
         buffers = self._buffers(*shape)
         self._fill(buffers, rows)
         if not self.use_graphs or shape[0] * shape[1] > self.settings.max_graph_tokens:
-            logits, hidden = lean_forward(self.parts, self.keys, self.values, buffers, 0, self.feature_layers,
-                                          want_hidden)
+            logits, hidden = self._forward(buffers, 0, want_hidden)
         else:
             graph = self.graphs.get((*shape, want_hidden)) or self.capture(*shape, want_hidden)
             graph.graph.replay()
@@ -128,15 +137,18 @@ class StaticStep:
 
     def _fresh_buffers(self, rows: int, tokens: int) -> StepBuffers:
         new = lambda *shape, fill=0: torch.full(shape, fill, dtype=torch.long, device=self.device)  # noqa: E731
+        features = (None if self.feature_size is None else
+                    torch.zeros(rows, tokens, self.feature_size, dtype=self.dtype, device=self.device))
         return StepBuffers(new(rows, tokens), new(rows, tokens),
                            torch.empty(rows, 1, tokens, self.capacity, dtype=self.dtype, device=self.device),
-                           new(rows, tokens, fill=self.scratch_row), new(rows, tokens), new(rows, fill=self.scratch_row))
+                           new(rows, tokens, fill=self.scratch_row), new(rows, tokens), new(rows, fill=self.scratch_row),
+                           features)
 
     def _fill(self, buffers: StepBuffers, rows: list[RowInput]) -> None:
         """Write the rows' inputs into `buffers` (padding everywhere else), one host-to-device copy per buffer,
         and expand the mask on the device."""
         batch, width = buffers.input_ids.shape
-        span = max(r.block.shape[1] for r in rows)
+        span = max((r.block.shape[1] for r in rows), default=1)
         ids = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
         write_rows = torch.full((batch, width), self.scratch_row, dtype=torch.long)
@@ -145,7 +157,11 @@ class StaticStep:
         seen = torch.zeros(batch, dtype=torch.long)
         block = torch.zeros(batch, width, span, dtype=torch.bool)
         valid = torch.zeros(batch, width, dtype=torch.bool)
+        if buffers.features is not None:  # rows without features (profiling) read zeros, as the eager path
+            buffers.features.zero_()
         for b, r in enumerate(rows):
+            if buffers.features is not None and r.features is not None:
+                buffers.features[b, :len(r.tokens)] = r.features.to(self.device, self.dtype)
             n = len(r.tokens)
             ids[b, :n] = torch.tensor(r.tokens)
             positions[b, :n] = r.positions
@@ -184,12 +200,11 @@ class StaticStep:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                lean_forward(self.parts, self.keys, self.values, buffers, 0, self.feature_layers, want_hidden)
+                self._forward(buffers, 0, want_hidden)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            logits, hidden = lean_forward(self.parts, self.keys, self.values, buffers, 0, self.feature_layers,
-                                          want_hidden)
+            logits, hidden = self._forward(buffers, 0, want_hidden)
         torch.cuda.synchronize(self.device)
         self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         captured = _Graph(graph, logits, hidden)
@@ -204,6 +219,8 @@ class StaticStep:
         buffers.write_rows.fill_(self.scratch_row)
         buffers.write_slots.copy_(torch.arange(width, device=self.device).repeat(batch, 1))
         buffers.read_rows.fill_(self.scratch_row)
+        if buffers.features is not None:
+            buffers.features.zero_()
         self._expand_mask(buffers.mask, torch.zeros(batch, dtype=torch.long, device=self.device),
                           torch.zeros(batch, width, 1, dtype=torch.bool, device=self.device),
                           torch.zeros(batch, width, dtype=torch.bool, device=self.device))

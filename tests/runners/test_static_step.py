@@ -16,6 +16,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
 from treeserve.engine.factory import build_engine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
@@ -133,6 +134,31 @@ def test_padding_never_writes_a_live_slot():
         assert not changed[rows["a"]].any()
 
 
+def test_eagle3_head_on_the_static_step_equals_its_own_forward():
+    """A feature-reading drafter head (EAGLE-3) runs its own forward over the static pool: trees fed over
+    several forwards (pending nodes), with parent features, give the eager path's logits and predicted features."""
+    head = Eagle3Drafter.from_target(tiny_llama(), torch.arange(0, VOCAB, 2)).eval()
+    eager, static = CachedLM(head), CachedLM(head, static=SETTINGS)
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    contexts = {"a": [rng.randrange(VOCAB) for _ in range(11)], "b": [rng.randrange(VOCAB) for _ in range(4)]}
+    for lm in (eager, static):
+        for sid, context in contexts.items():
+            lm.begin(sid, context)
+    for depth in range(3):  # root (+ the context), then two levels of children fed by later forwards
+        requests = []
+        for sid, context in contexts.items():
+            fed = eager.extension_length(sid) + (1 if depth == 0 else 2)
+            tokens = [context[-1]] if depth == 0 else [rng.randrange(VOCAB), rng.randrange(VOCAB)]
+            parents = [-1] if depth == 0 else [2 * depth - 2, 2 * depth - 2]
+            features = torch.randn(fed, head.config.hidden_size, generator=gen)
+            requests.append(ExtendRequest(sid, tokens, parents, features))
+        for ref, got in zip(eager.extend_outputs(requests), static.extend_outputs(requests)):
+            torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
+    assert static.static_step is not None
+
+
 def test_unsupported_layouts_keep_the_eager_forward():
     model = tiny_llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     lm = CachedLM(model, static=SETTINGS)
@@ -145,7 +171,8 @@ def test_unsupported_layouts_keep_the_eager_forward():
 def tiny_pair(tiny_target_dir, tiny_drafter_dir):
     target = load_causal_lm(tiny_target_dir)
     engine = build_engine(target=target, drafter_path=str(tiny_drafter_dir), method="dyspec", budget=6)
-    engine.target = TargetRunner(target.model, static=SETTINGS)  # the static step on the CPU
+    engine.target = TargetRunner(target.model, static=SETTINGS)  # the static step on the CPU, both models
+    engine.drafter.runner.lm = CachedLM(engine.drafter.model, static=SETTINGS)
     return target, engine
 
 
