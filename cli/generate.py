@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "one tree (hybrid drafting)" % (DEFAULT_METHOD, ", ".join(SERVED_METHODS)))
     parser.add_argument("--budget", type=int, default=0, help="draft nodes per step; 0 = the server's choice")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                        help="token id that ends generation besides the model's EOS ids (repeatable)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline of the call in seconds")
     parser.add_argument("--quiet", action="store_true", help="no statistics on stderr")
     local = parser.add_argument_group("in-process generation")
@@ -56,7 +58,7 @@ def build_request(args: argparse.Namespace):
 
     method, lookup = method_enum(args.method) if args.method else (0, False)
     return gen.GenerateRequest(
-        text=args.prompt, max_new_tokens=args.max_new_tokens, stop_strings=args.stop,
+        text=args.prompt, max_new_tokens=args.max_new_tokens, stop_strings=args.stop, stop_token_ids=args.stop_token_id,
         sampling=gen.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
         speculation=gen.SpeculationParams(method=method, budget_tokens=args.budget,
                                           lookup=lookup and args.method != "lookup"))
@@ -122,7 +124,8 @@ def _run_in_process(args: argparse.Namespace) -> int:
                           args.dtype, drafter_dtype=args.drafter_dtype)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p or 1.0)
     request = GenerationRequest(engine.encode_chat(args.prompt), max_new_tokens=args.max_new_tokens,
-                                sampling=sampling, stop_strings=tuple(args.stop), seed=args.seed or None)
+                                sampling=sampling, stop_strings=tuple(args.stop), seed=args.seed or None,
+                                stop_token_ids=tuple(args.stop_token_id))
     result = engine.generate([request])[0]
     print(result.text)
     if not args.quiet:

@@ -22,6 +22,7 @@ from treeserve.engine.lookup import LookupSettings
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import LoadedModel, load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.runners.step_settings import default_static_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,13 +65,15 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                  budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
                  drafter_kind: str | None = None, lookup: LookupSettings | None = None,
-                 drafter_dtype: str | None = None, **tree_overrides) -> SpeculativeEngine:
+                 drafter_dtype: str | None = None, cuda_graphs: bool = True, **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
     the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's default
     drafter ("eagle3", or "parallel" for kind parallel); `lookup` sets copy-from-context drafting (methods
     "lookup" and "<builder>+lookup"; None: the defaults). `dtype` is the target's (it defines the output);
-    `drafter_dtype` the drafter's: None = `dtype`, a dtype name, or "auto" (measured: dtype_choice.py)."""
+    `drafter_dtype` the drafter's: None = `dtype`, a dtype name, or "auto" (measured: dtype_choice.py).
+    `cuda_graphs`: on a CUDA device the target and the drafter run the static-shape step replayed as CUDA graphs
+    (engine/runners/static_step.py); False keeps the models' own eager forwards."""
     torch_dtype = parse_dtype(dtype)
     drafter_torch_dtype = parse_drafter_dtype(drafter_dtype or dtype)
     if drafter_path is None:
@@ -82,9 +85,11 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                          f"not drafter_kind {drafter_kind!r}")
     target = target or load_causal_lm(target_path, device, torch_dtype)
     drafter = None
+    static = default_static_step(device, cuda_graphs)
     if method != AUTOREGRESSIVE:
         drafter = build_local_drafter(drafter_path, target.model, device, drafter_torch_dtype, budget,
-                                      drafter_kind=drafter_kind, lookup=lookup, target_dtype=torch_dtype)
+                                      drafter_kind=drafter_kind, lookup=lookup, target_dtype=torch_dtype,
+                                      static=static)
     if drafter is not None and base == "opt_tree" and "delta" not in tree_overrides:
         # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens, whatever
         # the node budget (the profile is measured once per machine and cached).
@@ -95,6 +100,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     # An EAGLE-3 head whose config names no layers reads EAGLE-3's default for this target's depth.
     feature_layers = (target_feature_layers(drafter_path, target.model.config.num_hidden_layers)
                       if drafter is not None else None)
-    return SpeculativeEngine(TargetRunner(target.model, device, torch_dtype, feature_layers=feature_layers),
+    return SpeculativeEngine(TargetRunner(target.model, device, torch_dtype, feature_layers=feature_layers,
+                                          static=static),
                              drafter, target.tokenizer,
-                             tree_config(method, budget, **tree_overrides), max_context_tokens)
+                             tree_config(method, budget, **tree_overrides), max_context_tokens,
+                             eos_token_ids=target.eos_token_ids)

@@ -11,7 +11,7 @@ from treeserve.engine.sampling import SamplingParams
 
 class FinishReason(enum.Enum):
     LENGTH = "length"
-    EOS = "eos"
+    EOS = "eos"  # a stop token: one of the model's EOS ids or of the request's stop_token_ids (the last token)
     STOP_STRING = "stop_string"
 
 
@@ -25,6 +25,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None  # None: a random seed
     tree: TreeConfig | None = None  # per-request override of the engine's tree method
+    stop_token_ids: tuple[int, ...] = ()  # stop tokens beside the model's EOS ids (vLLM's stop_token_ids)
 
 
 @dataclass
@@ -50,8 +51,8 @@ class StepRecord:
 
 @dataclass
 class GenerationResult:
-    token_ids: list[int]  # generated tokens (EOS included when emitted)
-    text: str  # decoded text, special tokens and stop string removed
+    token_ids: list[int]  # generated tokens (the stop token included when one ended it)
+    text: str  # decoded text, special tokens, the stop token and stop string removed
     finish_reason: FinishReason
     steps: list[StepRecord]
     prompt_tokens: int

@@ -19,13 +19,13 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 
 from treeserve.engine.builders import TreeConfig, make_builder
 from treeserve.engine.drafters.base import AUTOREGRESSIVE, Drafter, DraftRequest, batch_size_bucket, root_only
-from treeserve.engine.models.loading import chat_ids
+from treeserve.engine.models.loading import chat_ids, model_eos_ids
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.step_recorder import StepRecorder
@@ -56,6 +56,7 @@ class Sequence:
     generator: torch.Generator  # verification randomness
     tree: TreeConfig
     seed: int
+    stop_ids: frozenset[int]  # what ends it: the model's EOS ids and the request's stop_token_ids
     emitted: list[int] = field(default_factory=list)
     accepted_hint: list[int] | None = None
     # the target's features of context[:-1], kept only for an EAGLE drafter (None until the prefill)
@@ -66,10 +67,13 @@ class Sequence:
 
 
 class SpeculativeEngine:
-    """Drives a drafter and a target; `generate` decodes a batch of requests to completion."""
+    """Drives a drafter and a target; `generate` decodes a batch of requests to completion.
+
+    `eos_token_ids`: the model's own stop tokens (engine/models/loading.py `model_eos_ids`: its generation config's
+    beside the tokenizer's EOS, as `generate` stops); the tokenizer's EOS always stops, with or without them."""
 
     def __init__(self, target: Target, drafter: Drafter | None, tokenizer, tree: TreeConfig,
-                 max_context_tokens: int):
+                 max_context_tokens: int, eos_token_ids: Iterable[int] = ()):
         if drafter is None and tree.method != AUTOREGRESSIVE:
             raise ValueError(f"tree method {tree.method!r} needs a drafter")
         self.target = target
@@ -77,7 +81,7 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.tree = tree
         self.max_context_tokens = max_context_tokens
-        self.eos_ids = set(_eos_ids(tokenizer))
+        self.eos_ids = frozenset(model_eos_ids(tokenizer, None)) | frozenset(eos_token_ids)
         # An EAGLE drafter reads the target's features of the committed context: the target returns them
         # with its scores and each sequence keeps those of its accepted path.
         self.carries_features = drafter is not None and drafter.reads_target_features
@@ -100,6 +104,8 @@ class SpeculativeEngine:
         vocab = self.target.vocab_size
         if any(t < 0 or t >= vocab for t in request.prompt_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if any(t < 0 or t >= vocab for t in request.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
         if request.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {request.max_new_tokens}")
         total = len(request.prompt_ids) + request.max_new_tokens
@@ -184,13 +190,16 @@ class SpeculativeEngine:
         seed = request.seed if request.seed is not None else int(torch.seed() % (2 ** 62))
         generator = torch.Generator().manual_seed(seed)
         return Sequence(request=request, session_id=f"local-{next(_session_ids)}", context=list(request.prompt_ids),
-                        generator=generator, tree=request.tree or self.tree, seed=seed)
+                        generator=generator, tree=request.tree or self.tree, seed=seed,
+                        stop_ids=self.eos_ids | frozenset(request.stop_token_ids))
 
     def _emit(self, s: Sequence, tokens: list[int]) -> None:
+        # A step's tokens after the one that finishes the sequence (a stop token inside an accepted path, the
+        # length limit, a stop string) are not emitted: the output is what decoding one token at a time gives.
         for token in tokens:
             s.emitted.append(token)
             s.context.append(token)
-            if token in self.eos_ids:
+            if token in s.stop_ids:
                 s.finish = FinishReason.EOS
             elif len(s.emitted) >= s.request.max_new_tokens:
                 s.finish = FinishReason.LENGTH
@@ -205,10 +214,15 @@ class SpeculativeEngine:
         tail = self.tokenizer.decode(s.emitted[-(longest + 2):])
         return any(x in tail for x in s.request.stop_strings)
 
+    @staticmethod
+    def text_ids(s: Sequence) -> list[int]:
+        """The emitted ids whose text the client gets: all but a final stop token (token_ids keep it, as
+        `generate` keeps the EOS; its text, e.g. a request's stop token that is a plain word, is not output)."""
+        return s.emitted[:-1] if s.finish == FinishReason.EOS else s.emitted
+
     def result(self, s: Sequence) -> GenerationResult:
         """The finished (or abandoned) sequence as a GenerationResult."""
-        ids = [t for t in s.emitted if t not in self.eos_ids]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.text_ids(s), skip_special_tokens=True)
         if s.finish == FinishReason.STOP_STRING:
             cut = min((text.find(x) for x in s.request.stop_strings if x in text), default=len(text))
             text = text[:cut]
@@ -259,8 +273,3 @@ class CommittedFeatures:
             self._store = grown
         self._store[start:end] = rows
         self._length = end
-
-
-def _eos_ids(tokenizer) -> list[int]:
-    ids = tokenizer.eos_token_id
-    return list(ids) if isinstance(ids, (list, tuple)) else [ids]

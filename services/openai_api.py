@@ -31,6 +31,8 @@ loop, in front of the same `Router` object. What that gives:
 - `usage` has prompt/completion/total tokens plus `speculation` (method, MAL, mean tree size, steps, accepted
   tokens by source); TreeServe's own settings go in the extra body field `treeserve`
   (`{"method": "c2t+lookup", "budget": 16}`; `extra_body=` in the openai client);
+- a stop token (one of the model's EOS ids, or of vLLM's extra field `stop_token_ids`) ends with finish_reason
+  "stop", as a stop string does; its text is not in the output;
 - `n` must be 1 (or absent); logprobs, tools, response formats, penalties, logit_bias, echo, suffix and best_of > 1
   are refused by name. `temperature` defaults to OpenAI's 1.0; 0 is greedy decoding, whose output is the gRPC
   API's token for token.
@@ -169,7 +171,7 @@ class OpenAIApi:
                 room = validator.engine.max_context_tokens - len(prompt)
                 max_new = max(1, min(validator.limits.max_new_tokens, room))
             return validator.build(prompt, max_new, fields.temperature, fields.top_p, fields.top_k, fields.stop,
-                                   fields.seed, fields.method, fields.budget)
+                                   fields.seed, fields.method, fields.budget, fields.stop_token_ids)
 
         return parse
 

@@ -1,8 +1,9 @@
 """OpenAI request bodies checked into TreeServe's request fields, and OpenAI's error shape.
 
 `Fields` reads a /v1/chat/completions or /v1/completions body: every field OpenAI's clients send is either
-mapped (messages / prompt, max_tokens, temperature, top_p, stop, stream, stream_options, the extra `treeserve`
-object) or, when TreeServe does not implement its meaning, refused by name unless it has its neutral value.
+mapped (messages / prompt, max_tokens, temperature, top_p, stop, stream, stream_options, vLLM's `top_k` and
+`stop_token_ids`, the extra `treeserve` object) or, when TreeServe does not implement its meaning, refused by name
+unless it has its neutral value.
 `ApiError` carries the gRPC code (for the log line and the metric) and the HTTP status and OpenAI error type
 it is answered with (services/openai_api.py).
 """
@@ -146,6 +147,16 @@ class Fields:
             self.stop = list(stop)
         else:
             raise ApiError(INVALID, "stop: must be a string or a list of strings", "stop")
+        # vLLM's extra field: token ids that end generation beside the model's EOS ids (range and count are
+        # checked with the gRPC field's rules, services/validation.py).
+        stop_token_ids = body.get("stop_token_ids")
+        if stop_token_ids is None:
+            self.stop_token_ids: list[int] = []
+        elif isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                      for t in stop_token_ids):
+            self.stop_token_ids = list(stop_token_ids)
+        else:
+            raise ApiError(INVALID, "stop_token_ids: must be a list of integer token ids", "stop_token_ids")
         self.stream = body.get("stream", False)
         if not isinstance(self.stream, bool) and self.stream is not None:
             raise ApiError(INVALID, "stream: must be true or false", "stream")

@@ -281,8 +281,7 @@ class Router:
     def _visible_text(self, s: Sequence) -> str:
         """Text safe to stream mid-generation: no incomplete UTF-8 tail, and nothing that could still turn
         out to be the start of a stop string (the final message carries the rest)."""
-        ids = [t for t in s.emitted if t not in self.engine.eos_ids]
-        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.engine.tokenizer.decode(self.engine.text_ids(s), skip_special_tokens=True)
         if s.request.stop_strings:
             hold = max(len(x) for x in s.request.stop_strings) - 1
             text = text[:len(text) - hold] if hold else text

@@ -13,7 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from treeserve.engine import chat_templates
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
+from treeserve.engine.models.loading import model_eos_ids, read_generation_config, resolve_model_dir
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.services.metrics import RouterMetrics
 from treeserve.services.router import Router
@@ -49,7 +51,7 @@ class RouterReplica(Router):
         if not internal_secret and Registry.available():
             raise ValueError("Router replica started without the application's internal secret; build the "
                              "application with treeserve.services.app (build_app / build_app_from_config)")
-        tokenizer, vocab_size = load_tokenizer(config.target.path, config.target.chat_template)
+        tokenizer, vocab_size, eos_ids = load_tokenizer(config.target.path, config.target.chat_template)
         app, _, replica_id = replica_identity()
         scope = registry_scope(internal_secret)
         max_bytes = config.grpc.max_message_bytes
@@ -68,7 +70,7 @@ class RouterReplica(Router):
             target.features_listener = drafter.features_rewritten
         engine = SpeculativeEngine(target, drafter, tokenizer,
                                    tree_config(config.speculation.method, config.speculation.budget),
-                                   config.target.max_context_tokens)
+                                   config.target.max_context_tokens, eos_token_ids=eos_ids)
         # The model's name for the OpenAI API: the target's path as configured, its last component.
         model_name = Path(config.target.path).name or config.target.path
         super().__init__(engine, config.limits, RouterMetrics(enabled=Registry.available()),
@@ -122,15 +124,13 @@ class RouterReplica(Router):
                 pass
 
 
-def load_tokenizer(path: str, chat_template: str | None = None) -> tuple[Any, int]:
-    """The target's tokenizer (with `target.chat_template` when set: engine/chat_templates.py) and vocabulary
-    size, without loading its weights."""
+def load_tokenizer(path: str, chat_template: str | None = None) -> tuple[Any, int, tuple[int, ...]]:
+    """The target's tokenizer (with `target.chat_template` when set: engine/chat_templates.py), vocabulary size
+    and EOS ids (the tokenizer's and its generation config's: where the engine stops, as `generate` would),
+    without loading its weights."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from treeserve.engine import chat_templates
-    from treeserve.engine.models.loading import resolve_model_dir
 
     model_dir = resolve_model_dir(path)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     tokenizer = chat_templates.apply(AutoTokenizer.from_pretrained(model_dir, local_files_only=True), chat_template)
-    return tokenizer, int(config.vocab_size)
+    return tokenizer, int(config.vocab_size), model_eos_ids(tokenizer, read_generation_config(model_dir))

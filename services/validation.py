@@ -31,6 +31,7 @@ from treeserve.services.config import METHODS, LimitsConfig
 MAX_BUDGET_TOKENS = 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 ROLES = ("system", "user", "assistant")
 # Characters per token far above any tokenizer's: text longer than this many characters per allowed token is
 # refused before it is tokenised (tokenising megabytes costs the router seconds).
@@ -197,6 +198,19 @@ class RequestValidator:
             raise RequestError(INVALID, f"sampling.top_k: must be >= 0 (0 = unset), got {top_k}")
         return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p) or 1.0)
 
+    def stop_token_ids(self, ids: Sequence[int]) -> tuple[int, ...]:
+        """A request's own stop tokens (added to the model's EOS ids), each a token id of the target's vocabulary."""
+        ids = list(ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(INVALID, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}")
+        vocab = self.engine.target.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise RequestError(INVALID, f"stop_token_ids: must be integer token ids, got {str(t)[:40]!r}")
+            if not 0 <= t < vocab:
+                raise RequestError(INVALID, f"stop_token_ids: each must lie in [0, {vocab}), got {t}")
+        return tuple(dict.fromkeys(ids))
+
     def tree(self, method: str | None, budget_tokens: int = 0):
         """(per-request TreeConfig or None for the server default, method name)."""
         from treeserve.engine.builders import TreeConfig
@@ -222,10 +236,10 @@ class RequestValidator:
 
     def build(self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 0.0,
               top_k: int = 0, stop_strings: Sequence[str] = (), seed: int | None = None, method: str | None = None,
-              budget_tokens: int = 0) -> tuple[GenerationRequest, str]:
+              budget_tokens: int = 0, stop_token_ids: Sequence[int] = ()) -> tuple[GenerationRequest, str]:
         """The engine request and its method name; `prompt` comes from one of the prompt_from_* methods. Checks
-        run in a fixed order (sizes, sampling, stop strings, tree), so a request with several faults always gets
-        the same answer."""
+        run in a fixed order (sizes, sampling, stop strings, stop token ids, tree), so a request with several
+        faults always gets the same answer."""
         limits = self.limits
         if len(prompt) > limits.max_prompt_tokens:
             raise RequestError(TOO_BIG, f"prompt: {len(prompt)} tokens exceed the limit of {limits.max_prompt_tokens}")
@@ -242,9 +256,10 @@ class RequestValidator:
             raise RequestError(INVALID, f"stop_strings: at most {MAX_STOP_STRINGS}, got {len(stops)}")
         if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
             raise RequestError(INVALID, f"stop_strings: each must hold 1..{MAX_STOP_STRING_CHARS} characters")
+        stop_ids = self.stop_token_ids(stop_token_ids)
         tree, name = self.tree(method, budget_tokens)
         request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    stop_strings=tuple(stops), seed=seed or None, tree=tree)
+                                    stop_strings=tuple(stops), seed=seed or None, tree=tree, stop_token_ids=stop_ids)
         try:
             self.engine.validate(request)
         except ValueError as exc:
@@ -272,7 +287,7 @@ class RequestValidator:
         if spec.lookup:  # hybrid drafting: "<method>+lookup" (the server default's when no method is named)
             method = with_lookup(method or self.engine.tree.method, True)
         return self.build(prompt, message.max_new_tokens, s.temperature, s.top_p, s.top_k, list(message.stop_strings),
-                          s.seed or None, method, spec.budget_tokens)
+                          s.seed or None, method, spec.budget_tokens, list(message.stop_token_ids))
 
 
 def _method_names() -> dict[int, str]:

@@ -125,6 +125,35 @@ class LoadedModel:
     tokenizer: object
     path: Path
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end its generation (`model_eos_ids`): the tokenizer's EOS and the generation config's,
+        which `from_pretrained` read from generation_config.json."""
+        return model_eos_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+
+
+def model_eos_ids(tokenizer, generation_config) -> tuple[int, ...]:
+    """The ids that end generation as the model defines them: the tokenizer's EOS and every id of the generation
+    config's `eos_token_id` (an int or a list: Llama-3 lists [128001, 128008, 128009], Qwen2.5 [151645, 151643]).
+    `generate` stops on the generation config's ids, and an answer that runs past one of them (Llama-3's
+    `<|eot_id|>`) is not the model's output; the tokenizer's EOS is kept for configs that omit it."""
+    ids: set[int] = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+        if value is not None:
+            ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return tuple(sorted(ids))
+
+
+def read_generation_config(model_dir: Path):
+    """The generation config `from_pretrained` gives the model of `model_dir`, without loading its weights:
+    generation_config.json, else the one transformers derives from config.json. The served Router holds no model
+    but decides where generation stops, so it reads this."""
+    from transformers import AutoConfig, GenerationConfig
+
+    if (Path(model_dir) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+
 
 def causal_lm_config(model_dir: Path):
     """The config of a causal LM directory (ValueError if the directory holds another kind of model)."""

@@ -50,6 +50,18 @@ def test_generate_in_process(tiny_target_dir, tiny_drafter_dir, capsys):
     assert "MAL" in out.err
 
 
+def test_generate_in_process_stops_on_the_generation_configs_eos_ids(multi_eos_model, capsys):
+    """Issue 44's repro: `generate` stops on an EOS id only the generation config lists (the 4th token here), and
+    so does `treeserve generate --in-process`; --stop-token-id adds one."""
+    base = ["generate", "--in-process", "--target", str(multi_eos_model.path), "--method", "autoregressive",
+            "--prompt", "Tell me a story about a fox.", "--max-new-tokens", "16"]
+    assert len(multi_eos_model.greedy(multi_eos_model.prompts[0], 16)) == 4  # where generate stops
+    assert main(base) == 0
+    assert "[EOS] prompt" in (err := capsys.readouterr().err) and "completion 4 tok" in err
+    assert main(base + ["--stop-token-id", str(multi_eos_model.free_run[1])]) == 0
+    assert "[EOS] prompt" in (err := capsys.readouterr().err) and "completion 2 tok" in err
+
+
 def test_serve_config_overrides(tiny_target_dir, tiny_drafter_dir):
     config = load_config(str(DEFAULT_CONFIG), method="chain", budget="4", target=str(tiny_target_dir),
                          drafter=str(tiny_drafter_dir), grpc_port=9123)

@@ -144,6 +144,9 @@ def test_models_and_health(http_service, client):
     (dict(messages=[{"role": "tool", "content": "x"}]), "prompt", "role must be one of"),
     (dict(messages=[{"role": "user", "content": "  "}]), "prompt", "non-empty message"),
     (dict(stop=["x"] * 17), "stop", "at most 16"),
+    (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids", "must lie in [0, "),
+    (dict(extra_body={"stop_token_ids": [1] * 65}), "stop_token_ids", "at most 64"),
+    (dict(extra_body={"stop_token_ids": "2"}), "stop_token_ids", "list of integer token ids"),
 ])
 def test_invalid_requests_get_400_with_the_grpc_message(client, kw, param, words):
     request = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)

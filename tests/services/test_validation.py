@@ -104,6 +104,12 @@ def test_text_prompt_through_the_validator_is_safe(validator, tokenizer):
      grpc.StatusCode.INVALID_ARGUMENT, "unknown tree method"),
     (dict(text="hi", max_new_tokens=4, sampling=gen.SamplingParams(temperature=float("nan"))),
      grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+    (dict(text="hi", max_new_tokens=4, stop_token_ids=[5, -1]), grpc.StatusCode.INVALID_ARGUMENT,
+     "stop_token_ids: each must lie in [0, 49152), got -1"),
+    (dict(text="hi", max_new_tokens=4, stop_token_ids=[49152]), grpc.StatusCode.INVALID_ARGUMENT,
+     "stop_token_ids: each must lie in [0, 49152), got 49152"),
+    (dict(text="hi", max_new_tokens=4, stop_token_ids=[7] * 65), grpc.StatusCode.INVALID_ARGUMENT,
+     "stop_token_ids: at most 64, got 65"),
 ])
 def test_validator_errors(validator, kw, code, words):
     with pytest.raises(RequestError) as info:
@@ -119,3 +125,7 @@ def test_plain_values_front_end(validator):
     assert method == "c2t" and request.tree.method == "c2t" and request.sampling.top_p == pytest.approx(0.9)
     with pytest.raises(RequestError, match="unknown tree method 'beam'"):
         validator.build(prompt, 8, method="beam")
+    request, _ = validator.build(prompt, 8, stop_token_ids=[9, 2, 9])
+    assert request.stop_token_ids == (9, 2)
+    with pytest.raises(RequestError, match="stop_token_ids: must be integer token ids, got '9'"):
+        validator.build(prompt, 8, stop_token_ids=["9"])
