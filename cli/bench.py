@@ -136,6 +136,9 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     pictures.add_argument("--sweep-prompts", type=int, default=10,
                           help="prompts of the budget sweep (balanced over categories; MAL and candidates "
                                "do not depend on timing, so one untimed run each; default: %(default)s)")
+    parser.add_argument("--cost-curve", type=Path, default=None, metavar="FILE",
+                        help="a `treeserve profile --json-out` file: the PROJECTED table projects the layout it "
+                             "measured (preset and TP size) from it instead of ASSUMED efficiencies, and says so")
     parser.add_argument("--projection", action=argparse.BooleanOptionalAction, default=True,
                         help="print the PROJECTED speedups on the 4xA100 layouts (cost model of "
                              "engine/bench/projection.py; a table of its own, never mixed with measurements)")

@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agreement": ("treeserve.cli.agreement", "measure drafter/target top-1 and top-k agreement"),
     "prepare-model": ("treeserve.cli.prepare_model", "convert the embedded GGUF target to safetensors"),
     "memory-estimate": ("treeserve.cli.memory_estimate", "weights + KV-cache bytes per GPU for deploy layouts"),
+    "profile": ("treeserve.cli.profile", "cost curve T(n nodes, batch) of one tree forward beside its measured bounds"),
     "check-drafter": ("treeserve.cli.check_drafter", "check a drafter against a target (layout, vocabulary, "
                       "feature layers, bytes per GPU) and measure its top-1 agreement"),
 }

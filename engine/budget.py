@@ -5,10 +5,15 @@ nodes: on a 2-core CPU a 64-node tree costs a few plain steps, on a GPU a 70B ta
 about the price of one; curves in docs/performance.md section 3) and on the drafter (how many extra tokens a
 bigger tree buys). So:
 
-1. `measure_profile` times the target forward against tree size and one drafter step at start-up, and
-   caches the curve per model and machine (`$TREESERVE_CACHE/profiles/`). As in Sequoia, the hardware
-   curve bounds the useful sizes; as in OPT-Tree, mu = drafter step / target step sets the floor of the
-   marginal gain worth drafting (`opt_tree_delta`).
+1. `measure_profile` (engine/hardware_profile.py) times the target forward against tree size, and against
+   rows x chain length for batched steps, and the drafter step at start-up, and caches them per model, step and
+   machine (`$TREESERVE_CACHE/profiles/`), or reads the target curves from a `treeserve profile` file
+   (`cost_curve`) and times the drafter only. As in Sequoia, the hardware curve bounds the useful sizes; as in
+   OPT-Tree, mu = drafter step / target step sets the floor of the marginal gain worth drafting
+   (`opt_tree_delta`). A batched step's chooser (`rows` > 1) prices each chain depth by the batch it is in:
+   the target's forward of rows x (depth + 1) tokens and `depth` batched drafter forwards, so at a batch size
+   where drafting cannot pay the prior already ranks plain decoding first, and only budgets predicted within
+   `explore_within` of the best are explored.
 2. `BudgetChooser` predicts tokens/s per candidate budget from the profile and a geometric acceptance
    prior, tries the promising candidates, then keeps choosing the budget with the best *measured*
    tokens/s (emitted tokens over draft + score + verify time), now and then re-measuring the
@@ -36,123 +41,18 @@ bigger tree buys). So:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-import platform
 import random
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-
-from treeserve.engine.models.attention import GROUPED_ATTENTION
-from treeserve.engine.models.packed_linear import LAYOUT_VERSION
+# The profile's names are importable from here too (the chooser's callers measure profiles).
+from treeserve.engine.hardware_profile import (PROFILE_SIZES, HardwareProfile, machine_key,  # noqa: F401
+                                               measure_profile, profile_from_cost_curve, time_drafter_step)
 from treeserve.engine.requests import StepRecord
-from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 
-PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # 0 = no drafting this step: when even one draft token does not pay for itself, plain decoding wins.
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-
-
-@dataclass
-class HardwareProfile:
-    """Measured costs on this machine."""
-
-    target_ms: dict[int, float]  # tree nodes fed (root included) -> target forward ms at the reference prefix
-    drafter_step_ms: float  # one drafter forward for one node
-    prefix_tokens: int  # context length the times were measured at
-
-    def target_time_ms(self, nodes: int) -> float:
-        """Linear interpolation of the measured curve (clamped past its ends)."""
-        sizes = sorted(self.target_ms)
-        if nodes <= sizes[0]:
-            return self.target_ms[sizes[0]]
-        for lo, hi in zip(sizes, sizes[1:]):
-            if nodes <= hi:
-                w = (nodes - lo) / (hi - lo)
-                return self.target_ms[lo] * (1 - w) + self.target_ms[hi] * w
-        last, prev = sizes[-1], sizes[-2]
-        slope = (self.target_ms[last] - self.target_ms[prev]) / (last - prev)
-        return self.target_ms[last] + slope * (nodes - last)
-
-    @property
-    def mu(self) -> float:
-        """OPT-Tree's mu: drafter step time over target step time."""
-        return self.drafter_step_ms / self.target_ms[min(self.target_ms)]
-
-    def opt_tree_delta(self) -> float:
-        """OPT-Tree's delta: a drafter step must buy at least mu expected tokens (paper: mu <= delta < 1)."""
-        return min(0.9, max(self.mu, 1e-3))
-
-
-@torch.inference_mode()
-def _time_extend(lm: CachedLM, context: list[int], nodes: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):
-        lm.begin("profile", context)
-        start = time.perf_counter()
-        lm.extend([ExtendRequest("profile", [context[-1]] + [7] * (nodes - 1), [-1] + list(range(nodes - 1)))])
-        if lm.device.type == "cuda":  # kernels run asynchronously: time their end, not their launch
-            torch.cuda.synchronize(lm.device)
-        times.append(time.perf_counter() - start)
-    lm.release("profile")
-    return 1e3 * sorted(times[1:])[len(times[1:]) // 2]  # median, first run is warm-up
-
-
-def machine_key(device: str, *parts: str) -> str:
-    """A short hash of `parts` and this machine (CPU, cores, torch threads and version, the GPU's name): the
-    name of a measurement cached per machine."""
-    parts = [*parts, device, platform.machine(), platform.processor(), str(os.cpu_count()),
-             str(torch.get_num_threads()), torch.__version__, LAYOUT_VERSION, GROUPED_ATTENTION]
-    if device.startswith("cuda"):
-        parts.append(torch.cuda.get_device_name(torch.device(device)))
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def _profile_key(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str, dtype,
-                 drafter_dtype) -> str:
-    return machine_key(device, target.config.to_json_string(),
-                       "" if drafter is None else drafter.config.to_json_string(),
-                       str(sum(p.numel() for p in target.parameters())), str(dtype), str(drafter_dtype))
-
-
-def time_drafter_step(drafter: torch.nn.Module, device: str, dtype: torch.dtype, nodes: int = 1,
-                      prefix_tokens: int = 128, repeats: int = 20) -> float:
-    """Median ms of one drafter forward over `nodes` tree nodes after a `prefix_tokens` context. A drafter
-    step is a few ms, so one stall of this shared VM skews a short median (seen: 15.6 ms for a 5 ms step):
-    many repeats, which cost little."""
-    context = [11 + (i % 97) for i in range(prefix_tokens + 1)]
-    return _time_extend(CachedLM(drafter, device, dtype), context, nodes, repeats)
-
-
-def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str = "cpu",
-                    dtype: torch.dtype = torch.float32, prefix_tokens: int = 128, repeats: int = 5,
-                    cache_dir: Path | None = None, drafter_dtype: torch.dtype | None = None) -> HardwareProfile:
-    """Time target forwards of PROFILE_SIZES tree nodes (in `dtype`) and one drafter step (in `drafter_dtype`,
-    default `dtype`) (medians); cached per model and machine."""
-    from treeserve.engine.models.loading import cache_root
-
-    drafter_dtype = drafter_dtype or dtype
-    key = _profile_key(target, drafter, device, dtype, drafter_dtype)
-    path = (cache_dir or cache_root() / "profiles") / f"{key}.json"
-    if path.is_file():
-        raw = json.loads(path.read_text())
-        return HardwareProfile({int(k): v for k, v in raw["target_ms"].items()}, raw["drafter_step_ms"],
-                               raw["prefix_tokens"])
-    context = [11 + (i % 97) for i in range(prefix_tokens + 1)]
-    lm = CachedLM(target, device, dtype)
-    target_ms = {n: _time_extend(lm, context, n, repeats) for n in PROFILE_SIZES}
-    drafter_ms = (time_drafter_step(drafter, device, drafter_dtype, 1, prefix_tokens, 4 * repeats)
-                  if drafter is not None else 0.0)
-    profile = HardwareProfile(target_ms, drafter_ms, prefix_tokens)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
-    return profile
 
 
 STEP_TIME_WINDOW = 64  # recent step times per budget whose median is its step cost
@@ -191,6 +91,11 @@ class BudgetChooser:
 
     profile: HardwareProfile
     max_budget: int = 64
+    rows: int = field(default=1, metadata={"help": "sequences in the steps this chooser decides (a batch-size "
+                                                   "bucket): what its predictions price"})
+    explore_within: float = field(default=0.0, metadata={
+        "help": "explore only budgets whose predicted rate is at least this fraction of the best prediction "
+                "(plain decoding always; 0 = the four best predictions)"})
     prior_acceptance: float = field(default=0.6, metadata={"help": "per-token acceptance assumed before measuring"})
     explore_steps: int = field(default=8, metadata={
         "help": "steps to measure each promising budget (acceptance is noisy: a budget accepting 0.3 tokens per "
@@ -234,16 +139,19 @@ class BudgetChooser:
                              f"{self.recent_decay}, {self.recent_prior}")
         self._rng = random.Random(self.seed)
         self.candidates = [b for b in CANDIDATE_BUDGETS if b <= self.max_budget]
-        ranked = sorted(self.candidates, key=self.predicted_rate, reverse=True)
+        rates = {b: self.predicted_rate(b) for b in self.candidates}
+        ranked = sorted(self.candidates, key=rates.get, reverse=True)
+        promising = [b for b in ranked[:4] if rates[b] >= self.explore_within * rates[ranked[0]]]
         # Always measure plain decoding too (last: a chooser that gets no feedback keeps the best prediction).
-        self._to_explore = list(dict.fromkeys([*ranked[:4], 0]))
+        self._to_explore = list(dict.fromkeys([*promising, 0]))
 
     def predicted_rate(self, budget: int) -> float:
-        """Tokens/s of a chain-like tree of `budget` nodes under a geometric acceptance prior."""
+        """Tokens/s of `rows` chain-like trees of `budget` nodes under a geometric acceptance prior: the target's
+        forward of rows x (budget + 1) tokens and budget + 1 drafter forwards of `rows` rows (none for 0)."""
         a = self.prior_acceptance
-        tokens = sum(a ** d for d in range(budget + 1))
-        ms = self.profile.target_time_ms(budget + 1) + self.profile.drafter_step_ms * (budget + (budget > 0))
-        return 1e3 * tokens / ms
+        tokens = self.rows * sum(a ** d for d in range(budget + 1))
+        drafting = self.profile.drafter_time_ms(self.rows) * (budget + (budget > 0))
+        return 1e3 * tokens / (self.profile.target_time_ms(budget + 1, self.rows) + drafting)
 
     def choose(self) -> int:
         for budget in self._to_explore:

@@ -65,7 +65,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                  budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
                  drafter_kind: str | None = None, lookup: LookupSettings | None = None,
-                 drafter_dtype: str | None = None, cuda_graphs: bool = True, **tree_overrides) -> SpeculativeEngine:
+                 drafter_dtype: str | None = None, cuda_graphs: bool = True, cost_curve: str | None = None,
+                 **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
     the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's default
@@ -73,7 +74,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     "lookup" and "<builder>+lookup"; None: the defaults). `dtype` is the target's (it defines the output);
     `drafter_dtype` the drafter's: None = `dtype`, a dtype name, or "auto" (measured: dtype_choice.py).
     `cuda_graphs`: on a CUDA device the target and the drafter run the static-shape step replayed as CUDA graphs
-    (engine/runners/static_step.py); False keeps the models' own eager forwards."""
+    (engine/runners/static_step.py); False keeps the models' own eager forwards. `cost_curve`: budget "auto"
+    reads the target's cost curve from this `treeserve profile` file (of this target, device and dtype)."""
     torch_dtype = parse_dtype(dtype)
     drafter_torch_dtype = parse_drafter_dtype(drafter_dtype or dtype)
     if drafter_path is None:
@@ -89,13 +91,14 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     if method != AUTOREGRESSIVE:
         drafter = build_local_drafter(drafter_path, target.model, device, drafter_torch_dtype, budget,
                                       drafter_kind=drafter_kind, lookup=lookup, target_dtype=torch_dtype,
-                                      static=static)
+                                      static=static, cost_curve=cost_curve)
     if drafter is not None and base == "opt_tree" and "delta" not in tree_overrides:
         # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens, whatever
         # the node budget (the profile is measured once per machine and cached).
         profile = drafter.budget.profile if drafter.budget is not None else \
             measure_profile(target.model, drafter.model, device, torch_dtype,
-                            drafter_dtype=next(drafter.model.parameters()).dtype)
+                            drafter_dtype=next(drafter.model.parameters()).dtype, static=static,
+                            cost_curve=cost_curve)
         tree_overrides["delta"] = profile.opt_tree_delta()
     # An EAGLE-3 head whose config names no layers reads EAGLE-3's default for this target's depth.
     feature_layers = (target_feature_layers(drafter_path, target.model.config.num_hidden_layers)

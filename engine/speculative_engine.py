@@ -146,23 +146,34 @@ class SpeculativeEngine:
         recorder.finish()
 
     def draft(self, batch: list[Sequence]) -> tuple[list[TokenTree], bool]:
-        """One TokenTree per sequence (the root alone for autoregressive decoding or a held plain step),
-        and whether the drafter was called."""
+        """One TokenTree per sequence (the root alone for autoregressive decoding, a held plain step, or a
+        sequence's first step), and whether the drafter was called.
+
+        First token first: a sequence's first step is its prompt's prefill, scored with the root alone, so its
+        first token waits for neither the drafter's prefill nor a tree (an EAGLE drafter could not draft it
+        anyway: it reads the target's features of the prompt, which that prefill computes). The rest of the
+        batch keeps drafting: an arrival does not turn the running sequences' step into a plain one."""
+        roots = [root_only(s.context) for s in batch]
         if self.drafter is None or all(s.tree.method == AUTOREGRESSIVE for s in batch):
-            return [root_only(s.context) for s in batch], False
-        if self.carries_features and any(s.features is None for s in batch):
-            # An EAGLE drafter reads the target's features of the prompt: the prefill step comes first.
-            return [root_only(s.context) for s in batch], False
+            return roots, False
+        drafting = [i for i, s in enumerate(batch) if s.steps and s.tree.method != AUTOREGRESSIVE
+                    and not (self.carries_features and s.features is None)]
+        if not drafting:
+            return roots, False
         bucket, held = self._plain_hold
         if held > 0 and bucket == batch_size_bucket(len(batch)):
             self._plain_hold = (bucket, held - 1)
-            return [root_only(s.context) for s in batch], False
-        trees = self.drafter.draft([DraftRequest(s.session_id, s.context, s.request.sampling, s.tree,
-                                                 s.seed + len(s.steps), s.accepted_hint,
-                                                 s.features.rows if s.features else None)
-                                    for s in batch])
+            return roots, False
+        trees = self.drafter.draft([self.draft_request(batch[i]) for i in drafting], len(batch))
         self._plain_hold = (batch_size_bucket(len(batch)), self.drafter.hold_steps)
-        return trees, True
+        for i, tree in zip(drafting, trees):
+            roots[i] = tree
+        return roots, True
+
+    @staticmethod
+    def draft_request(s: Sequence) -> DraftRequest:
+        return DraftRequest(s.session_id, s.context, s.request.sampling, s.tree, s.seed + len(s.steps),
+                            s.accepted_hint, s.features.rows if s.features else None)
 
     def score_request(self, s: Sequence, tree: TokenTree) -> ScoreRequest:
         """What the target scores for `s` this step: its context and tree, and the previous step's accepted

@@ -65,7 +65,7 @@ def test_cli_help_lists_subcommands():
 
 
 @pytest.mark.parametrize("command", ["train-drafter", "train-c2t", "tune-c2t", "bench", "agreement", "prepare-model",
-                                     "memory-estimate"])
+                                     "memory-estimate", "profile"])
 def test_subcommand_help(command):
     out = run_cli(command, "--help")
     assert out.returncode == 0, out.stderr

@@ -53,6 +53,9 @@ class BenchOptions:
     sweep_budgets: tuple[int, ...] = SWEEP_BUDGETS  # fixed budgets of the budget sweep
     sweep_prompts: int = 10  # prompts of the budget sweep (balanced over categories)
     projection: bool = True  # print the PROJECTED speedups on the 4xA100 layouts (projection.py)
+    # a `treeserve profile` JSON: the PROJECTED table's target forward time for the layout it measured (else the
+    # ASSUMED efficiencies), and the budget chooser's target curve when it measured this device and model
+    cost_curve: Path | None = None
 
     def validate(self) -> None:
         """ValueError naming the option for a run that cannot be measured."""

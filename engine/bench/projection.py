@@ -40,6 +40,17 @@ Constants (each with its source; ASSUMED ones are not measured anywhere and are 
 | rank_dispatch | 1e-3 s | ASSUMED: the Target replica's coordinator handing a step to its 4 rank actors (Ray calls) |
 | d  | 2 B | deploy/*-4xa100.yaml: dtype bfloat16 for target and drafter |
 | model sizes | config.json | deploy/models/*/config.json (public Hugging Face config facts) |
+
+Measured instead of ASSUMED: `load_layouts(cost_curve=FILE)` takes a `treeserve profile` file (schema
+treeserve.costcurve/1, engine/bench/cost_curve.py) of a layout's target preset at the layout's TP size (one rank's
+shapes, random weights) and uses its batch-1 curve for that target's forward, replacing B, F, e_B, e_F and k:
+
+    t(n) = T_measured(n) + KV_rank(ctx - prefix) / copy bandwidth (measured) + the ring all-reduces above
+
+(T was measured at the file's prefix on one GPU without a process group, so the context's difference and the
+all-reduces are added; the drafter keeps the cost model). `cost_source(layout)` says which one a layout used:
+"measured cost curve FILE (device)" or "ASSUMED efficiencies". A measured target costs what it cost on the
+device that measured it: an A100 figure only when the file was measured on an A100.
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from treeserve.engine.bench.cost_curve import CostCurve
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # engine/bench/projection.py -> the checkout
 MODELS_DIR = REPO_ROOT / "deploy" / "models"
@@ -62,6 +75,11 @@ LAUNCH_S_PER_LAYER = 40e-6
 RPC_S = 1e-3
 RANK_DISPATCH_S = 1e-3
 DTYPE_BYTES = 2
+CURVE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # a measured curve's KV element size
+DEPLOYED_TP = 4  # the target's tensor-parallel size in every deployed layout
+# (layout, target preset, drafter preset) of the deployed layouts (deploy/*-4xa100.yaml)
+DEPLOYED = (("Llama-2-70B 4xA100", "Llama-2-70b-hf", "Llama-2-7b-hf"),
+            ("Vicuna-33B 4xA100", "vicuna-33b-v1.3", "vicuna-7b-v1.3"))
 
 
 @dataclass(frozen=True)
@@ -100,6 +118,23 @@ class Layout:
     target: ModelSize
     drafter: ModelSize
     tp: int = 4
+    target_curve: CostCurve | None = None  # a measured forward of one target rank (None: the cost model)
+    curve_path: str = ""  # the file it came from
+
+
+def cost_source(layout: Layout) -> str:
+    """Which target forward time `layout` projects with: the measured curve or the ASSUMED efficiencies."""
+    if layout.target_curve is None:
+        return "ASSUMED efficiencies"
+    return f"measured cost curve {layout.curve_path} ({layout.target_curve.device})"
+
+
+def _allreduce_s(model: ModelSize, n_tokens: int, tp: int) -> float:
+    """Seconds of a forward's ring all-reduces among `tp` ranks (none for one rank)."""
+    if tp == 1:
+        return 0.0
+    ring = 2 * (tp - 1) / tp * n_tokens * model.hidden * DTYPE_BYTES / NVLINK_BYTES_S
+    return model.layers * ALLREDUCES_PER_LAYER * (ALLREDUCE_LATENCY_S + ring)
 
 
 def forward_s(model: ModelSize, n_tokens: int, context: float, tp: int = 1) -> float:
@@ -109,19 +144,37 @@ def forward_s(model: ModelSize, n_tokens: int, context: float, tp: int = 1) -> f
     flops = 2 * n_tokens * params / (BF16_FLOPS * FLOPS_EFFICIENCY)
     kv_bytes = 2 * model.layers * (model.kv_heads / tp) * model.head_dim * DTYPE_BYTES * (context + n_tokens)
     t = max(weights, flops) + kv_bytes / (HBM_BYTES_S * HBM_EFFICIENCY) + model.layers * LAUNCH_S_PER_LAYER
-    if tp > 1:
-        ring = 2 * (tp - 1) / tp * n_tokens * model.hidden * DTYPE_BYTES / NVLINK_BYTES_S
-        t += model.layers * ALLREDUCES_PER_LAYER * (ALLREDUCE_LATENCY_S + ring)
-    return t
+    return t + _allreduce_s(model, n_tokens, tp)
 
 
-def load_layouts(models_dir: Path = MODELS_DIR) -> list[Layout]:
-    """The two deployed layouts (deploy/*-4xa100.yaml), sizes from their config.json facts."""
+def target_forward_s(layout: Layout, n_tokens: int, context: float) -> float:
+    """Seconds of one target forward on `layout`: its measured curve when it has one, else `forward_s`."""
+    curve = layout.target_curve
+    if curve is None:
+        return forward_s(layout.target, n_tokens, context, layout.tp)
+    model = layout.target
+    kv_per_token = 2 * model.layers * (model.kv_heads / layout.tp) * model.head_dim * CURVE_DTYPE_BYTES[curve.dtype]
+    return (curve.time_ms(n_tokens) / 1e3 + kv_per_token * (context - curve.prefix) / curve.copy_bytes_s
+            + _allreduce_s(model, n_tokens, layout.tp))
+
+
+def load_layouts(models_dir: Path = MODELS_DIR, cost_curve: str | Path | None = None) -> list[Layout]:
+    """The two deployed layouts (deploy/*-4xa100.yaml), sizes from their config.json facts; with `cost_curve`,
+    the layout whose target preset and TP size the file measured projects with it (ValueError if none did)."""
     def size(name: str) -> ModelSize:
         return ModelSize.from_config(json.loads((models_dir / name / "config.json").read_text()))
 
-    return [Layout("Llama-2-70B 4xA100", size("Llama-2-70b-hf"), size("Llama-2-7b-hf")),
-            Layout("Vicuna-33B 4xA100", size("vicuna-33b-v1.3"), size("vicuna-7b-v1.3"))]
+    curve = None if cost_curve is None else CostCurve.load(cost_curve)
+    layouts = []
+    for name, target, drafter in DEPLOYED:
+        ours = curve is not None and curve.model.source == "preset" and curve.model.name == target \
+            and curve.model.tp_size == DEPLOYED_TP
+        layouts.append(Layout(name, size(target), size(drafter), DEPLOYED_TP, curve if ours else None,
+                              str(cost_curve) if ours else ""))
+    if curve is not None and not any(lay.target_curve for lay in layouts):
+        raise ValueError(f"cost curve {cost_curve} measured {curve.model.describe()}; the deployed layouts need "
+                         "one of " + ", ".join(f"--preset {t} --tp-size {DEPLOYED_TP}" for _, t, _ in DEPLOYED))
+    return layouts
 
 
 @dataclass(frozen=True)
@@ -137,7 +190,7 @@ class Measured:
 
 
 def step_s(layout: Layout, m: Measured, context: float) -> float:
-    t = forward_s(layout.target, max(1, round(1 + m.candidates)), context, layout.tp) + RPC_S + RANK_DISPATCH_S
+    t = target_forward_s(layout, max(1, round(1 + m.candidates)), context) + RPC_S + RANK_DISPATCH_S
     if m.drafter_forwards:
         tokens = max(1, round(m.drafter_tokens_per_forward))
         t += m.drafter_forwards * forward_s(layout.drafter, tokens, context) + m.drafted_share * RPC_S

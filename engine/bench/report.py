@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from treeserve.engine.bench.runner import AR_KEY, HF_KEY
 
@@ -145,15 +146,17 @@ def label(row: dict) -> str:
     return name + ("@parallel" if row["drafter_kind"] == "parallel" else "")
 
 
-def projection_rows(summary: list[dict], context: float) -> list[dict]:
-    """PROJECTED speedups of every measured TreeServe method on the 4xA100 layouts (engine/bench/projection.py)."""
-    from treeserve.engine.bench.projection import Measured, load_layouts, projected_speedup
+def projection_rows(summary: list[dict], context: float, cost_curve: str | Path | None = None) -> list[dict]:
+    """PROJECTED speedups of every measured TreeServe method on the 4xA100 layouts (engine/bench/projection.py);
+    with `cost_curve` (a `treeserve profile` file) the layout it measured projects from it. Each row names the
+    source of every layout's target forward time ("cost_source[...]")."""
+    from treeserve.engine.bench.projection import Measured, cost_source, load_layouts, projected_speedup
 
     plain = next((s for s in summary if s["key"] == AR_KEY), None)
     if plain is None:
         return []
     try:
-        layouts = load_layouts()
+        layouts = load_layouts(cost_curve=cost_curve)
     except FileNotFoundError as exc:  # an installed package without the checkout's deploy/models
         print(f"no projection: {exc}")
         return []
@@ -171,7 +174,8 @@ def projection_rows(summary: list[dict], context: float) -> list[dict]:
         out.append({"key": s["key"], "label": label(s), "mal": s["mal"], "candidates_per_step": s["candidates_per_step"],
                     "drafter_forwards_per_step": s["drafter_forwards_per_step"],
                     **{f"projected_speedup[{lay.name}]": projected_speedup(lay, measured(s), measured(plain), context)
-                       for lay in layouts}})
+                       for lay in layouts},
+                    **{f"cost_source[{lay.name}]": cost_source(lay) for lay in layouts}})
     return out
 
 
@@ -179,9 +183,12 @@ def projection_table(rows: list[dict], context: float):
     from rich.table import Table
 
     names = [k for k in (rows[0] if rows else {}) if k.startswith("projected_speedup[")]
+    sources = "; ".join(f"{n[len('projected_speedup['):-1]}: {rows[0]['cost_source' + n[len('projected_speedup'):]]}"
+                        for n in names if rows and "cost_source" + n[len("projected_speedup"):] in rows[0])
     table = Table(title=f"PROJECTED (cost model, not measured): speedup over plain decoding on the deployed "
                         f"layouts, from the measured MAL / candidates / drafter forwards above, context "
-                        f"{context:.0f} tokens; constants and sources: engine/bench/projection.py")
+                        f"{context:.0f} tokens; constants and sources: engine/bench/projection.py"
+                        + (f"; target forward time from {sources}" if sources else ""))
     for col in ("method", "MAL (measured)", "cand/step (measured)", "drafter fwd/step (measured)",
                 *(f"PROJECTED {n[len('projected_speedup['):-1]}" for n in names)):
         table.add_column(col, justify="right")

@@ -172,7 +172,7 @@ def run_bench(options: BenchOptions) -> int:
               f"(top-2 logits within {TIE_GAP}) in the references: {tie_positions}; divergences at near-ties: "
               f"{greedy['tie_divergences']}; other mismatches: {bad or 0}")
     context = (sum(map(len, prompts)) / len(prompts)) + options.max_new_tokens / 2
-    projection = projection_rows(summary, context) if options.projection else []
+    projection = projection_rows(summary, context, options.cost_curve) if options.projection else []
     if projection:
         console.print(projection_table(projection, context))
     if options.answers_dir:

@@ -32,6 +32,10 @@ from treeserve.engine.requests import StepRecord
 from treeserve.engine.tree import TokenTree
 
 
+# Batched steps explore only chain depths predicted within this share of the best prediction (and plain decoding).
+BATCH_EXPLORE_WITHIN = 0.8
+
+
 class LocalDrafter(DrafterBase):
     """The `Drafter` over an autoregressive drafter model (distilled, EAGLE, EAGLE-3, a published head):
     one drafter forward per tree depth, the tree shaped by the request's builder."""
@@ -219,7 +223,10 @@ class LocalDrafter(DrafterBase):
             return min([self.batch_chain_depth, *explicit])
         bucket = batch_size_bucket(batch_size)
         if bucket not in self.batch_budgets:
-            self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth)
+            # Priced at the bucket's rows: at a batch size where drafting cannot pay, plain decoding ranks first
+            # and little time goes to measuring depths that lose.
+            self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
+                                                           explore_within=BATCH_EXPLORE_WITHIN)
         self._batch_chooser = self.batch_budgets[bucket]
         depth = self._batch_chooser.next_budget()
         self.hold_steps = self._batch_chooser.held

@@ -43,10 +43,13 @@ def load_classifier(path: str | None = "default", drafter_path: str = "distilled
 
 
 def _chooser(budget: int | str, target: torch.nn.Module, model: torch.nn.Module, device: str,
-             target_dtype: torch.dtype, dtype: torch.dtype) -> BudgetChooser | None:
-    """Budget "auto": a chooser over the measured cost curve of this pair (cached per machine); an integer: none."""
+             target_dtype: torch.dtype, dtype: torch.dtype, static: StaticStepSettings | None = None,
+             cost_curve: str | None = None) -> BudgetChooser | None:
+    """Budget "auto": a chooser over the measured cost curve of this pair on the step both run (cached per
+    machine; `cost_curve`: the target's from a `treeserve profile` file); an integer: none."""
     if budget == "auto":
-        return BudgetChooser(measure_profile(target, model, device, target_dtype, drafter_dtype=dtype))
+        return BudgetChooser(measure_profile(target, model, device, target_dtype, drafter_dtype=dtype,
+                                             static=static, cost_curve=cost_curve))
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
     return None
@@ -56,7 +59,7 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
                         dtype: torch.dtype | str = torch.float32, budget: int | str = "auto",
                         classifier_path: str | None = "default", drafter_kind: str | None = None,
                         lookup: LookupSettings | None = None, target_dtype: torch.dtype | None = None,
-                        static: StaticStepSettings | None = None) -> DrafterBase:
+                        static: StaticStepSettings | None = None, cost_curve: str | None = None) -> DrafterBase:
     """The drafter of `drafter_kind` over the weights at `drafter_path`, for `target`; budget "auto" measures
     the hardware and chooses per step.
 
@@ -68,7 +71,9 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     stated kind that disagrees with them is a ValueError (engine/drafters/registry.py). Kind "parallel" gives a
     ParallelTreeDrafter (k+1 positions per forward), "autoregressive" a LocalDrafter with the drafter's own C2T
     classifier and `lookup`'s copy-from-context settings (None: the defaults). `static`: its drafter model's
-    forwards run as the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py)."""
+    forwards run as the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py), and budget
+    "auto" measures the target on that step too; `cost_curve`: the target's curve from a `treeserve profile`
+    file of this target and device instead of measuring it."""
     drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
     kind = kind_of(drafter_path, drafter_kind)
     drafter_class = KINDS[kind].load_class()
@@ -83,7 +88,7 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
         model = load(drafter_path, target, device, dtype)
     else:
         raise ValueError(f"drafter dtype must be a torch dtype or {AUTO!r}, got {dtype!r}")
-    chooser = _chooser(budget, target, model, device, target_dtype, dtype)
+    chooser = _chooser(budget, target, model, device, target_dtype, dtype, static, cost_curve)
     if kind == PARALLEL_KIND:  # ParallelTreeDrafter
         return drafter_class(model, target.config.vocab_size, device, dtype, budget=chooser)
     from treeserve.engine.drafters.model_runner import DrafterRunner  # LocalDrafter

@@ -152,7 +152,8 @@ class StaticStep:
         ids = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
         write_rows = torch.full((batch, width), self.scratch_row, dtype=torch.long)
-        write_slots = torch.arange(width).repeat(batch, 1)  # padding: slot t of the scratch row
+        # Padding: slot t of the scratch row (modulo its length: a bucket may be wider than a row holds).
+        write_slots = (torch.arange(width) % self.capacity).repeat(batch, 1)
         read_rows = torch.full((batch,), self.scratch_row, dtype=torch.long)
         seen = torch.zeros(batch, dtype=torch.long)
         block = torch.zeros(batch, width, span, dtype=torch.bool)
@@ -217,7 +218,7 @@ class StaticStep:
         buffers.input_ids.zero_()
         buffers.positions.zero_()
         buffers.write_rows.fill_(self.scratch_row)
-        buffers.write_slots.copy_(torch.arange(width, device=self.device).repeat(batch, 1))
+        buffers.write_slots.copy_((torch.arange(width, device=self.device) % self.capacity).repeat(batch, 1))
         buffers.read_rows.fill_(self.scratch_row)
         if buffers.features is not None:
             buffers.features.zero_()

@@ -126,3 +126,71 @@ def test_a_stalled_step_does_not_rule_a_budget_out():
         assert chooser.next_budget() == 2
         chooser.observe(record(2, ms))
     assert abs(chooser.arms[2].rate - 2 / 0.05) < 1e-9
+
+
+def batch_record(emitted: int, ms: float, rows: int) -> StepRecord:
+    return StepRecord(tree_size=0, accepted=emitted - 1, emitted=emitted, batch_size=rows, draft_ms=0.0,
+                      draft_model_ms=0.0, score_ms=ms, verify_ms=0.0)
+
+
+def batched_profile(per_token_ms: float, fixed_ms: float, drafter_ms: float) -> HardwareProfile:
+    """Target forward = fixed + per_token x rows x nodes at every measured batch (a CPU: per_token large;
+    a GPU: per_token ~0, the forward as dear for 8 x 7 tokens as for one)."""
+    curve = lambda rows: {n: fixed_ms + per_token_ms * rows * n for n in (1, 2, 4, 7)}  # noqa: E731
+    return HardwareProfile(curve(1), drafter_ms, 128, {rows: curve(rows) for rows in (2, 4, 8, 16)},
+                           {rows: drafter_ms for rows in (2, 4, 8, 16)})
+
+
+def run_batched(chooser: BudgetChooser, steps: int, rows: int, profile: HardwareProfile, accept: float) -> list[int]:
+    """Drive a batched chooser on a simulated batch whose true costs are `profile`'s and whose chains accept
+    `accept` tokens per drafted token; returns the depths chosen."""
+    chosen = []
+    for _ in range(steps):
+        depth = chooser.next_budget()
+        chosen.append(depth)
+        ms = profile.target_time_ms(depth + 1, rows) + profile.drafter_time_ms(rows) * (depth + (depth > 0))
+        emitted = 1 + round(accept * depth)
+        for _ in range(rows):
+            chooser.observe(batch_record(emitted, ms, rows))
+    return chosen
+
+
+def test_a_curve_where_trees_cannot_pay_gives_plain_batched_steps_and_drafting_returns_with_the_curve():
+    """Priced by its batch (8 rows): on a CPU-like curve, where 8 x (depth + 1) tokens cost that many times one
+    token's share, no depth pays and the chooser explores nothing else for long; handed a GPU-like (flat)
+    curve the same acceptance pays, and it drafts."""
+    cpu = batched_profile(per_token_ms=5.0, fixed_ms=10.0, drafter_ms=8.0)
+    chooser = BudgetChooser(cpu, max_budget=6, rows=8, explore_within=0.8, plain_hold_steps=0, revisit=0.0)
+    assert chooser._to_explore == [0]  # no depth is predicted within 80% of plain decoding's rate
+    assert run_batched(chooser, 80, 8, cpu, accept=0.6) == [0] * 80
+    gpu = batched_profile(per_token_ms=0.01, fixed_ms=40.0, drafter_ms=2.0)
+    flat = chooser.fresh(profile=gpu)
+    assert flat._to_explore[0] > 0  # drafting ranks first where verifying more tokens is nearly free
+    assert sum(d > 0 for d in run_batched(flat, 80, 8, gpu, accept=0.6)[-40:]) == 40
+
+
+def test_batched_costs_interpolate_in_rows_and_fall_back_to_total_tokens():
+    profile = batched_profile(per_token_ms=1.0, fixed_ms=10.0, drafter_ms=4.0)
+    assert profile.target_time_ms(2, rows=8) == 26.0 and profile.target_time_ms(2, rows=6) == 22.0
+    assert profile.target_time_ms(2, rows=32) > profile.target_time_ms(2, rows=16)  # extended past the last
+    unmeasured = HardwareProfile({1: 10.0, 8: 17.0, 16: 25.0}, 3.0, 128)
+    assert unmeasured.target_time_ms(2, rows=4) == unmeasured.target_time_ms(8)
+    assert HardwareProfile.from_json(profile.to_json()) == profile
+
+
+def test_measured_profile_has_batched_curves(tmp_path):
+    """measure_profile times rows x chain-length forwards and batched drafter steps, cached with them."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treeserve.engine.hardware_profile import BATCH_PROFILE_NODES, BATCH_PROFILE_ROWS, measure_profile
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    profile = measure_profile(model, model, prefix_tokens=16, repeats=1, cache_dir=tmp_path)
+    assert set(profile.batch_target_ms) == set(BATCH_PROFILE_ROWS)
+    assert all(set(c) == set(BATCH_PROFILE_NODES) for c in profile.batch_target_ms.values())
+    assert set(profile.batch_drafter_ms) == set(BATCH_PROFILE_ROWS) and profile.drafter_step_ms > 0
+    assert measure_profile(model, model, prefix_tokens=16, repeats=1, cache_dir=tmp_path) == profile  # cached

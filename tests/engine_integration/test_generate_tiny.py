@@ -186,7 +186,7 @@ def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=chooser)
     calls = []
     draft = local.draft
-    local.draft = lambda requests: calls.append(len(requests)) or draft(requests)
+    local.draft = lambda requests, batch_size=None: calls.append(len(requests)) or draft(requests, batch_size)
     engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
                                TreeConfig(method="dyspec", budget=4, budget_auto=True), max_context_tokens=2048)
     prompt = engine.encode_chat("Tell me about the weather")
@@ -231,7 +231,7 @@ def test_a_plain_decoding_hold_survives_requests_leaving_the_batch(pair):
         def __init__(self):
             self.batch_sizes = []
 
-        def draft(self, requests):
+        def draft(self, requests, batch_size=None):
             self.batch_sizes.append(len(requests))
             return [root_only(r.context) for r in requests]
 

@@ -159,6 +159,19 @@ def test_eagle3_head_on_the_static_step_equals_its_own_forward():
     assert static.static_step is not None
 
 
+def test_a_bucket_wider_than_a_row_pads_into_the_scratch_row():
+    """A 17-token prefill padded to a 32-token bucket in a 24-slot pool: the padding wraps in the scratch row."""
+    model = tiny_llama()
+    settings = StaticStepSettings(batch_buckets=(1,), token_buckets=(1, 32), context_tokens=24)
+    context = list(range(3, 21))
+    eager, static = CachedLM(model), CachedLM(model, static=settings)
+    outs = []
+    for lm in (eager, static):
+        lm.begin("s", context)
+        outs.append(lm.extend([ExtendRequest("s", [context[-1]], [-1])])[0])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
 def test_unsupported_layouts_keep_the_eager_forward():
     model = tiny_llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     lm = CachedLM(model, static=SETTINGS)
