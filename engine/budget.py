@@ -279,3 +279,29 @@ class BudgetChooser:
 
     def summary(self) -> dict[int, float]:
         return {b: round(a.rate, 2) for b, a in sorted(self.arms.items()) if a.steps}
+
+
+def allocate_copies(joints: list[list[float]], rows: int, base_nodes: float, base_tokens: float,
+                    profile: HardwareProfile) -> list[int]:
+    """How many nodes of each row's copy chain a batched step takes: OPT-Tree's criterion across the batch.
+
+    `joints[i]`: row i's copy chain's path probabilities (non-increasing: the expected accepted tokens each
+    node adds); the step already feeds `base_nodes` tokens per row (root and model chain) and is expected to
+    emit `base_tokens`. Copies cost no drafter forward, only target time: a node is taken, highest path
+    probability first across rows, while it raises the step's expected tokens per ms,
+    (tokens + p) / T(nodes + 1) > tokens / T(nodes), with T the measured forward of `rows` rows (spread evenly).
+    So at a batch size where the forward's cost grows with every token, only confident copies are sent, and
+    none when nothing pays (a plain step)."""
+    taken = [0] * len(joints)
+    tokens, extra = base_tokens, 0
+    cost = lambda n: profile.target_time_ms(base_nodes + n / rows, rows)  # noqa: E731
+    while True:
+        heads = [(chain[taken[i]], i) for i, chain in enumerate(joints) if taken[i] < len(chain)]
+        if not heads:
+            return taken
+        p, i = max(heads)
+        if (tokens + p) / cost(extra + 1) <= tokens / cost(extra):
+            return taken
+        taken[i] += 1
+        tokens += p
+        extra += 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from treeserve.engine.budget import BudgetChooser
+from treeserve.engine.budget import BudgetChooser, allocate_copies
 from treeserve.engine.builders import LOOKUP, TreeConfig, make_builder, split_method
 from treeserve.engine.builders.base import check_positive
 from treeserve.engine.c2t_classifier import C2TClassifier
@@ -116,10 +116,10 @@ class LocalDrafter(DrafterBase):
         batch = batch_size or len(requests)
         if speculative and batch > 1:
             depth = self._batch_depth(batch, speculative)
-            # Depth 0 is the chooser's "no drafting pays at this batch size": copy chains would still make every
-            # sequence's target forward longer, so they are left out too (and plain steps may be held).
-            lookups = self._lookup_chains(speculative) if depth > 0 else {}
-            modelled = [r for r in speculative if lookups.get(id(r), (None, True))[1]]
+            # Copy chains cost no drafter forward: each row keeps the part that pays for its target time at
+            # this batch size (`allocate_copies`), whatever depth the model drafts to, 0 included.
+            lookups = self._lookup_chains(speculative, batch, depth)
+            modelled = [r for r in speculative if depth > 0 and lookups.get(id(r), (None, True))[1]]
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
                        for r in modelled]
             if depth > 0 and modelled:
@@ -193,9 +193,11 @@ class LocalDrafter(DrafterBase):
         choosers = {"": self.budget, "copying": self.copy_budget}
         return {context: chooser for context, chooser in choosers.items() if chooser is not None}
 
-    def _lookup_chains(self, speculative: list[DraftRequest]) -> dict[int, tuple[tuple[list[int], list[float]], bool]]:
-        """Batched steps: each lookup request's copy chain (free to draft), and whether the model drafts a chain
-        for it too (not for method "lookup", nor where the chain's first token is confident)."""
+    def _lookup_chains(self, speculative: list[DraftRequest], batch_size: int,
+                       depth: int) -> dict[int, tuple[tuple[list[int], list[float]], bool]]:
+        """Batched steps: each lookup request's copy chain (free to draft), cut to what pays at this batch size
+        when the chooser prices steps (`allocate_copies`), and whether the model drafts a chain for it too (not
+        for method "lookup", nor where the chain's first token is confident)."""
         settings = self.lookups.settings
         out = {}
         for r in speculative:
@@ -206,6 +208,15 @@ class LocalDrafter(DrafterBase):
             chain = lookup_chain(session, self.batch_chain_depth, settings.chain_min_joint)
             confident = bool(chain[1]) and chain[1][0] >= settings.skip_model_above
             out[id(r)] = (chain, base != LOOKUP and not confident)
+        if self._batch_chooser is not None and out:
+            chooser = self._batch_chooser
+            # The step as the chooser expects it: model chains of `depth` (measured rate at that depth).
+            arm = chooser.arms.get(depth)
+            expected = arm.tokens / arm.steps if arm is not None and arm.steps else float(batch_size)
+            keep = allocate_copies([joints for (_, joints), _ in out.values()], batch_size, 1 + depth, expected,
+                                   chooser.profile)
+            out = {key: ((tokens[:n], joints[:n]), modelled)
+                   for (key, ((tokens, joints), modelled)), n in zip(out.items(), keep)}
         return out
 
     def lookup_session(self, session_id: str) -> LookupSession | None:

@@ -194,3 +194,18 @@ def test_measured_profile_has_batched_curves(tmp_path):
     assert all(set(c) == set(BATCH_PROFILE_NODES) for c in profile.batch_target_ms.values())
     assert set(profile.batch_drafter_ms) == set(BATCH_PROFILE_ROWS) and profile.drafter_step_ms > 0
     assert measure_profile(model, model, prefix_tokens=16, repeats=1, cache_dir=tmp_path) == profile  # cached
+
+
+def test_copies_are_allocated_across_the_batch_where_they_pay():
+    """OPT-Tree's criterion over a batch's copy chains: confident copies first whichever row they are in, and
+    none on a curve where each token costs as much as a plain step's share (nothing pays)."""
+    from treeserve.engine.budget import allocate_copies
+
+    chains = [[0.9, 0.8, 0.1], [], [0.6, 0.05]]
+    flat = batched_profile(per_token_ms=0.05, fixed_ms=40.0, drafter_ms=2.0)
+    assert allocate_copies(chains, 4, 1, 4.0, flat) == [3, 0, 2]  # a token costs ~nothing: every copy pays
+    middle = batched_profile(per_token_ms=2.0, fixed_ms=40.0, drafter_ms=2.0)
+    assert allocate_copies(chains, 4, 1, 4.0, middle) == [2, 0, 1]  # the 0.1 and 0.05 copies do not pay
+    steep = batched_profile(per_token_ms=10.0, fixed_ms=0.0, drafter_ms=2.0)  # cost proportional to tokens
+    assert allocate_copies(chains, 4, 1, 4.0, steep) == [0, 0, 0]
+    assert allocate_copies([[0.99, 0.98]], 4, 1, 4.0, steep) == [0]  # a token costs a plain token's share
