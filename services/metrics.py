@@ -16,7 +16,9 @@ Names follow docs/design.md section 7: MAL = tokens emitted per target forward (
   later one carries (observed once per token: a token-weighted distribution).
 - treeserve_queue_depth (admitted requests waiting to join the batch), treeserve_active_sessions (sequences in
   the running batch), treeserve_batch_size, treeserve_generated_tokens_total, treeserve_steps_total,
-  treeserve_replica_retries_total [deployment].
+  treeserve_replica_retries_total [deployment], treeserve_replicas_marked_down_total [deployment] (replicas the
+  router took out of its ring because a call to them failed or their connection dropped: a killed replica counts
+  once per router, services/transport/pool.py).
 
 Metrics that cannot be created are an error (the Router replica fails to start with the reason): a service that
 silently exports nothing is worse than one that does not start. `RouterMetrics(enabled=False)` (unit tests,
@@ -41,7 +43,7 @@ SERIES = ("treeserve_requests_total", "treeserve_generated_tokens_total", "trees
           "treeserve_mean_accepted_length", "treeserve_tree_size_tokens", "treeserve_draft_latency_ms",
           "treeserve_score_latency_ms", "treeserve_verify_latency_ms", "treeserve_time_to_first_token_ms",
           "treeserve_inter_token_latency_ms", "treeserve_queue_depth", "treeserve_active_sessions",
-          "treeserve_batch_size", "treeserve_replica_retries_total")
+          "treeserve_batch_size", "treeserve_replica_retries_total", "treeserve_replicas_marked_down_total")
 
 
 def check_boundaries(boundaries: list[float], name: str) -> None:
@@ -80,7 +82,7 @@ class RouterMetrics:
             self.queue_depth.set(0)
             self.active.set(0)
             return
-        self.requests = self.tokens = self.steps = self.retries = _Noop()
+        self.requests = self.tokens = self.steps = self.retries = self.replicas_down = _Noop()
         self.mal = self.tree_size = self.draft_ms = self.score_ms = self.verify_ms = _Noop()
         self.ttft_ms = self.itl_ms = self.queue_depth = self.active = self.batch_size = _Noop()
 
@@ -112,6 +114,8 @@ class RouterMetrics:
         self.active = Gauge("treeserve_active_sessions", "sequences (sessions) in the running batch")
         self.retries = Counter("treeserve_replica_retries_total", "calls re-sent to another replica",
                                tag_keys=("deployment",))
+        self.replicas_down = Counter("treeserve_replicas_marked_down_total", "replicas taken out of the ring "
+                                     "after a failed call or a dropped connection", tag_keys=("deployment",))
 
     def record_step(self, records: list, batch_size: int) -> None:
         """One batch step: `records` are (method, StepRecord) of the sequences it advanced."""
@@ -124,6 +128,10 @@ class RouterMetrics:
         for method, record in records:
             self.tree_size.observe(record.tree_size, tags={"method": method})
             self.verify_ms.observe(record.verify_ms)
+
+    def record_replica_down(self, deployment: str, reason: str = "") -> None:
+        """ReplicaPool.on_down: one replica of `deployment` marked down (the reason is in the router's log)."""
+        self.replicas_down.inc(tags={"deployment": deployment})
 
     def record_request(self, code: str, method: str | None) -> None:
         self.requests.inc(tags={"code": code, "method": method or "none"})

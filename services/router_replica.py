@@ -56,14 +56,17 @@ class RouterReplica(Router):
         scope = registry_scope(internal_secret)
         max_bytes = config.grpc.max_message_bytes
         timeout = config.limits.request_timeout_s
+        metrics = RouterMetrics(enabled=Registry.available())
         target_pool = ReplicaPool("Target", pb_grpc.TargetStub, serve_discovery(app, "Target", target_handle, scope),
-                                  max_bytes, refresh_period_s=1.0, internal_secret=internal_secret)
+                                  max_bytes, refresh_period_s=1.0, internal_secret=internal_secret,
+                                  on_down=metrics.record_replica_down)
         target = RemoteTarget(target_pool, vocab_size, call_timeout_s=timeout, retry_timeout_s=timeout)
         drafter = None
         if drafter_handle is not None and config.speculation.method != AUTOREGRESSIVE:
             drafter_pool = ReplicaPool("Drafter", pb_grpc.DrafterStub,
                                        serve_discovery(app, "Drafter", drafter_handle, scope), max_bytes,
-                                       refresh_period_s=1.0, internal_secret=internal_secret)
+                                       refresh_period_s=1.0, internal_secret=internal_secret,
+                                       on_down=metrics.record_replica_down)
             drafter = RemoteDrafter(drafter_pool, call_timeout_s=timeout,
                                     reads_target_features=config.drafter.reads_target_features())
             # Rows the target recomputes (a replica rebuilt the session) must reach the drafter replicas too.
@@ -73,7 +76,7 @@ class RouterReplica(Router):
                                    config.target.max_context_tokens, eos_token_ids=eos_ids)
         # The model's name for the OpenAI API: the target's path as configured, its last component.
         model_name = Path(config.target.path).name or config.target.path
-        super().__init__(engine, config.limits, RouterMetrics(enabled=Registry.available()),
+        super().__init__(engine, config.limits, metrics,
                          clients=[target, drafter], router_id=replica_id, model_name=model_name)
         self.config = config
         self.api_server = None

@@ -8,6 +8,7 @@ loop. `LoopBridge` runs a client's coroutine on that loop and waits for it from 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Any, Awaitable
 
 
@@ -28,7 +29,12 @@ class LoopBridge:
         if running is loop:
             coro.close()
             raise RuntimeError("sync client method called on its own event loop; use the async method")
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        except concurrent.futures.CancelledError as exc:
+            # Raised as is, asyncio.to_thread would turn it into asyncio.CancelledError in the router's step loop,
+            # which then ends silently (not an Exception) and every stream waits forever: make it a failed call.
+            raise RuntimeError("a replica call was cancelled before it finished") from exc
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.loop = loop or asyncio.get_running_loop()

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 log = logging.getLogger("treeserve.grpc")
@@ -36,6 +36,10 @@ def replica_identity() -> tuple[str, str, str]:
 class Endpoint:
     replica_id: str
     address: str
+    # Wall-clock time (time.time() on the replica) of its last registry heartbeat; None where the source has no
+    # heartbeat (a fixed list, the deployment handle). A pool re-probes a replica it marked down once this is
+    # newer than the failure: the replica is evidently still running (services/transport/pool.py).
+    heartbeat: float | None = field(default=None, compare=False)
 
 
 HEARTBEAT_PERIOD_S = 5.0
@@ -89,7 +93,7 @@ class Registry:
             if raw:
                 data = json.loads(raw)
                 if data.get("time", oldest) >= oldest:
-                    out.append(Endpoint(data["replica_id"], data["address"]))
+                    out.append(Endpoint(data["replica_id"], data["address"], data.get("time")))
         return out
 
 

@@ -1,8 +1,13 @@
 """The router's view of one deployment's replicas, and calls that survive losing one.
 
 `ReplicaPool` holds a channel per live replica (found through services/transport/discovery.py and probed with
-Health before use), chooses each session's replica on a consistent-hash ring (so its KV cache is reused), drops
-a replica that fails with a cool-down before it is probed again, and refreshes to see scale-out.
+Health before use), chooses each session's replica on a consistent-hash ring (so its KV cache is reused), and
+refreshes to see scale-out. A replica is marked down the moment a call to it fails or its connection drops (a
+watch on each channel's connectivity sees a killed replica within milliseconds, before any call to it): it leaves
+the ring at once, so new sessions hash onto live replicas only, and discovery does not bring it back while its
+registry entry is still listed (a killed replica's entry stays until its heartbeats age out). It is probed again,
+and re-admitted only if the probe answers, once its registry heartbeat is newer than the failure (it is running),
+after a cool-down, or when no replica is left and a caller is waiting for one.
 
 `GroupedCaller` sends per-session items grouped by their replica. Every request carries the full context, so
 any replica can rebuild a session's cache: a group whose replica failed is sent again to the others. A replica
@@ -23,6 +28,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
+from treeserve.services.internal_auth import client_interceptors
 from treeserve.services.transport.bridge import LoopBridge
 from treeserve.services.transport.discovery import Discovery, Endpoint
 from treeserve.services.transport.replica_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
@@ -37,6 +43,12 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grp
 # Of those, the one a healthy replica answers when its KV pool (max_sessions x max_context_tokens) is full.
 FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
 
+_State = grpc.ChannelConnectivity
+# A replica marked down keeps its channel this long for the calls already on it: closing a grpc.aio channel
+# cancels them (asyncio.CancelledError in the caller), where on a dead connection they fail by themselves
+# (UNAVAILABLE) and on a live replica they may still finish.
+CLOSE_GRACE_S = 30.0
+
 
 def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
@@ -50,6 +62,16 @@ class LiveReplica:
 
 
 @dataclass
+class Down:
+    """A replica marked down: when (monotonic, for the cool-down), and the newest registry heartbeat that does not
+    prove it running (wall clock: the failure's time, or a heartbeat whose probe then failed)."""
+
+    at: float
+    seen_heartbeat: float
+    reason: str
+
+
+@dataclass
 class ReplicaPool:
     """Live replicas of one deployment, chosen per session by consistent hashing."""
 
@@ -58,15 +80,20 @@ class ReplicaPool:
     discover: Discovery  # lists the deployment's replicas
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     virtual_nodes: int = 64
-    cooldown_s: float = 10.0  # a dropped replica is not re-probed before this
+    cooldown_s: float = 10.0  # a replica marked down is not re-probed before this (unless it heartbeats anew)
     refresh_period_s: float = 5.0  # background refresh (scale-out) at most this often
     probe_timeout_s: float = 2.0
     internal_secret: str | None = None  # signs every call (services/internal_auth.py)
+    watch_connections: bool = True  # mark a replica down when its channel fails (see `_watch`)
+    on_down: Callable[[str, str], None] | None = None  # (pool name, reason) per replica marked down: metrics
     live: dict[str, LiveReplica] = field(default_factory=dict)
-    _dropped: dict[str, float] = field(default_factory=dict)
+    down: dict[str, Down] = field(default_factory=dict)
+    marked_down: int = 0  # replicas taken out of the ring after a failed call or a dropped connection
     _ring: list[tuple[int, str]] = field(default_factory=list)
     _last_refresh: float = 0.0
     _lock: asyncio.Lock | None = None
+    _watchers: dict[str, asyncio.Task] = field(default_factory=dict)
+    _refresh_task: asyncio.Task | None = None
 
     # -------------------------------------------------------------- choice
     def pick(self, session_id: str, exclude: set[str] = frozenset()) -> LiveReplica | None:
@@ -84,20 +111,56 @@ class ReplicaPool:
         self._ring = sorted((_hash(f"{rid}#{v}"), rid) for rid in self.live for v in range(self.virtual_nodes))
 
     # -------------------------------------------------------------- membership
-    def drop(self, replica_id: str, reason: str = "") -> None:
-        live = self.live.pop(replica_id, None)
-        if live is None:
-            return
-        log.warning("dropping %s replica %s (%s): %s", self.name, replica_id, live.endpoint.address, reason)
-        self._dropped[replica_id] = time.monotonic()
+    def _remove(self, replica_id: str, live: LiveReplica | None) -> LiveReplica | None:
+        """Take the replica out of the ring and close its channel; `live`: only if it is still that instance (a
+        failure seen on an old channel must not remove a replica re-admitted meanwhile)."""
+        current = self.live.get(replica_id)
+        if current is None or (live is not None and current is not live):
+            return None
+        del self.live[replica_id]
+        watcher = self._watchers.pop(replica_id, None)
+        if watcher is not None and watcher is not _current_task():
+            watcher.cancel()
         self._rebuild_ring()
-        asyncio.ensure_future(live.channel.close())
+        asyncio.ensure_future(current.channel.close(CLOSE_GRACE_S))
+        return current
+
+    def mark_down(self, replica_id: str, reason: str = "", live: LiveReplica | None = None) -> None:
+        """A call to the replica failed or its connection dropped: no new session goes to it, and discovery does not
+        re-admit it until a probe answers (see the module docstring)."""
+        removed = self._remove(replica_id, live)
+        if removed is None:
+            return
+        log.warning("%s replica %s (%s) marked down: %s", self.name, replica_id, removed.endpoint.address, reason)
+        self.down[replica_id] = Down(time.monotonic(), time.time(), reason)
+        self.marked_down += 1
+        if self.on_down is not None:
+            self.on_down(self.name, reason)
+
+    def _probe_due(self, endpoint: Endpoint, now: float, desperate: bool) -> bool:
+        """Whether a listed replica not in the ring should be probed now. `desperate`: none is live and the caller
+        waits for one, so every listed replica is worth a probe."""
+        down = self.down.get(endpoint.replica_id)
+        if down is None or desperate:
+            return True
+        if endpoint.heartbeat is not None and endpoint.heartbeat > down.seen_heartbeat:
+            return True  # it re-published after the failure: running (a probe still decides)
+        return now - down.at >= self.cooldown_s
 
     async def refresh(self, force: bool = False) -> None:
-        """Re-list replicas: add new ones that answer a Health probe, forget ones no longer listed."""
-        now = time.monotonic()
-        if not force and now - self._last_refresh < self.refresh_period_s:
+        """Re-list replicas: add those that answer a Health probe, forget ones no longer listed. At most every
+        `refresh_period_s` unless forced. Only the first refresh and forced ones are awaited: the others run in
+        the background, so a step never waits on discovery or on probing an address that does not answer."""
+        if force or not self._last_refresh:
+            await self._refresh(force)
             return
+        if time.monotonic() - self._last_refresh < self.refresh_period_s:
+            return
+        if self._refresh_task is None or self._refresh_task.done():
+            self._refresh_task = asyncio.ensure_future(self._refresh(False))
+            self._refresh_task.add_done_callback(_log_failure)
+
+    async def _refresh(self, force: bool) -> None:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -110,23 +173,36 @@ class ReplicaPool:
                 listed = []
             self._last_refresh = time.monotonic()
             ids = {e.replica_id for e in listed}
-            for rid in [r for r in self.live if r not in ids and listed]:
-                self.drop(rid, "no longer registered")
-            new = [e for e in listed if e.replica_id not in self.live
-                   and time.monotonic() - self._dropped.get(e.replica_id, -1e9) >= self.cooldown_s]
+            if listed:  # an empty list is more likely a discovery hiccup than every replica gone
+                for rid in [r for r in self.live if r not in ids]:
+                    self._remove(rid, None)
+                    log.warning("%s replica %s no longer registered", self.name, rid)
+                for rid in [r for r in self.down if r not in ids]:
+                    del self.down[rid]  # its entry is gone: should it come back, it is probed like a new one
+            now = time.monotonic()
+            desperate = force and not self.live
+            new = [e for e in listed if e.replica_id not in self.live and self._probe_due(e, now, desperate)]
             probes = await asyncio.gather(*(self._probe(e) for e in new))
             for endpoint, live in zip(new, probes):
+                rid = endpoint.replica_id
                 if live is not None:
-                    self.live[endpoint.replica_id] = live
-                    self._dropped.pop(endpoint.replica_id, None)
+                    previous = self.down.pop(rid, None)
+                    if previous is not None:
+                        log.info("%s replica %s (%s) answers again; back in the pool", self.name, rid,
+                                 endpoint.address)
+                    self.live[rid] = live
+                    self._start_watch(rid, live)
                 else:
-                    self._dropped[endpoint.replica_id] = time.monotonic()
-                    await asyncio.to_thread(self.discover.forget, endpoint)
+                    previous = self.down.get(rid)
+                    seen = max(previous.seen_heartbeat if previous else time.time(), endpoint.heartbeat or 0.0)
+                    self.down[rid] = Down(time.monotonic(), seen, "did not answer its probe")
+                    try:
+                        await asyncio.to_thread(self.discover.forget, endpoint)
+                    except Exception as exc:
+                        log.warning("could not withdraw %s replica %s: %s", self.name, rid, exc)
             self._rebuild_ring()
 
     async def _probe(self, endpoint: Endpoint) -> LiveReplica | None:
-        from treeserve.services.internal_auth import client_interceptors
-
         channel = grpc.aio.insecure_channel(endpoint.address, options=channel_options(self.max_message_bytes),
                                             interceptors=client_interceptors(self.internal_secret, endpoint.address))
         stub = self.stub_class(channel)
@@ -137,6 +213,40 @@ class ReplicaPool:
             return None
         return LiveReplica(endpoint, channel, stub)
 
+    # -------------------------------------------------------------- connection watch
+    def _start_watch(self, replica_id: str, live: LiveReplica) -> None:
+        if self.watch_connections:
+            self._watchers[replica_id] = asyncio.ensure_future(self._watch(replica_id, live))
+
+    async def _watch(self, replica_id: str, live: LiveReplica) -> None:
+        """Mark the replica down as soon as its channel fails to connect. A replica killed on a live host closes
+        its connection: the channel goes IDLE, and reconnecting at once (rather than at the next call) finds the
+        port closed within milliseconds (TRANSIENT_FAILURE), so the ring loses it before any session is sent
+        there. A live replica's channel that went IDLE (idle timeout, GOAWAY) just reconnects."""
+        channel = live.channel
+        try:
+            state = channel.get_state(try_to_connect=True)
+            while self.live.get(replica_id) is live:
+                if state == _State.TRANSIENT_FAILURE:
+                    self.mark_down(replica_id, "connection lost", live)
+                    return
+                if state == _State.SHUTDOWN:
+                    return
+                if state == _State.IDLE:
+                    state = channel.get_state(try_to_connect=True)
+                    if state != _State.IDLE:
+                        continue
+                await channel.wait_for_state_change(state)
+                state = channel.get_state()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the channel closed under the watch: nothing left to watch
+            log.debug("%s replica %s: connection watch ended: %r", self.name, replica_id, exc)
+        finally:
+            if self._watchers.get(replica_id) is _current_task():
+                del self._watchers[replica_id]
+
+    # -------------------------------------------------------------- waiting, broadcast, close
     async def wait_for_replica(self, deadline: float) -> bool:
         """Refresh until a replica is live or the monotonic `deadline` passes."""
         delay = 0.1
@@ -158,12 +268,27 @@ class ReplicaPool:
         return [r for r in replies if not isinstance(r, BaseException)]
 
     async def close(self) -> None:
+        tasks = list(self._watchers.values()) + ([self._refresh_task] if self._refresh_task is not None else [])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watchers.clear()
         for live in list(self.live.values()):
             await live.channel.close()
         self.live.clear()
         self._ring = []
 
 
+def _current_task() -> asyncio.Task | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return None
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("background replica refresh failed: %r", task.exception())
 
 
 class NoReplicaError(RuntimeError):
@@ -186,7 +311,7 @@ def describe(exc: BaseException) -> str:
 
 
 class GroupedCaller(LoopBridge):
-    """Send per-session items grouped by their affine replica. On a retryable failure drop the replica and
+    """Send per-session items grouped by their affine replica. On a retryable failure mark the replica down and
     re-send the failed group's items (regrouped on the smaller ring) until `retry_timeout_s` passes. A full
     replica (RESOURCE_EXHAUSTED) stays in the pool: its group goes to the replicas not yet refused for this call,
     and `ReplicasFullError` says when none has room."""
@@ -223,8 +348,15 @@ class GroupedCaller(LoopBridge):
             live = self.pool.live.get(replica_id)
             try:
                 if live is None:
-                    raise Retry("replica dropped meanwhile")
-                out = await send(live, group)
+                    raise Retry("replica marked down meanwhile")
+                try:
+                    out = await send(live, group)
+                except asyncio.CancelledError:
+                    # grpc.aio cancels the calls of a channel being closed (its replica was marked down and the
+                    # grace passed): a failed call, unless this task itself is being cancelled.
+                    if asyncio.current_task().cancelling():
+                        raise
+                    raise Retry("call cancelled: its replica's channel was closed") from None
             except (grpc.aio.AioRpcError, Retry) as exc:
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in RETRYABLE:
                     raise
@@ -233,7 +365,7 @@ class GroupedCaller(LoopBridge):
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == FULL:
                     full[replica_id] = exc.details() or "KV pool full"
                 elif live is not None:
-                    self.pool.drop(replica_id, describe(exc))
+                    self.pool.mark_down(replica_id, describe(exc), live)
                 self.retries += 1
                 out = await self._grouped(group, session_of, send, deadline, full)
             for i, value in zip(idx, out):
