@@ -226,6 +226,10 @@ class BudgetChooser:
         self.current = budget
         return budget, 0
 
+    def repeat(self) -> None:
+        """The next step keeps the current decision (a tree drafted ahead at this budget): credit its records."""
+        self.owed = 1.0 + self.held
+
     def fresh(self, **changes) -> "BudgetChooser":
         """A chooser with these settings (and `changes`) and none of this one's measurements (another context
         or batch size measures its own)."""

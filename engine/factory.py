@@ -66,7 +66,7 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
                  drafter_kind: str | None = None, lookup: LookupSettings | None = None,
                  drafter_dtype: str | None = None, cuda_graphs: bool = True, cost_curve: str | None = None,
-                 **tree_overrides) -> SpeculativeEngine:
+                 run_ahead: bool = False, **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
     the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's default
@@ -75,7 +75,9 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     `drafter_dtype` the drafter's: None = `dtype`, a dtype name, or "auto" (measured: dtype_choice.py).
     `cuda_graphs`: on a CUDA device the target and the drafter run the static-shape step replayed as CUDA graphs
     (engine/runners/static_step.py); False keeps the models' own eager forwards. `cost_curve`: budget "auto"
-    reads the target's cost curve from this `treeserve profile` file (of this target, device and dtype)."""
+    reads the target's cost curve from this `treeserve profile` file (of this target, device and dtype).
+    `run_ahead`: the drafter drafts the next step's trees on a thread while the target scores
+    (engine/drafters/run_ahead.py; pays where the drafter has cores or a device of its own)."""
     torch_dtype = parse_dtype(dtype)
     drafter_torch_dtype = parse_drafter_dtype(drafter_dtype or dtype)
     if drafter_path is None:
@@ -107,4 +109,4 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                                           static=static),
                              drafter, target.tokenizer,
                              tree_config(method, budget, **tree_overrides), max_context_tokens,
-                             eos_token_ids=target.eos_token_ids)
+                             eos_token_ids=target.eos_token_ids, run_ahead=run_ahead)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
@@ -73,7 +74,7 @@ class SpeculativeEngine:
     beside the tokenizer's EOS, as `generate` stops); the tokenizer's EOS always stops, with or without them."""
 
     def __init__(self, target: Target, drafter: Drafter | None, tokenizer, tree: TreeConfig,
-                 max_context_tokens: int, eos_token_ids: Iterable[int] = ()):
+                 max_context_tokens: int, eos_token_ids: Iterable[int] = (), run_ahead: bool = False):
         if drafter is None and tree.method != AUTOREGRESSIVE:
             raise ValueError(f"tree method {tree.method!r} needs a drafter")
         self.target = target
@@ -92,6 +93,9 @@ class SpeculativeEngine:
         # plain decoding; they skip the drafter call (for a remote drafter, its round trip). Keyed on the
         # bucket, not the exact size, so requests arriving or finishing one by one keep the hold.
         self._plain_hold = (0, 0)
+        # Run-ahead in-process: the drafter drafts the next step's trees on a thread of its own while the target
+        # scores (engine/drafters/run_ahead.py). Worth it where the drafter has a device or cores of its own.
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="treeserve-run-ahead") if run_ahead else None
 
     # ------------------------------------------------------------------ public API
     def encode_chat(self, text_or_messages: str | list[dict]) -> list[int]:
@@ -137,7 +141,10 @@ class SpeculativeEngine:
         recorder = StepRecorder(batch, self.drafter)
         trees, called_drafter = self.draft(batch)
         recorder.drafted(called_drafter)
+        ahead = self._ahead.submit(self.drafter.draft_ahead) if self._ahead and called_drafter else None
         dists = self.target.score([self.score_request(s, tree) for s, tree in zip(batch, trees)])
+        if ahead is not None:
+            ahead.result()
         recorder.scored()
         for s, tree, dist in zip(batch, trees, dists):
             result = verify_tree(tree, dist, s.request.sampling, s.generator)

@@ -33,7 +33,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     """Draft / Release / Health over one drafter; the model work runs on the servicer's worker thread."""
 
     def __init__(self, drafter: Drafter, vocab_size: int, replica_id: str = "local",
-                 default_method: str = DEFAULT_METHOD):
+                 default_method: str = DEFAULT_METHOD, run_ahead: bool = True):
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.replica_id = replica_id
@@ -43,7 +43,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.clock = SessionClock()  # replicas set clock.idle_s: orphaned sessions are freed
         # Only an EAGLE drafter reads the target's features (the hidden size, or 3x it for EAGLE-3's fused layers).
         self.features = FeatureStore(drafter.target_feature_size) if drafter.reads_target_features else None
-
+        # Run-ahead: after answering a Draft, the worker drafts the next step's trees while the router has the
+        # Target score this one (engine/drafters/run_ahead.py); the next Draft waits for it on the same thread.
+        self.run_ahead = run_ahead
     def _requests(self, message: pb.DraftRequest) -> list[tuple[DraftRequest, tuple[torch.Tensor, int] | None]]:
         """Each item as a DraftRequest (without its features) and its feature delta (rows, start), if any."""
         from treeserve.engine.factory import tree_config
@@ -78,6 +80,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 rows, start = delta
                 request.features = self.features.write(request.session_id, start, rows)
             requests.append(request)
+        hits, misses = self.drafter.run_ahead_hits, self.drafter.run_ahead_misses
         try:
             # The router's whole batch shares one target forward, however many of its sequences hash here.
             trees = self.drafter.draft(requests, max(message.router_batch_size, len(message.items)))
@@ -88,11 +91,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 draft_ms=(time.perf_counter() - started) * 1e3,
                                 draft_model_ms=self.drafter.last_model_ms,
                                 draft_forward_ms=self.drafter.last_forward_ms,
-                                plain_steps_held=self.drafter.hold_steps)
+                                plain_steps_held=self.drafter.hold_steps,
+                                run_ahead_hits=self.drafter.run_ahead_hits - hits,
+                                run_ahead_misses=self.drafter.run_ahead_misses - misses)
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:
         try:
-            return await self.worker.run(self._draft, request)
+            response = await self.worker.run(self._draft, request)
+            if self.run_ahead and response.trees:
+                self.worker.submit(self.drafter.draft_ahead)
+            return response
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVPoolExhausted as exc:  # the bounded KV pool (max_sessions x max_context_tokens) is full
@@ -135,7 +143,8 @@ class DrafterReplica(GrpcReplica):
         config = AppConfig.from_args(args)
         if drafter is None:
             drafter, vocab_size = load_drafter_from_config(config)
-        self.servicer = DrafterServicer(drafter, int(vocab_size), default_method=config.speculation.method)
+        self.servicer = DrafterServicer(drafter, int(vocab_size), default_method=config.speculation.method,
+                                        run_ahead=config.speculation.run_ahead)
         # No request outlives limits.request_timeout_s; a session unused for twice that has no router.
         self.servicer.clock.idle_s = 2 * config.limits.request_timeout_s
         self._start_server(pb_grpc.add_DrafterServicer_to_server, config.grpc.max_message_bytes, internal_secret)

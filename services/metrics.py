@@ -114,6 +114,16 @@ class RouterMetrics:
         self.active = Gauge("treeserve_active_sessions", "sequences (sessions) in the running batch")
         self.retries = Counter("treeserve_replica_retries_total", "calls re-sent to another replica",
                                tag_keys=("deployment",))
+        self.plain_steps = Counter("treeserve_plain_steps_total", "batch steps that sent no draft token (every "
+                                   "sequence's tree was its root: the budget chooser found nothing that pays, or a prefill)")
+        self.nodes_per_step = Histogram("treeserve_step_draft_tokens", "draft (candidate) tokens of a whole batch step",
+                                        boundaries=TREE_SIZE_BOUNDARIES)
+        self.prefill_step_ms = Histogram("treeserve_prefill_step_ms", "wall time of batch steps that prefilled an "
+                                         "arriving request (the stall the running sequences see)",
+                                         boundaries=LATENCY_MS_BOUNDARIES)
+        self.run_ahead = Counter("treeserve_run_ahead_total", "steps of greedy batch-1 sequences whose Drafter had "
+                                 "trees drafted ahead, by outcome: hit (the tree was ready) or miss",
+                                 tag_keys=("outcome",))
         self.replicas_down = Counter("treeserve_replicas_marked_down_total", "replicas taken out of the ring "
                                      "after a failed call or a dropped connection", tag_keys=("deployment",))
 
@@ -125,9 +135,24 @@ class RouterMetrics:
         self.batch_size.observe(batch_size)
         self.draft_ms.observe(records[0][1].draft_ms)
         self.score_ms.observe(records[0][1].score_ms)
+        nodes = sum(record.tree_size for _, record in records)
+        self.nodes_per_step.observe(nodes)
+        if nodes == 0:
+            self.plain_steps.inc()
         for method, record in records:
             self.tree_size.observe(record.tree_size, tags={"method": method})
             self.verify_ms.observe(record.verify_ms)
+
+    def record_prefill_step(self, ms: float) -> None:
+        if self.enabled:
+            self.prefill_step_ms.observe(ms)
+
+    def record_run_ahead(self, hits: int, misses: int) -> None:
+        if self.enabled:
+            if hits:
+                self.run_ahead.inc(hits, tags={"outcome": "hit"})
+            if misses:
+                self.run_ahead.inc(misses, tags={"outcome": "miss"})
 
     def record_replica_down(self, deployment: str, reason: str = "") -> None:
         """ReplicaPool.on_down: one replica of `deployment` marked down (the reason is in the router's log)."""

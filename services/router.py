@@ -212,9 +212,15 @@ class Router:
                 continue
             jobs = list(self._active)
             batch = [j.seq for j in jobs]
+            prefill = any(not s.steps for s in batch)
+            drafter = self.engine.drafter
+            ahead = (drafter.run_ahead_hits, drafter.run_ahead_misses) if drafter is not None else (0, 0)
+            started = time.monotonic()
             try:
                 await asyncio.to_thread(self._locked, self.engine.step, batch)
-            except Exception as exc:  # the engine already retried on other replicas: fail this batch
+            except (Exception, asyncio.CancelledError) as exc:  # retried on other replicas already: fail the batch
+                if isinstance(exc, asyncio.CancelledError) and self._task is not None and self._task.cancelling():
+                    raise  # the router is closing
                 from treeserve.services.transport.pool import NoReplicaError, ReplicasFullError
 
                 if isinstance(exc, ReplicasFullError):  # healthy replicas without room: over capacity
@@ -231,6 +237,10 @@ class Router:
                 continue
             self.steps += 1
             self.metrics.record_step([(j.method, j.seq.steps[-1]) for j in jobs if j.seq.steps], len(batch))
+            if prefill:
+                self.metrics.record_prefill_step((time.monotonic() - started) * 1e3)
+            if drafter is not None:
+                self.metrics.record_run_ahead(drafter.run_ahead_hits - ahead[0], drafter.run_ahead_misses - ahead[1])
             self._count_retries()
             for job in jobs:
                 if job in self._active:

@@ -16,6 +16,8 @@ chain joins its C2T chain in one tree (or replaces it where the lookup is confid
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from treeserve.engine.budget import BudgetChooser, allocate_copies
@@ -26,6 +28,8 @@ from treeserve.engine.drafters.base import AUTOREGRESSIVE, DrafterBase, DraftReq
 from treeserve.engine.drafters.batched_c2t_chains import draft_c2t_chains
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND
+from treeserve.engine.drafters.run_ahead import (BONUS_CANDIDATES, GUESSES, TREE_SPAN, AheadTree, OffsetOracle,
+                                                 RunAheadStore, likely_path)
 from treeserve.engine.lookup import (HybridOracle, LookupSession, LookupSettings, LookupSources, head_index,
                                      lookup_chain, merge_chains, plan_lookup)
 from treeserve.engine.requests import StepRecord
@@ -71,10 +75,23 @@ class LocalDrafter(DrafterBase):
         # bandit with two contexts). Created on first use; `budget` measures every other batch-1 step.
         self.copy_budget: BudgetChooser | None = None
         self._step_chooser: BudgetChooser | None = None  # the chooser that decided the last batch-1 step
+        # Run-ahead (engine/drafters/run_ahead.py): trees drafted for the next step while the target scores this
+        # one, and what the last batch-1 step drafted with (request, tree, builder at its budget, its chooser).
+        self.run_ahead = RunAheadStore()
+        self._last_step: tuple[DraftRequest, TokenTree, object, BudgetChooser | None] | None = None
+        self._ahead_chooser: BudgetChooser | None = None  # the chooser whose decision the ahead trees follow
 
     @property
     def model(self) -> torch.nn.Module:
         return self.runner.lm.model
+
+    @property
+    def run_ahead_hits(self) -> int:
+        return self.run_ahead.hits
+
+    @property
+    def run_ahead_misses(self) -> int:
+        return self.run_ahead.misses
 
     @property
     def lm(self):
@@ -137,7 +154,11 @@ class LocalDrafter(DrafterBase):
                 self.hold_steps = 0  # the lookup is checked every step
         elif speculative:
             (r,) = speculative
-            if split_method(r.tree.method)[1]:
+            self._last_step = None
+            ahead = self._ahead_hit(r)
+            if ahead is not None:
+                trees[id(r)] = ahead
+            elif split_method(r.tree.method)[1]:
                 tree = self._draft_hybrid(r)
                 if tree is not None:
                     trees[id(r)] = tree
@@ -150,6 +171,7 @@ class LocalDrafter(DrafterBase):
                 if builder is not None:  # None: the chooser found that no drafting pays this step
                     generator = torch.Generator().manual_seed(r.seed)
                     trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
+                    self._last_step = (r, trees[id(r)], builder, self._step_chooser)
         self.last_model_ms = (self.runner.seconds - runner_seconds) * 1e3
         self.last_forward_ms = (self.runner.lm.forward_seconds - forward_seconds) * 1e3
         return [trees.get(id(r)) or root_only(r.context) for r in requests]
@@ -178,7 +200,58 @@ class LocalDrafter(DrafterBase):
                                  r.sampling, generator)
         model = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
         oracle = HybridOracle(model, session, self.runner.vocab_size, head_index=self._head_index)
-        return builder.build(root, oracle, r.sampling, generator)
+        tree = builder.build(root, oracle, r.sampling, generator)
+        ahead_builder = self.builder(replace(r.tree, method=base))  # run-ahead trees: the model's part alone
+        if auto:
+            ahead_builder = self.budget.resized(ahead_builder, budget)
+        self._last_step = (r, tree, ahead_builder, self._step_chooser)
+        return tree
+
+    # ------------------------------------------------------------------ run-ahead (engine/drafters/run_ahead.py)
+    def draft_ahead(self) -> bool:
+        """Draft the next step's trees for the last batch-1 greedy step, for the outcomes of its verification the
+        drafter expects (engine/drafters/run_ahead.py; call it while the target scores that step). False when
+        there is nothing to draft ahead: no such step, a sampled one, a tree without draft nodes."""
+        if self._last_step is None:
+            return False
+        r, tree, builder, chooser = self._last_step
+        self._last_step = None
+        path = likely_path(tree)
+        if not path or not r.sampling.is_greedy:
+            return False
+        self._ahead_chooser = chooser
+        chain = [r.context[-1], *(int(tree.tokens[n]) for n in path)]
+        oracle = self.runner.begin(r.session_id, r.context, r.sampling, None, r.features)
+        base = len(chain)
+        for length in range(len(path), max(-1, len(path) - GUESSES), -1):
+            end = path[length - 1] if length else 0
+            rejected = {int(tree.tokens[c]) for c in tree.children(end)}
+            # The drafter's distribution after the guessed path (chain node `length`, fed once for all guesses).
+            top = oracle.summarize(chain[:length + 1], [-1, *range(length)], [length],
+                                   BONUS_CANDIDATES + len(rejected), False)
+            bonuses = [int(t) for t in top.tokens[0].tolist() if int(t) not in rejected][:BONUS_CANDIDATES]
+            for bonus in bonuses:
+                ahead = builder.build(bonus, OffsetOracle(oracle, chain[:length + 1], length, base), r.sampling,
+                                      torch.Generator().manual_seed(r.seed + 1))
+                base += TREE_SPAN
+                if ahead.num_nodes > 1:
+                    self.run_ahead.put(r.session_id, AheadTree(r.context + chain[1:length + 1] + [bonus], ahead))
+        return True
+
+    def _ahead_hit(self, r: DraftRequest) -> TokenTree | None:
+        """The tree drafted ahead for this step, if the context is the one it assumed (then the step is credited
+        to the budget that drafted it, and the lookup, if any, still indexes the emitted tokens)."""
+        if not self.run_ahead.trees or not r.sampling.is_greedy:
+            return None
+        tree = self.run_ahead.take(r.session_id, r.context)
+        if tree is None:
+            return None
+        if split_method(r.tree.method)[1]:
+            self.lookups.session(r.session_id, r.context)
+        if self._ahead_chooser is not None:
+            self._ahead_chooser.repeat()
+            self._step_chooser = self._ahead_chooser
+        return tree
 
     def _hybrid_chooser(self, gains: list[float]) -> BudgetChooser:
         """The chooser measuring this hybrid step's context: `copy_budget` where the lookup-only plan expects
@@ -252,5 +325,6 @@ class LocalDrafter(DrafterBase):
             chooser.observe(record)
 
     def release(self, session_id: str) -> bool:
+        self.run_ahead.drop(session_id)
         looked = self.lookups.release(session_id)
         return self.runner.release(session_id) or looked

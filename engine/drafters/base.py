@@ -92,6 +92,11 @@ class Drafter(Protocol):
         nothing to copy; "copying": a hybrid's steps where the lookup expects to copy); empty without one."""
         ...
 
+    def draft_ahead(self) -> bool:
+        """Draft the next step's trees from the expected outcome of the last one, while the target scores it
+        (engine/drafters/run_ahead.py); False when there was nothing to draft ahead."""
+        ...
+
     def release(self, session_id: str) -> bool:
         """Free the session's state; True if there was any."""
         ...
@@ -116,6 +121,8 @@ class DrafterBase:
     model: torch.nn.Module | None = None
     lm: CachedLM | None = None
     budget: BudgetChooser | None = None
+    run_ahead_hits: int = 0  # steps answered with a tree drafted ahead (engine/drafters/run_ahead.py)
+    run_ahead_misses: int = 0  # steps whose trees drafted ahead did not match their context
 
     def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
         raise NotImplementedError
@@ -125,6 +132,10 @@ class DrafterBase:
 
     def step_choosers(self) -> dict[str, BudgetChooser]:
         return {"": self.budget} if self.budget is not None else {}
+
+    def draft_ahead(self) -> bool:
+        """Nothing to draft ahead by default (drafters without run-ahead)."""
+        return False
 
     def release(self, session_id: str) -> bool:
         raise NotImplementedError

@@ -35,6 +35,10 @@ class SpeculationConfig:
         "copy-from-context drafting of the lookup methods (lookup, <method>+lookup): index sizes, calibration, "
         "and the optional cross-request index of recent outputs (shared_tokens, off by default)",
         default_factory=LookupSettings)
+    run_ahead: bool = described(
+        "the Drafter replica drafts the next step's trees, for the verification outcomes it expects, while the "
+        "Target scores the current step (greedy requests at batch size 1); a step whose context matches one is "
+        "answered at once. Output is unchanged (engine/drafters/run_ahead.py)", default=True)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         if self.budget != "auto" and not 1 <= self.budget <= 1024:

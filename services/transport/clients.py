@@ -124,6 +124,8 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
                 deltas.sent(r, address)
             self.last_model_ms, self.last_forward_ms = reply.draft_model_ms, reply.draft_forward_ms
             holds.append(reply.plain_steps_held)
+            self.run_ahead_hits += reply.run_ahead_hits
+            self.run_ahead_misses += reply.run_ahead_misses
             return [wire.decode_tree(t) for t in reply.trees]
 
         try:
