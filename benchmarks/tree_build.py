@@ -19,6 +19,13 @@ on a chat-templated dev prompt, its forwards, KV upkeep, warping and summaries e
 time, the builder's CPU measured between them ("drafter" column; 768-node builds are skipped there:
 one forward per node).
 
+A second table gives the router's share for each 64-node tree built above (issue 42: building and verifying
+a 64-node tree should stay under 0.5 ms of router CPU, next to a ~10 ms 70B target step on a GPU): validation
+as the wire decode does it (`TokenTree.build` from lists), and verification at temperature 0 (target argmax)
+and at temperature 1 (target probabilities over the full vocabulary, half of each row following the draft:
+`target_for_tree`), each the median CPU time of 201 runs. On a shared machine, repeat the whole run and
+compare medians.
+
     python benchmarks/tree_build.py [--repeats 15] [--vocab 49152] [--drafter distilled|none|DIR]
 """
 
@@ -40,6 +47,7 @@ from treeserve.engine.builders.base import DraftOracle, RowSummary
 from treeserve.engine.c2t_classifier import top_entropy
 from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows
 from treeserve.engine.tree import TokenTree, ancestor_mask
+from treeserve.engine.verify import TargetDists, verify_tree
 
 
 def dfs_order(tree: TokenTree) -> list[int]:
@@ -231,6 +239,47 @@ def time_build(config: TreeConfig, sampling: SamplingParams, rows: Tensor, repea
     return statistics.median(own), statistics.median(total), tree, calls, statistics.median(summary)
 
 
+def target_for_tree(tree: TokenTree, vocab: int, agreement: float = 0.5, seed: int = 1) -> TargetDists:
+    """Target distributions for `tree` that partly follow the draft: row i = (1 - agreement) * L_i +
+    agreement * (q at node i's drawn children as point masses + the rest of q's mass spread like L_i), L_i an
+    LM-shaped row (`make_rows`), q(child) = exp(log_joint[child] - log_joint[i]). argmax (temperature 0) and
+    probs (temperature > 0) both filled."""
+    probs = make_rows(tree.num_nodes, vocab, seed)
+    kids = torch.arange(1, tree.num_nodes)
+    parents = tree.parents[1:]
+    q = (tree.log_joint[1:] - tree.log_joint[parents]).double().exp().float()
+    drawn = torch.zeros(tree.num_nodes).index_add_(0, parents, q).clamp_(max=1.0)
+    probs *= (1 - agreement * drawn)[:, None]
+    probs.index_put_((parents, tree.tokens[kids]), agreement * q, accumulate=True)
+    probs /= probs.sum(dim=1, keepdim=True)
+    return TargetDists(argmax=probs.argmax(dim=1), probs=probs)
+
+
+def time_router(tree: TokenTree, target: TargetDists, repeats: int) -> tuple[float, float, float, float, float]:
+    """The router's share of a step for `tree` (median CPU ms over `repeats` runs): (validation as the wire
+    decode does it, from lists, greedy verification, sampled verification at temperature 1, mean accepted
+    nodes greedy, mean accepted nodes sampled). Each verification gets a fresh tree object (no cached views
+    carried over from an earlier run) and its own seeded generator."""
+    greedy, hot = SamplingParams(), SamplingParams(temperature=1.0)
+    fields = (tree.token_list, tree.parent_list, tree.child_draw_list, tree.log_joint.tolist(),
+              tree.draft_probs, tree.draft_row_list, tree.source_list)
+    validate, plain, sampled, accepted_plain, accepted_sampled = [], [], [], [], []
+    for rep in range(repeats + 1):
+        start = time.thread_time()
+        TokenTree.build(*fields)
+        validate.append(time.thread_time() - start)
+        for sampling, times, counts in ((greedy, plain, accepted_plain), (hot, sampled, accepted_sampled)):
+            fresh = TokenTree._trusted(tree.tokens, tree.parents, tree.child_draw, tree.log_joint,
+                                       tree.draft_probs, tree.draft_rows, tree.sources)
+            gen = torch.Generator().manual_seed(rep)
+            start = time.thread_time()
+            result = verify_tree(fresh, target, sampling, gen)
+            times.append(time.thread_time() - start)
+            counts.append(result.num_accepted)
+    med = [statistics.median(t[1:]) * 1e3 for t in (validate, plain, sampled)]  # the first run warms up
+    return med[0], med[1], med[2], statistics.mean(accepted_plain), statistics.mean(accepted_sampled)
+
+
 def random_tree(num: int, seed: int) -> TokenTree:
     """Random recursive tree (each node's parent uniform among earlier nodes), as DySpec Table 5."""
     gen = torch.Generator().manual_seed(seed)
@@ -262,6 +311,8 @@ def main() -> None:
         ("dyspec_threshold T=1", TreeConfig(method="dyspec_threshold", budget=64, threshold=0.001), hot),
         ("opt_tree n=64 d<=8", TreeConfig(method="opt_tree", budget=64, delta=0.0, max_depth=8), hot),
         ("c2t K=15 d=6", TreeConfig(method="c2t", budget=64, depth=6, top_k=15, beta=0.5), hot),
+        # The joint-probability prior at beta 0.5 prunes the tree to ~17 nodes; a low beta fills the budget.
+        ("c2t K=15 d=6 beta=0.01", TreeConfig(method="c2t", budget=64, depth=6, top_k=15, beta=0.01), hot),
         ("dyspec 768 T=0", TreeConfig(method="dyspec", budget=768), greedy),
         ("dyspec 768 T=0 prefetch=4", TreeConfig(method="dyspec", budget=768, prefetch=4), greedy),
         ("dyspec 768 T=1", TreeConfig(method="dyspec", budget=768), hot),
@@ -275,6 +326,7 @@ def main() -> None:
           f"{'blocks32':>8s} {'dfs':>5s}")
     print(f"{'':28s} {'':>5s} {'':>5s} {'':>6s} {'(rows)':>9s} {'(rows)':>10s} {'(summ.)':>9s} {'(oracle)':>10s} "
           f"{'(cached)':>9s} {'(drafter)':>9s}")
+    router_trees: list[tuple[str, TokenTree]] = []
     for name, config, sampling in cases:
         repeats = args.repeats if "768" not in name else max(3, args.repeats // 3)
         own, total, tree, calls, _ = time_build(config, sampling, rows, repeats)
@@ -288,10 +340,21 @@ def main() -> None:
         if model_oracle is not None and "768" not in name:
             mine, _, model_tree, model_calls, _ = time_build(config, sampling, None, repeats, model_oracle)
             drafter_ms, drafter_shape = f"{mine:.2f}", f"{model_tree.num_nodes - 1}/{model_calls}"
+        if "768" not in name:
+            router_trees.append((name, tree))
         before, after = block_count(tree), block_count(tree.reorder(dfs_order(tree)))
         print(f"{name:28s} {tree.num_nodes - 1:5d} {calls:5d} {expected_accepted_length(tree):6.2f} "
               f"{own:9.2f} {total:10.2f} {fast:9.2f} {summary:10.2f} {cached:9.2f} {drafter_ms:>9s} "
               f"{drafter_shape:>11s} {before:8d} {after:5d}")
+
+    print("\nthe router's share per 64-node tree (median CPU ms over 201 runs): validate = TokenTree.build from "
+          "lists (the wire decode), verify at T = 0 (target argmax) and T = 1 (target probs); half of each target "
+          "row follows the draft (`target_for_tree`); accepted = mean accepted draft nodes")
+    print(f"{'tree':28s} {'validate':>9s} {'verify T=0':>10s} {'verify T=1':>10s} {'accepted':>8s} {'accepted':>8s}")
+    print(f"{'':28s} {'ms':>9s} {'ms':>10s} {'ms':>10s} {'T=0':>8s} {'T=1':>8s}")
+    for name, tree in router_trees:
+        validate, plain, sampled, acc_plain, acc_sampled = time_router(tree, target_for_tree(tree, args.vocab), 201)
+        print(f"{name:28s} {validate:9.3f} {plain:10.3f} {sampled:10.3f} {acc_plain:8.2f} {acc_sampled:8.2f}")
 
     print("\nblock counts of random trees (32x32 blocks, DySpec appendix C / Table 5)")
     print(f"{'size':>6s} {'original':>9s} {'dfs':>6s}")

@@ -23,7 +23,7 @@ import torch
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.sampling import SamplingParams
-from treeserve.engine.tree import ChildDraw, TokenTree
+from treeserve.engine.tree import TokenTree
 
 
 @dataclass
@@ -61,13 +61,11 @@ class C2TBuilder:
             if not len(passing):
                 break
             keep = min(self.top_k, room, len(passing))
-            chosen = sorted(passing[np.argsort(-conf[passing], kind="stable")[:keep]].tolist())
-            # flat index = frontier slot * K + rank: parents in order, siblings by rank
-            flat_probs, flat_tokens = probs.ravel().tolist(), tokens.ravel().tolist()
-            new_frontier = []
-            for idx in chosen:
-                parent = frontier[idx // width]
-                tree.set_draw(parent, ChildDraw.TOP_K)
-                new_frontier.append(tree.add(parent, flat_tokens[idx], math.log(flat_probs[idx])))
-            frontier = new_frontier
+            # flat index = frontier slot * K + rank: sorted, parents in order and siblings by rank
+            chosen = np.sort(passing[np.argsort(-conf[passing], kind="stable")[:keep]])
+            # The layer in one extend. Every node is ChildDraw.TOP_K, PartialTree's default for new nodes and
+            # the root: no set_draw. The frontier is a run of consecutive node ids (the root, then the last layer).
+            log_q = list(map(math.log, probs.ravel()[chosen].tolist()))
+            first = tree.extend((frontier[0] + chosen // width).tolist(), tokens.ravel()[chosen].tolist(), log_q)
+            frontier = list(range(first, len(tree)))
         return tree.finish()

@@ -223,10 +223,20 @@ class DySpecBuilder:
         while True:
             if fetch:
                 top = tree.top([node for node, _, _ in fetch], width)
-                for (node, value, depth), vals, toks in zip(fetch, top.values.tolist(), top.tokens.tolist()):
+                values, tokens = top.values.numpy(), top.tokens.numpy()  # [F, width], rows descending
+                # tolist makes a Python object per entry (~15 ns each), and once theta is set most rows list a
+                # child or two: convert the first `head` columns of all rows, the rest of a row only when its
+                # whole head was listed (offered right away, so the order of the offers is unchanged).
+                head = min(width, 8)
+                heads = zip(values[:, :head].tolist(), tokens[:, :head].tolist())
+                for row, ((node, value, depth), (vals, toks)) in enumerate(zip(fetch, heads)):
                     if max_depth is not None and depth + 1 > max_depth:
                         continue
-                    if offer(node, value, depth + 1, zip(vals, toks)) < 0.0 and width < vocab:
+                    listed_all = offer(node, value, depth + 1, zip(vals, toks)) < 0.0
+                    if listed_all and head < width:
+                        vals, toks = values[row].tolist(), tokens[row].tolist()
+                        listed_all = offer(node, value, depth + 1, zip(vals[head:], toks[head:])) < 0.0
+                    if listed_all and width < vocab:
                         partial.append([node, value, depth + 1, set(toks), width, value * vals[-1]])
                 fetch = []
             while cand and len(fetch) < self.prefetch and -cand[0][0] > theta:

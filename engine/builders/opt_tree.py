@@ -62,7 +62,10 @@ class OptTreeBuilder:
             first = tree.extend(parents.tolist(), tokens.tolist(), np.log(q).tolist())
             phat.append(layer_phat)
             pool = np.concatenate([best_n, layer_phat])
-            best_n = pool if len(pool) <= n else np.partition(pool, len(pool) - n)[len(pool) - n:]
+            if len(pool) > n:  # in place (the array methods skip numpy's function dispatch): pool is a fresh copy
+                pool.partition(len(pool) - n)
+                pool = pool[len(pool) - n:]
+            best_n = pool
             # E_sub: the sum of the n largest p-hat so far. fsum is exactly rounded, so the same set gives
             # the same sum in any order, and a larger set never a smaller one (Theorem 3.2 holds exactly).
             e_sub = math.fsum(best_n.tolist())
@@ -77,9 +80,10 @@ class OptTreeBuilder:
     @staticmethod
     def _layer(tree: PartialTree, frontier: list[int], scale: np.ndarray,
                n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The next layer: the n children of `frontier` with the largest p-hat = scale[r] * q_r[v] (fewer
-        if fewer have q > 0), as (parent, token, q, p-hat) arrays, siblings consecutive in frontier order
-        and each family by descending q. Exact, from top-k summaries instead of the rows themselves.
+        """The next layer: the n children of `frontier` (consecutive node ids) with the largest p-hat =
+        scale[r] * q_r[v] (fewer if fewer have q > 0), as (parent, token, q, p-hat) arrays, siblings consecutive
+        in frontier order and each family by descending q. Exact, from top-k summaries instead of the rows
+        themselves.
 
         Start from each row's top min(n, 64): no row can hold more than n members, so for n <= 64
         one summary is exact. For larger n, theta = the n-th best scaled value listed so far is a lower
@@ -97,7 +101,7 @@ class OptTreeBuilder:
             width = vals.shape[1]
             scaled = (vals * scale[:, None]).ravel()
             m = min(n, int(np.count_nonzero(scaled)))  # children need q > 0: the m largest are all positive
-            best = np.argpartition(scaled, scaled.size - m)[scaled.size - m:] if m else np.empty(0, np.int64)
+            best = scaled.argpartition(scaled.size - m)[scaled.size - m:] if m else np.empty(0, np.int64)
             if width >= min(n, vocab):
                 break
             theta = scaled[best].min() if m == n else 0.0
@@ -110,4 +114,6 @@ class OptTreeBuilder:
             toks = np.pad(toks, ((0, 0), (0, grow)))
             vals[need], toks[need] = wider.values.numpy(), wider.tokens.numpy()
         best.sort()  # flat index = row * width + rank: parents in frontier order, siblings by rank
-        return np.take(frontier, best // width), np.take(toks, best), np.take(vals, best), scaled[best]
+        # The frontier is a run of consecutive node ids (the root, then the previous layer): parent ids by
+        # arithmetic, not a gather from the list (which numpy would convert first).
+        return frontier[0] + best // width, toks.ravel()[best], vals.ravel()[best], scaled[best]

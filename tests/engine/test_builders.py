@@ -23,6 +23,7 @@ from treeserve.engine.builders import (
     make_builder,
     sequoia_tree,
 )
+from treeserve.engine.builders.base import PartialTree
 from treeserve.engine.builders.static import EAGLE1_25, MC_SIM_7B_63, binary_tree
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
 from treeserve.engine.sampling import SamplingParams
@@ -144,6 +145,51 @@ def test_eagle2_rerank_and_full_tree(models):
     assert kept.num_nodes == 11
     best = sorted(full.log_joint[1:].tolist(), reverse=True)[:10]
     assert sorted(kept.log_joint[1:].tolist(), reverse=True) == pytest.approx(best)
+
+
+def reference_eagle2(builder: Eagle2Builder, root: int, oracle: DraftOracle):
+    """EAGLE-2 one node at a time: every child appended by `PartialTree.add`, layers and the rerank ranked by
+    Python sorts on (-log_joint, node). The reference the builder's per-layer numpy must match exactly."""
+    tree = PartialTree(root, oracle)
+    expand = [0]
+    for _ in range(min(builder.depth, builder.budget) if builder.rerank else builder.depth):
+        top = tree.top(expand, builder.top_k)
+        layer = []
+        for parent, vals, toks in zip(expand, top.values.tolist(), top.tokens.tolist()):
+            layer += [tree.add(parent, tok, math.log(val)) for val, tok in zip(vals, toks) if val > 0.0]
+        if not layer:
+            break
+        expand = sorted(layer, key=lambda n: (-tree.log_joint[n], n))[: builder.top_k]
+    if not builder.rerank or len(tree) - 1 <= builder.budget:
+        return tree.finish()
+    return tree.finish(keep=sorted(range(1, len(tree)), key=lambda n: (-tree.log_joint[n], n))[: builder.budget])
+
+
+class TiedOracle(DraftOracle):
+    """Rows with many exactly equal probabilities (softmax of small integer logits, some tokens at zero),
+    a fixed function of the node id: ties within and across families, and rows shorter than K."""
+
+    vocab_size = 24
+
+    def probs(self, tokens, parents, node_ids):
+        rows = []
+        for node in node_ids:
+            logits = torch.randint(0, 3, (24,), generator=torch.Generator().manual_seed(node)).float()
+            logits[torch.randperm(24, generator=torch.Generator().manual_seed(node))[:16]] = float("-inf")
+            rows.append(torch.softmax(logits, -1))
+        return torch.stack(rows)
+
+
+@pytest.mark.parametrize("oracle_kind", ["toy", "tied"])
+def test_eagle2_matches_the_per_node_reference(models, oracle_kind):
+    for budget, depth, top_k, rerank in ((10, 3, 3, True), (64, 6, 10, True), (6, 4, 12, True), (20, 3, 4, False)):
+        builder = Eagle2Builder(budget=budget, depth=depth, top_k=top_k, rerank=rerank)
+        for root in (3, 5):
+            oracles = [ToyOracle(models, (1, 2), GREEDY) if oracle_kind == "toy" else TiedOracle() for _ in range(2)]
+            got = builder.build(root, oracles[0], GREEDY, torch.Generator())
+            want = reference_eagle2(builder, root, oracles[1])
+            assert got.token_list == want.token_list and got.parent_list == want.parent_list
+            assert torch.equal(got.log_joint, want.log_joint) and torch.equal(got.child_draw, want.child_draw)
 
 
 def test_eagle2_stops_expanding_below_the_budget_depth(models):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 
 import pytest
 import torch
@@ -70,6 +72,44 @@ def test_residual_row_draws_from_the_residual(vocab):
         observed.pop()
         expected.pop()
     assert chisquare(observed, expected).pvalue > 0.01
+
+
+class ListBlockWalk(ResidualRow):
+    """ResidualRow with the block walk done on Python floats (tolist, itertools.accumulate, bisect): the
+    reference the numpy walk (`_walk_block`) must match draw for draw."""
+
+    def _walk_block(self, block, offset):
+        width = self._width
+        start = block * width
+        inside = self.row[start : start + width].tolist()
+        for tok in self._removed_in.get(block, ()):
+            inside[tok - start] = 0.0
+        inner = list(itertools.accumulate(inside))
+        if inner[-1] <= 0.0:
+            return None
+        pos = min(bisect.bisect_right(inner, offset * inner[-1] / max(self._block_sums[block], 1e-300)), width - 1)
+        while inside[pos] <= 0.0 and pos > 0:
+            pos -= 1
+        return start + pos, inside[pos]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_residual_row_block_walk_matches_the_python_reference(dtype):
+    """Long draw sequences without replacement (removed tokens in most blocks, blocks drawn empty), from
+    peaked and flat rows and rows with zero blocks, interleaved with top-order draws."""
+    gen = torch.Generator().manual_seed(4)
+    for trial in range(12):
+        row = torch.softmax(torch.randn(1024, generator=gen, dtype=torch.float64) * (0.5 + trial), -1)
+        if trial % 3 == 0:
+            row[256:640] = 0.0
+            row /= row.sum()
+        row = row.to(dtype)
+        fast, ref = ResidualRow(row), ListBlockWalk(row)
+        for i, u in enumerate(torch.rand(400, generator=gen, dtype=torch.float64).tolist()):
+            got, want = (fast.take_top(), ref.take_top()) if i % 9 == 4 else (fast.sample(u), ref.sample(u))
+            assert got == want
+            if got is None:
+                break
 
 
 def test_residual_row_top_order():

@@ -1,11 +1,16 @@
-"""TokenTree: validation, derived views, re-indexing."""
+"""TokenTree: validation, derived views, re-indexing; the vectorised views and the verifier's walk pinned to
+plain per-node reference loops."""
 
 from __future__ import annotations
+
+import math
+import threading
 
 import pytest
 import torch
 
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.builders.base import DraftOracle, PartialTree
+from treeserve.engine.sampling import ResidualRow, SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree, ancestor_mask
 from treeserve.engine.verify import TargetDists, verify_tree
 
@@ -156,3 +161,108 @@ def test_lazily_stacked_draft_rows():
     assert tree.draft_probs is tree.draft_probs
     with pytest.raises(ValueError, match="no draft row"):
         tree.draft_row(2)
+
+
+# ------------------------------------------------------------------ vectorised views vs per-node loops
+def loop_ancestor_mask(parents: list[int], first: int = 0) -> torch.Tensor:
+    """The per-node reference: walk every node's root path."""
+    mask = torch.zeros(len(parents) - first, len(parents), dtype=torch.bool)
+    for row, node in enumerate(range(first, len(parents))):
+        while node >= 0:
+            mask[row, node] = True
+            node = parents[node]
+    return mask
+
+
+def loop_depth(parents: list[int]) -> list[int]:
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents[1:], start=1):
+        depth[i] = depth[p] + 1
+    return depth
+
+
+def tree_shapes() -> list[list[int]]:
+    """Parents of random recursive trees, chains (depths across powers of two), stars, a root alone and a
+    caterpillar (a chain with a leaf on every node)."""
+    shapes = [random_tree(num, seed).parent_list for num, seed in ((2, 0), (7, 1), (33, 2), (64, 3), (150, 4))]
+    shapes += [list(range(-1, num - 1)) for num in (1, 2, 3, 4, 5, 8, 9, 17, 65)]
+    shapes += [[-1] + [0] * 40]
+    shapes += [[-1] + [2 * (i // 2) for i in range(30)]]
+    return shapes
+
+
+def test_vectorised_views_match_the_node_loops():
+    for parents in tree_shapes():
+        num = len(parents)
+        tree = TokenTree.build(list(range(num)), parents)
+        assert tree.depth.tolist() == loop_depth(parents)
+        assert tree.has_children_mask.tolist() == [i in set(parents[1:]) for i in range(num)]
+        for first in sorted({0, 1, num // 2, num - 1, num}):
+            assert torch.equal(ancestor_mask(parents, first), loop_ancestor_mask(parents, first))
+
+
+def reference_greedy_walk(parents: list[int], tokens: list[int], argmax: list[int]) -> tuple[list[int], list[int]]:
+    """Temperature 0 by scanning every node for the current node's first child holding the target argmax."""
+    node, accepted, out = 0, [], []
+    while True:
+        want = argmax[node]
+        out.append(want)
+        nxt = next((c for c in range(1, len(parents)) if parents[c] == node and tokens[c] == want), None)
+        if nxt is None:
+            return accepted, out
+        accepted.append(nxt)
+        node = nxt
+
+
+def test_greedy_verify_matches_the_reference_walk():
+    """Random trees over a 3-token vocabulary (duplicate siblings, long accepted paths) and random argmax."""
+    gen = torch.Generator().manual_seed(9)
+    for seed in range(60):
+        parents = random_tree(int(torch.randint(1, 70, (1,), generator=gen)), seed).parent_list
+        tokens = torch.randint(0, 3, (len(parents),), generator=gen).tolist()
+        argmax = torch.randint(0, 3, (len(parents),), generator=gen)
+        result = verify_tree(TokenTree.build(tokens, parents), TargetDists(argmax=argmax), SamplingParams(), gen)
+        assert (result.accepted_nodes, result.tokens) == reference_greedy_walk(parents, tokens, argmax.tolist())
+
+
+def test_sampled_verify_is_the_same_on_fresh_and_reused_scratch_rows():
+    """The residual rule updates per-thread scratch rows in place: verifying after other vocabularies (and
+    their leftovers) gives the same results as verifying in a new thread, where the rows start fresh."""
+    vocab = 1024
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(vocab, generator=gen) * 2.0, -1)
+    q = torch.softmax(torch.randn(vocab, generator=gen) * 2.0, -1)  # far from p: several rejections
+
+    class Oracle(DraftOracle):
+        vocab_size = vocab
+
+        def probs(self, tokens, parents, node_ids):
+            return q.expand(len(node_ids), vocab)
+
+    partial = PartialTree(0, Oracle())
+    res = ResidualRow(partial.query([0])[0])
+    for u in torch.rand(6, generator=gen, dtype=torch.float64).tolist():
+        token, prob = res.sample(u)
+        partial.set_draw(0, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
+        partial.add(0, token, math.log(prob))
+    tree = partial.finish()
+    target = TargetDists(probs=torch.cat([p[None], torch.full((6, vocab), 1.0 / vocab)]))
+    hot = SamplingParams(temperature=1.0)
+
+    def run(out: list) -> None:
+        for seed in range(40):
+            result = verify_tree(tree, target, hot, torch.Generator().manual_seed(seed))
+            out.append((result.accepted_nodes, result.tokens))
+
+    # Leave this thread's scratch rows sized for another vocabulary, then for this one with other contents.
+    other = TokenTree.build([0, 1], [-1, 0], ChildDraw.WITHOUT_REPLACEMENT, draft_probs=torch.tensor([[0.1, 0.9]]),
+                            draft_rows=[0, -1])
+    verify_tree(other, TargetDists(probs=torch.tensor([[0.9, 0.1], [0.5, 0.5]])), hot, torch.Generator())
+    reused: list = []
+    run(reused)
+    fresh: list = []
+    thread = threading.Thread(target=run, args=(fresh,))
+    thread.start()
+    thread.join()
+    assert reused == fresh
+    assert any(accepted[:1] != [1] for accepted, _ in reused)  # a first child rejected: the scratch rows in use
