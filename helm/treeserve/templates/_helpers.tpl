@@ -304,6 +304,8 @@ max_sessions: {{ int . }}
 {{- with .m.gpuMemoryFraction }}
 gpu_memory_fraction: {{ . }}
 {{- end }}
+cuda_graphs: {{ .m.cudaGraphs }}
+graph_memory_mib: {{ int .m.graphMemoryMib }}
 {{- if .target }}
 tensor_parallel_size: {{ int .m.tensorParallelSize }}
 {{- with .m.numAttentionHeads }}
@@ -379,6 +381,7 @@ applications:
         method: {{ $v.speculation.method }}
         budget: {{ if eq (toString $v.speculation.budget) "auto" }}auto{{ else }}{{ int $v.speculation.budget }}{{ end }}
         batch_method: {{ $v.speculation.batchMethod }}
+        run_ahead: {{ $v.speculation.runAhead }}
         lookup:
           shared_tokens: {{ int $v.speculation.lookupSharedTokens }}
       limits:
