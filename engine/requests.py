@@ -47,6 +47,7 @@ class StepRecord:
     tree_size_lookup: int = 0
     accepted_lookup: int = 0
     accepted_both: int = 0
+    run_ahead_hit: bool = False  # the tree was drafted ahead while the previous step was scored
 
 
 @dataclass

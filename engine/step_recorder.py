@@ -33,13 +33,16 @@ class StepRecorder:
         self.prefill = any(not s.steps for s in batch)  # some sequence's prompt is fed in this step
         self.started = time.perf_counter()
         self.draft_done = self.score_done = self.started
-        self.called_drafter = False
+        self.called_drafter = self.ahead_hit = False
         self.draft_model_ms = self.draft_forward_ms = 0.0
+        self.ahead_hits = drafter.run_ahead_hits if drafter is not None else 0
 
     def drafted(self, called_drafter: bool) -> None:
         """Drafting is over; `called_drafter`: the drafter ran (not a root-only or held plain step)."""
         self.draft_done = time.perf_counter()
         self.called_drafter = called_drafter
+        # Run-ahead serves batch-1 steps only: a hit during this call was this step's one sequence.
+        self.ahead_hit = called_drafter and self.drafter.run_ahead_hits > self.ahead_hits
 
     def scored(self) -> None:
         """The target's forward is over; reads the drafter runner's share of the drafting time."""
@@ -59,7 +62,8 @@ class StepRecorder:
                                   score_ms=(self.score_done - self.draft_done) * 1e3, verify_ms=0.0,
                                   draft_forward_ms=self.draft_forward_ms,
                                   tree_size_lookup=size_lookup + size_both, accepted_lookup=accepted_lookup,
-                                  accepted_both=accepted_both))
+                                  accepted_both=accepted_both,
+                                  run_ahead_hit=self.ahead_hit and tree.num_nodes > 1))
 
     def finish(self) -> None:
         """Share the verification time among the records and report them to the drafter."""

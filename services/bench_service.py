@@ -42,6 +42,10 @@ class StreamRecord:
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # gRPC status code name
     mal: float = 0.0  # the service's own statistics
+    tree_size: float = 0.0  # draft tokens per step the service chose for this request (its stats)
+    steps: int = 0  # target forwards (stats)
+    drafted_steps: int = 0  # of which steps with a tree (stats)
+    run_ahead_hits: int = 0  # of which trees drafted ahead (stats)
     ended: float = 0.0
 
     @property
@@ -81,6 +85,9 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
             "ttft_ms_p50": 1e3 * percentile(ttft, 50), "ttft_ms_p95": 1e3 * percentile(ttft, 95),
             "itl_ms_p50": 1e3 * percentile(itl, 50), "itl_ms_p95": 1e3 * percentile(itl, 95),
             "mal": sum(r.mal for r in ok) / len(ok) if ok else float("nan"),
+            "tree_size": sum(r.tree_size * r.steps for r in ok) / max(1, sum(r.steps for r in ok)),
+            "plain_step_share": 1 - sum(r.drafted_steps for r in ok) / max(1, sum(r.steps for r in ok)),
+            "run_ahead_hit_rate": sum(r.run_ahead_hits for r in ok) / max(1, sum(r.drafted_steps for r in ok)),
             "greedy_compared": check.compared, "greedy_mismatches": check.mismatches,
             "greedy_tie_divergences": check.tie_divergences}
 
@@ -114,7 +121,10 @@ def stream_round(address: str, prompts: list[list[int]], max_new_tokens: int, ap
                     record.arrivals.append((time.perf_counter(), len(message.token_ids)))
                     record.token_ids += list(message.token_ids)
                 if message.HasField("stats"):
-                    record.mal = message.stats.mean_accepted_length
+                    stats = message.stats
+                    record.mal, record.tree_size, record.steps = (stats.mean_accepted_length,
+                                                                  stats.mean_tree_size_tokens, stats.steps)
+                    record.drafted_steps, record.run_ahead_hits = stats.drafted_steps, stats.run_ahead_hits
         except grpc.RpcError as exc:
             record.error = exc.code().name
         record.ended = time.perf_counter()
@@ -182,7 +192,8 @@ def service_table(levels: list[dict], title: str):
 
     table = Table(title=title)
     for col in ("streams", "requests", "errors", "tokens", "agg tok/s", "tok/s per stream", "TTFT p50 ms",
-                "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "MAL", "= in-process greedy"):
+                "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "MAL", "draft tok/step", "plain steps",
+                "run-ahead hits", "= in-process greedy"):
         table.add_column(col, justify="right")
     for lv in levels:
         equal = lv["greedy_compared"] - lv["greedy_mismatches"] - lv["greedy_tie_divergences"]
@@ -190,5 +201,6 @@ def service_table(levels: list[dict], title: str):
         table.add_row(str(lv["streams"]), str(lv["requests"]), str(lv["errors"]), str(lv["tokens"]),
                       f"{lv['tokens_per_s']:.1f}", f"{lv['stream_tokens_per_s']:.1f}", f"{lv['ttft_ms_p50']:.0f}",
                       f"{lv['ttft_ms_p95']:.0f}", f"{lv['itl_ms_p50']:.0f}", f"{lv['itl_ms_p95']:.0f}",
-                      f"{lv['mal']:.2f}", f"{equal}/{lv['greedy_compared']}{ties}")
+                      f"{lv['mal']:.2f}", f"{lv.get('tree_size', 0.0):.2f}", f"{lv.get('plain_step_share', 0.0):.0%}",
+                      f"{lv.get('run_ahead_hit_rate', 0.0):.0%}", f"{equal}/{lv['greedy_compared']}{ties}")
     return table

@@ -309,7 +309,9 @@ class Router:
                                    mean_verify_ms=verify_ms, lookup=lookup,
                                    accepted_tokens_model=by_source["model"], accepted_tokens_lookup=by_source["lookup"],
                                    accepted_tokens_both=by_source["both"],
-                                   mean_tree_size_lookup_tokens=r.mean_tree_size_lookup)
+                                   mean_tree_size_lookup_tokens=r.mean_tree_size_lookup,
+                                   run_ahead_hits=sum(s.run_ahead_hit for s in r.steps),
+                                   drafted_steps=sum(s.tree_size > 0 for s in r.steps))
 
     # ------------------------------------------------------------------ leaving
     def _fail(self, job: _Job, error: RequestError) -> None:

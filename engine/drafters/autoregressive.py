@@ -80,6 +80,7 @@ class LocalDrafter(DrafterBase):
         self.run_ahead = RunAheadStore()
         self._last_step: tuple[DraftRequest, TokenTree, object, BudgetChooser | None] | None = None
         self._ahead_chooser: BudgetChooser | None = None  # the chooser whose decision the ahead trees follow
+        self._ahead_builder = None  # the builder (at that decision's budget) they were grown with
 
     @property
     def model(self) -> torch.nn.Module:
@@ -130,6 +131,7 @@ class LocalDrafter(DrafterBase):
         trees: dict[int, TokenTree] = {}
         self.hold_steps = 0
         self._step_chooser = self.budget
+        self._last_step = None  # set again below only by a batch-1 step that drafted with the model
         batch = batch_size or len(requests)
         if speculative and batch > 1:
             depth = self._batch_depth(batch, speculative)
@@ -154,7 +156,6 @@ class LocalDrafter(DrafterBase):
                 self.hold_steps = 0  # the lookup is checked every step
         elif speculative:
             (r,) = speculative
-            self._last_step = None
             ahead = self._ahead_hit(r)
             if ahead is not None:
                 trees[id(r)] = ahead
@@ -219,7 +220,7 @@ class LocalDrafter(DrafterBase):
         path = likely_path(tree)
         if not path or not r.sampling.is_greedy:
             return False
-        self._ahead_chooser = chooser
+        self._ahead_chooser, self._ahead_builder = chooser, builder
         chain = [r.context[-1], *(int(tree.tokens[n]) for n in path)]
         oracle = self.runner.begin(r.session_id, r.context, r.sampling, None, r.features)
         base = len(chain)
@@ -251,6 +252,7 @@ class LocalDrafter(DrafterBase):
         if self._ahead_chooser is not None:
             self._ahead_chooser.repeat()
             self._step_chooser = self._ahead_chooser
+        self._last_step = (r, tree, self._ahead_builder, self._ahead_chooser)  # a hit drafts ahead again
         return tree
 
     def _hybrid_chooser(self, gains: list[float]) -> BudgetChooser:

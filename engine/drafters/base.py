@@ -77,6 +77,9 @@ class Drafter(Protocol):
     model: torch.nn.Module | None  # the drafter model (None for a remote drafter)
     lm: CachedLM | None  # the KV cache holding its sessions (None for a remote drafter)
     budget: BudgetChooser | None  # the batch-1 hardware-aware budget chooser (None: fixed budgets)
+    # Steps answered with a tree drafted ahead, and steps whose trees drafted ahead did not match (run-ahead).
+    run_ahead_hits: int
+    run_ahead_misses: int
 
     def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
         """One tree per request; `batch_size` = sequences in the step's target forward (default: all of

@@ -89,7 +89,9 @@ def test_drafter_replica_drafts_lookup_candidates(tiny_parts):
     from treeserve.services.transport.replica_server import ReplicaServer
 
     vocab = tiny_parts.target.model.config.vocab_size
-    servicer = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab)), vocab)
+    # Run-ahead off: a tree drafted ahead holds the model's part alone, so hit steps would carry no copies and
+    # the trees would differ from the in-process engine's (the output would not: tests/services/test_remote_parts.py).
+    servicer = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab)), vocab, run_ahead=False)
     server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, servicer, host="127.0.0.1").start()
     loop = Loop()
     try:

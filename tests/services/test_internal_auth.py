@@ -85,7 +85,8 @@ def test_outsiders_are_unauthenticated_and_learn_nothing(router_engine, replicas
     # A live session on both replicas (a request mid-generation).
     seq = router_engine.start(GenerationRequest(router_engine.encode_chat("Tell me a story."), max_new_tokens=30))
     seq.session_id = f"victim-{deployment}"
-    router_engine.step([seq])
+    router_engine.step([seq])  # the prompt's prefill (the target alone)
+    router_engine.step([seq])  # a drafted step: the drafter holds the session too
     servicer = target_servicer if deployment == "Target" else drafter_servicer
     assert seq.session_id in servicer.session_ids()
     address = servers[deployment].address

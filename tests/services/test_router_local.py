@@ -168,7 +168,10 @@ def test_cancel_frees_sessions(slow_service):
     with service.channel() as channel:
         stream = gen_grpc.TreeServeStub(channel).GenerateStream(
             gen.GenerateRequest(text="a long story", max_new_tokens=200), timeout=60)
-        next(stream)
+        next(stream)  # the first token: the prompt's prefill, before the drafter holds anything
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not engine.drafter.runner.lm.sessions:
+            next(stream)
         assert engine.target.lm.sessions and engine.drafter.runner.lm.sessions
         stream.cancel()
     deadline = time.monotonic() + 10

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ def _root_conftest():
     # tests/conftest.py by path: a bare `import conftest` may resolve to this file.
     spec = importlib.util.spec_from_file_location("_treeserve_tests_root", Path(__file__).parents[1] / "conftest.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses there resolve their module's annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
