@@ -55,6 +55,9 @@ from treeserve.engine.requests import StepRecord
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
+# A batched chooser abandons exploring a budget measured, over this many steps, below this share of plain decoding.
+EARLY_STOP_STEPS = 3
+EARLY_STOP_BELOW = 0.85
 STEP_TIME_WINDOW = 64  # recent step times per budget whose median is its step cost
 LOOKUP_ONLY = -1  # `BudgetChooser.current` of a step drafted by the lookup source alone
 
@@ -142,8 +145,9 @@ class BudgetChooser:
         rates = {b: self.predicted_rate(b) for b in self.candidates}
         ranked = sorted(self.candidates, key=rates.get, reverse=True)
         promising = [b for b in ranked[:4] if rates[b] >= self.explore_within * rates[ranked[0]]]
-        # Always measure plain decoding too (last: a chooser that gets no feedback keeps the best prediction).
-        self._to_explore = list(dict.fromkeys([*promising, 0]))
+        # Always measure plain decoding too: last at batch size 1 (a chooser that gets no feedback keeps the best
+        # prediction), first for a batch (the yardstick that stops exploring depths early, `_losing`).
+        self._to_explore = list(dict.fromkeys([0, *promising] if self.rows > 1 else [*promising, 0]))
 
     def predicted_rate(self, budget: int) -> float:
         """Tokens/s of `rows` chain-like trees of `budget` nodes under a geometric acceptance prior: the target's
@@ -155,7 +159,7 @@ class BudgetChooser:
 
     def choose(self) -> int:
         for budget in self._to_explore:
-            if self.arms.get(budget, _Arm()).steps < self.explore_steps:
+            if self.arms.get(budget, _Arm()).steps < self.explore_steps and not self._losing(budget):
                 return budget
         measured = [b for b in self.arms if self.arms[b].steps]
         factor = self.acceptance_factor
@@ -172,6 +176,16 @@ class BudgetChooser:
             if rivals:
                 return min(rivals, key=lambda b: (self.arms[b].steps if b in self.arms else 0.0, b))
         return best
+
+    def _losing(self, budget: int) -> bool:
+        """A batched chooser stops exploring a budget early once a few of its steps measured clearly slower than
+        plain decoding (successive elimination): a batch pays for every exploratory step with all its rows."""
+        if self.rows <= 1 or budget == 0:
+            return False
+        arm, plain = self.arms.get(budget), self.arms.get(0)
+        if arm is None or plain is None or min(arm.steps, plain.steps) < EARLY_STOP_STEPS:
+            return False
+        return arm.rate < EARLY_STOP_BELOW * plain.rate
 
     @property
     def acceptance_factor(self) -> float:

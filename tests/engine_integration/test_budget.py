@@ -165,7 +165,7 @@ def test_a_curve_where_trees_cannot_pay_gives_plain_batched_steps_and_drafting_r
     assert run_batched(chooser, 80, 8, cpu, accept=0.6) == [0] * 80
     gpu = batched_profile(per_token_ms=0.01, fixed_ms=40.0, drafter_ms=2.0)
     flat = chooser.fresh(profile=gpu)
-    assert flat._to_explore[0] > 0  # drafting ranks first where verifying more tokens is nearly free
+    assert len(flat._to_explore) > 1  # depths are explored where verifying more tokens is nearly free
     assert sum(d > 0 for d in run_batched(flat, 80, 8, gpu, accept=0.6)[-40:]) == 40
 
 
@@ -209,3 +209,19 @@ def test_copies_are_allocated_across_the_batch_where_they_pay():
     steep = batched_profile(per_token_ms=10.0, fixed_ms=0.0, drafter_ms=2.0)  # cost proportional to tokens
     assert allocate_copies(chains, 4, 1, 4.0, steep) == [0, 0, 0]
     assert allocate_copies([[0.99, 0.98]], 4, 1, 4.0, steep) == [0]  # a token costs a plain token's share
+
+
+def test_a_batched_chooser_measures_plain_first_and_drops_losing_depths_early():
+    """Priced optimistically (a flat curve) but truly slower: plain decoding is measured first, and each depth is
+    abandoned after EARLY_STOP_STEPS steps clearly below it, well before its explore_steps."""
+    from treeserve.engine.budget import EARLY_STOP_STEPS
+
+    flat = batched_profile(per_token_ms=0.01, fixed_ms=40.0, drafter_ms=2.0)
+    truth = batched_profile(per_token_ms=10.0, fixed_ms=40.0, drafter_ms=20.0)
+    chooser = BudgetChooser(flat, max_budget=6, rows=8, explore_within=0.8, plain_hold_steps=0, revisit=0.0)
+    assert chooser._to_explore[0] == 0 and len(chooser._to_explore) > 1
+    chosen = run_batched(chooser, 60, 8, truth, accept=0.6)
+    assert chosen[:chooser.explore_steps] == [0] * chooser.explore_steps
+    depths = [d for d in chosen if d > 0]
+    assert len(depths) <= EARLY_STOP_STEPS * (len(chooser._to_explore) - 1)
+    assert chosen[-20:] == [0] * 20
