@@ -96,6 +96,9 @@ class BudgetChooser:
     max_budget: int = 64
     rows: int = field(default=1, metadata={"help": "sequences in the steps this chooser decides (a batch-size "
                                                    "bucket): what its predictions price"})
+    copies_arm: bool = field(default=False, metadata={
+        "help": "a batched chooser over a batch that copies from the context: LOOKUP_ONLY (copies alone, no model "
+                "chain) is a budget it measures too, after plain decoding"})
     explore_within: float = field(default=0.0, metadata={
         "help": "explore only budgets whose predicted rate is at least this fraction of the best prediction "
                 "(plain decoding always; 0 = the four best predictions)"})
@@ -147,7 +150,8 @@ class BudgetChooser:
         promising = [b for b in ranked[:4] if rates[b] >= self.explore_within * rates[ranked[0]]]
         # Always measure plain decoding too: last at batch size 1 (a chooser that gets no feedback keeps the best
         # prediction), first for a batch (the yardstick that stops exploring depths early, `_losing`).
-        self._to_explore = list(dict.fromkeys([0, *promising] if self.rows > 1 else [*promising, 0]))
+        first = [0, LOOKUP_ONLY] if self.copies_arm else [0]
+        self._to_explore = list(dict.fromkeys([*first, *promising] if self.rows > 1 else [*promising, 0]))
 
     def predicted_rate(self, budget: int) -> float:
         """Tokens/s of `rows` chain-like trees of `budget` nodes under a geometric acceptance prior: the target's
@@ -168,7 +172,7 @@ class BudgetChooser:
             # Re-measure the least-measured rival (the best's neighbours and every measured budget not yet
             # clearly worse): a rival whose few early steps were unlucky is not locked out by the greedy
             # choice, and one measured well and clearly slower is not re-measured forever.
-            i = self.candidates.index(best)
+            i = self.candidates.index(best) if best in self.candidates else 0  # LOOKUP_ONLY neighbours plain
             floor = self.revisit_within * self.arms[best].rate
             rivals = {b for b in measured if self.arms[b].steps < self.revisit_min_steps or self.arms[b].rate >= floor}
             rivals |= {self.candidates[max(0, i - 1)], self.candidates[min(len(self.candidates) - 1, i + 1)]}
@@ -276,7 +280,7 @@ class BudgetChooser:
         seconds = (record.draft_ms + record.score_ms + record.verify_ms * record.batch_size) / 1e3
         if self.current <= 0 and record.batch_size == 1:  # no drafter forward: calibrates lookup-only pricing
             self.cost_ratios.append(1e3 * seconds / self.profile.target_time_ms(record.tree_size + 1))
-        if self.current == LOOKUP_ONLY:
+        if self.current == LOOKUP_ONLY and not self.copies_arm:  # batch 1: priced by the plan, not measured
             decay = self.recent_decay
             self.lookup_accepted = decay * self.lookup_accepted + record.accepted
             self.lookup_predicted = decay * self.lookup_predicted + self._lookup_gain

@@ -65,8 +65,8 @@ class LocalDrafter(DrafterBase):
         # Steps after the last draft() call that its budget chooser already decided are plain decoding: the
         # engine may skip calling draft() for them (same batch-size bucket) and only report their records.
         self.hold_steps = 0
-        # Batched steps get their own choosers of the chain depth (0 = plain batched decoding), one per
-        # batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
+        # Batched steps get their own choosers of the chain depth (0 = plain batched decoding; LOOKUP_ONLY = copies
+        # alone), one per batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
         self.batch_budgets: dict[int, BudgetChooser] = {}
         self._batch_chooser: BudgetChooser | None = None
         # Hybrid steps where the lookup expects to copy something are measured by a chooser of their own: a
@@ -134,10 +134,12 @@ class LocalDrafter(DrafterBase):
         self._last_step = None  # set again below only by a batch-1 step that drafted with the model
         batch = batch_size or len(requests)
         if speculative and batch > 1:
-            depth = self._batch_depth(batch, speculative)
+            decision = self._batch_depth(batch, speculative)
             # Copy chains cost no drafter forward: each row keeps the part that pays for its target time at
-            # this batch size (`allocate_copies`), whatever depth the model drafts to, 0 included.
-            lookups = self._lookup_chains(speculative, batch, depth)
+            # this batch size (`allocate_copies`) when the step takes copies: with model chains, or alone
+            # (LOOKUP_ONLY, an arm of its own, so that whether copies pay is measured too); a plain step has none.
+            depth = max(decision, 0)
+            lookups = self._lookup_chains(speculative, batch, depth) if decision != 0 else {}
             modelled = [r for r in speculative if depth > 0 and lookups.get(id(r), (None, True))[1]]
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
                        for r in modelled]
@@ -310,9 +312,11 @@ class LocalDrafter(DrafterBase):
         bucket = batch_size_bucket(batch_size)
         if bucket not in self.batch_budgets:
             # Priced at the bucket's rows: at a batch size where drafting cannot pay, plain decoding ranks first
-            # and little time goes to measuring depths that lose.
+            # and little time goes to measuring depths that lose. A batch that copies from its context measures
+            # copying alone as a budget too (the first batch of the bucket says whether it does).
+            copies = any(split_method(r.tree.method)[1] for r in speculative)
             self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
-                                                           explore_within=BATCH_EXPLORE_WITHIN)
+                                                           explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies)
         self._batch_chooser = self.batch_budgets[bucket]
         depth = self._batch_chooser.next_budget()
         self.hold_steps = self._batch_chooser.held

@@ -225,3 +225,22 @@ def test_a_batched_chooser_measures_plain_first_and_drops_losing_depths_early():
     depths = [d for d in chosen if d > 0]
     assert len(depths) <= EARLY_STOP_STEPS * (len(chooser._to_explore) - 1)
     assert chosen[-20:] == [0] * 20
+
+
+def test_a_copying_batch_measures_copies_alone_as_a_budget():
+    """A batch that copies from the context has the LOOKUP_ONLY arm (copies, no model chain) right after plain
+    decoding; measured slower, it is dropped like a losing depth, and plain decoding stays."""
+    from treeserve.engine.budget import LOOKUP_ONLY
+
+    flat = batched_profile(per_token_ms=0.01, fixed_ms=40.0, drafter_ms=2.0)
+    chooser = BudgetChooser(flat, max_budget=6, rows=8, explore_within=0.8, plain_hold_steps=0, revisit=0.0,
+                            copies_arm=True)
+    assert chooser._to_explore[:2] == [0, LOOKUP_ONLY]
+    chosen = []
+    for _ in range(40):
+        budget = chooser.next_budget()
+        chosen.append(budget)
+        ms = 100.0 if budget == 0 else 180.0  # copying and drafting both cost more than they return here
+        for _ in range(8):
+            chooser.observe(batch_record(1, ms, 8))
+    assert LOOKUP_ONLY in chosen and LOOKUP_ONLY in chooser.arms and chosen[-10:] == [0] * 10
