@@ -56,7 +56,7 @@ CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 # A batched chooser abandons exploring a budget measured, over this many steps, below this share of plain decoding.
-EARLY_STOP_STEPS = 3
+EARLY_STOP_STEPS = 2
 EARLY_STOP_BELOW = 0.85
 STEP_TIME_WINDOW = 64  # recent step times per budget whose median is its step cost
 LOOKUP_ONLY = -1  # `BudgetChooser.current` of a step drafted by the lookup source alone

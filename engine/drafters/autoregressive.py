@@ -36,8 +36,11 @@ from treeserve.engine.requests import StepRecord
 from treeserve.engine.tree import TokenTree
 
 
-# Batched steps explore only chain depths predicted within this share of the best prediction (and plain decoding).
+# Batched steps explore only chain depths predicted within this share of the best prediction (and plain decoding),
+# each for fewer steps than a batch-1 budget: a batched step's records carry every row's acceptance, and each
+# exploratory step costs all the rows.
 BATCH_EXPLORE_WITHIN = 0.8
+BATCH_EXPLORE_STEPS = 4
 
 
 class LocalDrafter(DrafterBase):
@@ -316,7 +319,8 @@ class LocalDrafter(DrafterBase):
             # copying alone as a budget too (the first batch of the bucket says whether it does).
             copies = any(split_method(r.tree.method)[1] for r in speculative)
             self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
-                                                           explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies)
+                                                           explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies,
+                                                           explore_steps=BATCH_EXPLORE_STEPS)
         self._batch_chooser = self.batch_budgets[bucket]
         depth = self._batch_chooser.next_budget()
         self.hold_steps = self._batch_chooser.held
