@@ -151,7 +151,10 @@ class BudgetChooser:
         # Always measure plain decoding too: last at batch size 1 (a chooser that gets no feedback keeps the best
         # prediction), first for a batch (the yardstick that stops exploring depths early, `_losing`).
         first = [0, LOOKUP_ONLY] if self.copies_arm else [0]
-        self._to_explore = list(dict.fromkeys([*first, *promising] if self.rows > 1 else [*promising, 0]))
+        # A batch explores its depths shallow first: a depth that loses to plain decoding rules out the deeper ones
+        # (more drafter forwards and more target tokens for every row), `_losing`.
+        self._to_explore = list(dict.fromkeys([*first, *sorted(b for b in promising if b > 0)] if self.rows > 1
+                                              else [*promising, 0]))
 
     def predicted_rate(self, budget: int) -> float:
         """Tokens/s of `rows` chain-like trees of `budget` nodes under a geometric acceptance prior: the target's
@@ -183,13 +186,16 @@ class BudgetChooser:
 
     def _losing(self, budget: int) -> bool:
         """A batched chooser stops exploring a budget early once a few of its steps measured clearly slower than
-        plain decoding (successive elimination): a batch pays for every exploratory step with all its rows."""
+        plain decoding, or a shallower depth did (successive elimination): a batch pays for every exploratory step
+        with all its rows."""
         if self.rows <= 1 or budget == 0:
             return False
-        arm, plain = self.arms.get(budget), self.arms.get(0)
-        if arm is None or plain is None or min(arm.steps, plain.steps) < EARLY_STOP_STEPS:
+        plain = self.arms.get(0)
+        if plain is None or plain.steps < EARLY_STOP_STEPS:
             return False
-        return arm.rate < EARLY_STOP_BELOW * plain.rate
+        below = lambda b: (b in self.arms and self.arms[b].steps >= EARLY_STOP_STEPS  # noqa: E731
+                           and self.arms[b].rate < EARLY_STOP_BELOW * plain.rate)
+        return below(budget) or (budget > 0 and any(below(b) for b in self.arms if 0 < b < budget))
 
     @property
     def acceptance_factor(self) -> float:
