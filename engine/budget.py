@@ -57,6 +57,7 @@ CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 # A batched chooser abandons exploring a budget measured, over this many steps, below this share of plain decoding.
 EARLY_STOP_STEPS = 2
+MAX_HOLD_DOUBLINGS = 4  # a batched chooser's plain hold grows to plain_hold_steps x 16 at most
 EARLY_STOP_BELOW = 0.85
 STEP_TIME_WINDOW = 64  # recent step times per budget whose median is its step cost
 LOOKUP_ONLY = -1  # `BudgetChooser.current` of a step drafted by the lookup source alone
@@ -126,6 +127,7 @@ class BudgetChooser:
     arms: dict[int, _Arm] = field(default_factory=dict, init=False)
     current: int = field(default=1, init=False)
     held: int = field(default=0, init=False)  # steps after the current one that are plain decoding by this decision
+    _plain_streak: int = field(default=0, init=False)  # consecutive decisions for plain decoding
     owed: float = field(default=0.0, init=False)  # steps whose records are still to be credited to `current`
     # Decayed sums over recent records: accepted draft tokens, and what their budgets' arms average.
     recent_accepted: float = field(default=0.0, init=False)
@@ -204,9 +206,13 @@ class BudgetChooser:
 
     def next_budget(self) -> int:
         """Choose this step's budget; the records of this step (and of the `held` plain steps after it,
-        when the budget is 0) are credited to it."""
+        when the budget is 0) are credited to it. A batched chooser that keeps choosing plain decoding holds it
+        twice as long each time (up to 2 ** MAX_HOLD_DOUBLINGS times): every decision costs the batch a Draft call
+        and the drafter's catch-up over the tokens decoded since."""
         self.current = self.choose()
-        self.held = self.plain_hold_steps if self.current == 0 else 0
+        self._plain_streak = self._plain_streak + 1 if self.current == 0 else 0
+        doublings = min(self._plain_streak - 1, MAX_HOLD_DOUBLINGS) if self.rows > 1 and self._plain_streak else 0
+        self.held = self.plain_hold_steps * 2 ** doublings if self.current == 0 else 0
         self.owed = 1.0 + self.held
         return self.current
 

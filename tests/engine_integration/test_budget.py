@@ -245,3 +245,19 @@ def test_a_copying_batch_measures_copies_alone_as_a_budget():
         for _ in range(8):
             chooser.observe(batch_record(1, ms, 8))
     assert LOOKUP_ONLY in chosen and LOOKUP_ONLY in chooser.arms and chosen[-10:] == [0] * 10
+
+
+def test_a_batched_chooser_holds_plain_decoding_longer_while_it_keeps_winning():
+    from treeserve.engine.budget import MAX_HOLD_DOUBLINGS
+
+    chooser = BudgetChooser(PROFILE, max_budget=4, rows=8, plain_hold_steps=2, revisit=0.0)
+    chooser._to_explore = []
+    chooser.arms = {0: _arm(80, 400.0, steps=10), 2: _arm(80, 800.0, steps=10)}  # plain twice as fast
+    holds = []
+    for _ in range(MAX_HOLD_DOUBLINGS + 3):
+        assert chooser.next_budget() == 0
+        holds.append(chooser.held)
+    assert holds == [2 * 2 ** min(i, MAX_HOLD_DOUBLINGS) for i in range(MAX_HOLD_DOUBLINGS + 3)]
+    single = BudgetChooser(PROFILE, max_budget=4, plain_hold_steps=2, revisit=0.0)  # batch 1: a fixed hold
+    single._to_explore, single.arms = [], dict(chooser.arms)
+    assert [single.next_budget() == 0 and single.held for _ in range(3)] == [2, 2, 2]
