@@ -8,7 +8,11 @@ Spec-Bench prompts with the same target in one process, side by side.
 - greedy.py: the token-for-token check against the target's own greedy `generate` (also used by the
   service bench, services/bench_service.py);
 - report.py: per-method statistics, speedups and the tables;
-- peers.py: Hugging Face `generate`, prompt lookup and assisted generation on the same prompts;
-- projection.py: PROJECTED speedups on the 4xA100 layouts from a documented cost model;
-- plots.py: the pictures.
+- peers.py: Hugging Face `generate` (plain, and on a static cache compiled with CUDA graphs), prompt lookup and
+  assisted generation on the same prompts;
+- projection.py: PROJECTED speedups on the 4xA100 layouts from a documented cost model, or from a measured cost
+  curve;
+- plots.py: the pictures;
+- cost_curve.py, cost_measure.py, profile_model.py: `treeserve profile`'s cost curves (the file format, the
+  measurement beside the bounds, the model or preset measured).
 """
