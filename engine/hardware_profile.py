@@ -60,13 +60,13 @@ class HardwareProfile:
         if not self.batch_target_ms:
             return interpolate_ms(self.target_ms, rows * nodes)
         curves = {1: self.target_ms, **self.batch_target_ms}
-        return _in_rows({r: interpolate_ms(c, nodes) for r, c in curves.items()}, rows)
+        return interpolate_ms({r: interpolate_ms(c, nodes) for r, c in curves.items()}, rows)
 
     def drafter_time_ms(self, rows: int = 1) -> float:
         """One drafter forward of `rows` one-node rows (the batch-1 step where batches were not measured)."""
         if rows <= 1 or not self.batch_drafter_ms:
             return self.drafter_step_ms
-        return _in_rows({1: self.drafter_step_ms, **self.batch_drafter_ms}, rows)
+        return interpolate_ms({1: self.drafter_step_ms, **self.batch_drafter_ms}, rows)
 
     @property
     def mu(self) -> float:
@@ -85,11 +85,6 @@ class HardwareProfile:
         return cls({int(k): v for k, v in raw["target_ms"].items()}, raw["drafter_step_ms"], raw["prefix_tokens"],
                    {int(r): {int(n): ms for n, ms in c.items()} for r, c in raw.get("batch_target_ms", {}).items()},
                    {int(r): ms for r, ms in raw.get("batch_drafter_ms", {}).items()})
-
-
-def _in_rows(by_rows: dict[int, float], rows: float) -> float:
-    """Linear interpolation of {rows: ms} at `rows` (extended past the largest by the last two points)."""
-    return interpolate_ms(by_rows, rows)
 
 
 @torch.inference_mode()

@@ -7,6 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from treeserve.engine.bench.projection import Measured, cost_source, load_layouts, projected_speedup
 from treeserve.engine.bench.runner import AR_KEY, HF_KEY
 
 
@@ -150,8 +151,6 @@ def projection_rows(summary: list[dict], context: float, cost_curve: str | Path 
     """PROJECTED speedups of every measured TreeServe method on the 4xA100 layouts (engine/bench/projection.py);
     with `cost_curve` (a `treeserve profile` file) the layout it measured projects from it. Each row names the
     source of every layout's target forward time ("cost_source[...]")."""
-    from treeserve.engine.bench.projection import Measured, cost_source, load_layouts, projected_speedup
-
     plain = next((s for s in summary if s["key"] == AR_KEY), None)
     if plain is None:
         return []

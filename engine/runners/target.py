@@ -66,8 +66,9 @@ class TargetRunner:
 
 
 def to_target_dists_batch(logits: list[torch.Tensor], sampling: list[SamplingParams]) -> list[TargetDists]:
-    """`to_target_dists` for a step's requests with one device-to-host copy per kind (argmax rows, probability
-    rows): on a GPU each copy is a synchronisation, and a step should wait for the device once."""
+    """Each request's logits [N, V] as TargetDists: the argmax at temperature 0, the warped probabilities
+    otherwise, with one device-to-host copy per kind (on a GPU each copy is a synchronisation, and a step should
+    wait for the device once)."""
     greedy = [i for i, s in enumerate(sampling) if s.is_greedy]
     sampled = [i for i, s in enumerate(sampling) if not s.is_greedy]
     out: list[TargetDists | None] = [None] * len(logits)
@@ -80,10 +81,3 @@ def to_target_dists_batch(logits: list[torch.Tensor], sampling: list[SamplingPar
         for i, part in zip(sampled, probs.split([logits[i].shape[0] for i in sampled])):
             out[i] = TargetDists(probs=part)
     return out
-
-
-def to_target_dists(logits: torch.Tensor, sampling: SamplingParams) -> TargetDists:
-    """logits [N, V] -> argmax at temperature 0, warped probabilities otherwise."""
-    if sampling.is_greedy:
-        return TargetDists(argmax=logits.argmax(dim=-1).cpu())
-    return TargetDists(probs=warp_probs(logits, sampling).cpu())

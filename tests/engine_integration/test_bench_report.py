@@ -16,6 +16,7 @@ from treeserve.engine.bench.greedy import greedy_reference
 from treeserve.engine.bench.peers import ForwardLog, HFPeer, build_peers, hf_assistant, step_counts
 from treeserve.engine.bench.report import MethodStats, summarize
 from treeserve.engine.bench.runner import AR_KEY, HF_KEY
+from treeserve.engine.models.loading import chat_ids
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +148,6 @@ def test_hf_assisted_runs_a_restricted_vocabulary_drafter(tmp_path, tiny):
     """A drafter with a sub-vocabulary head drives transformers' assisted generation once widened; the output
     is the target's greedy output and the drafter's forwards are counted."""
     from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
-    from treeserve.engine.models.loading import chat_ids
-
     vocab = tiny.model.config.vocab_size
     ids = torch.unique(torch.cat([torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:vocab // 2],
                                   torch.arange(8)]))
@@ -253,8 +252,6 @@ def test_help_documents_every_option():
 def test_hf_compiled_peer_is_greedy_generate_on_a_static_cache(tiny):
     """The gpt-fast recipe as transformers ships it (static cache; compiled with CUDA graphs on a GPU only):
     on the CPU it must still decode the target's greedy output, one forward per token."""
-    from treeserve.engine.models.loading import chat_ids
-
     prompt = chat_ids(tiny.tokenizer, "Name three rivers.")
     reference, _ = greedy_reference(tiny.model, prompt, 8)
     peer = build_peers(["hf-compiled"], tiny, "eagle")[0][0]

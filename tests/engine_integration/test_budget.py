@@ -1,7 +1,12 @@
 """The hardware-aware budget chooser: cost curve interpolation, exploration, and choosing by measured rate."""
 
-from treeserve.engine.budget import BudgetChooser, HardwareProfile
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from treeserve.engine.budget import (EARLY_STOP_STEPS, LOOKUP_ONLY, MAX_HOLD_DOUBLINGS, BudgetChooser, HardwareProfile,
+                                     allocate_copies)
 from treeserve.engine.builders import ChainBuilder, DySpecBuilder
+from treeserve.engine.hardware_profile import BATCH_PROFILE_NODES, BATCH_PROFILE_ROWS, measure_profile
 from treeserve.engine.requests import StepRecord
 
 PROFILE = HardwareProfile({1: 40.0, 2: 43.0, 4: 60.0, 8: 72.0, 16: 80.0, 32: 92.0, 64: 140.0}, 3.0, 128)
@@ -180,10 +185,7 @@ def test_batched_costs_interpolate_in_rows_and_fall_back_to_total_tokens():
 
 def test_measured_profile_has_batched_curves(tmp_path):
     """measure_profile times rows x chain-length forwards and batched drafter steps, cached with them."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from treeserve.engine.hardware_profile import BATCH_PROFILE_NODES, BATCH_PROFILE_ROWS, measure_profile
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -199,7 +201,6 @@ def test_measured_profile_has_batched_curves(tmp_path):
 def test_copies_are_allocated_across_the_batch_where_they_pay():
     """OPT-Tree's criterion over a batch's copy chains: confident copies first whichever row they are in, and
     none on a curve where each token costs as much as a plain step's share (nothing pays)."""
-    from treeserve.engine.budget import allocate_copies
 
     chains = [[0.9, 0.8, 0.1], [], [0.6, 0.05]]
     flat = batched_profile(per_token_ms=0.05, fixed_ms=40.0, drafter_ms=2.0)
@@ -214,7 +215,6 @@ def test_copies_are_allocated_across_the_batch_where_they_pay():
 def test_a_batched_chooser_measures_plain_first_and_drops_losing_depths_early():
     """Priced optimistically (a flat curve) but truly slower: plain decoding is measured first, and each depth is
     abandoned after EARLY_STOP_STEPS steps clearly below it, well before its explore_steps."""
-    from treeserve.engine.budget import EARLY_STOP_STEPS
 
     flat = batched_profile(per_token_ms=0.01, fixed_ms=40.0, drafter_ms=2.0)
     truth = batched_profile(per_token_ms=10.0, fixed_ms=40.0, drafter_ms=20.0)
@@ -231,8 +231,6 @@ def test_a_batched_chooser_measures_plain_first_and_drops_losing_depths_early():
 def test_a_copying_batch_measures_copies_alone_as_a_budget():
     """A batch that copies from the context has the LOOKUP_ONLY arm (copies, no model chain) right after plain
     decoding; measured slower, it is dropped like a losing depth, and plain decoding stays."""
-    from treeserve.engine.budget import LOOKUP_ONLY
-
     flat = batched_profile(per_token_ms=0.01, fixed_ms=40.0, drafter_ms=2.0)
     chooser = BudgetChooser(flat, max_budget=6, rows=8, explore_within=0.8, plain_hold_steps=0, revisit=0.0,
                             copies_arm=True)
@@ -248,7 +246,6 @@ def test_a_copying_batch_measures_copies_alone_as_a_budget():
 
 
 def test_a_batched_chooser_holds_plain_decoding_longer_while_it_keeps_winning():
-    from treeserve.engine.budget import MAX_HOLD_DOUBLINGS
 
     chooser = BudgetChooser(PROFILE, max_budget=4, rows=8, plain_hold_steps=2, revisit=0.0)
     chooser._to_explore = []
