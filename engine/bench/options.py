@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from treeserve.engine.bench.cost_curve import CostCurve  # torch-free
 from treeserve.engine.dev_prompts import DEV_PROMPTS
 from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 
@@ -74,5 +75,10 @@ class BenchOptions:
         from treeserve.engine.devices import check_device
 
         check_device(self.device)
+        if self.cost_curve is not None:  # checked now, not after the timed runs that the projection follows
+            try:
+                CostCurve.load(self.cost_curve)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--cost-curve: {exc}") from None
         if self.drafter_kind not in ("autoregressive", "parallel", "both"):
             raise ValueError(f"--drafter-kind must be autoregressive, parallel or both, got {self.drafter_kind!r}")

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from treeserve.engine.bench.options import BenchOptions
 from treeserve.cli.main import main
 from treeserve.engine.bench import projection
 from treeserve.engine.bench.cost_curve import SCHEMA, CostCurve, ModelFacts, interpolate_ms
@@ -201,3 +202,12 @@ def test_a_file_of_another_schema_is_refused(tmp_path):
     path.write_text(json.dumps({"rows": []}))
     with pytest.raises(ValueError, match="not a cost curve of schema treeserve.costcurve/1"):
         CostCurve.load(path)
+
+
+def test_bench_refuses_an_unreadable_cost_curve_before_running(tmp_path):
+    """`treeserve bench --cost-curve` is checked with the other options, not after the timed runs."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "something else"}')
+    for path, message in ((bad, "not a cost curve"), (tmp_path / "missing.json", "No such file")):
+        with pytest.raises(ValueError, match=f"--cost-curve: .*{message}"):
+            BenchOptions(cost_curve=path).validate()
