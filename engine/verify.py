@@ -43,11 +43,44 @@ from treeserve.engine.tree import ChildDraw, TokenTree
 
 
 @dataclass(frozen=True)
+class SparseRows:
+    """Probability rows [R, V] kept as their non-zeros only (CSR layout): row i is values[offsets[i]:offsets[i+1]]
+    at columns columns[offsets[i]:offsets[i+1]]. The service decodes the target's top-k / top-p rows into this
+    (services/wire.py), so a 128k-152k vocabulary costs the router the rows' support, not R x V x 4 bytes."""
+
+    offsets: Tensor  # LongTensor [R + 1]
+    columns: Tensor  # LongTensor [nnz]
+    values: Tensor  # FloatTensor [nnz]
+    vocab_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.offsets.shape[0] - 1, self.vocab_size)
+
+    def dim(self) -> int:
+        return 2
+
+    def row(self, index: int) -> Tensor:
+        """Row `index` as a dense [V] tensor."""
+        start, end = self.offsets[index:index + 2].tolist()
+        out = torch.zeros(self.vocab_size, dtype=self.values.dtype)
+        out[self.columns[start:end]] = self.values[start:end]
+        return out
+
+    def to_dense(self) -> Tensor:
+        """[R, V]; for tests and small matrices."""
+        return torch.stack([self.row(i) for i in range(self.shape[0])]) if self.shape[0] else \
+            torch.zeros(self.shape, dtype=self.values.dtype)
+
+
+@dataclass(frozen=True)
 class TargetDists:
     """Target output for one tree, node-aligned with the TokenTree (row i = next token after node i)."""
 
     argmax: Tensor | None = None  # LongTensor [N]; needed at temperature 0
-    probs: Tensor | None = None  # FloatTensor [N, V]; warped target probabilities at temperature > 0
+    # FloatTensor [N, V] (or SparseRows [N, V]: the service's top-k / top-p rows); warped target
+    # probabilities at temperature > 0; only the rows the walk visits are read
+    probs: Tensor | SparseRows | None = None
     # [n_ext + N, H] the target's last hidden state at every row it fed (context extension, then tree
     # nodes), asked for by EAGLE drafters; row 0 is context position `features_start`
     features: Tensor | None = None
@@ -78,11 +111,11 @@ def _check_target(tree: TokenTree, target: TargetDists, sampling: SamplingParams
         raise ValueError(f"probs vocab size {probs.shape[1]} != draft vocab size {vocab}")
 
 
-def _target_row(probs: Tensor, node: int) -> Tensor:
+def _target_row(probs: Tensor | SparseRows, node: int) -> Tensor:
     """probs[node], checked to be non-negative and free of NaN. Only the rows the walk visits are read (as
     a whole or at their children's tokens), so only they are checked: one pass over the vocabulary per
     visited row instead of a pass over all N rows (at N = 64, V = 49,152 that pass alone cost ~0.5 ms)."""
-    row = probs[node]
+    row = probs.row(node) if isinstance(probs, SparseRows) else probs[node]
     if not float(row.amin()) >= 0.0:  # amin propagates NaN, which fails the comparison
         raise ValueError("probs must be non-negative and free of NaN")
     return row

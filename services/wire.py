@@ -2,7 +2,8 @@
 
 Compact on the wire (docs/design.md section 3):
 - at temperature 0 the target sends only the argmax per node;
-- probability rows whose warp (top-k / top-p) leaves them sparse go as (int32 index, float32 value) pairs;
+- probability rows whose warp (top-k / top-p) leaves them sparse go as (int32 index, float32 value) pairs,
+  and the target's stay sparse on the router (`SparseRows`; a 128k-152k vocabulary costs their support only);
 - everything else is dense little-endian bytes, float32 by default (exactly what the replica computed, so
   verification stays lossless), float16 on request (half the bytes, rows renormalised on decode).
 The encoding is chosen per matrix by size, so the decoder never needs to know the sampling settings.
@@ -20,7 +21,7 @@ from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import TokenTree
-from treeserve.engine.verify import TargetDists
+from treeserve.engine.verify import SparseRows, TargetDists
 from treeserve.services.features import decode_features, encode_features
 from treeserve.v1 import internal_pb2 as pb
 
@@ -52,8 +53,11 @@ def encode_probs(probs: torch.Tensor, dense_dtype: str = "float32") -> pb.ProbMa
     return out
 
 
-def decode_probs(message: pb.ProbMatrix) -> torch.Tensor | None:
-    """ProbMatrix -> [R, V] float32 tensor; None for an empty (unset) matrix."""
+def decode_probs(message: pb.ProbMatrix, keep_sparse: bool = False) -> torch.Tensor | SparseRows | None:
+    """ProbMatrix -> [R, V] float32 tensor; None for an empty (unset) matrix. With `keep_sparse`, a sparse
+    encoding decodes to `SparseRows` holding only its non-zeros: the target's rows under top-k / top-p,
+    which at a 128k-152k vocabulary would otherwise take R x V x 4 bytes of the router's memory per request
+    and step (the verifier densifies only the rows its walk visits, `verify._target_row`)."""
     rows, cols, enc = message.rows, message.cols, message.encoding
     if enc == pb.PROB_ENCODING_UNSPECIFIED:
         return None
@@ -74,6 +78,9 @@ def decode_probs(message: pb.ProbMatrix) -> torch.Tensor | None:
             raise ValueError("sparse ProbMatrix: row_nnz, indices and values disagree")
         if indices.size and (indices.min() < 0 or indices.max() >= cols):
             raise ValueError(f"sparse ProbMatrix: column index outside [0, {cols})")
+        if keep_sparse:
+            return SparseRows(torch.from_numpy(np.concatenate(([0], np.cumsum(counts)))),
+                              torch.from_numpy(indices.astype(np.int64)), torch.from_numpy(values.copy()), cols)
         dense = np.zeros((rows, cols), dtype=np.float32)
         dense[np.repeat(np.arange(rows), counts), indices] = values
         return torch.from_numpy(dense)
@@ -120,7 +127,7 @@ def encode_dists(dists: TargetDists, dense_dtype: str = "float32") -> pb.TargetD
 
 def decode_dists(message: pb.TargetDists) -> TargetDists:
     argmax = torch.tensor(list(message.argmax), dtype=torch.long) if len(message.argmax) else None
-    probs = decode_probs(message.probs) if message.HasField("probs") else None
+    probs = decode_probs(message.probs, keep_sparse=True) if message.HasField("probs") else None
     if not message.HasField("features"):
         return TargetDists(argmax=argmax, probs=probs)
     features, start = decode_features(message.features)

@@ -7,7 +7,7 @@ from treeserve.engine.builders import TreeConfig
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.sampling import SamplingParams, warp_probs
 from treeserve.engine.tree import ChildDraw, TokenTree
-from treeserve.engine.verify import TargetDists
+from treeserve.engine.verify import SparseRows, TargetDists, verify_tree
 from treeserve.services import wire
 from treeserve.services.features import decode_features, encode_features
 from treeserve.v1 import internal_pb2 as pb
@@ -80,7 +80,31 @@ def test_dists_argmax_and_probs():
     assert torch.equal(wire.decode_dists(message).argmax, argmax.argmax)
     probs = TargetDists(probs=_probs(3, temperature=0.7, top_p=0.5))
     back = wire.decode_dists(pb.TargetDists.FromString(wire.encode_dists(probs).SerializeToString()))
-    assert back.argmax is None and torch.equal(back.probs, probs.probs)
+    assert back.argmax is None and isinstance(back.probs, SparseRows)
+    assert torch.equal(back.probs.to_dense(), probs.probs)
+    dense = TargetDists(probs=_probs(3, temperature=0.7))
+    assert torch.equal(wire.decode_dists(wire.encode_dists(dense)).probs, dense.probs)
+
+
+def test_large_vocab_sparse_rows_verify_as_dense():
+    """At a Llama-3 vocabulary (128,256) a 64-node tree's top-p rows stay sparse on the router: the decoded
+    target output holds only the non-zeros (here under 1% of the dense [64, V] float32), and verification reads
+    the same rows, so it draws exactly the tokens it draws from the dense matrix with the same generator."""
+    vocab, nodes = 128_256, 64
+    torch.manual_seed(1)
+    logits = torch.randn(nodes, vocab) * 4
+    sampling = SamplingParams(temperature=0.8, top_p=0.9)
+    probs = warp_probs(logits, sampling)
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+    tokens = [7] + [int(probs[p].argsort(descending=True)[i % 2]) for i, p in enumerate(parents[1:])]
+    tree = TokenTree.build(tokens, parents, ChildDraw.TOP_K)
+    back = wire.decode_dists(wire.encode_dists(TargetDists(probs=probs)))
+    held = back.probs.values.numel() * 4 + back.probs.columns.numel() * 8
+    assert held < 0.01 * nodes * vocab * 4
+    for seed in range(5):
+        sparse_path = verify_tree(tree, back, sampling, torch.Generator().manual_seed(seed))
+        dense_path = verify_tree(tree, TargetDists(probs=probs), sampling, torch.Generator().manual_seed(seed))
+        assert sparse_path == dense_path
 
 
 def test_features_round_trip():
