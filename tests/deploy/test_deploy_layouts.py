@@ -48,8 +48,14 @@ def test_local_cpu_fits_two_cores():
 # layout -> (query heads, KV heads, GPUs of the target's node, the drafter's GPU share)
 GPU_LAYOUTS = {"llama2-70b-4xa100.yaml": (64, 8, 4, 0.45), "llama2-70b-5xa100.yaml": (64, 8, 4, 1.0),
                "vicuna-33b-4xa100.yaml": (52, 52, 4, 0.45),
-               "llama2-70b-chat-eagle-4xa100.yaml": (64, 8, 4, 0.15), "vicuna-33b-eagle-4xa100.yaml": (52, 52, 4, 0.15)}
+               "llama2-70b-chat-eagle-4xa100.yaml": (64, 8, 4, 0.15), "vicuna-33b-eagle-4xa100.yaml": (52, 52, 4, 0.15),
+               "llama3.3-70b-eagle3-4xa100.yaml": (64, 8, 4, 0.2), "llama3.3-70b-eagle3-4xh100.yaml": (64, 8, 4, 0.2),
+               "qwen2.5-72b-4xh100.yaml": (64, 8, 4, 0.35)}
 EAGLE_LAYOUTS = {"llama2-70b-chat-eagle-4xa100.yaml": "llama-2-chat", "vicuna-33b-eagle-4xa100.yaml": "vicuna_v1.1"}
+# published EAGLE-3 heads; their targets' tokenizers ship a chat template (no chat_template set)
+EAGLE3_LAYOUTS = ("llama3.3-70b-eagle3-4xa100.yaml", "llama3.3-70b-eagle3-4xh100.yaml")
+# one GPU, no TP: layout -> (GPU memory in GiB as the driver reports it, the drafter's device)
+ONE_GPU_LAYOUTS = {"qwen2.5-32b-1xh100.yaml": (79.6, "cpu"), "qwen2.5-32b-1xh200.yaml": (140.0, "cuda")}
 
 
 @pytest.mark.parametrize("name", sorted(GPU_LAYOUTS))
@@ -108,7 +114,58 @@ def test_eagle_layouts(name):
     assert ok and [r[1] for r in rows][:2] == ["target", "drafter"]
 
 
-@pytest.mark.parametrize("name", ["llama2-70b-4xa100.yaml", "vicuna-33b-4xa100.yaml"] + sorted(EAGLE_LAYOUTS))
+@pytest.mark.parametrize("name", sorted(EAGLE3_LAYOUTS))
+def test_eagle3_layouts(name):
+    """A published EAGLE-3 head (declared by `layout`, checked from model_facts: no weights here) drafts for the
+    TP=4 target from the target's own node: one layer of the target's width, a reduced draft vocabulary, EAGLE-3's
+    default target layers; prompts use the target tokenizer's own chat template; a fixed budget; memory-estimate
+    counts the head (its own weights + its copy of the target's embeddings) on the GPU it shares with rank 3."""
+    from treeserve.engine.drafters.models.compatibility import check_drafter
+    from treeserve.services.memory_estimate import feature_drafter_params, report
+
+    args = load_serve_config(DEPLOY / name).app.args
+    assert args.drafter.layout == "eagle3" and args.drafter.reads_target_features()
+    assert args.target.tensor_parallel_size == 4 and args.target.chat_template is None
+    assert isinstance(args.speculation.budget, int)
+    target = args.target.facts()
+    head = json.loads(Path(args.drafter.model_facts).read_text())
+    facts = check_drafter(vars(target), raw=head, declared="eagle3")
+    assert (facts.layout, facts.draft_vocab, facts.target_vocab) == ("eagle3", 32000, target.vocab_size)
+    assert facts.feature_layers == (2, 40, 77) and head["hidden_size"] == target.hidden_size
+    assert feature_drafter_params(args) == facts.params
+    # the head's positions bound every session's context
+    assert args.drafter.max_context_tokens <= head["max_position_embeddings"]
+    gib = 79.6 if "h100" in name else 80.0
+    text, ok = report(DEPLOY / name, gib, 2.0)
+    rows = [line.split() for line in text.splitlines() if line.startswith("cuda:3")]
+    assert ok and [r[1] for r in rows][:2] == ["target", "drafter"]
+
+
+@pytest.mark.parametrize("name", sorted(ONE_GPU_LAYOUTS))
+def test_one_gpu_layouts(name):
+    """TP=1 on one GPU: the target runs in its replica (no placement group) on its GPU share, the drafter takes the
+    rest of that GPU (or sits on the CPU), and the layout fits the GPU it is written for."""
+    from treeserve.services.memory_estimate import report
+
+    gib, drafter_device = ONE_GPU_LAYOUTS[name]
+    app = load_serve_config(DEPLOY / name).app
+    args = app.args
+    assert (args.target.device, args.target.dtype, args.target.tensor_parallel_size) == ("cuda", "bfloat16", 1)
+    assert args.drafter.device == drafter_device and args.target.chat_template is None
+    target = app.deployment("Target")
+    assert target.placement_group_bundles is None and target.ray_actor_options.resources == {"TreeServeTarget": 1.0}
+    drafter = app.deployment("Drafter").ray_actor_options
+    assert target.ray_actor_options.num_gpus + drafter.num_gpus == pytest.approx(1.0)
+    assert (drafter.num_gpus > 0) == (drafter_device == "cuda")
+    # The drafter shares the target's vocabulary rows (Qwen2.5-0.5B's 151936 would be refused).
+    assert args.drafter.facts().vocab_size == args.target.facts().vocab_size == 152064
+    text, ok = report(DEPLOY / name, gib, 2.0)
+    assert ok and f"layout: FITS (1 GPU of {gib:g} GiB)" in text
+    assert not report(DEPLOY / name, gib - 8, 2.0)[1]  # ... and not a GPU 8 GiB smaller
+
+
+@pytest.mark.parametrize("name", ["llama2-70b-4xa100.yaml", "vicuna-33b-4xa100.yaml", "qwen2.5-72b-4xh100.yaml"]
+                         + sorted(EAGLE_LAYOUTS) + sorted(EAGLE3_LAYOUTS))
 def test_one_node_layouts_fit_one_4_gpu_node_in_any_start_order(name, fits_any_order):
     app = load_serve_config(DEPLOY / name).app
     requests = app.deployment("Target").rank_gpu_shares() + [app.deployment("Drafter").ray_actor_options.num_gpus]

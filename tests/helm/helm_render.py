@@ -23,10 +23,16 @@ DEPLOY = ROOT / "deploy"
 MIRRORS = {"cpu-demo": "local-cpu", "llama2-70b-4xa100": "llama2-70b-4xa100",
            "llama2-70b-5xa100": "llama2-70b-5xa100", "vicuna-33b-4xa100": "vicuna-33b-4xa100",
            "llama2-70b-chat-eagle-4xa100": "llama2-70b-chat-eagle-4xa100",
-           "vicuna-33b-eagle-4xa100": "vicuna-33b-eagle-4xa100"}
+           "vicuna-33b-eagle-4xa100": "vicuna-33b-eagle-4xa100",
+           "llama3.3-70b-eagle3-4xa100": "llama3.3-70b-eagle3-4xa100",
+           "llama3.3-70b-eagle3-4xh100": "llama3.3-70b-eagle3-4xh100",
+           "qwen2.5-72b-4xh100": "qwen2.5-72b-4xh100",
+           "qwen2.5-32b-1xh100": "qwen2.5-32b-1xh100", "qwen2.5-32b-1xh200": "qwen2.5-32b-1xh200"}
 # GPU presets: GPUs of the node the target's pod fills, GPUs in the whole layout
 GPU_PRESETS = {"llama2-70b-4xa100": (4, 4), "vicuna-33b-4xa100": (4, 4), "llama2-70b-5xa100": (4, 5),
-               "llama2-70b-chat-eagle-4xa100": (4, 4), "vicuna-33b-eagle-4xa100": (4, 4)}
+               "llama2-70b-chat-eagle-4xa100": (4, 4), "vicuna-33b-eagle-4xa100": (4, 4),
+               "llama3.3-70b-eagle3-4xa100": (4, 4), "llama3.3-70b-eagle3-4xh100": (4, 4),
+               "qwen2.5-72b-4xh100": (4, 4), "qwen2.5-32b-1xh100": (1, 1), "qwen2.5-32b-1xh200": (1, 1)}
 # Every optional feature at once: what a demanding install turns on.
 EVERYTHING = ("dashboard.service.enabled=true", "metrics.serviceMonitor.enabled=true",
               "dashboard.grafanaHost=http://grafana.monitoring.svc", "dashboard.prometheusHost=http://prom.monitoring.svc:9090",

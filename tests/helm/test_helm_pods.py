@@ -145,9 +145,11 @@ def test_gpu_presets_fill_their_nodes(name):
     assert total == layout_gpus
     drafter = app.deployment("Drafter").ray_actor_options
     if layout_gpus == node_gpus:
-        # One node: no drafter pod; the drafter shares the last rank's GPU, and that GPU is exactly full.
+        # One node: no drafter pod; the drafter shares the last rank's GPU (or sits on the pod's CPUs), and that
+        # GPU is exactly full. A TP=1 target holds its GPU share on the replica itself (no placement group).
         assert set(g) == {"target"}
-        shares = app.deployment("Target").rank_gpu_shares()
+        target = app.deployment("Target")
+        shares = target.rank_gpu_shares() or [target.ray_actor_options.num_gpus]
         assert shares[-1] + drafter.num_gpus == pytest.approx(1.0) and sum(shares) + drafter.num_gpus == node_gpus
         assert ray_resources(g["target"]) == {"TreeServeTarget": 1, "TreeServeDrafter": 1, "TreeServeRouter": 2}
         assert g["target"]["maxReplicas"] == 1  # exactly one node
@@ -155,8 +157,11 @@ def test_gpu_presets_fill_their_nodes(name):
         # The drafter's pod advertises no target slot, the target's pod no drafter slot.
         assert ray_resources(g["target"]) == {"TreeServeTarget": 1}
         assert "TreeServeTarget" not in ray_resources(g["drafter"]) and drafter.num_gpus == 1
-    # One target replica is one STRICT_PACK group on one pod.
-    assert app.deployment("Target").placement_group_strategy == "STRICT_PACK"
+    # One target replica is one STRICT_PACK group on one pod (TP=1: the replica itself).
+    if app.args.target.tensor_parallel_size > 1:
+        assert app.deployment("Target").placement_group_strategy == "STRICT_PACK"
+    else:
+        assert app.deployment("Target").placement_group_bundles is None
 
 
 def test_tp1_target_on_cuda_gets_its_gpu_on_the_replica_itself():
