@@ -31,7 +31,7 @@ from treeserve.engine.requests import FinishReason, GenerationRequest, Generatio
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.step_recorder import StepRecorder
 from treeserve.engine.tree import TokenTree
-from treeserve.engine.verify import TargetDists, VerifyResult, verify_tree
+from treeserve.engine.verify import TargetDists, VerifyResult, check_verified, verify_tree
 
 
 class Target(Protocol):
@@ -147,7 +147,8 @@ class SpeculativeEngine:
             ahead.result()
         recorder.scored()
         for s, tree, dist in zip(batch, trees, dists):
-            result = verify_tree(tree, dist, s.request.sampling, s.generator)
+            result = (verify_tree(tree, dist, s.request.sampling, s.generator) if dist.verified is None
+                      else check_verified(tree, dist.verified))
             self.commit(s, tree, dist, result)
             recorder.verified(s, tree, result)
         recorder.finish()
@@ -184,9 +185,12 @@ class SpeculativeEngine:
 
     def score_request(self, s: Sequence, tree: TokenTree) -> ScoreRequest:
         """What the target scores for `s` this step: its context and tree, and the previous step's accepted
-        nodes as a hint for its KV cache."""
+        nodes as a hint for its KV cache. A sampled sequence's tree is verified by the target, with a seed drawn
+        from the sequence's generator (so a request's seed still fixes its output): the [nodes, vocab]
+        probabilities never leave the process that computed them."""
+        seed = None if s.request.sampling.is_greedy else int(torch.randint(2 ** 62, (1,), generator=s.generator))
         return ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
-                            want_features=self.carries_features)
+                            want_features=self.carries_features, verify_seed=seed)
 
     def commit(self, s: Sequence, tree: TokenTree, dist: TargetDists, result: VerifyResult) -> None:
         """Take a verified step into `s`: the accepted path (the next step's cache hint), the target's features

@@ -289,6 +289,11 @@ class TokenTree:
             return None
         return probs[0].shape[0] if isinstance(probs, list) else probs.shape[1]
 
+    @cached_property
+    def needs_draft_rows(self) -> bool:
+        """Whether verification reads draft probabilities: some node has WITHOUT_REPLACEMENT children."""
+        return bool(((_host(self.child_draw) == ChildDraw.WITHOUT_REPLACEMENT) & self._has_children).any())
+
     def draft_row(self, node: int) -> Tensor:
         """q [V] at `node` (a node with a draft row), without stacking a lazily kept row list."""
         index = self.draft_row_list[node]  # type: ignore[index]

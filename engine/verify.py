@@ -85,6 +85,10 @@ class TargetDists:
     # nodes), asked for by EAGLE drafters; row 0 is context position `features_start`
     features: Tensor | None = None
     features_start: int = 0
+    # At temperature > 0 when the scorer verified the tree itself (ScoreRequest.verify_seed): its result, in
+    # place of `probs` (a 128k-152k vocabulary's dense rows are ~0.5 MB per node: scoring and verifying where
+    # they are computed keeps them off the wire and out of the router's memory)
+    verified: "VerifyResult | None" = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,23 @@ class VerifyResult:
     @property
     def num_accepted(self) -> int:
         return len(self.accepted_nodes)
+
+
+def check_verified(tree: TokenTree, result: VerifyResult) -> VerifyResult:
+    """`result` if it is a verification of `tree` another process may have made: a root path of accepted nodes
+    whose tokens open `tokens`, followed by exactly one token; ValueError naming what is wrong otherwise."""
+    parents, tokens = tree.parent_list, tree.token_list
+    node = 0
+    for child in result.accepted_nodes:
+        if not 0 < child < tree.num_nodes or parents[child] != node:
+            raise ValueError(f"verified path: node {child} is not a child of node {node}")
+        node = child
+    emitted = result.tokens
+    if len(emitted) != len(result.accepted_nodes) + 1:
+        raise ValueError(f"verified path: {len(emitted)} tokens for {len(result.accepted_nodes)} accepted nodes")
+    if any(emitted[i] != tokens[n] for i, n in enumerate(result.accepted_nodes)) or emitted[-1] < 0:
+        raise ValueError("verified path: its tokens are not the accepted nodes' tokens and one more")
+    return result
 
 
 def _check_target(tree: TokenTree, target: TargetDists, sampling: SamplingParams) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 import grpc
 
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
-from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.runners.step_settings import default_static_step
 from treeserve.services import wire
 from treeserve.services.features import FeaturesUnavailable, check_target_provides
@@ -45,12 +44,8 @@ class TargetServicer(pb_grpc.TargetServicer):
             self.sweep()
         requests = []
         for item in message.items:
-            if not item.context:
-                raise ValueError(f"session {item.session_id}: empty context")
             check_target_provides(item, type(self.runner).__name__, self.runner.provides_features)
-            requests.append(ScoreRequest(item.session_id, list(item.context), wire.decode_tree(item.tree),
-                                         wire.decode_sampling(item.sampling), wire.hint(item),
-                                         want_features=item.want_features))
+            requests.append(wire.decode_score_item(item))
         dists = self.runner.score(requests)
         self._seen.update(r.session_id for r in requests)
         return pb.ScoreResponse(dists=[wire.encode_dists(d, self.dense_dtype) for d in dists],

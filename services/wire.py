@@ -21,7 +21,7 @@ from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import TokenTree
-from treeserve.engine.verify import SparseRows, TargetDists
+from treeserve.engine.verify import SparseRows, TargetDists, VerifyResult
 from treeserve.services.features import decode_features, encode_features
 from treeserve.v1 import internal_pb2 as pb
 
@@ -93,10 +93,12 @@ def _check_len(array: np.ndarray, want: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ trees
-def encode_tree(tree: TokenTree, dense_dtype: str = "float32") -> pb.TokenTree:
+def encode_tree(tree: TokenTree, dense_dtype: str = "float32", with_rows: bool = True) -> pb.TokenTree:
+    """`with_rows` False: without the draft probabilities (for a reader that does not verify; the tree must not
+    need them, `TokenTree.needs_draft_rows`)."""
     out = pb.TokenTree(tokens=tree.token_list, parents=tree.parents.tolist(),
                        child_draw=[d + 1 for d in tree.child_draw_list], log_joint=tree.log_joint.tolist())
-    if tree.draft_probs is not None:
+    if with_rows and tree.draft_probs is not None:
         out.draft_probs.CopyFrom(encode_probs(tree.draft_probs, dense_dtype))
         out.draft_rows.extend(tree.draft_rows.tolist())
     if tree.sources is not None:
@@ -116,6 +118,9 @@ def decode_tree(message: pb.TokenTree) -> TokenTree:
 # ------------------------------------------------------------------------------------------ target output
 def encode_dists(dists: TargetDists, dense_dtype: str = "float32") -> pb.TargetDists:
     out = pb.TargetDists()
+    if dists.verified is not None:
+        out.verified.accepted_nodes.extend(dists.verified.accepted_nodes)
+        out.verified.tokens.extend(dists.verified.tokens)
     if dists.argmax is not None:
         out.argmax.extend(dists.argmax.tolist())
     if dists.probs is not None:
@@ -128,10 +133,12 @@ def encode_dists(dists: TargetDists, dense_dtype: str = "float32") -> pb.TargetD
 def decode_dists(message: pb.TargetDists) -> TargetDists:
     argmax = torch.tensor(list(message.argmax), dtype=torch.long) if len(message.argmax) else None
     probs = decode_probs(message.probs, keep_sparse=True) if message.HasField("probs") else None
+    verified = (VerifyResult(list(message.verified.accepted_nodes), list(message.verified.tokens))
+                if message.HasField("verified") else None)  # checked against the tree by the engine
     if not message.HasField("features"):
-        return TargetDists(argmax=argmax, probs=probs)
+        return TargetDists(argmax=argmax, probs=probs, verified=verified)
     features, start = decode_features(message.features)
-    return TargetDists(argmax=argmax, probs=probs, features=features, features_start=start)
+    return TargetDists(argmax=argmax, probs=probs, features=features, features_start=start, verified=verified)
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -194,12 +201,25 @@ def decode_observation(message: pb.StepObservation) -> StepRecord:
 
 # ------------------------------------------------------------------------------------------ items
 def encode_score_item(r: ScoreRequest) -> pb.ScoreItem:
-    item = pb.ScoreItem(session_id=r.session_id, context=r.context, tree=encode_tree(r.tree),
+    # The draft rows are for verification: a greedy tree goes without them where its shape allows.
+    with_rows = not r.sampling.is_greedy or r.tree.needs_draft_rows
+    item = pb.ScoreItem(session_id=r.session_id, context=r.context, tree=encode_tree(r.tree, with_rows=with_rows),
                         sampling=encode_sampling(r.sampling), want_features=r.want_features)
     if r.accepted_nodes is not None:
         item.has_accepted_nodes = True
         item.accepted_nodes.extend(r.accepted_nodes)
+    if r.verify_seed is not None:
+        item.verify_seed = r.verify_seed % (1 << 64)
     return item
+
+
+def decode_score_item(item: pb.ScoreItem) -> ScoreRequest:
+    """ValueError for an empty context or a malformed tree / warp."""
+    if not item.context:
+        raise ValueError(f"session {item.session_id}: empty context")
+    return ScoreRequest(item.session_id, list(item.context), decode_tree(item.tree), decode_sampling(item.sampling),
+                        hint(item), want_features=item.want_features,
+                        verify_seed=item.verify_seed if item.HasField("verify_seed") else None)
 
 
 def encode_draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -> pb.DraftItem:

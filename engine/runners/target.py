@@ -1,7 +1,9 @@
 """The target side of a step: score a batch of TokenTrees in one forward and return what verification needs.
 
-At temperature 0 only the argmax of each node is returned; otherwise the warped (temperature, top-k,
-top-p) target probabilities, so the router never sees raw logits.
+At temperature 0 only the argmax of each node is returned. At temperature > 0 the tree is verified here when the
+request carries a `verify_seed` (the engine's requests do: the [nodes, vocab] rows stay where they were
+computed), otherwise the warped (temperature, top-k, top-p) probabilities are returned; the router never sees
+raw logits.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.runners.step_settings import StaticStepSettings
 from treeserve.engine.sampling import SamplingParams, warp_probs
 from treeserve.engine.tree import TokenTree
-from treeserve.engine.verify import TargetDists
+from treeserve.engine.verify import TargetDists, verify_tree
 
 
 @dataclass
@@ -27,6 +29,9 @@ class ScoreRequest:
     sampling: SamplingParams
     accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
     want_features: bool = False  # also return the target's features of the fed rows (for an EAGLE drafter)
+    # temperature > 0: verify here with torch.Generator().manual_seed(verify_seed) and return the verified path
+    # instead of the probabilities (None: return them)
+    verify_seed: int | None = None
 
 
 class TargetRunner:
@@ -58,6 +63,7 @@ class TargetRunner:
                                                         r.tree.parents.tolist()) for r in requests],
                                          hidden=any(r.want_features for r in requests))
         dists = to_target_dists_batch([out.logits for out in outputs], [r.sampling for r in requests])
+        dists = [verify_here(r, d) for r, d in zip(requests, dists)]
         return [replace(d, features=out.hidden, features_start=start) if r.want_features else d
                 for d, out, r, start in zip(dists, outputs, requests, starts)]
 
@@ -81,3 +87,12 @@ def to_target_dists_batch(logits: list[torch.Tensor], sampling: list[SamplingPar
         for i, part in zip(sampled, probs.split([logits[i].shape[0] for i in sampled])):
             out[i] = TargetDists(probs=part)
     return out
+
+
+def verify_here(request: ScoreRequest, dists: TargetDists) -> TargetDists:
+    """A sampled request with a `verify_seed`: its tree verified against `dists`' probabilities with a generator
+    seeded so (the same `verify_tree` the router runs), returned in their place."""
+    if request.sampling.is_greedy or request.verify_seed is None:
+        return dists
+    generator = torch.Generator().manual_seed(request.verify_seed)
+    return TargetDists(verified=verify_tree(request.tree, dists, request.sampling, generator))

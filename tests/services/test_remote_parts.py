@@ -22,6 +22,7 @@ from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
 from treeserve.services.transport.discovery import static_discovery
 from treeserve.services.transport.pool import ReplicaPool
 from treeserve.services.transport.replica_server import ReplicaServer
+from treeserve.services import wire
 from treeserve.services.target_service import TargetServicer
 from treeserve.v1 import internal_pb2 as pb
 from treeserve.v1 import internal_pb2_grpc as pb_grpc
@@ -93,6 +94,27 @@ def test_remote_engine_matches_in_process(remote, tiny_parts):
     # generate() released every session on every replica.
     assert all(not s.session_ids() for s in replicas.targets)
     assert not replicas.drafter.drafter.runner.lm.sessions
+
+
+def test_sampled_trees_are_verified_by_the_target(remote, tiny_parts):
+    """At temperature > 0 the Target replica verifies each tree with the seed the router drew from the request's
+    generator and replies with the path, not the [nodes, vocab] probabilities: a seeded request gives the
+    in-process engine's output, and the Score reply is a few bytes per item."""
+    engine, replicas, loop = remote
+    local = tiny_parts.engine()
+    sampling = SamplingParams(temperature=0.9)
+    requests = [GenerationRequest(local.encode_chat(p), max_new_tokens=16, sampling=sampling, seed=seed)
+                for seed, p in enumerate(("Tell me a story about a fox.", "2+2=?"))]
+    for n in (1, 2):
+        got = [r.token_ids for r in engine.generate(requests[:n])]
+        assert got == [r.token_ids for r in local.generate(requests[:n])]
+    servicer = replicas.targets[0]
+    tree = root_only([5, 7, 9])
+    reply = servicer._score(pb.ScoreRequest(items=[wire.encode_score_item(ScoreRequest(
+        "probe", [5, 7, 9], tree, sampling, verify_seed=3))]))
+    assert reply.dists[0].HasField("verified") and not reply.dists[0].HasField("probs")
+    assert len(reply.dists[0].verified.tokens) == 1 and reply.ByteSize() < 64
+    servicer._release(["probe"])
 
 
 def test_health_release(remote):

@@ -7,7 +7,8 @@ from treeserve.engine.builders import TreeConfig
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.sampling import SamplingParams, warp_probs
 from treeserve.engine.tree import ChildDraw, TokenTree
-from treeserve.engine.verify import SparseRows, TargetDists, verify_tree
+from treeserve.engine.runners.target import ScoreRequest
+from treeserve.engine.verify import SparseRows, TargetDists, VerifyResult, check_verified, verify_tree
 from treeserve.services import wire
 from treeserve.services.features import decode_features, encode_features
 from treeserve.v1 import internal_pb2 as pb
@@ -154,3 +155,27 @@ def test_params_round_trip():
     assert (pinned.budget, pinned.budget_auto) == (8, False)
     record = StepRecord(3, 2, 3, 1, 1.5, 1.0, 2.5, 0.25, draft_forward_ms=0.75)
     assert wire.decode_observation(wire.encode_observation(record)) == record
+
+
+def test_verified_paths_and_seeds_round_trip():
+    """A replica's verified path and the router's verify seed cross the wire; the engine refuses a path that is
+    not one of the tree's (check_verified), and a greedy tree whose verification needs no draft rows goes
+    without them."""
+    q = _probs(1, temperature=1.0)
+    a, b = int(q[0].argmax()), int(q[0].argsort()[-2])
+    sampled = TokenTree.build([5, a, b, 7], [-1, 0, 0, 1], [ChildDraw.WITHOUT_REPLACEMENT, ChildDraw.TOP_K,
+                              ChildDraw.TOP_K, ChildDraw.TOP_K], [0.0, -0.5, -1.0, -2.0], q, [0, -1, -1, -1])
+    dists = TargetDists(verified=VerifyResult([1, 3], [a, 7, 11]))
+    back = wire.decode_dists(pb.TargetDists.FromString(wire.encode_dists(dists).SerializeToString()))
+    assert back.verified == dists.verified and back.probs is None
+    assert check_verified(sampled, back.verified) == dists.verified
+    for bad in (VerifyResult([2, 3], [b, 7, 11]), VerifyResult([1], [b, 11]), VerifyResult([1], [a])):
+        with pytest.raises(ValueError, match="verified path"):
+            check_verified(sampled, bad)
+    item = wire.encode_score_item(ScoreRequest("s", [1, 5], sampled, SamplingParams(temperature=0.5), verify_seed=9))
+    request = wire.decode_score_item(pb.ScoreItem.FromString(item.SerializeToString()))
+    assert request.verify_seed == 9 and torch.equal(request.tree.draft_probs, q)
+    greedy_tree = TokenTree.build([5, a, 7], [-1, 0, 1], ChildDraw.TOP_K, None, q, [0, -1, -1])
+    item = wire.encode_score_item(ScoreRequest("s", [1, 5], greedy_tree, SamplingParams()))
+    request = wire.decode_score_item(item)
+    assert request.verify_seed is None and request.tree.draft_probs is None and not item.tree.HasField("draft_probs")
