@@ -300,6 +300,11 @@ class ReplicasFullError(NoReplicaError):
     healthy and stay in the pool; the request is over the deployment's capacity."""
 
 
+class MessageTooLargeError(ReplicasFullError):
+    """A call or its reply exceeded grpc.max_message_bytes (gRPC answers RESOURCE_EXHAUSTED for that too): the
+    request is over what the deployment is configured to carry, not a full or failed replica; no retry helps."""
+
+
 class Retry(Exception):
     """A reply that is unusable (wrong item count, missing features): treated like a failed replica."""
 
@@ -360,6 +365,11 @@ class GroupedCaller(LoopBridge):
             except (grpc.aio.AioRpcError, Retry) as exc:
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in RETRYABLE:
                     raise
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == FULL and \
+                        "larger than max" in (exc.details() or ""):
+                    raise MessageTooLargeError(
+                        f"a {self.pool.name} message is over grpc.max_message_bytes ({exc.details()}): lower the "
+                        "tree budget or raise grpc.max_message_bytes") from None
                 if time.monotonic() >= deadline:
                     raise NoReplicaError(f"{self.pool.name} call failed and the retry deadline passed: {exc}")
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == FULL:

@@ -18,7 +18,7 @@ from treeserve.engine.verify import TargetDists
 from treeserve.services.target_service import TargetServicer
 from treeserve.services.transport.clients import RemoteTarget
 from treeserve.services.transport.discovery import static_discovery
-from treeserve.services.transport.pool import ReplicaPool, ReplicasFullError
+from treeserve.services.transport.pool import MessageTooLargeError, ReplicaPool, ReplicasFullError
 from treeserve.services.transport.replica_server import ReplicaServer
 from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
@@ -107,3 +107,25 @@ def test_router_answers_resource_exhausted_when_the_replicas_are_full(tiny_parts
     with pytest.raises(RequestError) as info:
         asyncio.run(run())
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "full" in info.value.message
+
+
+class HugeRunner(FakeRunner):
+    """Replies with dense [nodes, 65,536] float32 probabilities: 256 KiB per node."""
+
+    def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
+        return [TargetDists(probs=torch.full((r.tree.num_nodes, 65_536), 1 / 65_536)) for r in requests]
+
+
+def test_a_reply_over_the_message_limit_is_named_and_the_replica_stays():
+    """gRPC refuses a message over max_message_bytes with RESOURCE_EXHAUSTED too: that is neither a full KV pool
+    nor a dead replica, and the error names the setting (it was reported as "every replica is full")."""
+    server = ReplicaServer(pb_grpc.add_TargetServicer_to_server, TargetServicer(HugeRunner(full=False)),
+                           host="127.0.0.1", max_message_bytes=1 << 20).start()
+    try:
+        requests = [ScoreRequest(f"s-{i}", [1, 2, 3], root_only([1, 2, 3]), SamplingParams(temperature=1.0))
+                    for i in range(8)]  # 2 MiB of reply
+        target, error = asyncio.run(_score([server.address], requests))
+    finally:
+        server.stop(0.2)
+    assert isinstance(error, MessageTooLargeError) and "max_message_bytes" in str(error)
+    assert set(target.pool.live) == {server.address}
