@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def inspect(target: str, drafter: str, dtype: str = "float32") -> dict:
     """The file checks and the size report (ValueError naming both models for a pair that does not fit)."""
     from treeserve.engine.drafters.registry import drafter_dir
-    from treeserve.engine.drafters.models.compatibility import LAYOUT_NAMES, check_drafter
+    from treeserve.engine.drafters.models.compatibility import LAYOUT_NAMES, check_drafter, read_config
     from treeserve.engine.models.loading import resolve_model_dir
 
     target_dir = resolve_model_dir(target)
@@ -45,9 +45,13 @@ def inspect(target: str, drafter: str, dtype: str = "float32") -> dict:
                           drafter_name=drafter)
     size = DTYPE_BYTES[dtype]
     hidden = raw["hidden_size"]
-    heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or hidden // heads
-    kv_heads = raw.get("num_key_value_heads") or heads
+    # the drafter's KV cache has its own layer's head counts (a published head narrower than its target has
+    # fewer / smaller heads); its config.json says, else the target's
+    own = read_config(drafter_dir(drafter)) or {}
+    layer = own if own.get("num_attention_heads") and own.get("hidden_size") else raw
+    heads = layer["num_attention_heads"]
+    head_dim = layer.get("head_dim") or layer["hidden_size"] // heads
+    kv_heads = layer.get("num_key_value_heads") or heads
     fused = facts.feature_layers if facts.layout == "eagle3" else None
     return {
         "target": target, "drafter": drafter, "layout": facts.layout, "layout_name": LAYOUT_NAMES[facts.layout],
@@ -56,8 +60,10 @@ def inspect(target: str, drafter: str, dtype: str = "float32") -> dict:
         "feature_layers": list(fused) if fused else ("final" if facts.reads_target_features else None),
         "drafter_weight_bytes": facts.params * size, "drafter_own_bytes": facts.own_params * size,
         "borrowed_bytes": facts.borrowed_params * size,
-        # per cached token of the drafter's KV pool (its decoder layers, the head's own head counts: as the target's
-        # for the published heads)
+        # the width of the drafter's layer (an EAGLE-3 head narrower than its target: its own, with embeddings
+        # of its own, fc reading the target's)
+        "drafter_hidden_size": layer["hidden_size"], "target_hidden_size": hidden,
+        # per cached token of the drafter's KV pool (its decoder layers, with its own head counts)
         "drafter_kv_bytes_per_token": 2 * facts.kv_layers * kv_heads * head_dim * size,
         # what the Target replica returns per fed row for this drafter (float32 on the wire)
         "feature_bytes_per_token": (len(fused) if fused else 1) * hidden * 4 if facts.reads_target_features else 0,
@@ -119,6 +125,9 @@ def render(r: dict, dtype: str) -> str:
              f"head), KV cache {_size(r['drafter_kv_bytes_per_token'])} per cached token"
              + (f"; the target returns {_size(r['feature_bytes_per_token'])} of features per fed token"
                 if r["reads_target_features"] else "")]
+    if r["layout"] == "eagle3" and r["drafter_hidden_size"] != r["target_hidden_size"]:
+        lines.append(f"its layer is {r['drafter_hidden_size']} wide, the target {r['target_hidden_size']}: fc fuses "
+                     f"the target's features into its width, and its embeddings are its own")
     if "agreement" in r:
         a = r["agreement"]
         lines.append(f"top-1 agreement with the target's greedy answers: {a['top1']:.1%} (top-4 {a['top4']:.1%}) "

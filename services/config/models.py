@@ -134,7 +134,8 @@ class ModelConfig:
             if count is not None and count % self.tensor_parallel_size:
                 raise ValueError(f"{path}.tensor_parallel_size: must divide {name}={count} "
                                  f"(got {self.tensor_parallel_size})")
-        if facts is not None and self.max_context_tokens > facts.max_position_embeddings:
+        if facts is not None and self.max_context_tokens > facts.max_position_embeddings \
+                and not self._positions_unbounded():
             raise ValueError(f"{path}.max_context_tokens: {self.max_context_tokens} exceeds the model's "
                              f"max_position_embeddings={facts.max_position_embeddings}")
 
@@ -153,6 +154,10 @@ class ModelConfig:
                 facts_path = base_dir / facts_path
             return ModelFacts.from_file(facts_path, f"{path}.model_facts")
         return None
+
+    def _positions_unbounded(self) -> bool:
+        """Whether this model may be run past its max_position_embeddings (a model's own context: no)."""
+        return False
 
     # The default drafter is not SmolLM2-135M itself, so the embedded facts apply to the target only.
     is_target = True
@@ -183,6 +188,15 @@ class DrafterConfig(ModelConfig):
             from treeserve.engine.drafters.registry import default_drafter
 
             self.path = default_drafter(self.kind)
+
+    def _positions_unbounded(self) -> bool:
+        """A head reading the target's features (EAGLE-1/2, EAGLE-3: published or TreeServe's) runs at the target's
+        positions past its own max_position_embeddings (2048 in the EAGLE authors' heads): its one layer sees the
+        target's features, which carry the long context, and RoPE has no table to run out of. SGLang and vLLM
+        serve these heads so, at the target's context length; capping the drafter here would cap the whole service
+        at the head's training length. An ordinary causal-LM drafter keeps the check: its own context is all it
+        sees."""
+        return self.reads_target_features()
 
     def reads_target_features(self) -> bool:
         """An EAGLE drafter (the shipped "eagle"/"eagle3", a saved one, or a published EAGLE-1/2 or EAGLE-3

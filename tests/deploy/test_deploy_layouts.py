@@ -116,10 +116,11 @@ def test_eagle_layouts(name):
 
 @pytest.mark.parametrize("name", sorted(EAGLE3_LAYOUTS))
 def test_eagle3_layouts(name):
-    """A published EAGLE-3 head (declared by `layout`, checked from model_facts: no weights here) drafts for the
-    TP=4 target from the target's own node: one layer of the target's width, a reduced draft vocabulary, EAGLE-3's
-    default target layers; prompts use the target tokenizer's own chat template; a fixed budget; memory-estimate
-    counts the head (its own weights + its copy of the target's embeddings) on the GPU it shares with rank 3."""
+    """The EAGLE authors' EAGLE-3 head (declared by `layout`, checked from model_facts: no weights here) drafts for
+    the TP=4 target from the target's own node: one layer narrower than the target (target_hidden_size names the
+    target's width, which fc reads), its own embeddings, a reduced draft vocabulary, EAGLE-3's default target layers;
+    its max_position_embeddings does not cap the context; prompts use the target tokenizer's own chat template; a
+    fixed budget; memory-estimate counts the head (all its own weights) on the GPU it shares with rank 3."""
     from treeserve.engine.drafters.models.compatibility import check_drafter
     from treeserve.services.memory_estimate import feature_drafter_params, report
 
@@ -131,10 +132,11 @@ def test_eagle3_layouts(name):
     head = json.loads(Path(args.drafter.model_facts).read_text())
     facts = check_drafter(vars(target), raw=head, declared="eagle3")
     assert (facts.layout, facts.draft_vocab, facts.target_vocab) == ("eagle3", 32000, target.vocab_size)
-    assert facts.feature_layers == (2, 40, 77) and head["hidden_size"] == target.hidden_size
+    assert facts.feature_layers == (2, 40, 77) and head["target_hidden_size"] == target.hidden_size
+    assert head["hidden_size"] < target.hidden_size and facts.borrowed_params == 0  # embeddings of its own
     assert feature_drafter_params(args) == facts.params
-    # the head's positions bound every session's context
-    assert args.drafter.max_context_tokens <= head["max_position_embeddings"]
+    # a head reading the target's features runs at the target's positions: its own do not cap the context
+    assert args.drafter.max_context_tokens == args.target.max_context_tokens > head["max_position_embeddings"]
     gib = 79.6 if "h100" in name else 80.0
     text, ok = report(DEPLOY / name, gib, 2.0)
     rows = [line.split() for line in text.splitlines() if line.startswith("cuda:3")]

@@ -9,9 +9,10 @@ stopping on each id of the generation config's EOS list exactly where `generate`
 tokens that follow the target (chi-square); the service path (Target / Drafter replicas over gRPC, the Router
 behind its API) gives the same greedy output; chat prompts go through the family's template and the family's
 special tokens typed by a user stay text. For the Llama-3 layout, a tiny head in the published EAGLE-3 layout of
-yuhuili/EAGLE3-LLaMA3.3-Instruct-70B (config.json fields as published, a 32000-token draft vocabulary of the
-128256 with d2t / t2d) drafts through dyspec, opt_tree and c2t to the target's greedy output, keeps sampled output
-lossless, and `treeserve check-drafter` reports it.
+yuhuili/EAGLE3-LLaMA3.3-Instruct-70B (config.json fields as published; like the real head, narrower than its
+target, with target_hidden_size naming the target's width and embeddings of its own; a 32000-token draft vocabulary
+of the 128256 with d2t / t2d) drafts through dyspec, opt_tree and c2t to the target's greedy output, keeps sampled
+output lossless, and `treeserve check-drafter` reports it.
 """
 
 from __future__ import annotations
@@ -284,24 +285,32 @@ def test_service_greedy_equals_generate(pair):
 
 # ------------------------------------------------------------------------------------------ published EAGLE-3 head
 DRAFT_VOCAB = 32000
+# yuhuili's head is 6144 wide for Llama-3.3-70B's 8192 (48 query heads of the target's head_dim 128): 3 of the tiny
+# target's 4 heads of 8, one KV head (3 query heads share it).
+NARROW_HEAD = {"hidden": 3 * HIDDEN // 4, "heads": 3, "kv_heads": 1}
 
 
 def eagle3_llama33_config(target_config, draft_vocab: int = DRAFT_VOCAB) -> dict:
     """config.json of yuhuili/EAGLE3-LLaMA3.3-Instruct-70B (EAGLE's traineagle3 config: no rope fields, 2048
-    positions, float16), sizes scaled to the tiny target; no layer ids, so EAGLE-3's default layers are read."""
+    positions, float16, plus target_hidden_size: its layer is narrower than the target), sizes scaled to the tiny
+    target; no layer ids, so EAGLE-3's default layers are read."""
     return {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 128000, "eos_token_id": 128001,
-            "hidden_act": "silu", "hidden_size": target_config.hidden_size, "initializer_range": 0.02,
+            "hidden_act": "silu", "hidden_size": NARROW_HEAD["hidden"], "initializer_range": 0.02,
             "intermediate_size": INTER, "max_position_embeddings": 2048, "model_type": "llama",
-            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "num_hidden_layers": 1, "pad_token_id": 0,
-            "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
-            "transformers_version": "4.28.1", "use_cache": True, "vocab_size": target_config.vocab_size,
-            "draft_vocab_size": draft_vocab}
+            "num_attention_heads": NARROW_HEAD["heads"], "num_key_value_heads": NARROW_HEAD["kv_heads"],
+            "num_hidden_layers": 1, "pad_token_id": 0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+            "torch_dtype": "float16", "transformers_version": "4.28.1", "use_cache": True,
+            "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab,
+            "target_hidden_size": target_config.hidden_size}
 
 
 def eagle3_specforge_config(target_config, draft_vocab: int = DRAFT_VOCAB) -> dict:
     """config.json of SpecForge's Llama-3.3-70B EAGLE-3 heads (lmsys/SGLang-EAGLE3-Llama-3.3-70B-Instruct-SpecForge):
-    the yuhuili fields plus the target's rope (llama3 scaling, theta 500000), head_dim and EOS list."""
-    return {**eagle3_llama33_config(target_config, draft_vocab), "eos_token_id": [128001, 128008, 128009],
+    the yuhuili fields at the target's width (no target_hidden_size) plus the target's rope (llama3 scaling, theta
+    500000), head_dim and EOS list."""
+    yuhuili = {k: v for k, v in eagle3_llama33_config(target_config, draft_vocab).items() if k != "target_hidden_size"}
+    return {**yuhuili, "eos_token_id": [128001, 128008, 128009], "hidden_size": target_config.hidden_size,
+            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
             "head_dim": target_config.hidden_size // HEADS, "max_position_embeddings": 4096,
             "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                              "original_max_position_embeddings": 4096, "rope_type": "llama3"},
@@ -323,7 +332,7 @@ def head(llama3, tmp_path_factory):
 
     model = llama3.loaded.model
     path = write_eagle3(tmp_path_factory.mktemp("eagle3") / "EAGLE3-LLaMA3.3-Instruct-70B", model,
-                        draft_vocab=DRAFT_VOCAB, config=eagle3_llama33_config(model.config))
+                        draft_vocab=DRAFT_VOCAB, config=eagle3_llama33_config(model.config), **NARROW_HEAD)
     state = load_file(str(path / "model.safetensors"))
     state["lm_head.weight"] = state["lm_head.weight"] * 6
     save_file(state, str(path / "model.safetensors"))
@@ -349,6 +358,7 @@ def test_published_eagle3_head_greedy_equals_generate(llama3, head, method):
     draft_ids = _draft_ids(head)
     engine = llama3.engine(method, budget=8, drafter=head, **({"delta": 0.0} if method == "opt_tree" else {}))
     assert len(engine.drafter.runner.vocab_ids) == DRAFT_VOCAB and engine.target.lm.feature_layers == (2, 1, 0)
+    assert engine.drafter.runner.target_feature_size == 3 * HIDDEN  # fc reads the target's width into the head's
     trees = _spy_trees(engine)
     for prompt in spec.prompts[:2] + [llama3.repeat]:
         expected = spec.greedy(prompt, 16)
@@ -406,6 +416,7 @@ def test_check_drafter_reports_the_published_head(llama3, head, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["layout"] == "eagle3" and (result["draft_vocab"], result["target_vocab"]) == (DRAFT_VOCAB, 128256)
     assert result["feature_layers"] == [2, 1, 0] and result["feature_bytes_per_token"] == 3 * HIDDEN * 4
+    assert (result["drafter_hidden_size"], result["borrowed_bytes"]) == (NARROW_HEAD["hidden"], 0)  # own embeddings
     assert result["agreement"]["positions"] == 4
     assert main(argv[:-4] + ["--no-agreement"]) == 0
     text = capsys.readouterr().out

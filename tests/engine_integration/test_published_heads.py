@@ -4,7 +4,9 @@ Each test writes a tiny checkpoint in the published layout (random weights, the 
 config.json fields of SafeAILab/EAGLE `eagle/model/cnets1.py` / `cnets.py`, as SGLang's and vLLM's loaders read
 them), loads it through the ordinary drafter path, and checks: its draft logits equal a forward written here
 from the reference architecture (not TreeServe's modules); greedy output through the engine equals the
-target's own; every mismatch is refused in one line before a tensor is used.
+target's own; every mismatch is refused in one line before a tensor is used. EAGLE-3 heads come at the target's
+width and narrower than it (the EAGLE authors' Llama-3.3-70B head: `target_hidden_size` names the target's width,
+which fc reads, and the head ships embeddings of its own), which `treeserve check-drafter` reports.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ def _llama_config(model, **extra) -> dict:
             "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "float16", **extra}
 
 
-def _layer(prefix: str, hidden: int, q_in: int, g: torch.Generator, input_norm: bool) -> dict:
-    head_dim = hidden // HEADS
-    w = {f"{prefix}self_attn.q_proj.weight": torch.randn(HEADS * head_dim, q_in, generator=g) * q_in ** -0.5,
-         f"{prefix}self_attn.k_proj.weight": torch.randn(KV_HEADS * head_dim, q_in, generator=g) * q_in ** -0.5,
-         f"{prefix}self_attn.v_proj.weight": torch.randn(KV_HEADS * head_dim, q_in, generator=g) * q_in ** -0.5,
-         f"{prefix}self_attn.o_proj.weight": torch.randn(hidden, HEADS * head_dim, generator=g) * hidden ** -0.5,
+def _layer(prefix: str, hidden: int, q_in: int, g: torch.Generator, input_norm: bool, heads: int = HEADS,
+           kv_heads: int = KV_HEADS) -> dict:
+    head_dim = hidden // heads
+    w = {f"{prefix}self_attn.q_proj.weight": torch.randn(heads * head_dim, q_in, generator=g) * q_in ** -0.5,
+         f"{prefix}self_attn.k_proj.weight": torch.randn(kv_heads * head_dim, q_in, generator=g) * q_in ** -0.5,
+         f"{prefix}self_attn.v_proj.weight": torch.randn(kv_heads * head_dim, q_in, generator=g) * q_in ** -0.5,
+         f"{prefix}self_attn.o_proj.weight": torch.randn(hidden, heads * head_dim, generator=g) * hidden ** -0.5,
          f"{prefix}mlp.gate_proj.weight": torch.randn(INTER, hidden, generator=g) * hidden ** -0.5,
          f"{prefix}mlp.up_proj.weight": torch.randn(INTER, hidden, generator=g) * hidden ** -0.5,
          f"{prefix}mlp.down_proj.weight": torch.randn(hidden, INTER, generator=g) * INTER ** -0.5,
@@ -68,28 +71,42 @@ def write_eagle1(out, model, seed: int = 0, config: dict | None = None, state: d
     return out
 
 
+# A head narrower than its target, as yuhuili/EAGLE3-LLaMA3.3-Instruct-70B is (6144 of Llama-3.3-70B's 8192: 48
+# query / 8 KV heads of 128): 48 of the tiny target's 64, fewer heads of the target's head_dim (16), one KV head.
+NARROW = {"hidden": 48, "heads": 3, "kv_heads": 1}
+
+
 def write_eagle3(out, model, seed: int = 0, draft_vocab: int = 500, layer_ids: dict | None = None,
-                 config: dict | None = None, state: dict | None = None):
+                 config: dict | None = None, state: dict | None = None, hidden: int | None = None,
+                 heads: int = HEADS, kv_heads: int = KV_HEADS):
     """cnets.py `Model` as published (model.safetensors, float16): fc over 3 fused features, midlayer with
-    hidden_norm and q/k/v over 2 x hidden, norm, a draft-vocabulary lm_head, d2t / t2d."""
+    hidden_norm and q/k/v over 2 x hidden, norm, a draft-vocabulary lm_head, d2t / t2d. `hidden` below the
+    target's: a narrower head (config target_hidden_size = the target's, fc [hidden, 3 x target's]) with
+    `heads` / `kv_heads` of its own and embeddings of its own (`embed_tokens.weight` [vocab, hidden])."""
     g = torch.Generator().manual_seed(seed)
-    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    target_hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    hidden = hidden or target_hidden
     ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True
-    weights = {"fc.weight": torch.randn(hidden, 3 * hidden, generator=g) * (3 * hidden) ** -0.5,
+    weights = {"fc.weight": torch.randn(hidden, 3 * target_hidden, generator=g) * (3 * target_hidden) ** -0.5,
                "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
                "midlayer.input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
-               **_layer("midlayer.", hidden, 2 * hidden, g, input_norm=False),
+               **_layer("midlayer.", hidden, 2 * hidden, g, input_norm=False, heads=heads, kv_heads=kv_heads),
                "norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
                "lm_head.weight": torch.randn(draft_vocab, hidden, generator=g) * hidden ** -0.5}
+    narrow = {}
+    if hidden != target_hidden:
+        weights["embed_tokens.weight"] = torch.randn(vocab, hidden, generator=g)
+        narrow = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                  "target_hidden_size": target_hidden}
     weights = {k: v.half() for k, v in weights.items()}
     weights.update(d2t=ids - torch.arange(draft_vocab), t2d=t2d)
     if state is not None:
         weights = state
     raw = config or _llama_config(model, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab,
-                                  **(layer_ids if layer_ids is not None else
-                                     {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 1]}}))
+                                  **narrow, **(layer_ids if layer_ids is not None else
+                                               {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 1]}}))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw))
     save_file(weights, str(out / "model.safetensors"))
@@ -105,18 +122,18 @@ def _rotate_half(x):
     return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
-def _attention(w, prefix, x, hidden):
+def _attention(w, prefix, x, hidden, heads=HEADS, kv_heads=KV_HEADS):
     """cnets1/cnets `LlamaAttention`: RoPE (base 10000, positions 0..T-1), repeat_kv, causal softmax."""
-    t, head_dim = x.shape[0], hidden // HEADS
-    q = (x @ w[prefix + "self_attn.q_proj.weight"].T).view(t, HEADS, head_dim).transpose(0, 1)
-    k = (x @ w[prefix + "self_attn.k_proj.weight"].T).view(t, KV_HEADS, head_dim).transpose(0, 1)
-    v = (x @ w[prefix + "self_attn.v_proj.weight"].T).view(t, KV_HEADS, head_dim).transpose(0, 1)
+    t, head_dim = x.shape[0], hidden // heads
+    q = (x @ w[prefix + "self_attn.q_proj.weight"].T).view(t, heads, head_dim).transpose(0, 1)
+    k = (x @ w[prefix + "self_attn.k_proj.weight"].T).view(t, kv_heads, head_dim).transpose(0, 1)
+    v = (x @ w[prefix + "self_attn.v_proj.weight"].T).view(t, kv_heads, head_dim).transpose(0, 1)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.outer(torch.arange(t).float(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
+    k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
     scores = q @ k.transpose(1, 2) / math.sqrt(head_dim)
     scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
     out = torch.softmax(scores, -1) @ v
@@ -137,14 +154,16 @@ def eagle1_reference(w, embeddings, lm_head, ids, features):
     return x @ lm_head.T, x
 
 
-def eagle3_reference(w, embeddings, ids, fused):
+def eagle3_reference(w, embeddings, ids, fused, heads=HEADS, kv_heads=KV_HEADS):
     """cnets.py: fc(fused) -> LlamaDecoderLayeremb(cat(input_layernorm(embed), hidden_norm(h))) -> norm -> lm_head,
-    draft id d = target id d + d2t[d]."""
+    draft id d = target id d + d2t[d]. `embeddings`: the head's own where its file holds them (`Model.__init__`
+    loads the target's only for a config without target_hidden_size), else the target's."""
+    embeddings = w.get("embed_tokens.weight", embeddings)
     hidden = embeddings.shape[1]
     h = fused @ w["fc.weight"].T
     x = torch.cat([_rms(embeddings[ids], w["midlayer.input_layernorm.weight"]),
                    _rms(h, w["midlayer.hidden_norm.weight"])], -1)
-    h = h + _attention(w, "midlayer.", x, hidden)
+    h = h + _attention(w, "midlayer.", x, hidden, heads, kv_heads)
     h = h + _mlp(w, "midlayer.", _rms(h, w["midlayer.post_attention_layernorm.weight"]))
     return _rms(h, w["norm.weight"]) @ w["lm_head.weight"].T, torch.arange(len(w["d2t"])) + w["d2t"]
 
@@ -221,17 +240,67 @@ def test_eagle3_head_matches_the_reference_forward(target, tmp_path):
     assert torch.equal(drafter.vocab_ids, vocab_ids)
 
 
-def test_eagle3_head_drafts_greedy_equal(target, tiny_target_dir, tmp_path):
+def test_narrow_eagle3_head_matches_the_reference_forward(target, tmp_path):
+    """A head narrower than its target (yuhuili's Llama-3.3-70B layout): fc reads 3 x the target's width into the
+    head's, its layer has its own head counts, and its own embeddings are used (the target's are too wide)."""
+    from safetensors.torch import load_file
+
+    model = target.model
+    path = write_eagle3(tmp_path / "narrow", model, **NARROW)
+    assert detect_layout(path) == "eagle3"
+    drafter = load_drafter(str(path), model)
+    w = _float(load_file(str(path / "model.safetensors")))
+    assert drafter.fc.in_features == drafter.target_feature_size == 3 * model.config.hidden_size
+    assert drafter.config.hidden_size == NARROW["hidden"] and drafter.own_embeddings
+    assert torch.equal(drafter.embed_tokens.weight, w["embed_tokens.weight"])
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, model.config.vocab_size, (7,), generator=g)
+    fused = torch.randn(7, 3 * model.config.hidden_size, generator=g)
+    want, vocab_ids = eagle3_reference(w, model.get_input_embeddings().weight.detach(), ids, fused,
+                                       NARROW["heads"], NARROW["kv_heads"])
+    with torch.no_grad():
+        out = drafter(ids[None], drafter.project_target_features(fused[None]))
+    torch.testing.assert_close(out.logits[0], want, atol=1e-4, rtol=1e-4)
+    assert out.hidden.shape[-1] == NARROW["hidden"] and torch.equal(drafter.vocab_ids, vocab_ids)
+    drafter.save(tmp_path / "saved")  # written back in the published layout: its own embeddings and width
+    again = load_drafter(str(tmp_path / "saved"), model)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids[None], again.project_target_features(fused[None])).logits, out.logits,
+                                   atol=2e-3, rtol=2e-3)  # float16 on disk
+
+
+@pytest.mark.parametrize("width", ["target", "narrow"])
+def test_eagle3_head_drafts_greedy_equal(target, tiny_target_dir, tmp_path, width):
     from treeserve.engine.factory import build_engine
     from treeserve.engine.requests import GenerationRequest
 
-    path = write_eagle3(tmp_path / "eagle3", target.model)
+    path = write_eagle3(tmp_path / "eagle3", target.model, **(NARROW if width == "narrow" else {}))
     plain = build_engine(str(tiny_target_dir), method="autoregressive", target=target)
     prompt = plain.encode_chat("Count to five.")
     engine = build_engine(str(tiny_target_dir), drafter_path=str(path), method="dyspec", budget=6, target=target)
     assert engine.target.lm.feature_layers == (1, 1, 2)
     want = plain.generate([GenerationRequest(prompt, max_new_tokens=20)])[0].token_ids
     assert engine.generate([GenerationRequest(prompt, max_new_tokens=20)])[0].token_ids == want
+
+
+def test_check_drafter_reports_a_narrow_eagle3_head(target, tiny_target_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from treeserve.cli.main import main
+
+    path = write_eagle3(tmp_path / "narrow", target.model, **NARROW)
+    argv = ["check-drafter", "--target", str(tiny_target_dir), "--drafter", str(path)]
+    assert main(argv + ["--num-prompts", "1", "--max-new-tokens", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    stored = sum(v.numel() for v in load_file(str(path / "model.safetensors")).values() if v.is_floating_point())
+    hidden, head_dim = target.model.config.hidden_size, NARROW["hidden"] // NARROW["heads"]
+    assert (result["layout"], result["drafter_hidden_size"], result["target_hidden_size"]) == (
+        "eagle3", NARROW["hidden"], hidden)
+    assert result["drafter_own_bytes"] == 4 * stored and result["borrowed_bytes"] == 0  # its embeddings are its own
+    assert result["drafter_kv_bytes_per_token"] == 2 * NARROW["kv_heads"] * head_dim * 4  # its own KV heads
+    assert result["feature_bytes_per_token"] == 3 * hidden * 4 and result["agreement"]["positions"] == 4
+    assert main(argv + ["--no-agreement"]) == 0
+    assert f"its layer is {NARROW['hidden']} wide, the target {hidden}" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ refusals
@@ -274,6 +343,18 @@ def test_eagle3_mismatches_are_refused(target, tmp_path):
     _refused("hidden_states", write_eagle3(tmp_path / "e", model, config={
         **config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}}), model)
     _refused("vocabulary", write_eagle3(tmp_path / "f", model, config={**config, "vocab_size": 1000}), model)
+    # a narrower head fusing features of another width, or without embeddings of its own
+    narrow = write_eagle3(tmp_path / "g", model, **NARROW)
+    raw = json.loads((narrow / "config.json").read_text())
+    message = _refused("target_hidden_size", write_eagle3(tmp_path / "h", model, **NARROW, config={
+        **raw, "target_hidden_size": 2 * raw["target_hidden_size"]}), model)
+    assert "it fuses features of hidden size 128 (its target_hidden_size), the target's hidden size is 64" in message
+    unnamed = write_eagle3(tmp_path / "i", model, **NARROW, config={k: v for k, v in raw.items()
+                                                                    if k != "target_hidden_size"})
+    _refused("hidden size is 48, the target.s 64, and its config names no target_hidden_size", unnamed, model)
+    weights = load_file(str(narrow / "model.safetensors"))
+    _refused("embed_tokens", write_eagle3(tmp_path / "j", model, **NARROW, state={
+        k: v for k, v in weights.items() if k != "embed_tokens.weight"}), model)
 
 
 def test_causal_lm_drafter_with_missing_weights_or_another_tokenizer_is_refused(target, tiny_drafter_dir, tmp_path):

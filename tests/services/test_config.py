@@ -277,3 +277,36 @@ def test_drafter_dtype_auto_is_sized_as_the_larger_choice():
     assert args.drafter.dtype == "auto" and dtype_bytes(args.drafter, args) == 4
     args = load_serve_config(_app({"drafter": {"dtype": "auto"}, "target": {"dtype": "bfloat16"}})).app.args
     assert dtype_bytes(args.drafter, args) == 2
+
+
+def test_feature_reading_heads_run_past_their_max_position_embeddings(tmp_path):
+    """A head reading the target's features (here a published EAGLE-3 head, declared: its files are not readable
+    here) runs at the target's positions past its own max_position_embeddings (2048 in the EAGLE authors' heads),
+    as SGLang and vLLM serve them: it does not cap the service. An ordinary causal-LM drafter still may not."""
+    smol = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 1,
+            "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 2048}
+    (tmp_path / "head.json").write_text(json.dumps({**smol, "architectures": ["LlamaForCausalLMEagle3"],
+                                                    "draft_vocab_size": 32000}))
+    (tmp_path / "narrow.json").write_text(json.dumps({**smol, "architectures": ["LlamaForCausalLMEagle3"],
+                                                      "hidden_size": 384, "num_attention_heads": 6,
+                                                      "num_key_value_heads": 2, "target_hidden_size": 576}))
+    (tmp_path / "lm.json").write_text(json.dumps({**smol, "architectures": ["LlamaForCausalLM"]}))
+
+    def args(drafter):
+        return {"target": {"max_context_tokens": 8192},
+                "drafter": {"max_context_tokens": 8192, **drafter},
+                "limits": {"max_prompt_tokens": 6144, "max_new_tokens": 1024}}
+
+    for facts in ("head.json", "narrow.json"):
+        drafter = {"path": "/models/head", "layout": "eagle3", "model_facts": str(tmp_path / facts)}
+        loaded = load_serve_config(_app(args(drafter))).app.args.drafter
+        assert loaded.max_context_tokens == 8192 and loaded.facts().max_position_embeddings == 2048
+    message = _error(_app(args({"path": "/models/lm", "model_facts": str(tmp_path / "lm.json")})))
+    assert "args.drafter.max_context_tokens: 8192 exceeds the model's max_position_embeddings=2048" in message
+    # a narrower head must fuse features of the target's width
+    (tmp_path / "other.json").write_text(json.dumps({**json.loads((tmp_path / "narrow.json").read_text()),
+                                                     "target_hidden_size": 1024}))
+    other = {"path": "/models/head", "layout": "eagle3", "model_facts": str(tmp_path / "other.json")}
+    message = _error(_app(args(other)))
+    assert "it fuses features of hidden size 1024 (its target_hidden_size), the target's hidden size is 576" in message
+    assert "\n" not in message

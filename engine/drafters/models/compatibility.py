@@ -172,11 +172,11 @@ def _layer_params(raw, q_in: int) -> int:
 
 
 def _eagle3(raw, vocab, hidden, layers) -> DrafterFacts:
-    from treeserve.engine.drafters.models.eagle3 import feature_layers_from_config
+    from treeserve.engine.drafters.models.eagle3 import feature_layers_from_config, fit_problem
 
-    _fits(raw, vocab, hidden)
-    if raw.get("target_hidden_size", hidden) != hidden:
-        raise ValueError(f"it fuses features of hidden size {raw['target_hidden_size']}, the target's is {hidden}")
+    problem = fit_problem(raw, vocab, hidden)  # the head's width, or another one naming the target's
+    if problem:
+        raise ValueError(problem)
     if raw.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"it has {raw['num_hidden_layers']} decoder layers; only one-layer EAGLE-3 heads are supported")
     fused = feature_layers_from_config(raw, layers)
@@ -186,8 +186,12 @@ def _eagle3(raw, vocab, hidden, layers) -> DrafterFacts:
     draft = raw.get("draft_vocab_size") or vocab
     if draft > vocab:
         raise ValueError(f"its draft vocabulary ({draft}) is larger than the target's ({vocab})")
-    # fc, the midlayer (q/k/v over 2 x hidden; hidden_norm beside its two norms), norm, the draft head
-    own = len(fused) * hidden * hidden + _layer_params(raw, 2 * hidden) + 2 * hidden + draft * hidden
+    h = raw["hidden_size"]  # the head's width: the target's, or narrower (fc reads the target's)
+    # fc (3 target features -> h), the midlayer (q/k/v over 2 x h; hidden_norm beside its two norms), norm, the
+    # draft head; a narrower head's embeddings are its own (the target's are of the wrong width)
+    own = len(fused) * hidden * h + (h if raw.get("bias") else 0) + _layer_params(raw, 2 * h) + 2 * h + draft * h
+    if h != hidden:
+        return DrafterFacts("eagle3", draft, vocab, tuple(fused), own + vocab * h, 0, 1)
     return DrafterFacts("eagle3", draft, vocab, tuple(fused), own, vocab * hidden, 1)
 
 
@@ -249,7 +253,9 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
             draft = raw.get("draft_vocab_size") or vocab
             module = Eagle3Drafter(config, torch.zeros(draft, dtype=torch.long), vocab,
                                    feature_layers_from_config(raw, layers))
-            return {k: tuple(v.shape) for k, v in module.state_dict().items() if k != "embed_tokens.weight"}
+            # a head narrower than its target must hold embeddings of its own; one of its width may
+            return {k: tuple(v.shape) for k, v in module.state_dict().items()
+                    if k != "embed_tokens.weight" or module.own_embeddings}
         from treeserve.engine.drafters.models.published_eagle import PublishedEagleDrafter, _published_name
 
         module = PublishedEagleDrafter(config, vocab, bool(raw.get("bias", True)))
@@ -266,11 +272,14 @@ def _check_weights(model_dir: Path, raw, layout: str, vocab: int, hidden: int, l
     if not files:
         raise ValueError("its directory holds neither model.safetensors nor pytorch_model.bin")
     shapes, d2t = _weight_shapes(files[0])
-    shapes.pop("embed_tokens.weight", None)  # the target's embeddings, saved by EAGLE's trainers
+    embedded = shapes.pop("embed_tokens.weight", None)  # the target's embeddings, saved by EAGLE's trainers
     raw = dict(raw)
     if layout == "eagle" and "bias" not in raw:
         raw["bias"] = "fc.bias" in shapes  # a config that does not say follows the file (as loading does)
     expected = expected_weights(raw, layout, vocab, layers)
+    if layout == "eagle3" and embedded is not None:  # an EAGLE-3 head's own embeddings, used as they are
+        shapes["embed_tokens.weight"] = embedded
+        expected.setdefault("embed_tokens.weight", (vocab, raw["hidden_size"]))
     if layout == "eagle3" and "d2t" not in shapes and (raw.get("draft_vocab_size") or vocab) == vocab:
         expected = {k: v for k, v in expected.items() if k not in ("d2t", "t2d")}  # full vocabulary: identity map
     present = {k for k in shapes if not k.endswith("rotary_emb.inv_freq")}

@@ -17,10 +17,20 @@ int64 and `t2d` [vocab] bool; `eagle/traineagle3/cnets.py` saves it; SGLang
 `python/sglang/srt/models/llama_eagle3.py` and vLLM `vllm/model_executor/models/llama_eagle3.py` load it):
 `config.json` with `architectures: ["LlamaForCausalLMEagle3"]` and `draft_vocab_size`; `model.safetensors` or
 `pytorch_model.bin` with `fc.weight`, `midlayer.{hidden_norm, input_layernorm, self_attn.{q,k,v,o}_proj,
-post_attention_layernorm, mlp.{gate,up,down}_proj}.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`
-(`embed_tokens.weight` too in heads saved by EAGLE's trainer: the target's embeddings, which are used
-instead). Options the references read: `bias` (an fc bias, SGLang), `norm_before_residual` (the residual is
-the normed feature, vLLM). Heads of one decoder layer only (SGLang's `additional_layers` are refused).
+post_attention_layernorm, mlp.{gate,up,down}_proj}.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`,
+and `embed_tokens.weight` where the head ships its embeddings. Options the references read: `bias` (an fc
+bias, SGLang), `norm_before_residual` (the residual is the normed feature, vLLM). Heads of one decoder layer
+only (SGLang's `additional_layers` are refused).
+
+Heads narrower than their target (the EAGLE authors' yuhuili/EAGLE3-LLaMA3.3-Instruct-70B: `hidden_size` 6144
+for a 8192-wide Llama-3.3-70B): the config names the target's width in `target_hidden_size`, `fc` maps
+3 x target_hidden_size to the head's hidden_size (cnets.py `Model.__init__`; SGLang `hidden_size_in`, vLLM
+`fc_input_size`), everything after it (q/k/v over 2 x hidden, the layer's own head counts and head_dim, norm,
+lm_head) is the head's width, and the head ships `embed_tokens.weight` [vocab, hidden] of its own: the
+target's embeddings are of the wrong width (cnets.py loads the target's only when the config has no
+`target_hidden_size`). Embeddings: the head's own whenever its file holds `embed_tokens.weight` (as SGLang's
+and vLLM's loaders do: for a head of the target's width these are the target's embeddings saved by EAGLE's
+trainer), else the target's; a narrower head without them is refused.
 
 Which target layers: ids here index transformers' `hidden_states` (0 = embeddings, i = output of decoder layer
 i - 1); EAGLE-3's own choice is [2, N // 2, N - 3] (`modeling_llama_kv.py` keeps the input of layers 2, N // 2
@@ -158,8 +168,14 @@ class Eagle3Drafter(DrafterModel):
         self.config = config
         self.feature_layers = tuple(int(i) for i in feature_layers)
         hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(target_vocab_size, hidden)  # the target's (loaded, not stored)
-        self.fc = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=bool(getattr(config, "bias", False)))
+        # Width of one target feature: `target_hidden_size` for a head narrower than its target.
+        self.target_hidden_size = int(getattr(config, "target_hidden_size", None) or hidden)
+        # The head's own embeddings (stored with it) or the target's (loaded, not stored): own for a narrower
+        # head, and wherever the head's file holds them (`load`).
+        self.embed_tokens = nn.Embedding(target_vocab_size, hidden)
+        self.own_embeddings = self.target_hidden_size != hidden
+        self.fc = nn.Linear(len(self.feature_layers) * self.target_hidden_size, hidden,
+                            bias=bool(getattr(config, "bias", False)))
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, len(d2t), bias=False)
@@ -174,11 +190,11 @@ class Eagle3Drafter(DrafterModel):
 
     @property
     def target_feature_size(self) -> int:
-        """Width of the target features this drafter reads: the fused layers side by side."""
-        return len(self.feature_layers) * self.config.hidden_size
+        """Width of the target features this drafter reads: the fused layers side by side (target width each)."""
+        return len(self.feature_layers) * self.target_hidden_size
 
     def project_target_features(self, features: torch.Tensor) -> torch.Tensor:
-        """[..., n_layers x H] target features -> [..., H] (EAGLE-3's fc): what a context row reads."""
+        """[..., n_layers x H_target] target features -> [..., H] (EAGLE-3's fc): what a context row reads."""
         return self.fc(features.to(self.fc.weight.dtype))
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor):
@@ -238,39 +254,40 @@ class Eagle3Drafter(DrafterModel):
         return drafter
 
     def save(self, out_dir: Path, card: dict | None = None) -> None:
-        """Write the published EAGLE-3 layout (see the module docstring), float16, without embeddings."""
+        """Write the published EAGLE-3 layout (see the module docstring), float16, with the embeddings only
+        where they are the head's own."""
         out_dir.mkdir(parents=True, exist_ok=True)
         config = {k: v for k, v in self.config.to_dict().items() if k != "_name_or_path"}
         config.update(architectures=[EAGLE3_ARCHITECTURE], num_hidden_layers=1, vocab_size=self.target_vocab_size,
                       draft_vocab_size=len(self.d2t),
                       eagle_aux_hidden_state_layer_ids=list(self.feature_layers))  # vLLM: hidden_states indices
+        if self.target_hidden_size != self.config.hidden_size:
+            config["target_hidden_size"] = self.target_hidden_size
         if min(self.feature_layers) >= 1:  # SGLang / SpecForge: the decoder layer whose output is read
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.feature_layers]}
         config[DRAFTER_KEY] = {"kind": self.card_kind, **(card or {})}
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         state = {k: (v.to("cpu", torch.float16) if v.is_floating_point() else v.cpu()).contiguous()
-                 for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
+                 for k, v in self.state_dict().items() if k != "embed_tokens.weight" or self.own_embeddings}
         save_file(state, str(out_dir / "model.safetensors"))
 
     @classmethod
     def load(cls, model_dir: Path, target_embeddings: torch.Tensor, device: str = "cpu",
              dtype: torch.dtype = torch.float32, target_layers: int | None = None) -> "Eagle3Drafter":
-        """Load the published layout; the target's input embeddings [V_target, H] are put back in. Every
-        mismatch with the target (vocabulary, hidden size, feature layers beyond its `target_layers`, a d2t
-        map out of range, missing or unexpected weights) is a one-line ValueError, never a random weight."""
+        """Load the published layout; the target's input embeddings [V_target, H_target] are put back in unless
+        the head holds its own. Every mismatch with the target (vocabulary, hidden size / target_hidden_size,
+        feature layers beyond its `target_layers`, a d2t map out of range, missing or unexpected weights) is a
+        one-line ValueError, never a random weight."""
         from transformers import LlamaConfig
 
         model_dir = Path(model_dir)
         raw = json.loads((model_dir / "config.json").read_text())
         raw.pop(DRAFTER_KEY, None)
-        vocab, hidden = target_embeddings.shape
+        vocab, target_hidden = target_embeddings.shape
         where = f"EAGLE-3 drafter {model_dir}"
-        if raw.get("vocab_size") != vocab or raw.get("hidden_size") != hidden:
-            raise ValueError(f"{where} was made for a target with a {raw.get('vocab_size')}-token vocabulary and "
-                             f"hidden size {raw.get('hidden_size')}; this target has {vocab} and {hidden}")
-        if raw.get("target_hidden_size", hidden) != hidden:
-            raise ValueError(f"{where} fuses features of hidden size {raw['target_hidden_size']}; this target's "
-                             f"hidden size is {hidden}")
+        problem = fit_problem(raw, vocab, target_hidden)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
         if raw.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"{where} has {raw['num_hidden_layers']} decoder layers; only one-layer EAGLE-3 heads "
                              "(midlayer) are supported")
@@ -282,9 +299,14 @@ class Eagle3Drafter(DrafterModel):
             raise ValueError(f"{where} reads target hidden_states {list(layers)}; the target has hidden states "
                              f"0..{target_layers}")
         state = _read_weights(model_dir)
-        embedded = state.pop("embed_tokens.weight", None)  # EAGLE's trainer saves the target's embeddings too
+        hidden = raw["hidden_size"]
+        embedded = state.pop("embed_tokens.weight", None)  # the head's own (EAGLE's trainer saves them)
         if embedded is not None and tuple(embedded.shape) != (vocab, hidden):
-            raise ValueError(f"{where}: its embed_tokens are {list(embedded.shape)}, the target's [{vocab}, {hidden}]")
+            raise ValueError(f"{where}: its embed_tokens are {list(embedded.shape)}, its config needs "
+                             f"[{vocab}, {hidden}]")
+        if embedded is None and hidden != target_hidden:
+            raise ValueError(f"{where} holds no embed_tokens.weight: a head of hidden size {hidden} (the target's: "
+                             f"{target_hidden}) needs embeddings of its own")
         draft_vocab = raw.get("draft_vocab_size") or vocab
         if "d2t" not in state:
             if draft_vocab != vocab:
@@ -308,9 +330,26 @@ class Eagle3Drafter(DrafterModel):
         for key, value in drafter.state_dict().items():
             if key in state and state[key].shape != value.shape:
                 raise ValueError(f"{where}: {key} is {list(state[key].shape)}, the config needs {list(value.shape)}")
-        state["embed_tokens.weight"] = target_embeddings.detach().float()
+        drafter.own_embeddings = embedded is not None
+        state["embed_tokens.weight"] = (embedded if embedded is not None else target_embeddings.detach()).float()
         drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         return drafter.to(device=device, dtype=dtype).eval()
+
+
+def fit_problem(raw: dict, vocab: int, target_hidden: int) -> str | None:
+    """Why an EAGLE-3 config.json does not fit a target of `vocab` tokens and hidden size `target_hidden` (None:
+    it fits). The head's layer is the target's width, or narrower (or wider) with `target_hidden_size` naming the
+    target's width, which fc reads (the module docstring)."""
+    hidden, fused = raw.get("hidden_size"), raw.get("target_hidden_size")
+    if raw.get("vocab_size") != vocab:
+        return f"its vocabulary has {raw.get('vocab_size')} tokens, the target's {vocab}"
+    if fused is not None and fused != target_hidden:
+        return (f"it fuses features of hidden size {fused} (its target_hidden_size), the target's hidden size is "
+                f"{target_hidden}")
+    if fused is None and hidden != target_hidden:
+        return (f"its hidden size is {hidden}, the target's {target_hidden}, and its config names no "
+                "target_hidden_size (the target width a narrower head's fc reads)")
+    return None
 
 
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
