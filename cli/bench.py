@@ -24,7 +24,9 @@ category's speedup, so a method that wins on one kind of prompt and loses on ano
 - `--service` (services/bench_service.py) measures the gRPC service instead: concurrent streams, TTFT, ITL,
   equality with in-process greedy of `--target`. It starts the service from `--config`, or with `--address
   HOST:PORT` loads a service already running there (a deployed one: `--tls-ca`, `--tls-server-name`,
-  `--token-file` as for `treeserve generate`) and starts nothing.
+  `--token-file` as for `treeserve generate`) and starts nothing. `--service-api openai` sends the same streams
+  through the Router's OpenAI-compatible HTTP API (streaming /v1/completions; the running one's at
+  `--http-address HOST:PORT`).
 
 Drafter kinds: an entry `METHOD[:BUDGET]` drafts with the autoregressive drafter (`--drafter`);
 `METHOD[:BUDGET]@parallel` drafts the same tree method and budget from ONE forward of the parallel drafter
@@ -46,7 +48,7 @@ from treeserve.engine.bench.runner import BENCH_METHODS
 from treeserve.engine.dev_prompts import DEV_PROMPTS
 from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 from treeserve.engine.methods import SERVED_METHODS  # torch-free
-from treeserve.services.bench_service import CONCURRENCY
+from treeserve.services.bench_service import CONCURRENCY, SERVICE_APIS
 from treeserve.services.launch import DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE
 
 EXAMPLES = """examples:
@@ -55,6 +57,8 @@ EXAMPLES = """examples:
   treeserve bench --methods autoregressive c2t:auto --sweep   # + MAL vs candidates, builders at budgets 8..64
   treeserve bench --service --concurrency 1 8 16 32     # a local gRPC service: tokens/s, TTFT, ITL
   treeserve bench --address treeserve.example:443 --tls-ca ca.pem --token-file token --concurrency 1 8
+  treeserve bench --service --service-api openai --concurrency 1     # the same through the OpenAI HTTP API
+  treeserve bench --service-api openai --http-address 127.0.0.1:9001 --concurrency 1   # a running one's
 """
 
 
@@ -155,6 +159,15 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
                        help="measure the service already running at this address (implies --service; starts "
                             "nothing; its outputs are checked against in-process greedy of --target, which must be "
                             "the model it serves)")
+    group.add_argument("--service-api", choices=SERVICE_APIS, default="grpc",
+                       help="the Router's API the streams go through: 'grpc' (GenerateStream) or 'openai' (streaming "
+                            "POST /v1/completions on its api.http_port, the same prompt token ids; its chunks carry "
+                            "text, so equality with in-process greedy compares text, tokens come from "
+                            "usage.completion_tokens) (default: %(default)s)")
+    group.add_argument("--http-address", default=None, metavar="HOST:PORT",
+                       help="with --service-api openai: measure the OpenAI HTTP API of a service already running "
+                            "there (its api.http_port, 9001 in deploy/local-cpu.yaml; implies --service; starts "
+                            "nothing; same --tls-* and --token-file options as --address)")
     group.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None,
                        help="Serve config YAML of the service started here (default: deploy/local-cpu.yaml)")
     group.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCY,
@@ -185,17 +198,23 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.service or args.address is not None:
+    if args.service or args.address is not None or args.http_address is not None:
         return run_service(args)
     from treeserve.engine.bench.run import run_bench
 
     return run_bench(bench_options(args))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports (bound together, so never the same one twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def run_service(args: argparse.Namespace) -> int:
@@ -208,13 +227,19 @@ def run_service(args: argparse.Namespace) -> int:
     from treeserve.engine.bench.greedy import greedy_reference
     from treeserve.engine.dev_prompts import load_prompts
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.services.bench_service import measure, service_table
+    from treeserve.services.bench_service import API_NAMES, measure, service_table
 
     if args.service_rounds < 1 or args.max_new_tokens < 1 or min(args.concurrency) < 1:
         raise ValueError("--service-rounds, --max-new-tokens and --concurrency must be >= 1")
     if args.temperature != 0:
         raise ValueError("--service measures greedy streams: --temperature must be 0")
-    remote = args.address is not None
+    openai = args.service_api == "openai"
+    if args.http_address is not None and not openai:
+        raise ValueError("--http-address is the OpenAI HTTP API's address: use it with --service-api openai")
+    remote = args.address is not None or args.http_address is not None
+    if remote and openai and args.http_address is None:
+        raise ValueError("--service-api openai against a running service needs --http-address HOST:PORT (its "
+                         "api.http_port, e.g. 127.0.0.1:9001 for deploy/local-cpu.yaml)")
     if remote and (args.service_method or args.service_budget or args.service_max_batch_size):
         raise ValueError("--service-method, --service-budget and --service-max-batch-size configure the service "
                          "started here; with --address nothing is started")
@@ -228,32 +253,44 @@ def run_service(args: argparse.Namespace) -> int:
     prompts = [chat_ids(target.tokenizer, r["turns"][0]) for r in rows]
     references = [greedy_reference(target.model, p, args.max_new_tokens)
                   for p in tqdm(prompts, desc="in-process greedy references")]
+    tokenizer = target.tokenizer
     del target
+
+    def decode(ids: list[int]) -> str:  # as the Router decodes what it streams
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
     if remote:
-        levels = measure(args.address, prompts, references, args.concurrency, args.max_new_tokens,
-                         args.service_rounds, args.warmup_prompts > 0, tls=tls, token=token)
-        described = {"address": args.address, "target": str(args.target)}
-        title = f"service at {args.address}, target {args.target}"
+        address = args.http_address if openai else args.address
+        levels = measure(address, prompts, references, args.concurrency, args.max_new_tokens,
+                         args.service_rounds, args.warmup_prompts > 0, tls=tls, token=token, api=args.service_api,
+                         decode=decode)
+        described = {"address": address, "target": str(args.target)}
+        title = f"service at {address}, target {args.target}"
     else:
-        levels, described, title = _measure_local(args, prompts, references, most, tls, token)
-    Console(width=200).print(service_table(levels, f"service: {len(args.concurrency)} levels x {args.service_rounds} "
+        levels, described, title = _measure_local(args, prompts, references, most, tls, token, decode)
+    Console(width=200).print(service_table(levels, f"service through the {API_NAMES[args.service_api]}: "
+                                                   f"{len(args.concurrency)} levels x {args.service_rounds} "
                                                    f"round(s), {args.max_new_tokens} tokens per stream, {title} "
                                                    "(MEASURED)"))
     if args.json_out:
         args.json_out.write_text(json.dumps({
-            "config": {**described, "max_new_tokens": args.max_new_tokens, "rounds": args.service_rounds},
+            "config": {**described, "api": args.service_api, "max_new_tokens": args.max_new_tokens,
+                       "rounds": args.service_rounds},
             "levels": levels}, indent=1))
     return 1 if any(lv["greedy_mismatches"] or lv["errors"] for lv in levels) else 0
 
 
-def _measure_local(args: argparse.Namespace, prompts, references, most: int, tls: dict, token):
-    """Start the service from --config on a free port (concurrency and batch limits raised to the largest
-    level), measure it, stop it -> (levels, JSON config, title)."""
+def _measure_local(args: argparse.Namespace, prompts, references, most: int, tls: dict, token, decode):
+    """Start the service from --config on a free gRPC port (and, for --service-api openai, a free HTTP API port;
+    concurrency and batch limits raised to the largest level), measure it through --service-api, stop it ->
+    (levels, JSON config, title)."""
     from treeserve.services.bench_service import measure
-    from treeserve.services.launch import load_config, start_service, stop_service
+    from treeserve.services.launch import api_address, load_config, start_service, stop_service
 
+    grpc_port, http_port = _free_ports(2)
     config = load_config(args.config, method=args.service_method, budget=args.service_budget, target=args.target,
-                         drafter=args.drafter, grpc_port=_free_port())
+                         drafter=args.drafter, grpc_port=grpc_port,
+                         http_port=http_port if args.service_api == "openai" else None)
     limits = config.app.args.limits
     limits.max_concurrent_requests = max(limits.max_concurrent_requests, most)
     limits.max_batch_size = args.service_max_batch_size or max(limits.max_batch_size, most)
@@ -262,9 +299,13 @@ def _measure_local(args: argparse.Namespace, prompts, references, most: int, tls
     print(f"starting the service ({args.config or 'built-in defaults'}: method {spec.method}, budget {spec.budget}, "
           f"drafter {config.app.args.drafter.path}, max batch {limits.max_batch_size})")
     service = start_service(config, quiet=True, control_plane_nice=args.control_plane_nice)
+    address = service.address
+    if args.service_api == "openai":
+        address = f"{api_address(config.app.args).rpartition(':')[0]}:{config.app.args.api.http_port}"
     try:
-        levels = measure(service.address, prompts, references, args.concurrency, args.max_new_tokens,
-                         args.service_rounds, args.warmup_prompts > 0, service.app_name, tls=tls, token=token)
+        levels = measure(address, prompts, references, args.concurrency, args.max_new_tokens,
+                         args.service_rounds, args.warmup_prompts > 0, service.app_name, tls=tls, token=token,
+                         api=args.service_api, decode=decode)
     finally:
         stop_service(service)
     described = {"serve_config": args.config, "method": spec.method, "budget": str(spec.budget),
