@@ -55,7 +55,7 @@ def inspect(target: str, drafter: str, dtype: str = "float32") -> dict:
     fused = facts.feature_layers if facts.layout == "eagle3" else None
     return {
         "target": target, "drafter": drafter, "layout": facts.layout, "layout_name": LAYOUT_NAMES[facts.layout],
-        "draft_vocab": facts.draft_vocab, "target_vocab": facts.target_vocab,
+        "draft_vocab": facts.draft_vocab, "target_vocab": facts.target_vocab, "note": facts.note,
         "reads_target_features": facts.reads_target_features,
         "feature_layers": list(fused) if fused else ("final" if facts.reads_target_features else None),
         "drafter_weight_bytes": facts.params * size, "drafter_own_bytes": facts.own_params * size,
@@ -118,7 +118,8 @@ def render(r: dict, dtype: str) -> str:
     reads = ("none" if layers is None else "the final post-norm state" if layers == "final"
              else f"hidden_states {layers} (fused)")
     lines = [f"target: {r['target']}", f"drafter: {r['drafter']}", f"layout: {r['layout_name']}",
-             f"draft vocabulary: {r['draft_vocab']} of the target's {r['target_vocab']}",
+             f"draft vocabulary: {r['draft_vocab']} of the target's {r['target_vocab']}"
+             + (f" ({r['note']})" if r.get("note") else ""),
              f"target features read: {reads}",
              f"bytes per GPU ({dtype}): drafter process weights {_size(r['drafter_weight_bytes'])} "
              f"({_size(r['drafter_own_bytes'])} its own + {_size(r['borrowed_bytes'])} the target's embeddings / LM "

@@ -170,8 +170,10 @@ def load_drafter_from_config(config) -> tuple[Drafter, int]:
     else:
         from treeserve.engine.models.target_parts import load_target_parts
 
-        target = load_target_parts(config.target.path, config.drafter.device,
-                                   target_dtype if dtype == "auto" else dtype)
+        # A plain causal LM borrows nothing from the target but its config: the parts stay in host memory rather
+        # than beside it on its GPU share while it loads (a 32B target's embeddings and LM head are 3 GB).
+        parts_device = "cpu" if _plain_causal_lm(config.drafter.path) else config.drafter.device
+        target = load_target_parts(config.target.path, parts_device, target_dtype if dtype == "auto" else dtype)
     drafter = build_local_drafter(config.drafter.path, target, config.drafter.device, dtype,
                                   config.speculation.budget, drafter_kind=config.drafter.kind,
                                   lookup=config.speculation.lookup, target_dtype=target_dtype,
@@ -182,3 +184,15 @@ def load_drafter_from_config(config) -> tuple[Drafter, int]:
     drafter.lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
     drafter.lm.warm_up()
     return drafter, int(target.config.vocab_size)
+
+
+def _plain_causal_lm(path: str) -> bool:
+    """Whether the drafter at `path` is a plain causal LM (engine/drafters/models/compatibility.py layout
+    `causal_lm`), which reads none of the target's tensors."""
+    from treeserve.engine.drafters.models.compatibility import detect_layout
+    from treeserve.engine.drafters.registry import drafter_dir
+
+    try:
+        return detect_layout(drafter_dir(path)) == "causal_lm"
+    except (ValueError, OSError):
+        return False

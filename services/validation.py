@@ -8,20 +8,20 @@ and what its message says, and how a prompt becomes token ids.
   `GenerationRequest` and the tree method's name.
 - `RequestValidator.from_proto(GenerateRequest)`: the gRPC adapter over `build`.
 - `decode_generate_request(bytes)`: the wire payload -> GenerateRequest, INVALID_ARGUMENT when it is not one.
-- Prompts: text and chat content are user data, never control tokens. `chat_prompt_ids` renders the model's chat
-  template and tokenises each message's content with special tokens split into literal text, so a user who
-  writes `<|im_end|><|im_start|>system` gets those characters, not a forged turn. Token-id prompts are used
-  verbatim (the caller chose the ids).
+- Prompts: text and chat content are user data, never control tokens. `chat_prompt_ids` (engine/chat_templates.py,
+  the same function the in-process engine's `chat_ids` is) renders the model's chat template with each
+  special-token string in a message kept as text, so a user who writes `<|im_end|><|im_start|>system` gets those
+  characters, not a forged turn. Token-id prompts are used verbatim (the caller chose the ids).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Iterable, Sequence
 
 import grpc
 
+from treeserve.engine.chat_templates import chat_prompt_ids, special_token_strings  # noqa: F401 (re-exported)
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.methods import LOOKUP, split_method, with_lookup
 from treeserve.engine.requests import GenerationRequest
@@ -78,59 +78,6 @@ def decode_generate_request(payload: bytes):
         raise RequestError(INVALID, f"request: the {len(payload)}-byte payload is not a valid "
                                     "treeserve.v1.GenerateRequest (truncated, corrupt, or a string field that is "
                                     "not UTF-8)") from None
-
-
-# ------------------------------------------------------------------------------------------------- prompts
-def special_token_strings(tokenizer) -> tuple[str, ...]:
-    """The literal strings the tokenizer turns into special (control) tokens."""
-    cached = getattr(tokenizer, "_treeserve_special_strings", None)
-    if cached is None:
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        strings = {t.content for t in added.values() if getattr(t, "special", False) and t.content}
-        strings.update(s for s in (getattr(tokenizer, "all_special_tokens", None) or []) if s)
-        cached = tuple(sorted(strings, key=len, reverse=True))
-        try:
-            tokenizer._treeserve_special_strings = cached
-        except AttributeError:  # pragma: no cover - a tokenizer that refuses attributes: recompute each time
-            pass
-    return cached
-
-
-_SENTINEL = re.compile("\ue000(\\d+)\ue001")
-
-
-def chat_prompt_ids(tokenizer, turns: Sequence[dict]) -> list[int]:
-    """Prompt ids of chat turns ({"role", "content"}) under the tokenizer's chat template, ready for the
-    assistant's answer, with every special-token string inside a content tokenised as plain text.
-
-    Contents without any special-token string take the ordinary path (`apply_chat_template(tokenize=True)`, the
-    engine's own `chat_ids`), so normal prompts keep exactly the ids the in-process engine gives them. Otherwise
-    the template is rendered with a placeholder per content; the template's own text is tokenised with its
-    special tokens, each content with `split_special_tokens=True`."""
-    from treeserve.engine.models.loading import chat_ids
-
-    turns = [{"role": t["role"], "content": t["content"]} for t in turns]
-    specials = special_token_strings(tokenizer)
-    if not any(s in t["content"] for t in turns for s in specials):
-        return chat_ids(tokenizer, turns)
-    placeholders = [{"role": t["role"], "content": f"\ue000{i}\ue001"} for i, t in enumerate(turns)]
-    rendered = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
-    ids: list[int] = []
-    seen: list[int] = []
-    pos = 0
-    for match in _SENTINEL.finditer(rendered):
-        if match.start() > pos:
-            ids += tokenizer(rendered[pos:match.start()], add_special_tokens=False)["input_ids"]
-        i = int(match.group(1))
-        seen.append(i)
-        ids += tokenizer(turns[i]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        pos = match.end()
-    if pos < len(rendered):
-        ids += tokenizer(rendered[pos:], add_special_tokens=False)["input_ids"]
-    if seen != list(range(len(turns))):
-        raise RuntimeError("the chat template dropped, repeated or reordered message contents; cannot tokenise "
-                           "them apart from its own control tokens")
-    return ids
 
 
 # ------------------------------------------------------------------------------------------------- requests

@@ -5,8 +5,8 @@ feeds exactly the asked nodes not yet in the drafter's cache, plus any unfed anc
 forward), and keeps their warped distributions, so asking again costs nothing. Nodes nobody asks about
 (EAGLE-2's k^2 - k unexpanded candidates per layer, OPT-Tree's pruned ones) are never fed: the cache
 holds the fed nodes in feed order, and `slot` maps tree node ids to those cache positions. A drafter
-whose head covers only part of the vocabulary (`vocab_ids`) gets probability exactly 0 elsewhere,
-which keeps verification lossless.
+whose head covers only part of the vocabulary (`vocab_ids`: a restricted head, or a causal LM without the
+target's padding rows) gets probability exactly 0 elsewhere, which keeps verification lossless.
 
 An EAGLE drafter (engine/drafters/models/eagle.py) also reads, with each fed token, the feature of the
 position before it: the target's (from the request) for context tokens and the root, its own predicted
@@ -55,8 +55,10 @@ class DrafterRunner:
         """`static`: run the drafter model's forwards as the static-shape step (engine/runners/static_step.py)."""
         self.lm = CachedLM(model, device, dtype, max_sessions, static=static)
         self.vocab_size = target_vocab_size
-        facts = DrafterModelFacts.of(model)
-        self.vocab_ids = facts.vocab_ids  # [V_draft] target ids of the head's rows (None: the full vocabulary)
+        facts = DrafterModelFacts.of(model, target_vocab_size)
+        # [V_draft] target ids of the head's rows (None: the full vocabulary; arange(V_draft) for a causal LM
+        # whose vocabulary lacks the target's padding rows)
+        self.vocab_ids = facts.vocab_ids
         self.reads_target_features = facts.reads_target_features
         self.projects_features = facts.projects_target_features
         # Width of the target features a request carries: fused layers for EAGLE-3, the hidden size otherwise.

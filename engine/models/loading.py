@@ -201,12 +201,9 @@ def load_causal_lm(path: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu",
 
 def chat_ids(tokenizer, text_or_messages: str | list[dict]) -> list[int]:
     """Prompt token ids of one user message (or a list of chat messages) under the tokenizer's chat
-    template, ready for the assistant's answer: how every prompt reaches a model here."""
-    messages = [{"role": "user", "content": text_or_messages}] if isinstance(text_or_messages, str) \
-        else text_or_messages
-    if not getattr(tokenizer, "chat_template", None):
-        from treeserve.engine.chat_templates import missing_template_message
+    template, ready for the assistant's answer: how every prompt reaches a model here. Special-token strings a
+    message holds (`<|im_end|>`, `<|eot_id|>`, ...) are tokenised as the text they are, never as control tokens:
+    the served path's implementation (engine/chat_templates.py `chat_prompt_ids`)."""
+    from treeserve.engine.chat_templates import chat_prompt_ids
 
-        raise ValueError(missing_template_message(getattr(tokenizer, "name_or_path", "") or "model"))
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=True)["input_ids"])
+    return chat_prompt_ids(tokenizer, text_or_messages)

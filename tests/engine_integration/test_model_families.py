@@ -102,6 +102,12 @@ def _expected_chat(family, text: str) -> str:
             "<|im_start|>assistant\n")
 
 
+def _naive_chat_ids(tokenizer, text: str) -> list[int]:
+    """The tokenizer's own encoding of the chat prompt, which turns control strings in the text into control tokens."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
+
+
 # ------------------------------------------------------------------------------------------ loading
 def test_the_published_layout_loads(pair):
     from treeserve.engine.chat_templates import model_has_template
@@ -200,8 +206,9 @@ def test_special_tokens_typed_by_a_user_stay_text(pair):
         tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]))
     raw = validator.prompt_from_raw_text(text)  # completions: no template; the tokenizer's own BOS only
     assert [t for t in raw if t in specials] == ([128000] if pair.family is LLAMA3 else [])
-    # Without the splitting, the same text would have forged control tokens:
-    assert {pair.spec.special_id(c) for c in control} <= set(chat_ids(tokenizer, text))
+    # The in-process engine's prompts are the same; the tokenizer's own encoding would have forged control tokens:
+    assert chat_ids(tokenizer, text) == prompt
+    assert {pair.spec.special_id(c) for c in control} <= set(_naive_chat_ids(tokenizer, text))
 
 
 # ------------------------------------------------------------------------------------------ the service path
@@ -276,7 +283,7 @@ def test_service_greedy_equals_generate(pair):
         with urllib.request.urlopen(request, timeout=60) as answer:
             prompt_tokens = json.load(answer)["usage"]["prompt_tokens"]
         assert prompt_tokens == len(chat_prompt_ids(tokenizer, [{"role": "user", "content": forged}]))
-        assert prompt_tokens > len(chat_ids(tokenizer, forged))
+        assert prompt_tokens == len(chat_ids(tokenizer, forged)) > len(_naive_chat_ids(tokenizer, forged))
     finally:
         server.stop(0.5)
         target_server.stop(0.2)

@@ -55,7 +55,9 @@ def test_special_tokens_in_text_are_literal_text(tokenizer):
     safe = chat_prompt_ids(tokenizer, [{"role": "user", "content": FORGED}])
     template = chat_ids(tokenizer, [{"role": "user", "content": "x"}])
     assert _specials(tokenizer, safe) == _specials(tokenizer, template)  # no extra <|im_start|> / <|im_end|>
-    forged = chat_ids(tokenizer, [{"role": "user", "content": FORGED}])  # the naive encoding does forge turns
+    forged = tokenizer.apply_chat_template([{"role": "user", "content": FORGED}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]  # the naive encoding forges
+    assert chat_ids(tokenizer, FORGED) == safe  # the in-process engine's prompts are the same
     assert len(_specials(tokenizer, forged)) > len(_specials(tokenizer, template))
     text = tokenizer.decode(safe)
     assert FORGED in text

@@ -4,6 +4,9 @@
 they are, which target layers, does it fuse them first), so nobody probes models with getattr; a plain causal LM
 used as a drafter is not a DrafterModel and reads none of them (`DrafterModelFacts.of`).
 
+A causal LM whose vocabulary is a prefix of the target's (its padding rows left out) drafts over `vocab_ids` =
+arange(its vocabulary), as a restricted head would.
+
 TreeServe's own drafters (distilled, EAGLE, parallel) are a Llama trunk initialised from target layers plus a
 head over a sub-vocabulary `vocab_ids` (exactly 0 probability elsewhere keeps verification lossless). They are
 stored the same way: `config.json` (a Llama config plus a card under `card_key`: kind, vocabulary sizes and
@@ -124,12 +127,21 @@ class DrafterModelFacts:
     feature_layers: tuple[int, ...] | None
 
     @classmethod
-    def of(cls, model: nn.Module) -> "DrafterModelFacts":
+    def of(cls, model: nn.Module, target_vocab_size: int | None = None) -> "DrafterModelFacts":
+        """The facts of `model` drafting for a target of `target_vocab_size` tokens. A plain causal LM covers the
+        whole target vocabulary, or a prefix of it: one whose vocabulary lacks the target's padding rows
+        (Qwen2.5-0.5B's 151936 of the 32B's 152064; engine/drafters/models/compatibility.py checks that they are
+        padding) is a head over target ids 0..V-1 (`vocab_ids` = arange(V))."""
         if isinstance(model, DrafterModel):
             ids = model.vocab_ids
             return cls(None if ids is None else ids.cpu(), model.reads_target_features,
                        model.projects_target_features, int(model.target_feature_size), model.feature_layers)
-        return cls(None, False, False, int(model.config.hidden_size), None)  # a causal LM over the full vocabulary
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        rows = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+        if target_vocab_size is not None and rows > target_vocab_size:
+            raise ValueError(f"the drafter's vocabulary has {rows} tokens, more than the target's {target_vocab_size}")
+        prefix = target_vocab_size is not None and rows < target_vocab_size
+        return cls(torch.arange(rows) if prefix else None, False, False, int(model.config.hidden_size), None)
 
 
 def save_without_embeddings(module: nn.Module, out_dir: Path, config: dict) -> None:

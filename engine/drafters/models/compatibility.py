@@ -12,7 +12,10 @@ Layouts, detected from the files in this order:
 - `treeserve_eagle`, `restricted`, `parallel`: TreeServe's own drafters (their config.json says so);
 - `eagle`: a published EAGLE-1/2 head (cnets1 layout: `fc.*`, `layers.0.*` beside a Llama config.json,
   engine/drafters/models/published_eagle.py);
-- `causal_lm`: any other causal LM directory, which must share the target's tokenizer.
+- `causal_lm`: any other causal LM directory, which must share the target's tokenizer. Its vocabulary may be a
+  prefix of the target's when the ids it lacks are padding (Qwen2.5-0.5B/1.5B/3B-Instruct have 151936 rows, the
+  7B/32B/72B 152064, over the same 151665-token tokenizer): no tokenizer id reaches past its head, which the
+  drafter runner then treats as a head over target ids 0..V_drafter-1 (probability exactly 0 beyond).
 
 Every refusal is one line naming both models.
 """
@@ -57,6 +60,7 @@ class DrafterFacts:
     own_params: int  # parameters the drafter itself stores
     borrowed_params: int  # the target's embeddings / LM head the drafter process holds a copy of
     kv_layers: int  # decoder layers with a KV cache
+    note: str = ""  # what else a reader should know (a causal LM's padded vocabulary ids it lacks)
 
     @property
     def reads_target_features(self) -> bool:
@@ -72,7 +76,8 @@ class DrafterFacts:
                   f"hidden_states {list(self.feature_layers)}")
         return (f"layout: {LAYOUT_NAMES[self.layout]}; draft vocabulary {self.draft_vocab} of {self.target_vocab}; "
                 f"target features read: {layers}; parameters {self.own_params / 1e6:.1f}M own + "
-                f"{self.borrowed_params / 1e6:.1f}M from the target (embeddings / LM head)")
+                f"{self.borrowed_params / 1e6:.1f}M from the target (embeddings / LM head)"
+                + (f"; {self.note}" if self.note else ""))
 
 
 def read_config(model_dir: Path) -> dict[str, Any] | None:
@@ -153,6 +158,8 @@ def _check(target, drafter_dir, raw, declared, target_name, name, weights) -> Dr
         _check_weights(drafter_dir, raw, layout, vocab, hidden, layers)
     if weights and drafter_dir is not None and layout == "causal_lm" and target.get("_path"):
         _check_tokenizer(Path(target["_path"]), Path(drafter_dir))
+    if layout == "causal_lm" and facts.draft_vocab < vocab:
+        facts.note = _padding_note(facts.draft_vocab, vocab, target.get("_path"), drafter_dir)
     return facts
 
 
@@ -224,15 +231,68 @@ def _parallel(raw, vocab, hidden, layers) -> DrafterFacts:
 
 
 def _causal_lm(raw, vocab, hidden, layers) -> DrafterFacts:
-    if raw.get("vocab_size") != vocab:
-        raise ValueError(f"its vocabulary has {raw.get('vocab_size')} tokens, the target's {vocab}")
+    """A causal LM over the target's vocabulary, or over a prefix of it (the ids past it must be padding, which
+    `_padding_note` checks against the tokenizer)."""
+    own_vocab = raw.get("vocab_size")
+    if not isinstance(own_vocab, int) or not 0 < own_vocab <= vocab:
+        raise ValueError(f"its vocabulary has {own_vocab} tokens, the target's {vocab}")
     n, h = raw.get("num_hidden_layers", 0), raw.get("hidden_size", 0)
     tied = raw.get("tie_word_embeddings", False)
     try:
-        own = n * _layer_params(raw, h) + h + vocab * h * (1 if tied else 2)
+        own = n * _layer_params(raw, h) + h + own_vocab * h * (1 if tied else 2)
     except (KeyError, TypeError):  # not a Llama-style config: its size is not estimated here
         own = 0
-    return DrafterFacts("", vocab, vocab, None, own, 0, n)
+    return DrafterFacts("", own_vocab, vocab, None, own, 0, n)
+
+
+def _padding_note(own_vocab: int, vocab: int, target_dir: str | None, drafter_dir: Path | None) -> str:
+    """A causal LM with fewer vocabulary rows than the target drafts only if the ids it lacks are padding: no
+    token of the target's tokenizer (the drafter's where the target's directory is not readable here) reaches
+    them. ValueError when one does; the note says what was checked."""
+    tokens, where = None, None
+    for directory, whose in ((target_dir, "the target's"), (drafter_dir, "the shared")):
+        if directory is not None and (tokens := tokenizer_size(Path(directory))) is not None:
+            where = whose
+            break
+    if tokens is None:
+        return (f"ids {own_vocab}..{vocab - 1} of the target's vocabulary must be padding rows no token uses (no "
+                f"tokenizer readable here to check it: accepted as vocab_size {own_vocab} <= {vocab}); the drafter "
+                f"gives them probability 0")
+    if tokens > own_vocab:
+        raise ValueError(f"its vocabulary has {own_vocab} tokens, the target's {vocab}, and {where} tokenizer "
+                         f"uses ids up to {tokens - 1}: ids {own_vocab}..{tokens - 1} are real tokens it cannot "
+                         f"draft (only padding rows past the tokenizer may be missing)")
+    return (f"ids {own_vocab}..{vocab - 1} are padding rows ({where} tokenizer has {tokens} tokens); the drafter "
+            f"gives them probability 0")
+
+
+def tokenizer_size(model_dir: Path) -> int | None:
+    """One past the largest id the tokenizer of a model directory produces (its `len()` for the usual contiguous
+    ids), or None when the directory holds no tokenizer. Read from tokenizer.json (and tokenizer_config.json's
+    added tokens) without building the tokenizer where it has one."""
+    model_dir = Path(model_dir)
+    ids: list[int] = []
+    config = model_dir / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            ids += [int(i) for i in (json.loads(config.read_text()).get("added_tokens_decoder") or {})]
+        except (json.JSONDecodeError, ValueError):
+            pass
+    if (model_dir / "tokenizer.json").is_file():
+        spec = json.loads((model_dir / "tokenizer.json").read_text())
+        vocab = (spec.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict):
+            ids += [int(i) for i in vocab.values()]
+        elif isinstance(vocab, list):  # Unigram: [piece, score] rows, ids by position
+            ids.append(len(vocab) - 1)
+        ids += [int(t["id"]) for t in spec.get("added_tokens") or []]
+        return max(ids) + 1 if ids else None
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return max([len(tokenizer) - 1, *ids, *tokenizer.added_tokens_decoder]) + 1
 
 
 def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: int) -> dict[str, tuple[int, ...]]:
