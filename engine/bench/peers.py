@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from treeserve.engine.bench.options import PEER_SETS
+from treeserve.engine.models.hf_cache import cache_keyword
 
 PLD_TOKENS = 10  # prompt_lookup_num_tokens: transformers' documented example value, the one users copy
 
@@ -62,7 +63,7 @@ class ForwardLog:
     def _hook(self, _module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         positions = kwargs.get("position_ids")
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = kwargs.get(cache_keyword(type(self.module)))
         if positions is not None:
             start = int(positions.reshape(-1)[0])
         elif cache is not None and hasattr(cache, "get_seq_length"):
@@ -172,7 +173,9 @@ class HFPeer:
             finally:
                 if drafter_log:
                     drafter_log.__exit__()
-        tokens = out[0, len(prompt):].tolist()
+        # transformers < 5.14's assisted decoding (prompt lookup, an assistant) can accept past max_new_tokens in
+        # its last step (greedy tokens all the same); 5.14 crops them, as this does for the versions before.
+        tokens = out[0, len(prompt):len(prompt) + max_new_tokens].tolist()
         emitted, candidates = step_counts(log.calls, len(prompt), len(tokens))
         text = self.target.tokenizer.decode(tokens, skip_special_tokens=True)
         return Outcome(tokens, text, wall, emitted, candidates,

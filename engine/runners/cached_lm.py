@@ -42,6 +42,7 @@ from torch import Tensor
 
 from treeserve.engine.drafters.models.base import DrafterModel  # an EAGLE model reads parent features
 from treeserve.engine.models.attention import attention_for, use_attention
+from treeserve.engine.models.hf_cache import cache_argument
 from treeserve.engine.models.packed_linear import use_fast_cpu_linears
 from treeserve.engine.runners.lean_decoder import decoder_parts, head_forward, lean_forward, unsupported_reason
 from treeserve.engine.runners.static_step import RowInput, StaticStep
@@ -340,7 +341,7 @@ class CachedLM:
             extra["output_hidden_states"] = True
         started = time.perf_counter()
         out = self.model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
-                         attention_mask=mask.to(self.device), past_key_values=pkv, use_cache=True,
+                         attention_mask=mask.to(self.device), **cache_argument(self.model, pkv), use_cache=True,
                          logits_to_keep=width - kept_from, **extra)
         logits = out.logits.float()  # [B, width - kept_from, V]
         states = getattr(out, "hidden", None)
@@ -403,7 +404,7 @@ class CachedLM:
         size = self.model.config.hidden_size
         self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
                    parent_features=torch.zeros(1, 1, size, dtype=self.dtype, device=self.device),
-                   past_key_values=Recorder(), use_cache=True)
+                   **cache_argument(self.model, Recorder()), use_cache=True)
         return len(seen), seen[0][:, :, :1]
 
     def _parent_features(self, requests: list[ExtendRequest], inputs, width: int) -> Tensor:

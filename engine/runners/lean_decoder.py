@@ -9,8 +9,8 @@ static KV cache; vLLM's and SGLang's CUDA-graph runners).
 
 Per layer: RMSNorm, q/k/v projections (+ Qwen3's per-head q/k norms), rotary embedding read from a table
 built once from the model's own rotary module (Llama-3 and linear rope scaling included), the new keys and
-values written into the pool at each token's (row, slot), the batch rows' whole pool rows gathered, attention
-with the additive mask over every slot of a row (grouped, without repeating KV heads: SDPA's `enable_gqa` on
+values written into the pool at each token's (row, slot), the batch rows' leading pool slots gathered (the
+step's context bucket), attention with the additive mask over them (grouped, without repeating KV heads: SDPA's `enable_gqa` on
 a GPU, engine/models/attention.py on a CPU), output projection, RMSNorm, MLP.
 
 Supported: the Llama layout (llama, mistral without an active sliding window, qwen2 with its q/k/v bias,
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from treeserve.engine.models.attention import grouped_attention
+from treeserve.engine.models.hf_cache import cache_argument
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # rope tables that do not depend on the sequence
@@ -81,7 +82,7 @@ class StepBuffers:
 
     input_ids: Tensor  # [B, W] long
     positions: Tensor  # [B, W] long, rotary position of each token
-    mask: Tensor  # [B, 1, W, C] additive attention mask over the C slots of each batch row's pool row
+    mask: Tensor  # [B, 1, W, C] additive attention mask over the leading C slots of each batch row's pool row
     write_rows: Tensor  # [B, W] long: pool row each token's keys and values go to (padding: a scratch row)
     write_slots: Tensor  # [B, W] long: slot within that row
     read_rows: Tensor  # [B] long: pool row each batch row attends over (padding rows: the scratch row)
@@ -97,13 +98,15 @@ class PoolRows:
         self.keys, self.values, self.inputs = keys, values, inputs
 
     def update(self, key: Tensor, value: Tensor, layer: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """key/value [B, H_kv, W, D] -> keys/values [B, H_kv, C, D] of the batch rows, the new ones included."""
+        """key/value [B, H_kv, W, D] -> keys/values [B, H_kv, C, D] of the batch rows, the new ones included: their
+        leading C slots, C = the mask's width (the step's context bucket)."""
         rows, slots = self.inputs.write_rows, self.inputs.write_slots
         # Advanced indices around a slice put their dims first: the target is [B, W, H_kv, D].
         self.keys[layer][rows, :, slots] = key.transpose(1, 2)
         self.values[layer][rows, :, slots] = value.transpose(1, 2)
-        read = self.inputs.read_rows
-        return self.keys[layer].index_select(0, read), self.values[layer].index_select(0, read)
+        read, context = self.inputs.read_rows, self.inputs.mask.shape[-1]
+        return (self.keys[layer][:, :, :context].index_select(0, read),
+                self.values[layer][:, :, :context].index_select(0, read))
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -168,6 +171,6 @@ def head_forward(model: nn.Module, keys: list[Tensor], values: list[Tensor], inp
     """A feature-reading drafter head's own forward (EAGLE-3: one layer over the token and its parent feature)
     over the static pool: logits [B, W - keep_from, V_draft] and its predicted features `hidden` [B, W, H]."""
     out = model(input_ids=inputs.input_ids, parent_features=inputs.features, attention_mask=inputs.mask,
-                position_ids=inputs.positions, past_key_values=PoolRows(keys, values, inputs), use_cache=True,
-                logits_to_keep=inputs.input_ids.shape[1] - keep_from)
+                position_ids=inputs.positions, **cache_argument(model, PoolRows(keys, values, inputs)),
+                use_cache=True, logits_to_keep=inputs.input_ids.shape[1] - keep_from)
     return out.logits, out.hidden

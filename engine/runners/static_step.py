@@ -1,8 +1,10 @@
 """The static-shape step: CachedLM's forward on fixed buffers per bucket, replayed as CUDA graphs on a GPU.
 
-What a forward needs is reduced to a few device tensors of fixed shape per (rows, tokens) bucket
+What a forward needs is reduced to a few device tensors of fixed shape per (rows, tokens, context) bucket
 (engine/runners/lean_decoder.py `StepBuffers`): token ids, positions, write (row, slot) per token, the pool
-row each batch row reads, and an additive mask over every slot of those rows. Rows and tokens are padded up
+row each batch row reads, and an additive mask over the leading slots of those rows that attention reads (the
+longest row's context rounded up to a context bucket: a 70B rank at 32 rows x 4,096 slots would otherwise
+gather and read ~10 GB of keys and values per step for contexts of a few hundred tokens). Rows and tokens are padded up
 to the bucket: padded tokens write into a scratch pool row that no session owns and attend to one slot, so a
 padded row or token never writes into a live KV slot nor changes another row's output. The host describes
 each row's mask compactly (how many leading slots every token sees, plus a small tree / causal block after
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from typing import Callable
 
@@ -74,7 +77,8 @@ class StaticStep:
         self.settings = settings
         self.device, self.dtype = device, dtype
         self.use_graphs = settings.cuda_graphs and device.type == "cuda"
-        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.context_buckets = settings.context_buckets(capacity)
+        self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graph_bytes = 0  # memory the captures took (reserved bytes grown while capturing)
         most_rows, most_tokens = settings.batch_buckets[-1], settings.token_buckets[-1]
@@ -91,23 +95,29 @@ class StaticStep:
         self._slots = torch.arange(self.capacity, device=device)
 
     # ------------------------------------------------------------------ buckets
-    def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
-        """The (rows, tokens) bucket a forward is padded to; None: it runs eagerly at its own shape."""
+    def bucket(self, rows: int, tokens: int, context: int) -> tuple[int, int, int] | None:
+        """The (rows, tokens, context slots) bucket a forward is padded to; None: it runs eagerly at its own
+        rows and tokens (still reading only the context bucket's slots)."""
         b = self.settings.bucket(self.settings.batch_buckets, rows)
         w = self.settings.bucket(self.settings.token_buckets, tokens)
-        return None if b is None or w is None else (b, w)
+        return None if b is None or w is None else (b, w, self.context_bucket(context))
 
-    def graph_buckets(self) -> list[tuple[int, int]]:
-        """Every (rows, tokens) bucket captured as a graph, largest first (a capture reuses bigger ones' memory)."""
-        return sorted(((b, w) for b in self.settings.batch_buckets for w in self.settings.token_buckets
-                       if b * w <= self.settings.max_graph_tokens),
-                      key=lambda bw: (bw[0] * bw[1], bw), reverse=True)
+    def context_bucket(self, slots: int) -> int:
+        """The slots attention reads for rows whose longest attends over `slots` leading slots."""
+        return self.settings.bucket(self.context_buckets, slots) or self.capacity
 
-    def _buffers(self, rows: int, tokens: int) -> StepBuffers:
+    def graph_buckets(self) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens, context) bucket captured as a graph, largest first (a capture reuses bigger ones'
+        memory)."""
+        return sorted(((b, w, c) for b in self.settings.batch_buckets for w in self.settings.token_buckets
+                       for c in self.context_buckets if b * w <= self.settings.max_graph_tokens),
+                      key=lambda bwc: (bwc[0] * bwc[1], bwc[2], bwc), reverse=True)
+
+    def _buffers(self, rows: int, tokens: int, context: int) -> StepBuffers:
         n = rows * tokens
         features = None if self._features is None else self._features[:n * self.feature_size].view(rows, tokens, -1)
         return StepBuffers(self._ids[:n].view(rows, tokens), self._positions[:n].view(rows, tokens),
-                           self._mask[:n * self.capacity].view(rows, 1, tokens, self.capacity),
+                           self._mask[:n * context].view(rows, 1, tokens, context),
                            self._write_rows[:n].view(rows, tokens), self._write_slots[:n].view(rows, tokens),
                            self._read_rows[:rows], features)
 
@@ -118,9 +128,10 @@ class StaticStep:
         `want_hidden`, features [len(rows), W, F]. The returned tensors are the caller's (copied out of graph
         buffers)."""
         width = max(len(r.tokens) for r in rows)
-        shape = self.bucket(len(rows), width)
+        context = max(r.offset + len(r.tokens) for r in rows)  # every token attends below offset + n
+        shape = self.bucket(len(rows), width, context)
         if shape is None:
-            buffers = self._fresh_buffers(len(rows), width)
+            buffers = self._fresh_buffers(len(rows), width, self.context_bucket(context))
             self._fill(buffers, rows)
             return self._forward(buffers, keep_from, want_hidden)
         buffers = self._buffers(*shape)
@@ -135,12 +146,12 @@ class StaticStep:
         logits = logits[:len(rows), keep_from:width].clone()
         return logits, None if hidden is None else hidden[:len(rows), :width].clone()
 
-    def _fresh_buffers(self, rows: int, tokens: int) -> StepBuffers:
+    def _fresh_buffers(self, rows: int, tokens: int, context: int) -> StepBuffers:
         new = lambda *shape, fill=0: torch.full(shape, fill, dtype=torch.long, device=self.device)  # noqa: E731
         features = (None if self.feature_size is None else
                     torch.zeros(rows, tokens, self.feature_size, dtype=self.dtype, device=self.device))
         return StepBuffers(new(rows, tokens), new(rows, tokens),
-                           torch.empty(rows, 1, tokens, self.capacity, dtype=self.dtype, device=self.device),
+                           torch.empty(rows, 1, tokens, context, dtype=self.dtype, device=self.device),
                            new(rows, tokens, fill=self.scratch_row), new(rows, tokens), new(rows, fill=self.scratch_row),
                            features)
 
@@ -149,29 +160,31 @@ class StaticStep:
         and expand the mask on the device."""
         batch, width = buffers.input_ids.shape
         span = max((r.block.shape[1] for r in rows), default=1)
-        ids = torch.zeros(batch, width, dtype=torch.long)
+        # Built as Python lists and converted once per buffer: a handful of tensor ops per row would cost
+        # ~40 us each row, over 1 ms of host time at 32 rows.
+        lengths = [len(r.tokens) for r in rows]
+        pads = [width - n for n in lengths] + [width] * (batch - len(rows))
+        ids = torch.tensor([r.tokens + [0] * pad for r, pad in zip(rows, pads)] + [[0] * width] * (batch - len(rows)))
         positions = torch.zeros(batch, width, dtype=torch.long)
-        write_rows = torch.full((batch, width), self.scratch_row, dtype=torch.long)
+        stacked = pad_sequence([r.positions for r in rows], batch_first=True)  # [rows, longest]
+        positions[:len(rows), :stacked.shape[1]] = stacked
+        write_rows = torch.tensor([[r.row] * n + [self.scratch_row] * pad for r, n, pad in zip(rows, lengths, pads)]
+                                  + [[self.scratch_row] * width] * (batch - len(rows)))
         # Padding: slot t of the scratch row (modulo its length: a bucket may be wider than a row holds).
-        write_slots = (torch.arange(width) % self.capacity).repeat(batch, 1)
-        read_rows = torch.full((batch,), self.scratch_row, dtype=torch.long)
-        seen = torch.zeros(batch, dtype=torch.long)
+        padding_slots = [t % self.capacity for t in range(width)]
+        write_slots = torch.tensor([list(range(r.offset, r.offset + n)) + padding_slots[n:]
+                                    for r, n in zip(rows, lengths)] + [padding_slots] * (batch - len(rows)))
+        read_rows = torch.tensor([r.row for r in rows] + [self.scratch_row] * (batch - len(rows)))
+        seen = torch.tensor([r.seen for r in rows] + [0] * (batch - len(rows)))
+        valid = torch.arange(width)[None, :] < torch.tensor(lengths + [0] * (batch - len(rows)))[:, None]
         block = torch.zeros(batch, width, span, dtype=torch.bool)
-        valid = torch.zeros(batch, width, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            block[b, :lengths[b], :r.block.shape[1]] = r.block
         if buffers.features is not None:  # rows without features (profiling) read zeros, as the eager path
             buffers.features.zero_()
-        for b, r in enumerate(rows):
-            if buffers.features is not None and r.features is not None:
-                buffers.features[b, :len(r.tokens)] = r.features.to(self.device, self.dtype)
-            n = len(r.tokens)
-            ids[b, :n] = torch.tensor(r.tokens)
-            positions[b, :n] = r.positions
-            write_rows[b, :n] = r.row
-            write_slots[b, :n] = torch.arange(r.offset, r.offset + n)
-            read_rows[b] = r.row
-            seen[b] = r.seen
-            block[b, :n, :r.block.shape[1]] = r.block
-            valid[b, :n] = True
+            for b, r in enumerate(rows):
+                if r.features is not None:
+                    buffers.features[b, :lengths[b]] = r.features.to(self.device, self.dtype)
         for target, source in ((buffers.input_ids, ids), (buffers.positions, positions),
                                (buffers.write_rows, write_rows), (buffers.write_slots, write_slots),
                                (buffers.read_rows, read_rows)):
@@ -180,9 +193,10 @@ class StaticStep:
 
     def _expand_mask(self, out: Tensor, seen: Tensor, block: Tensor, valid: Tensor) -> None:
         """out [B, 1, W, C] = 0 where token (b, w) attends slot c, else the dtype's minimum: slots < seen[b], and
-        block[b, w, c - seen[b]] after them; a padded token attends slot 0 only (finite softmax, never read)."""
+        block[b, w, c - seen[b]] after them; a padded token attends slot 0 only (finite softmax, never read).
+        C is the context bucket's slot count: the leading slots of each row."""
         span = block.shape[2]
-        relative = self._slots[None, :] - seen[:, None]  # [B, C]
+        relative = self._slots[None, :out.shape[-1]] - seen[:, None]  # [B, C]
         inside = (relative >= 0) & (relative < span)
         index = relative.clamp(0, span - 1)[:, None, :].expand(-1, block.shape[1], -1)
         allowed = (block.gather(2, index) & inside[:, None, :]) | (relative < 0)[:, None, :]
@@ -191,10 +205,10 @@ class StaticStep:
         out.copy_(torch.where(allowed, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[:, None])
 
     # ------------------------------------------------------------------ graphs
-    def capture(self, rows: int, tokens: int, want_hidden: bool) -> _Graph:
+    def capture(self, rows: int, tokens: int, context: int, want_hidden: bool) -> _Graph:
         """Capture the forward of one bucket (after two eager warm-up runs on a side stream, as PyTorch's graph
         API asks) into the shared pool; the inputs are the shared buffers' views, padding everywhere."""
-        buffers = self._buffers(rows, tokens)
+        buffers = self._buffers(rows, tokens, context)
         self._pad(buffers)
         before = torch.cuda.memory_reserved(self.device)
         stream = torch.cuda.Stream(self.device)
@@ -209,7 +223,7 @@ class StaticStep:
         torch.cuda.synchronize(self.device)
         self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         captured = _Graph(graph, logits, hidden)
-        self.graphs[(rows, tokens, want_hidden)] = captured
+        self.graphs[(rows, tokens, context, want_hidden)] = captured
         return captured
 
     def _pad(self, buffers: StepBuffers) -> None:
@@ -232,12 +246,12 @@ class StaticStep:
         if not self.use_graphs:
             return 0
         budget = self.settings.graph_memory_mib * 2**20
-        for rows, tokens in self.graph_buckets():
-            if (rows, tokens, want_hidden) not in self.graphs:
-                self.capture(rows, tokens, want_hidden)
+        for rows, tokens, context in self.graph_buckets():
+            if (rows, tokens, context, want_hidden) not in self.graphs:
+                self.capture(rows, tokens, context, want_hidden)
             if self.graph_bytes > budget:
                 raise GraphMemoryExceeded(
-                    f"CUDA graphs up to bucket {rows} rows x {tokens} tokens took {self.graph_bytes / 2**20:.0f} "
+                    f"CUDA graphs up to bucket {rows} rows x {tokens} tokens x {context} slots took {self.graph_bytes / 2**20:.0f} "
                     f"MiB, over graph_memory_mib={self.settings.graph_memory_mib}: raise it, or lower the largest "
                     "graph_batch_buckets / graph_token_buckets (or set cuda_graphs: false)")
         return self.graph_bytes

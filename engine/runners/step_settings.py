@@ -31,18 +31,30 @@ class StaticStepSettings:
     graph_memory_mib: int = 4096
     # KV slots per row when the CachedLM was not given max_context_tokens (the in-process engine)
     context_tokens: int = 2048
+    # attention reads only the leading slots of the rows, rounded up to a context bucket: this one, doubling up
+    # to the row's capacity (a short context must not pay for reading and gathering the whole row)
+    min_context_bucket: int = 512
 
     def __post_init__(self) -> None:
         for name in ("batch_buckets", "token_buckets"):
             buckets = getattr(self, name)
             if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
                 raise ValueError(f"{name} must be increasing positive sizes, got {list(buckets)}")
-        if self.graph_memory_mib < 0 or self.context_tokens < 1 or self.max_graph_tokens < 1:
-            raise ValueError("graph_memory_mib must be >= 0, context_tokens and max_graph_tokens >= 1")
+        if self.graph_memory_mib < 0 or min(self.context_tokens, self.max_graph_tokens, self.min_context_bucket) < 1:
+            raise ValueError("graph_memory_mib must be >= 0, context_tokens, max_graph_tokens and min_context_bucket "
+                             ">= 1")
 
     def bucket(self, buckets: tuple[int, ...], size: int) -> int | None:
         """The smallest bucket holding `size`, None past the largest (that forward runs eagerly)."""
         return next((b for b in buckets if b >= size), None)
+
+    def context_buckets(self, capacity: int) -> tuple[int, ...]:
+        """Slot counts attention reads for rows of `capacity` slots: min_context_bucket doubling, then capacity."""
+        out, size = [], self.min_context_bucket
+        while size < capacity:
+            out.append(size)
+            size *= 2
+        return (*out, capacity)
 
 
 def default_static_step(device: str, cuda_graphs: bool = True, graph_memory_mib: int | None = None,

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from treeserve.engine.devices import device_name
+from treeserve.engine.models.hf_cache import cache_argument
 from treeserve.engine.models.loading import chat_ids
 from treeserve.engine.training import prompt_mix
 from treeserve.engine.training.prompts import clean_instruction
@@ -105,7 +106,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
         for b, row in enumerate(live.tolist()):
             rows_features[row].append(fused[b])
 
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_argument(model, cache),
                 use_cache=True, logits_to_keep=1, output_hidden_states=capture)
     logits = out.logits[:, -1].float()
     active = torch.arange(batch, device=device)  # original row of each live batch row
@@ -132,7 +133,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
             active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True, output_hidden_states=capture)
+                    **cache_argument(model, cache), use_cache=True, output_hidden_states=capture)
         logits = out.logits[:, -1].float()
         if capture:
             keep_features(out, active, slice(-1, None))

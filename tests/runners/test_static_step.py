@@ -21,11 +21,13 @@ from treeserve.engine.factory import build_engine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from treeserve.engine.runners.static_step import StaticStep
 from treeserve.engine.runners.step_settings import StaticStepSettings, default_static_step, static_step_bytes
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.sampling import SamplingParams, warp_probs
 
-SETTINGS = StaticStepSettings(batch_buckets=(1, 2, 4), token_buckets=(1, 4, 8, 16), context_tokens=96)
+SETTINGS = StaticStepSettings(batch_buckets=(1, 2, 4), token_buckets=(1, 4, 8, 16), context_tokens=96,
+                              min_context_bucket=16)  # context buckets 16, 32, 64, 96: steps cross them
 VOCAB = 300
 
 
@@ -134,10 +136,24 @@ def test_padding_never_writes_a_live_slot():
         assert not changed[rows["a"]].any()
 
 
-def test_eagle3_head_on_the_static_step_equals_its_own_forward():
+def narrow_eagle3_head() -> Eagle3Drafter:
+    """An EAGLE-3 head narrower than tiny_llama (as yuhuili's Llama-3.3-70B head is): hidden 24 of the target's 64,
+    2 query heads of 12 and one KV head (the target: 4 of 16, 2 KV heads), fc reading 3 x 64, its own embeddings."""
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         target_hidden_size=64)
+    vocab_ids = torch.arange(0, VOCAB, 2)
+    return Eagle3Drafter(config, vocab_ids - torch.arange(len(vocab_ids)), VOCAB, (1, 1, 2)).eval()
+
+
+@pytest.mark.parametrize("width", ["target", "narrow"])
+def test_eagle3_head_on_the_static_step_equals_its_own_forward(width):
     """A feature-reading drafter head (EAGLE-3) runs its own forward over the static pool: trees fed over
-    several forwards (pending nodes), with parent features, give the eager path's logits and predicted features."""
-    head = Eagle3Drafter.from_target(tiny_llama(), torch.arange(0, VOCAB, 2)).eval()
+    several forwards (pending nodes), with parent features, give the eager path's logits and predicted features.
+    The pool has the head's own KV heads and head_dim (a narrower head's differ from its target's)."""
+    head = (Eagle3Drafter.from_target(tiny_llama(), torch.arange(0, VOCAB, 2)) if width == "target"
+            else narrow_eagle3_head()).eval()
     eager, static = CachedLM(head), CachedLM(head, static=SETTINGS)
     rng = random.Random(5)
     gen = torch.Generator().manual_seed(5)
@@ -157,6 +173,8 @@ def test_eagle3_head_on_the_static_step_equals_its_own_forward():
             torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
     assert static.static_step is not None
+    attn = head.midlayer.self_attn
+    assert static.pool.keys[0].shape[1:] == (attn.num_kv_heads, static.pool.keys[0].shape[2], attn.head_dim)
 
 
 def test_a_bucket_wider_than_a_row_pads_into_the_scratch_row():
@@ -244,3 +262,19 @@ def test_static_step_memory_counts_the_largest_graph():
     no_graphs = static_step_bytes(StaticStepSettings(batch_buckets=(8,), token_buckets=(256,), max_graph_tokens=64),
                                   **args)
     assert no_graphs < large
+
+
+def test_attention_reads_only_the_context_bucket(monkeypatch):
+    """Context buckets double from min_context_bucket up to the row's capacity; a step reads (and masks) only the
+    leading slots of its bucket, so short contexts do not gather whole rows (the forward equals eager above)."""
+    assert StaticStepSettings(min_context_bucket=512).context_buckets(4096) == (512, 1024, 2048, 4096)
+    assert StaticStepSettings(min_context_bucket=512).context_buckets(300) == (300,)
+    seen = []
+    expand = StaticStep._expand_mask
+    monkeypatch.setattr(StaticStep, "_expand_mask", lambda self, out, *args: seen.append(out.shape[-1]) or
+                        expand(self, out, *args))
+    lm = CachedLM(tiny_llama(), static=SETTINGS)
+    for sid, length in (("short", 10), ("long", 50)):
+        lm.begin(sid, list(range(1, length + 1)))
+        lm.extend([ExtendRequest(sid, [length], [-1])])
+    assert seen[-2:] == [16, 64]

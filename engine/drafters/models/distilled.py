@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from treeserve.engine.drafters.models.base import DrafterModel, DrafterOutput
+from treeserve.engine.models.hf_cache import cache_argument, returned_cache
 
 RESTRICTED_KIND = "restricted_vocab"
 
@@ -39,9 +40,9 @@ class RestrictedVocabDrafter(DrafterModel):
                 use_cache: bool = False, logits_to_keep: int = 0) -> DrafterOutput:
         """`logits_to_keep` as in transformers' causal LMs: logits of the last that many rows only (0: all)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, use_cache=use_cache)
+                         **cache_argument(self.model, past_key_values), use_cache=use_cache)
         return DrafterOutput(logits=self.head(out.last_hidden_state[:, -logits_to_keep:]),
-                             past_key_values=out.past_key_values)
+                             past_key_values=returned_cache(self.model, out))
 
     @classmethod
     def from_target(cls, target, layer_ids: list[int], vocab_ids: torch.Tensor) -> "RestrictedVocabDrafter":

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from treeserve.engine.drafters.models.base import DRAFTER_KEY, DrafterModel
+from treeserve.engine.models.hf_cache import cache_argument, returned_cache
 
 EAGLE_KIND = "eagle"
 
@@ -62,10 +63,10 @@ class EagleDrafter(DrafterModel):
         embeds = self.model.embed_tokens(input_ids)
         fused = self.fc(torch.cat([embeds, parent_features.to(embeds.dtype)], dim=-1))
         out = self.model(inputs_embeds=fused, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, use_cache=use_cache)
+                         **cache_argument(self.model, past_key_values), use_cache=use_cache)
         hidden = out.last_hidden_state
         return EagleOutput(logits=self.head(hidden[:, -logits_to_keep:]), hidden=hidden,
-                           past_key_values=out.past_key_values)
+                           past_key_values=returned_cache(self.model, out))
 
     @classmethod
     def from_target(cls, target, layer_id: int, vocab_ids: torch.Tensor) -> "EagleDrafter":

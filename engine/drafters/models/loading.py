@@ -33,10 +33,12 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
     (the shipped EAGLE drafters), a directory holding a TreeServe drafter, a published EAGLE-3 or EAGLE-1/2 head
     (detected from its files), or any local causal LM directory sharing the target's tokenizer.
 
-    All return an object with `.logits` [B, T, V] and `.past_key_values`; a restricted or EAGLE drafter's
-    logits cover only its `vocab_ids`, and an EAGLE drafter also reads `parent_features`. A directory that does
-    not fit the target (vocabulary, hidden size, tokenizer, feature layers, missing / unexpected / misshapen
-    weights) is refused with a one-line ValueError naming both models, never loaded with random weights.
+    All return `.logits` [B, T, V] and take and return their KV cache under the keyword that
+    engine/models/hf_cache.py names (`past_key_values`, but `cache` for a plain causal LM on transformers >= 5.24);
+    a restricted or EAGLE drafter's logits cover only its `vocab_ids`, and an EAGLE drafter also reads
+    `parent_features`. A directory that does not fit the target (vocabulary, hidden size, tokenizer, feature
+    layers, missing / unexpected / misshapen weights) is refused with a one-line ValueError naming both models,
+    never loaded with random weights.
     """
     from treeserve.engine.drafters.models.compatibility import check_drafter, detect_layout
     from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from treeserve.engine.drafters.models.base import DrafterModel, DrafterOutput
+from treeserve.engine.models.hf_cache import cache_argument, returned_cache
 
 PARALLEL_KEY = "treeserve_parallel_drafter"
 DEFAULT_NUM_MASKS = 4
@@ -75,9 +76,10 @@ class ParallelDrafterModel(DrafterModel):
                 use_cache: bool = False, logits_to_keep: int = 0) -> DrafterOutput:
         """`logits_to_keep` as in transformers' causal LMs: logits of the last that many rows only (0: all)."""
         out = self.model(inputs_embeds=self.embed(input_ids), attention_mask=attention_mask,
-                         position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)
+                         position_ids=position_ids, **cache_argument(self.model, past_key_values),
+                         use_cache=use_cache)
         return DrafterOutput(logits=self.head(out.last_hidden_state[:, -logits_to_keep:]),
-                             past_key_values=out.past_key_values)
+                             past_key_values=returned_cache(self.model, out))
 
     def hidden(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Last hidden states [B, T, hidden] without the head (training applies it to labelled rows only)."""
