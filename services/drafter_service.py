@@ -15,12 +15,14 @@ from __future__ import annotations
 import time
 
 import grpc
-from treeserve.engine.runners.step_settings import default_static_step
 import torch
 
 from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig
 from treeserve.engine.drafters.base import Drafter, DraftRequest
+from treeserve.engine.drafters.models.compatibility import detect_layout
+from treeserve.engine.drafters.registry import drafter_dir
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
+from treeserve.engine.runners.step_settings import default_static_step
 from treeserve.services import wire
 from treeserve.services.features import FeatureStore, read_delta
 from treeserve.services.transport.replica import GrpcReplica, SessionClock
@@ -189,9 +191,6 @@ def load_drafter_from_config(config) -> tuple[Drafter, int]:
 def _plain_causal_lm(path: str) -> bool:
     """Whether the drafter at `path` is a plain causal LM (engine/drafters/models/compatibility.py layout
     `causal_lm`), which reads none of the target's tensors."""
-    from treeserve.engine.drafters.models.compatibility import detect_layout
-    from treeserve.engine.drafters.registry import drafter_dir
-
     try:
         return detect_layout(drafter_dir(path)) == "causal_lm"
     except (ValueError, OSError):

@@ -135,9 +135,7 @@ def decode_dists(message: pb.TargetDists) -> TargetDists:
     probs = decode_probs(message.probs, keep_sparse=True) if message.HasField("probs") else None
     verified = (VerifyResult(list(message.verified.accepted_nodes), list(message.verified.tokens))
                 if message.HasField("verified") else None)  # checked against the tree by the engine
-    if not message.HasField("features"):
-        return TargetDists(argmax=argmax, probs=probs, verified=verified)
-    features, start = decode_features(message.features)
+    features, start = decode_features(message.features) if message.HasField("features") else (None, 0)
     return TargetDists(argmax=argmax, probs=probs, features=features, features_start=start, verified=verified)
 
 

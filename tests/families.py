@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from treeserve.engine.models.loading import chat_ids
+from treeserve.engine.sampling import warp_probs
 
 STORY = "Tell me a story about a fox."
 # A plain-text prompt (no chat template) whose greedy and sampled continuations run long: the chat prompts' share
@@ -463,8 +465,6 @@ def make_family_model(family: Family, out_dir: Path, regular: int | None = None,
     the embeddings and LM head (peaked distributions, like a trained model's, at 1)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from treeserve.engine.models.loading import chat_ids
-
     regular = regular or family.regular_vocab
     tokenizer = make_family_tokenizer(family, out_dir, regular)
     config, generation = family.config(regular, hidden, layers, heads, kv_heads, 2 * hidden)
@@ -538,8 +538,6 @@ def pit_pvalue(model, prompt: list[int], outputs: list[list[int]], sampling, bin
     equal bins."""
     from scipy.stats import chisquare
 
-    from treeserve.engine.sampling import warp_probs
-
     gen = torch.Generator().manual_seed(12345)
     counts = [0] * bins
     for out in outputs:
@@ -562,3 +560,17 @@ def pit_pvalue(model, prompt: list[int], outputs: list[list[int]], sampling, bin
             counts[b] += 1
     n = sum(counts)
     return float(chisquare(counts, [n / bins] * bins).pvalue), n
+
+
+def drafted_trees(engine) -> list:
+    """The TokenTrees `engine`'s drafter returns from now on, recorded in the returned list as they are drafted."""
+    trees = []
+    draft = engine.drafter.draft
+
+    def recording(requests, *args, **kwargs):
+        out = draft(requests, *args, **kwargs)
+        trees.extend(out)
+        return out
+
+    engine.drafter.draft = recording
+    return trees

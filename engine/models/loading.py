@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from treeserve.engine import chat_templates
+from treeserve.engine.chat_templates import chat_prompt_ids
+
 # Never touch a hub, even when a caller passes something that looks like a hub id.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -191,8 +194,6 @@ def load_causal_lm(path: str | os.PathLike = DEFAULT_MODEL, device: str = "cpu",
     """`chat_template`: a built-in name or a template file replacing the tokenizer's own (engine/chat_templates.py)."""
     from transformers import AutoTokenizer
 
-    from treeserve.engine import chat_templates
-
     model_dir = resolve_model_dir(path)
     model = load_model(model_dir, device, dtype)
     tokenizer = chat_templates.apply(AutoTokenizer.from_pretrained(model_dir, local_files_only=True), chat_template)
@@ -204,6 +205,4 @@ def chat_ids(tokenizer, text_or_messages: str | list[dict]) -> list[int]:
     template, ready for the assistant's answer: how every prompt reaches a model here. Special-token strings a
     message holds (`<|im_end|>`, `<|eot_id|>`, ...) are tokenised as the text they are, never as control tokens:
     the served path's implementation (engine/chat_templates.py `chat_prompt_ids`)."""
-    from treeserve.engine.chat_templates import chat_prompt_ids
-
     return chat_prompt_ids(tokenizer, text_or_messages)

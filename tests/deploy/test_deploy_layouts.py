@@ -8,6 +8,8 @@ import yaml
 
 from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.services.config import load_serve_config
+from treeserve.services.memory_estimate import feature_drafter_params, report
+from treeserve.engine.drafters.models.compatibility import check_drafter
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 LAYOUTS = sorted(DEPLOY.glob("*.yaml"))
@@ -93,8 +95,6 @@ def test_eagle_layouts(name):
     `layout` and checked from model_facts (no weights here), the chat template its target was trained with, a
     fixed budget (the Drafter replica borrows only the target's embeddings and LM head), and memory-estimate
     counts the head (its own weights + the target's embeddings and LM head) on the GPU it shares with rank 3."""
-    from treeserve.services.memory_estimate import feature_drafter_params, report
-
     app = load_serve_config(DEPLOY / name).app
     args = app.args
     assert args.drafter.layout == "eagle" and args.drafter.reads_target_features()
@@ -121,9 +121,6 @@ def test_eagle3_layouts(name):
     target's width, which fc reads), its own embeddings, a reduced draft vocabulary, EAGLE-3's default target layers;
     its max_position_embeddings does not cap the context; prompts use the target tokenizer's own chat template; a
     fixed budget; memory-estimate counts the head (all its own weights) on the GPU it shares with rank 3."""
-    from treeserve.engine.drafters.models.compatibility import check_drafter
-    from treeserve.services.memory_estimate import feature_drafter_params, report
-
     args = load_serve_config(DEPLOY / name).app.args
     assert args.drafter.layout == "eagle3" and args.drafter.reads_target_features()
     assert args.target.tensor_parallel_size == 4 and args.target.chat_template is None
@@ -147,8 +144,6 @@ def test_eagle3_layouts(name):
 def test_one_gpu_layouts(name):
     """TP=1 on one GPU: the target runs in its replica (no placement group) on its GPU share, the drafter takes the
     rest of that GPU (or sits on the CPU), and the layout fits the GPU it is written for."""
-    from treeserve.services.memory_estimate import report
-
     gib, drafter_device = ONE_GPU_LAYOUTS[name]
     app = load_serve_config(DEPLOY / name).app
     args = app.args
@@ -161,7 +156,6 @@ def test_one_gpu_layouts(name):
     assert (drafter.num_gpus > 0) == (drafter_device == "cuda")
     # Qwen2.5-0.5B drafts over the first 151936 of the target's 152064 rows: the rest are padding (the
     # tokenizer's 151665 ids; from model_facts alone the pair is accepted by the rule 151936 <= 152064, and says so)
-    from treeserve.engine.drafters.models.compatibility import check_drafter
 
     assert (args.drafter.facts().vocab_size, args.target.facts().vocab_size) == (151936, 152064)
     facts = check_drafter(vars(args.target.facts()), raw=json.loads(Path(args.drafter.model_facts).read_text()))

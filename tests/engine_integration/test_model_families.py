@@ -22,14 +22,33 @@ import json
 import pytest
 import torch
 
-from families import (FAMILIES, LLAMA3, LONG, QWEN25, QWEN_SYSTEM, STORY, make_family_drafter, make_family_model,
-                      pit_pvalue)
+from families import (FAMILIES, LLAMA3, LONG, QWEN25, QWEN_SYSTEM, STORY, drafted_trees, make_family_drafter,
+                      make_family_model, pit_pvalue)
 from test_published_heads import HEADS, INTER, KV_HEADS, write_eagle3
-from treeserve.engine.factory import build_engine
+from treeserve.engine.factory import build_engine, tree_config
 from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
 from treeserve.engine.sampling import SamplingParams
 from treeserve.engine.tree import Source
+from treeserve.engine.chat_templates import model_has_template
+from treeserve.services.router_replica import load_tokenizer
+from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig
+from treeserve.services.validation import chat_prompt_ids, RequestValidator
+from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.services.api_server import start_api_server
+from treeserve.services.drafter_service import DrafterServicer
+from treeserve.services.router import Router
+from treeserve.services.target_service import TargetServicer
+from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
+from treeserve.services.transport.discovery import static_discovery
+from treeserve.services.transport.pool import ReplicaPool
+from treeserve.services.transport.replica_server import ReplicaServer
+from treeserve.v1 import generation_pb2 as gen, generation_pb2_grpc as gen_grpc, internal_pb2_grpc as pb_grpc
+from treeserve.engine.drafters.models.loading import load_drafter
+from treeserve.cli.main import main
 
 MAX_NEW = 12
 HIDDEN = 32  # with the families' full vocabularies: 4-5M parameters per embedding matrix
@@ -110,9 +129,6 @@ def _naive_chat_ids(tokenizer, text: str) -> list[int]:
 
 # ------------------------------------------------------------------------------------------ loading
 def test_the_published_layout_loads(pair):
-    from treeserve.engine.chat_templates import model_has_template
-    from treeserve.services.router_replica import load_tokenizer
-
     model, tokenizer, spec = pair.loaded.model, pair.loaded.tokenizer, pair.spec
     raw = json.loads((spec.path / "config.json").read_text())
     assert "rope_parameters" not in raw and "chat_template.jinja" not in {p.name for p in spec.path.iterdir()}
@@ -188,9 +204,6 @@ def test_sampled_dyspec_follows_the_target(pair):
 def test_special_tokens_typed_by_a_user_stay_text(pair):
     """The family's control tokens inside a user's text are tokenised as characters on every served prompt form;
     the template's own control tokens are the only special ids."""
-    from treeserve.services.config import LimitsConfig
-    from treeserve.services.validation import RequestValidator
-
     tokenizer = pair.loaded.tokenizer
     control = ["<|eot_id|>", "<|start_header_id|>", "<|end_of_text|>"] if pair.family is LLAMA3 \
         else ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]
@@ -220,26 +233,6 @@ def test_service_greedy_equals_generate(pair):
     import urllib.request
 
     import grpc
-
-    from treeserve.engine.drafters.autoregressive import LocalDrafter
-    from treeserve.engine.drafters.model_runner import DrafterRunner
-    from treeserve.engine.factory import tree_config
-    from treeserve.engine.runners.target import TargetRunner
-    from treeserve.engine.speculative_engine import SpeculativeEngine
-    from treeserve.services.api_server import start_api_server
-    from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig
-    from treeserve.services.drafter_service import DrafterServicer
-    from treeserve.services.router import Router
-    from treeserve.services.router_replica import load_tokenizer
-    from treeserve.services.target_service import TargetServicer
-    from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
-    from treeserve.services.transport.discovery import static_discovery
-    from treeserve.services.transport.pool import ReplicaPool
-    from treeserve.services.transport.replica_server import ReplicaServer
-    from treeserve.services.validation import chat_prompt_ids
-    from treeserve.v1 import generation_pb2 as gen
-    from treeserve.v1 import generation_pb2_grpc as gen_grpc
-    from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
     spec = pair.spec
     tokenizer, vocab, eos = load_tokenizer(str(spec.path))
@@ -346,19 +339,6 @@ def head(llama3, tmp_path_factory):
     return path
 
 
-def _spy_trees(engine) -> list:
-    trees = []
-    draft = engine.drafter.draft
-
-    def spy(requests, *args, **kwargs):
-        out = draft(requests, *args, **kwargs)
-        trees.extend(out)
-        return out
-
-    engine.drafter.draft = spy
-    return trees
-
-
 @pytest.mark.parametrize("method", ["dyspec", "opt_tree", "c2t", "c2t+lookup"])
 def test_published_eagle3_head_greedy_equals_generate(llama3, head, method):
     spec = llama3.spec
@@ -366,7 +346,7 @@ def test_published_eagle3_head_greedy_equals_generate(llama3, head, method):
     engine = llama3.engine(method, budget=8, drafter=head, **({"delta": 0.0} if method == "opt_tree" else {}))
     assert len(engine.drafter.runner.vocab_ids) == DRAFT_VOCAB and engine.target.lm.feature_layers == (2, 1, 0)
     assert engine.drafter.runner.target_feature_size == 3 * HIDDEN  # fc reads the target's width into the head's
-    trees = _spy_trees(engine)
+    trees = drafted_trees(engine)
     for prompt in spec.prompts[:2] + [llama3.repeat]:
         expected = spec.greedy(prompt, 16)
         assert engine.generate([GenerationRequest(prompt, max_new_tokens=16)])[0].token_ids == expected
@@ -381,8 +361,6 @@ def test_published_eagle3_head_greedy_equals_generate(llama3, head, method):
 def test_specforge_eagle3_head_with_llama3_rope(llama3, tmp_path):
     """The same layout with the target's rope in its config (SpecForge's heads): the head's own attention rotates
     with Llama-3's scaled frequencies, and greedy output still equals the target's."""
-    from treeserve.engine.drafters.models.loading import load_drafter
-
     model = llama3.loaded.model
     path = write_eagle3(tmp_path / "SGLang-EAGLE3-Llama-3.3-70B-Instruct-SpecForge", model, draft_vocab=DRAFT_VOCAB,
                         config=eagle3_specforge_config(model.config))
@@ -399,7 +377,7 @@ def test_published_eagle3_head_sampled_is_lossless(llama3, head):
     (rejections) and bonus draws, and the emitted tokens still follow the target."""
     draft_ids = _draft_ids(head)
     engine = llama3.engine("dyspec", budget=6, drafter=head)
-    trees = _spy_trees(engine)
+    trees = drafted_trees(engine)
     prompt = llama3.long
     outputs = [engine.generate([GenerationRequest(prompt, max_new_tokens=40, sampling=SAMPLED_TOP_K, seed=seed)])[0]
                .token_ids for seed in range(4)]
@@ -415,8 +393,6 @@ def test_published_eagle3_head_sampled_is_lossless(llama3, head):
 
 
 def test_check_drafter_reports_the_published_head(llama3, head, capsys):
-    from treeserve.cli.main import main
-
     argv = ["check-drafter", "--target", str(llama3.spec.path), "--drafter", str(head), "--num-prompts", "1",
             "--max-new-tokens", "4"]
     assert main(argv + ["--json"]) == 0

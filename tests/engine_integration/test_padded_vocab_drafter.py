@@ -18,11 +18,15 @@ import json
 import pytest
 import torch
 
-from families import QWEN25, make_family_drafter, make_family_model, pit_pvalue
+from families import QWEN25, drafted_trees, make_family_drafter, make_family_model, pit_pvalue
 from treeserve.engine.factory import build_engine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
 from treeserve.engine.sampling import SamplingParams
+from treeserve.cli.main import main
+from treeserve.engine.drafters.models.compatibility import check_drafter
+from treeserve.engine.drafters.models.loading import load_drafter
+from treeserve.services.drafter_service import _plain_causal_lm
 
 SMALL_QWEN_VOCAB = 151936  # Qwen2.5-0.5B/1.5B/3B-Instruct's vocab_size
 TARGET_VOCAB = 152064
@@ -72,10 +76,6 @@ def qwen(tmp_path_factory) -> QwenPair:
 
 
 def test_the_pair_is_accepted_and_reported(qwen, capsys):
-    from treeserve.cli.main import main
-    from treeserve.engine.drafters.models.compatibility import check_drafter
-    from treeserve.engine.drafters.models.loading import load_drafter
-
     assert qwen.spec.vocab_size == TARGET_VOCAB and len(qwen.loaded.tokenizer) == TOKENIZER
     target = {**json.loads((qwen.spec.path / "config.json").read_text()), "_path": str(qwen.spec.path)}
     facts = check_drafter(target, qwen.drafter)
@@ -91,7 +91,6 @@ def test_the_pair_is_accepted_and_reported(qwen, capsys):
     model = load_drafter(str(qwen.drafter), qwen.loaded.model)
     assert model.config.vocab_size == SMALL_QWEN_VOCAB
     # A Drafter replica keeps the target's embeddings and LM head off the GPU share of a plain causal LM
-    from treeserve.services.drafter_service import _plain_causal_lm
 
     assert _plain_causal_lm(str(qwen.drafter)) and not _plain_causal_lm(str(qwen.drafter / "missing"))
     argv = ["check-drafter", "--target", str(qwen.spec.path), "--drafter", str(qwen.drafter), "--no-agreement"]
@@ -106,9 +105,6 @@ def test_the_pair_is_accepted_and_reported(qwen, capsys):
 
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_in_one_line(qwen, tmp_path, capsys):
     import shutil
-
-    from treeserve.cli.main import main
-    from treeserve.engine.drafters.models.loading import load_drafter
 
     short = tmp_path / "short"
     shutil.copytree(qwen.drafter, short)
@@ -148,15 +144,7 @@ def test_greedy_equals_generate(qwen, method):
 def test_sampled_dyspec_follows_the_target(qwen):
     """q is exactly 0 on the padding rows; every emitted token still follows the target's distribution."""
     engine = qwen.engine("dyspec")
-    trees = []
-    draft = engine.drafter.draft
-
-    def spy(requests, *args, **kwargs):
-        out = draft(requests, *args, **kwargs)
-        trees.extend(out)
-        return out
-
-    engine.drafter.draft = spy
+    trees = drafted_trees(engine)
     sampling = SamplingParams(temperature=1.0)
     outputs, accepted = [], 0
     for seed in range(6):

@@ -21,6 +21,9 @@ from safetensors.torch import save_file
 from treeserve.engine.drafters.models.loading import load_drafter, target_feature_layers
 from treeserve.engine.drafters.models.compatibility import check_drafter, detect_layout
 from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.factory import build_engine
+from treeserve.engine.requests import GenerationRequest
+from treeserve.cli.main import main
 
 HEADS, KV_HEADS, INTER = 4, 2, 128
 
@@ -193,9 +196,6 @@ def test_eagle1_head_loads_and_matches_the_reference_forward(target, tmp_path):
 
 @pytest.mark.parametrize("method", ["dyspec", "eagle2"])
 def test_eagle1_head_drafts_greedy_equal(target, tiny_target_dir, tmp_path, method):
-    from treeserve.engine.factory import build_engine
-    from treeserve.engine.requests import GenerationRequest
-
     path = write_eagle1(tmp_path / "eagle1", target.model)
     prompt = build_engine(str(tiny_target_dir), method="autoregressive", target=target).encode_chat("Name a river.")
     plain = build_engine(str(tiny_target_dir), method="autoregressive", target=target)
@@ -216,7 +216,6 @@ def test_eagle3_head_reads_the_layers_its_config_names(target, tmp_path, form):
     want = (1, 1, 2) if form != "default" else (2, 1, 0)
     assert target_feature_layers(str(path), 2) == want
     assert load_drafter(str(path), target.model).feature_layers == want
-    from treeserve.engine.factory import build_engine
 
     engine = build_engine(str(path.parent), drafter_path=str(path), method="chain", budget=2, target=target)
     assert engine.target.lm.feature_layers == want  # the target returns what the head fuses
@@ -271,9 +270,6 @@ def test_narrow_eagle3_head_matches_the_reference_forward(target, tmp_path):
 
 @pytest.mark.parametrize("width", ["target", "narrow"])
 def test_eagle3_head_drafts_greedy_equal(target, tiny_target_dir, tmp_path, width):
-    from treeserve.engine.factory import build_engine
-    from treeserve.engine.requests import GenerationRequest
-
     path = write_eagle3(tmp_path / "eagle3", target.model, **(NARROW if width == "narrow" else {}))
     plain = build_engine(str(tiny_target_dir), method="autoregressive", target=target)
     prompt = plain.encode_chat("Count to five.")
@@ -285,8 +281,6 @@ def test_eagle3_head_drafts_greedy_equal(target, tiny_target_dir, tmp_path, widt
 
 def test_check_drafter_reports_a_narrow_eagle3_head(target, tiny_target_dir, tmp_path, capsys):
     from safetensors.torch import load_file
-
-    from treeserve.cli.main import main
 
     path = write_eagle3(tmp_path / "narrow", target.model, **NARROW)
     argv = ["check-drafter", "--target", str(tiny_target_dir), "--drafter", str(path)]

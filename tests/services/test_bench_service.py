@@ -10,6 +10,12 @@ import pytest
 from treeserve.engine.bench.greedy import GreedyCheck, greedy_reference
 from treeserve.services.bench_service import (StreamRecord, inter_token_latencies, measure, percentile,
                                               service_table, summarize_level)
+from treeserve.cli.main import main
+from treeserve.services import launch
+from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig
+from treeserve.services.bench_service import chunk_arrivals, compare_text, stream_round, text_prefixes
+from treeserve.services.api_server import start_api_server
+from treeserve.services.router import Router
 
 
 def test_inter_token_latency_spreads_a_message_over_its_tokens():
@@ -61,10 +67,6 @@ def test_bench_address_loads_a_running_secure_service(tiny_parts, tiny_target_di
     bearer tokens), starts nothing, and checks its streams against in-process greedy of `--target`."""
     import json
 
-    from treeserve.cli.main import main
-    from treeserve.services import launch
-    from treeserve.services.config import LimitsConfig, SecurityConfig
-
     def refuse(*args, **kwargs):
         raise AssertionError("bench --address must not start a service")
 
@@ -102,8 +104,6 @@ def test_bench_address_loads_a_running_secure_service(tiny_parts, tiny_target_di
 def test_a_round_keeps_its_streams_busy_until_every_prompt_is_sent(local_service, tiny_parts):
     """Two streams over three prompts: every prompt answered once, at most two in flight at any moment, and the
     third sent only after one of the first two ended (a closed loop, not three at once)."""
-    from treeserve.services.bench_service import stream_round
-
     tokenizer = tiny_parts.target.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"]
@@ -122,8 +122,6 @@ def test_openai_chunks_give_token_counts_and_text_equality():
     """The OpenAI chunks carry text: a chunk's tokens are the greedy tokens whose text it completes (an empty-text
     token goes with the chunk that ends where it does), the last chunk brings the rest of usage's count; text
     equality with greedy, and a divergence placed at the first greedy token the stream does not continue."""
-    from treeserve.services.bench_service import chunk_arrivals, compare_text, text_prefixes
-
     pieces = {1: "Hel", 2: "lo", 3: "", 4: " wor", 5: "ld", 6: "!"}
     prefixes = text_prefixes([1, 2, 3, 4, 5, 6], lambda ids: "".join(pieces[i] for i in ids))
     assert prefixes == ["", "Hel", "Hello", "Hello", "Hello wor", "Hello world", "Hello world!"]
@@ -144,10 +142,6 @@ def test_openai_chunks_give_token_counts_and_text_equality():
 @pytest.fixture(scope="module")
 def http_service(tiny_parts):
     """A Router on in-process runners behind the public API server with its OpenAI HTTP API on a free port."""
-    from treeserve.services.api_server import start_api_server
-    from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig
-    from treeserve.services.router import Router
-
     limits = LimitsConfig(max_prompt_tokens=256, max_new_tokens=64, max_concurrent_requests=4, max_batch_size=4,
                           request_timeout_s=60)
     server = start_api_server(Router(tiny_parts.engine(), limits), ApiConfig(), SecurityConfig(), port=0, http_port=0)
@@ -191,12 +185,6 @@ def test_bench_http_address_measures_a_running_secure_openai_api(tiny_parts, tin
     gRPC path's TLS trust and token file; without the token every request is refused (401): counted as
     UNAUTHENTICATED errors, exit status 1."""
     import json
-
-    from treeserve.cli.main import main
-    from treeserve.services import launch
-    from treeserve.services.api_server import start_api_server
-    from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig
-    from treeserve.services.router import Router
 
     def refuse(*args, **kwargs):
         raise AssertionError("bench --http-address must not start a service")
@@ -242,8 +230,6 @@ def test_openai_stream_errors_are_counted(monkeypatch):
     as gRPC status codes do; the keep-alive connection is reopened for the next request."""
     import http.server
     import threading
-
-    from treeserve.services.bench_service import stream_round
 
     replies = {
         1: (429, b'{"error": {"message": "full", "type": "rate_limit_error", "param": null, '
