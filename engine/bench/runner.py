@@ -85,19 +85,18 @@ class EngineRunner:
         self.key = key
         self.engine = engine
         self.sampling = sampling
-        self.drafter_module = engine.drafter.model if engine.drafter is not None else None
+        self.drafter_lm = engine.drafter.lm if engine.drafter is not None else None
 
     def generate(self, prompt: list[int], max_new_tokens: int):
-        from treeserve.engine.bench.peers import ForwardLog
         from treeserve.engine.requests import GenerationRequest
 
         request = GenerationRequest(prompt, max_new_tokens=max_new_tokens, sampling=self.sampling, seed=0)
-        if self.drafter_module is None:
+        if self.drafter_lm is None:
             return engine_outcome(self.engine.generate([request])[0])
-        with ForwardLog(self.drafter_module) as log:
-            outcome = engine_outcome(self.engine.generate([request])[0])
-        outcome.drafter_forwards = len(log.calls)
-        outcome.drafter_tokens = sum(n for _, n in log.calls)
+        forwards, tokens = self.drafter_lm.forward_count, self.drafter_lm.forward_tokens
+        outcome = engine_outcome(self.engine.generate([request])[0])
+        outcome.drafter_forwards = self.drafter_lm.forward_count - forwards
+        outcome.drafter_tokens = self.drafter_lm.forward_tokens - tokens
         return outcome
 
     def budget_choosers(self) -> dict[str, object]:

@@ -102,6 +102,10 @@ class CachedLM:
         self.sessions: dict[str, SessionCache] = {}  # least recently begun first
         self._step: set[str] = set()  # sessions begun since the last forward: never evicted for a newcomer
         self.forward_seconds = 0.0  # total time inside model forwards (lets callers separate overheads)
+        # Forwards run and tokens fed (padding excluded), counted here rather than by a module hook: a static
+        # step's CUDA graph replay calls no module, and a hook reading a device value would break a capture.
+        self.forward_count = 0
+        self.forward_tokens = 0
         # Features returned with `hidden`: None = the final post-norm state (EAGLE-1/2); else these
         # `hidden_states` indices side by side (EAGLE-3's low / middle / high layers).
         self.feature_layers: tuple[int, ...] | None = None
@@ -302,6 +306,8 @@ class CachedLM:
         seen = [len(c.committed) for c in caches]  # before the forward commits the extension
         inputs = [self._row_inputs(caches[b], requests[i]) for b, i in enumerate(order)]
         width = max(len(tokens) for tokens, _, _ in inputs)
+        self.forward_count += 1
+        self.forward_tokens += sum(len(tokens) for tokens, _, _ in inputs)
         # Logits only from the first new node on: a prompt or re-fed context needs none, and the head over
         # every prefill row cost a 400-token prefill 0.3 of its 1.2 s (SmolLM2-135M, 2 threads).
         first_new = min(len(tokens) - len(requests[i].tokens) for (tokens, _, _), i in zip(inputs, order))
