@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
-
-from typing import Callable
 
 from treeserve.engine.runners.lean_decoder import StepBuffers
 from treeserve.engine.runners.step_settings import StaticStepSettings
@@ -57,10 +56,48 @@ StepForward = Callable[[StepBuffers, int, bool], tuple[Tensor, Tensor | None]]
 
 
 @dataclass
-class _Graph:
-    graph: "torch.cuda.CUDAGraph"
-    logits: Tensor  # the captured output buffers, overwritten by each replay
+class CapturedStep:
+    """One bucket's forward, captured: `replay()` reruns it on whatever the shared input buffers hold now and
+    overwrites `logits` / `hidden` in place (the capture's output buffers)."""
+
+    replay: Callable[[], None]
+    logits: Tensor
     hidden: Tensor | None
+
+
+class CudaGraphs:
+    """Captures a forward as a CUDA graph: two eager warm-up runs on a side stream (as PyTorch's graph API
+    asks; a compiled function compiles there), then the capture, into one memory pool that every bucket
+    shares (captured largest first, each reuses the bigger ones' memory, as vLLM's runner does)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.bytes = 0  # memory the captures took (reserved bytes grown while capturing)
+
+    def capture(self, forward: Callable[[], tuple[Tensor, Tensor | None]]) -> CapturedStep:
+        before = torch.cuda.memory_reserved(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, hidden = forward()
+        torch.cuda.synchronize(self.device)
+        self.bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        return CapturedStep(graph.replay, logits, hidden)
+
+
+class GraphCapture(Protocol):
+    """How a bucket's forward is captured for replay: `CudaGraphs` on CUDA; a test can put a host stand-in
+    with the same contract (replay reads the buffers' current contents) to check the step's order on a CPU."""
+
+    bytes: int
+
+    def capture(self, forward: Callable[[], tuple[Tensor, Tensor | None]]) -> CapturedStep: ...
 
 
 class StaticStep:
@@ -76,11 +113,11 @@ class StaticStep:
         self.capacity = capacity  # C, slots per row
         self.settings = settings
         self.device, self.dtype = device, dtype
-        self.use_graphs = settings.cuda_graphs and device.type == "cuda"
         self.context_buckets = settings.context_buckets(capacity)
-        self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.graph_bytes = 0  # memory the captures took (reserved bytes grown while capturing)
+        # None: every bucket runs eagerly (a CPU, or cuda_graphs off)
+        self.capturer: GraphCapture | None = (CudaGraphs(device) if settings.cuda_graphs and device.type == "cuda"
+                                              else None)
+        self.graphs: dict[tuple[int, int, int, bool], CapturedStep] = {}
         most_rows, most_tokens = settings.batch_buckets[-1], settings.token_buckets[-1]
         # Input buffers shared by every bucket (a bucket uses a leading view), as vLLM's graph runner shares its.
         self._ids = torch.zeros(most_rows * most_tokens, dtype=torch.long, device=device)
@@ -93,6 +130,15 @@ class StaticStep:
                           torch.zeros(most_rows * most_tokens * feature_size, dtype=dtype, device=device))
         self.feature_size = feature_size
         self._slots = torch.arange(self.capacity, device=device)
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.capturer is not None
+
+    @property
+    def graph_bytes(self) -> int:
+        """Memory the captured graphs took (0 without graphs)."""
+        return 0 if self.capturer is None else self.capturer.bytes
 
     # ------------------------------------------------------------------ buckets
     def bucket(self, rows: int, tokens: int, context: int) -> tuple[int, int, int] | None:
@@ -134,13 +180,16 @@ class StaticStep:
             buffers = self._fresh_buffers(len(rows), width, self.context_bucket(context))
             self._fill(buffers, rows)
             return self._forward(buffers, keep_from, want_hidden)
+        graph = None
+        if self.use_graphs and shape[0] * shape[1] <= self.settings.max_graph_tokens:
+            # Before the fill: a capture runs on (and leaves) padding in the shared buffers.
+            graph = self.graphs.get((*shape, want_hidden)) or self.capture(*shape, want_hidden)
         buffers = self._buffers(*shape)
         self._fill(buffers, rows)
-        if not self.use_graphs or shape[0] * shape[1] > self.settings.max_graph_tokens:
+        if graph is None:
             logits, hidden = self._forward(buffers, 0, want_hidden)
         else:
-            graph = self.graphs.get((*shape, want_hidden)) or self.capture(*shape, want_hidden)
-            graph.graph.replay()
+            graph.replay()
             logits, hidden = graph.logits, graph.hidden
         # Copies (the graph's buffers are overwritten by the next replay); only real rows and tokens.
         logits = logits[:len(rows), keep_from:width].clone()
@@ -205,24 +254,13 @@ class StaticStep:
         out.copy_(torch.where(allowed, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[:, None])
 
     # ------------------------------------------------------------------ graphs
-    def capture(self, rows: int, tokens: int, context: int, want_hidden: bool) -> _Graph:
-        """Capture the forward of one bucket (after two eager warm-up runs on a side stream, as PyTorch's graph
-        API asks) into the shared pool; the inputs are the shared buffers' views, padding everywhere."""
+    @torch.inference_mode()
+    def capture(self, rows: int, tokens: int, context: int, want_hidden: bool) -> CapturedStep:
+        """Capture the forward of one bucket; its inputs are the shared buffers' views, left holding padding (a
+        step fills them after capturing, right before the replay)."""
         buffers = self._buffers(rows, tokens, context)
         self._pad(buffers)
-        before = torch.cuda.memory_reserved(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(buffers, 0, want_hidden)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            logits, hidden = self._forward(buffers, 0, want_hidden)
-        torch.cuda.synchronize(self.device)
-        self.graph_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
-        captured = _Graph(graph, logits, hidden)
+        captured = self.capturer.capture(lambda: self._forward(buffers, 0, want_hidden))
         self.graphs[(rows, tokens, context, want_hidden)] = captured
         return captured
 

@@ -21,7 +21,7 @@ from treeserve.engine.factory import build_engine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
-from treeserve.engine.runners.static_step import StaticStep
+from treeserve.engine.runners.static_step import CapturedStep, StaticStep
 from treeserve.engine.runners.step_settings import StaticStepSettings, default_static_step, static_step_bytes
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.sampling import SamplingParams, warp_probs
@@ -99,6 +99,54 @@ def test_static_step_equals_the_eager_forward(model_fn):
             torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
     assert static.static_step is not None and eager.static_step is None
+
+
+class HostReplay:
+    """A CUDA graph's contract on the host: capture runs the forward (warm-ups, then the captured run) on whatever
+    the shared buffers hold; replay reruns it on their current contents and overwrites the captured outputs in
+    place. So a step that captured, filled or read in the wrong order gives wrong logits here too."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.replays = 0
+
+    def capture(self, forward) -> CapturedStep:
+        for _ in range(2):
+            forward()
+        logits, hidden = forward()
+
+        def replay() -> None:
+            self.replays += 1
+            new_logits, new_hidden = forward()
+            logits.copy_(new_logits)
+            if hidden is not None:
+                hidden.copy_(new_hidden)
+        return CapturedStep(replay, logits, hidden)
+
+
+@pytest.mark.parametrize("capture_first", [False, True], ids=["captured-on-first-use", "captured-at-start"])
+def test_replayed_captures_equal_the_eager_forward(capture_first):
+    """The graph path's order (capture a bucket on padding, fill the inputs, replay) on the host: every step of
+    mixed batches and trees equals the eager forward, whether a bucket is captured by its first step or by
+    warm_up before any step."""
+    model = tiny_llama()
+    steps = make_steps(6, lengths=[5, 23, 9], sizes=[7, 12, 1])
+    eager = CachedLM(model)
+    graphed = CachedLM(model, max_sessions=4, max_context_tokens=SETTINGS.context_tokens, static=SETTINGS)
+    eager.feature_layers = graphed.feature_layers = (0, 1, 2)
+    capturer = HostReplay()
+    graphed._static().capturer = capturer
+    replays_before = 0
+    if capture_first:
+        graphed.warm_up()
+        captured = {key[:3] for key in graphed.static_step.graphs if key[3]}  # with features, as the steps ask
+        assert captured == set(graphed.static_step.graph_buckets())
+    replays_before = capturer.replays  # warm_up's own 1-token step replays too
+    for ref_step, got_step in zip(run_steps(eager, steps, hidden=True), run_steps(graphed, steps, hidden=True)):
+        for ref, got in zip(ref_step, got_step):
+            torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
+    assert capturer.replays - replays_before == len(steps) - 1  # the first step's 23-token prefill runs past the buckets
 
 
 def test_a_row_does_not_depend_on_its_batch_or_padding():
