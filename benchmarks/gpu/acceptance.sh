@@ -8,7 +8,7 @@
 #   device call A:     carry [".gpu/part0"], timeout_s 540, command: bash benchmarks/gpu/acceptance.sh curves
 #   here, before B:    bash benchmarks/gpu/acceptance.sh slim eagle3   # eagle3 (the default drafter) comes back
 #   device call B:     carry [".gpu/part1", ".gpu/wheels"], timeout_s 560, command: bash benchmarks/gpu/acceptance.sh bench
-#   here, after:       bash benchmarks/gpu/acceptance.sh unslim
+#   here, after:       bash benchmarks/gpu/acceptance.sh unslim   # slim marks moved files skip-worktree until then
 #
 # Call A (random weights built on the GPU, nothing else needed): `treeserve profile` cost curves, eager (today's
 # path through the transformers modules) against the static step with CUDA graphs, same machine, same call:
@@ -51,14 +51,18 @@ slim)  # move what the call does not need out of the tree (restored by unslim); 
   for d in "${MOVABLE[@]}"; do
     if [ "$d" = "$keep" ]; then
       [ -e "$SLIM/$d" ] && [ ! -e "$d" ] && mv "$SLIM/$d" "$d"
+      git ls-files -z -- "$d" | xargs -0 -r git update-index --no-skip-worktree
     elif [ -e "$d" ]; then
       mkdir -p "$SLIM/$(dirname "$d")" && mv "$d" "$SLIM/$d"
+      # Moved, not deleted: a commit made meanwhile (even `git commit -- PATHS`) must not record deletions.
+      git ls-files -z -- "$d" | xargs -0 -r git update-index --skip-worktree
     fi
   done
   git ls-files --others --exclude-standard | head; du -sh --exclude=.git --exclude=.venv --exclude=.cache --exclude=.gpu . ;;
 unslim)
   for d in "${MOVABLE[@]}"; do
     [ -e "$SLIM/$d" ] && [ ! -e "$d" ] && mv "$SLIM/$d" "$d"
+    git ls-files -z -- "$d" | xargs -0 -r git update-index --no-skip-worktree
   done
   git status --short | head ;;
 curves)
