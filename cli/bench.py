@@ -106,6 +106,9 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on a CUDA device, run the target's static-shape step replayed as CUDA graphs "
                              "(--no-cuda-graphs: the model's own eager forward; ignored on a CPU; default: on)")
+    parser.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
+                        help="with CUDA graphs, run that step's RMSNorms, rotary embedding and SiLU as fused "
+                             "kernels compiled with torch.compile (--no-fused-ops: the modules' own; default: on)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs of every (prompt, method), interleaved; the run of median wall time "
                              "counts (the faster of two; a 64-token answer alone varies by +-10%% on a shared "

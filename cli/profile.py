@@ -14,7 +14,8 @@ weights built directly on the device: a forward's time depends on the shapes, no
 divided by N; embeddings and LM head whole), without the all-reduces a real TP step adds.
 
 `--step static` runs CachedLM's static-shape step (padded buckets, CUDA graphs on a GPU;
-`--no-cuda-graphs` turns the graphs off) instead of the model's own modules (`eager`).
+`--no-cuda-graphs` turns the graphs off; `--no-fused-ops` keeps the modules' own norms, rotation and SiLU instead
+of the fused kernels compiled on a GPU, engine/runners/fused_ops.py) instead of the model's own modules (`eager`).
 
 `--json-out` writes the curve (schema treeserve.costcurve/1, engine/bench/cost_curve.py); the budget chooser
 (engine/budget.py `profile_from_cost_curve`, `measure_profile(cost_curve=...)`) and the PROJECTED cost model
@@ -81,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="with --step static: run the padded buckets without capturing CUDA graphs")
+    parser.add_argument("--no-fused-ops", action="store_true",
+                        help="with --step static: the modules' own RMSNorms, rotary embedding and SiLU instead of "
+                             "fused kernels compiled with torch.compile (those run on CUDA only)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights (default: %(default)s)")
     parser.add_argument("--json-out", type=Path, default=None,
                         help="write the curve, device facts and bounds as JSON (schema treeserve.costcurve/1)")
@@ -90,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     if args.no_cuda_graphs and args.step != "static":
         raise CliError("--no-cuda-graphs applies to --step static")
+    if args.no_fused_ops and args.step != "static":
+        raise CliError("--no-fused-ops applies to --step static")
     if args.tp_size != 1 and args.preset is None:
         raise CliError("--tp-size needs --preset: one rank's shapes are built from a preset's config facts")
     if args.preset is not None:  # an unknown preset or a TP size that does not divide: refused before measuring
@@ -101,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    static = StaticStepSettings(cuda_graphs=not args.no_cuda_graphs) if args.step == "static" else None
+    static = (StaticStepSettings(cuda_graphs=not args.no_cuda_graphs, fused_ops=not args.no_fused_ops)
+              if args.step == "static" else None)
     try:
         device_facts = measure_device(args.device, dtype)  # before the model: the copy's buffers need the memory
         model, facts = load_profile_model(args.model, args.preset, args.tp_size, args.device, dtype, args.seed,
@@ -131,12 +138,14 @@ def command_line(args: argparse.Namespace) -> list[str]:
             "--nodes", *map(str, args.nodes), "--batch", *map(str, args.batch), "--prefix", str(args.prefix),
             "--repeats", str(args.repeats), *(["--threads", str(args.threads)] if args.threads else []),
             "--step", args.step, *(["--no-cuda-graphs"] if args.no_cuda_graphs else []),
+            *(["--no-fused-ops"] if args.no_fused_ops else []),
             *(["--json-out", str(args.json_out)] if args.json_out else [])]
 
 
 def header(curve: CostCurve) -> list[str]:
     """What was measured, on what, and the two measured device rates the bounds come from."""
-    graphs = f" (CUDA graphs {'on' if curve.cuda_graphs else 'off'})" if curve.step == "static" else ""
+    fused = ", fused ops off" if "--no-fused-ops" in curve.command else ""
+    graphs = f" (CUDA graphs {'on' if curve.cuda_graphs else 'off'}{fused})" if curve.step == "static" else ""
     return [f"cost curve: {curve.model.describe()}",
             f"device {curve.device}, {curve.dtype}, torch {curve.torch_version}, {curve.threads} threads; "
             f"step {curve.step}{graphs}; prefix {curve.prefix} tokens; median of {curve.repeats}",

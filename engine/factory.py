@@ -66,7 +66,7 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
                  drafter_kind: str | None = None, lookup: LookupSettings | None = None,
                  drafter_dtype: str | None = None, cuda_graphs: bool = True, cost_curve: str | None = None,
-                 run_ahead: bool = False, **tree_overrides) -> SpeculativeEngine:
+                 run_ahead: bool = False, fused_ops: bool = True, **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
     the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's default
@@ -74,7 +74,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     "lookup" and "<builder>+lookup"; None: the defaults). `dtype` is the target's (it defines the output);
     `drafter_dtype` the drafter's: None = `dtype`, a dtype name, or "auto" (measured: dtype_choice.py).
     `cuda_graphs`: on a CUDA device the target and the drafter run the static-shape step replayed as CUDA graphs
-    (engine/runners/static_step.py); False keeps the models' own eager forwards. `cost_curve`: budget "auto"
+    (engine/runners/static_step.py); False keeps the models' own eager forwards. `fused_ops`: that step's norms,
+    rotary embedding and SiLU run as compiled fused kernels (engine/runners/fused_ops.py). `cost_curve`: budget "auto"
     reads the target's cost curve from this `treeserve profile` file (of this target, device and dtype).
     `run_ahead`: the drafter drafts the next step's trees on a thread while the target scores
     (engine/drafters/run_ahead.py; pays where the drafter has cores or a device of its own)."""
@@ -89,7 +90,7 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                          f"not drafter_kind {drafter_kind!r}")
     target = target or load_causal_lm(target_path, device, torch_dtype)
     drafter = None
-    static = default_static_step(device, cuda_graphs)
+    static = default_static_step(device, cuda_graphs, fused_ops=fused_ops)
     if method != AUTOREGRESSIVE:
         drafter = build_local_drafter(drafter_path, target.model, device, drafter_torch_dtype, budget,
                                       drafter_kind=drafter_kind, lookup=lookup, target_dtype=torch_dtype,

@@ -181,7 +181,8 @@ def load_drafter_from_config(config) -> tuple[Drafter, int]:
                                   lookup=config.speculation.lookup, target_dtype=target_dtype,
                                   static=default_static_step(config.drafter.device, config.drafter.cuda_graphs,
                                                              config.drafter.graph_memory_mib,
-                                                             max_rows=config.kv_sessions("drafter")))
+                                                             max_rows=config.kv_sessions("drafter"),
+                                                             fused_ops=config.drafter.fused_ops))
     # The KV pool is preallocated now: max_sessions x max_context_tokens (treeserve memory-estimate).
     drafter.lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
     drafter.lm.warm_up()

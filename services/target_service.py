@@ -120,7 +120,8 @@ def load_target_from_config(config) -> Any:
     # from the drafter's config.json alone; EAGLE-1/2 and other drafters: None, the final state).
     facts = config.target.facts()
     feature_layers = target_feature_layers(config.drafter.path, facts.num_hidden_layers if facts else None)
-    static = default_static_step(target.device, target.cuda_graphs, target.graph_memory_mib, max_rows=sessions)
+    static = default_static_step(target.device, target.cuda_graphs, target.graph_memory_mib, max_rows=sessions,
+                                 fused_ops=target.fused_ops)
     if target.tensor_parallel_size > 1:
         from treeserve.services.tp_target import TensorParallelTarget  # lazy: needs Ray and torch.distributed
 

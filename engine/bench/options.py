@@ -43,6 +43,7 @@ class BenchOptions:
     threads: int = 2  # torch CPU threads
     device: str = "cpu"  # torch device of the target, the drafters and the peers ("cpu", "cuda", "cuda:1")
     cuda_graphs: bool = True  # on CUDA: the target's static-shape step replayed as CUDA graphs (else eager)
+    fused_ops: bool = True  # with cuda_graphs on CUDA: that step's norms, rotation and SiLU as compiled fused kernels
     repeats: int = 1  # timed runs of every (prompt, method), interleaved; the run of median wall time counts
     warmup_prompts: int = 2  # untimed prompts per method first (hardware-aware budgets finish exploring)
     check_greedy: bool = False  # compare every method's tokens with the target's own greedy `generate`

@@ -44,7 +44,7 @@ def budget_sweep(options: BenchOptions, target, rows: list[dict], sampling) -> l
         for method, budget in pairs:
             engine = build_engine(drafter_path=options.drafter, method=method, budget=budget, target=target,
                                   drafter_dtype=options.drafter_dtype, device=options.device,
-                                  cuda_graphs=options.cuda_graphs)
+                                  cuda_graphs=options.cuda_graphs, fused_ops=options.fused_ops)
             tokens = steps = candidates = 0
             for prompt in prompts:
                 result = engine.generate([GenerationRequest(prompt, max_new_tokens=options.max_new_tokens,
@@ -73,7 +73,7 @@ def build_runners(options: BenchOptions, methods: list[tuple[str, int | str, str
         drafter = parallel_path if k == "parallel" else options.drafter
         engine = build_engine(drafter_path=drafter, method=m, budget=b, target=target, drafter_kind=k,
                               drafter_dtype=options.drafter_dtype, device=options.device,
-                              cuda_graphs=options.cuda_graphs)
+                              cuda_graphs=options.cuda_graphs, fused_ops=options.fused_ops)
         runners[key] = EngineRunner(key, engine, sampling)
         # The drafter's name (the kind alone, "autoregressive", reads like a method in this column) and the
         # dtype it runs in ("auto" is resolved by measurement, so the report says what was chosen).

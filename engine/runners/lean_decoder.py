@@ -13,6 +13,10 @@ values written into the pool at each token's (row, slot), the batch rows' leadin
 step's context bucket), attention with the additive mask over them (grouped, without repeating KV heads: SDPA's `enable_gqa` on
 a GPU, engine/models/attention.py on a CPU), output projection, RMSNorm, MLP.
 
+With `DecoderParts.ops` (on CUDA by default: `StaticStepSettings.fused_ops`) the RMSNorms, the rotation (with
+Qwen3's q/k norms) and the MLP's SiLU(gate) * up run as compiled fused kernels (engine/runners/fused_ops.py)
+instead of the modules' elementwise chains; the projections stay the modules' own calls either way.
+
 Supported: the Llama layout (llama, mistral without an active sliding window, qwen2 with its q/k/v bias,
 qwen3); anything else (an EAGLE head, an unknown layout, a dynamic rope) is reported by `decoder_parts` and
 runs through the model's own forward instead.
@@ -28,6 +32,7 @@ from torch.nn import functional as F
 
 from treeserve.engine.models.attention import grouped_attention
 from treeserve.engine.models.hf_cache import cache_argument
+from treeserve.engine.runners.fused_ops import DecoderOps, cuda_ops, mlp_is_fusable, norm_is_fusable, rotate_half
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # rope tables that do not depend on the sequence
@@ -45,6 +50,8 @@ class DecoderParts:
     scaling: float  # attention score scale (head_dim ** -0.5 for every supported layout)
     cos: Tensor  # [positions, head_dim] rotary cosines, in the model's dtype (the rotary module's own values)
     sin: Tensor  # [positions, head_dim]
+    ops: DecoderOps | None = None  # fused norms / rotation / SiLU-and-multiply (None: the modules' own forwards)
+    fused_mlp: bool = False  # with `ops`: the MLP's activation is SiLU, so SiLU(gate) * up runs fused too
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -64,16 +71,29 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def decoder_parts(model: nn.Module, positions: int, device: torch.device, dtype: torch.dtype) -> DecoderParts:
-    """The parts of a supported model (check `unsupported_reason` first) with rotary tables for `positions`."""
+def decoder_parts(model: nn.Module, positions: int, device: torch.device, dtype: torch.dtype,
+                  fused_ops: bool = False, ops: DecoderOps | None = None) -> DecoderParts:
+    """The parts of a supported model (check `unsupported_reason` first) with rotary tables for `positions`.
+    `fused_ops`: on a CUDA device the elementwise ops run compiled and fused (engine/runners/fused_ops.py);
+    `ops`: run these fused ops on any device (a CPU test forces the fused path with them). Either way only when
+    every norm is an RMSNorm of the Llama family; SiLU(gate) * up only when config.hidden_act is "silu"."""
     inner = model.model
     first = inner.layers[0].self_attn
     head_dim = first.head_dim
     with torch.inference_mode():
         ids = torch.arange(positions, device=device)[None]
         cos, sin = inner.rotary_emb(torch.zeros(1, dtype=dtype, device=device), ids)
+    if ops is None and fused_ops and torch.device(device).type == "cuda":
+        ops = cuda_ops()
+    norms = [inner.norm] + [getattr(layer, name) for layer in inner.layers
+                            for name in ("input_layernorm", "post_attention_layernorm")]
+    norms += [getattr(layer.self_attn, name) for layer in inner.layers for name in ("q_norm", "k_norm")
+              if hasattr(layer.self_attn, name)]
+    if ops is not None and not all(norm_is_fusable(norm) for norm in norms):
+        ops = None
+    fused_mlp = ops is not None and all(mlp_is_fusable(layer.mlp, model.config) for layer in inner.layers)
     return DecoderParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, head_dim,
-                        first.scaling, cos[0].contiguous(), sin[0].contiguous())
+                        first.scaling, cos[0].contiguous(), sin[0].contiguous(), ops, fused_mlp)
 
 
 @dataclass
@@ -109,11 +129,6 @@ class PoolRows:
                 self.values[layer][:, :, :context].index_select(0, read))
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _attention(module: nn.Module, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float
                ) -> Tensor:
     """query [B, H, W, D], keys/values [B, H_kv, C, D], mask [B, 1, W, C] -> [B, W, H * D]."""
@@ -135,28 +150,39 @@ def lean_forward(parts: DecoderParts, keys: list[Tensor], values: list[Tensor], 
     i, the last the final normed state, as transformers numbers them)."""
     batch, width = inputs.input_ids.shape
     pool = PoolRows(keys, values, inputs)
+    ops = parts.ops
     hidden = parts.embed(inputs.input_ids)
-    cos = parts.cos[inputs.positions][:, None]  # [B, 1, W, D]: broadcast over heads
-    sin = parts.sin[inputs.positions][:, None]
+    cos = parts.cos[inputs.positions]  # [B, W, D]
+    sin = parts.sin[inputs.positions]
+    if ops is None:
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, W, D]: broadcast over heads
     states = [hidden] if want_hidden and feature_layers is not None else None
     for index, layer in enumerate(parts.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
+        x = layer.input_layernorm(hidden) if ops is None else ops.norm(layer.input_layernorm, hidden)
         query = attn.q_proj(x).view(batch, width, -1, parts.head_dim)
         key = attn.k_proj(x).view(batch, width, -1, parts.head_dim)
         value = attn.v_proj(x).view(batch, width, -1, parts.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
-            query, key = attn.q_norm(query), attn.k_norm(key)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
+        if ops is not None:  # one kernel: Qwen3's per-head q/k norms, then the rotation
+            query, key = ops.rotate(query, key, cos, sin, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+            query, key = query.transpose(1, 2), key.transpose(1, 2)
+        else:
+            if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before the rotation
+                query, key = attn.q_norm(query), attn.k_norm(key)
+            query, key = query.transpose(1, 2), key.transpose(1, 2)
+            query = query * cos + rotate_half(query) * sin
+            key = key * cos + rotate_half(key) * sin
         row_keys, row_values = pool.update(key, value.transpose(1, 2), index)
         out = _attention(attn, query, row_keys, row_values, inputs.mask, parts.scaling)
         hidden = hidden + attn.o_proj(out)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if ops is None:
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        else:
+            x = ops.norm(layer.post_attention_layernorm, hidden)
+            hidden = hidden + (ops.mlp(layer.mlp, x) if parts.fused_mlp else layer.mlp(x))
         if states is not None:
             states.append(hidden)
-    normed = parts.norm(hidden)
+    normed = parts.norm(hidden) if ops is None else ops.norm(parts.norm, hidden)
     logits = parts.lm_head(normed[:, keep_from:])
     if not want_hidden:
         return logits, None

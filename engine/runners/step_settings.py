@@ -24,6 +24,11 @@ class StaticStepSettings:
     token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS
     # capture one CUDA graph per (batch bucket, token bucket) and replay it; ignored off CUDA
     cuda_graphs: bool = True
+    # on CUDA, run the decoder's RMSNorms, rotary embedding (with Qwen3's q/k norms) and SiLU(gate) * up as fused
+    # kernels compiled with torch.compile (engine/runners/fused_ops.py; compiled at their first calls, which are a
+    # capture's warm-up runs) instead of the modules' chains of small kernels; off: the modules' own forwards.
+    # Ignored off CUDA
+    fused_ops: bool = True
     # buckets of more rows x tokens than this run eagerly (padded) instead of as graphs: their launch overhead is
     # small beside their work, and their graphs' memory is not
     max_graph_tokens: int = 1024
@@ -58,18 +63,18 @@ class StaticStepSettings:
 
 
 def default_static_step(device: str, cuda_graphs: bool = True, graph_memory_mib: int | None = None,
-                        max_rows: int | None = None) -> StaticStepSettings | None:
+                        max_rows: int | None = None, fused_ops: bool = True) -> StaticStepSettings | None:
     """The step a CachedLM on `device` runs by default: the static-shape step with CUDA graphs on a CUDA device
     (unless `cuda_graphs` is off), the model's own eager forward elsewhere (on a CPU the eager path with packed
     linears is as fast, and it grows its pool as needed). `max_rows` caps the batch buckets (a replica's
-    max_sessions)."""
+    max_sessions); `fused_ops`: the step's elementwise ops compiled into fused kernels."""
     if not cuda_graphs or not str(device).startswith("cuda"):
         return None
     batch = tuple(b for b in DEFAULT_BATCH_BUCKETS if max_rows is None or b <= max_rows) or (1,)
     if max_rows is not None and batch[-1] < min(max_rows, DEFAULT_BATCH_BUCKETS[-1]):
         batch = (*batch, min(max_rows, DEFAULT_BATCH_BUCKETS[-1]))
     memory = StaticStepSettings.graph_memory_mib if graph_memory_mib is None else graph_memory_mib
-    return StaticStepSettings(batch_buckets=batch, graph_memory_mib=memory)
+    return StaticStepSettings(batch_buckets=batch, graph_memory_mib=memory, fused_ops=fused_ops)
 
 
 def static_step_bytes(settings: StaticStepSettings, context: int, layers: int, hidden: int, intermediate: int,

@@ -92,6 +92,12 @@ class ModelConfig:
         "a preallocated KV pool with one scratch row) captured once per bucket as a CUDA graph at start and "
         "replayed each step, each tensor-parallel rank its own; false = the model's own eager forward. Ignored "
         "on a CPU and for layouts the lean decoder does not cover (engine/runners/lean_decoder.py)", default=True)
+    fused_ops: bool = described(
+        "with cuda_graphs on a CUDA device, run the static-shape step's RMSNorms, rotary embedding (with Qwen3's "
+        "q/k norms) and the MLP's SiLU(gate) * up as fused kernels compiled with torch.compile at start (during "
+        "the graphs' capture; engine/runners/fused_ops.py) instead of the modules' chains of small kernels; "
+        "projections are unchanged. false = the modules' own norms and activations. Ignored on a CPU",
+        default=True)
     graph_memory_mib: int = described(
         "the most memory (MiB, per GPU) the captured CUDA graphs may take; capturing more is refused at start "
         "with a message (counted by `treeserve memory-estimate`)", default=4096)

@@ -4,6 +4,7 @@ the PROJECTED cost model. No timing is asserted (the values depend on the machin
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
@@ -14,6 +15,7 @@ import torch
 
 from treeserve.engine.bench.options import BenchOptions
 from treeserve.cli.main import main
+from treeserve.cli.profile import add_arguments, command_line
 from treeserve.engine.bench import projection
 from treeserve.engine.bench.cost_curve import SCHEMA, CostCurve, ModelFacts, interpolate_ms
 from treeserve.engine.bench.cost_measure import DeviceFacts, measure_cost_curve
@@ -115,7 +117,8 @@ def test_bad_input_is_refused_in_one_line(models_dir, capsys):
     cases = [(["--preset", "tiny", "--tp-size", "3"], "--tp-size 3"),
              (["--preset", "huge"], "unknown preset 'huge'"),
              (["--model", "default", "--tp-size", "2"], "--tp-size needs --preset"),
-             (["--preset", "tiny", "--no-cuda-graphs"], "--no-cuda-graphs applies to --step static")]
+             (["--preset", "tiny", "--no-cuda-graphs"], "--no-cuda-graphs applies to --step static"),
+             (["--preset", "tiny", "--no-fused-ops"], "--no-fused-ops applies to --step static")]
     if not torch.cuda.is_available():
         cases.append((["--preset", "tiny", "--device", "cuda"], "no CUDA device"))
     for extra, message in cases:
@@ -125,6 +128,14 @@ def test_bad_input_is_refused_in_one_line(models_dir, capsys):
     assert "tiny" in str(pytest.raises(ValueError, preset_config, "huge", models_dir).value)  # presets listed
     with pytest.raises(ValueError, match="exactly one"):
         load_profile_model(None, None)
+
+
+def test_no_fused_ops_is_spelled_out_in_the_recorded_command():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--preset", "tiny", "--step", "static", "--no-fused-ops"])
+    assert command_line(args)[-1] == "--no-fused-ops" and "--no-cuda-graphs" not in command_line(args)
+    assert "--no-fused-ops" not in command_line(parser.parse_args(["--preset", "tiny", "--step", "static"]))
 
 
 def test_hardware_profile_reads_the_batch_one_curve(measured, models_dir, tmp_path):

@@ -50,6 +50,11 @@ def test_from_args_parses_sections():
     assert AppConfig.from_args(None) == AppConfig()
 
 
+def test_fused_ops_is_a_model_setting_on_by_default():
+    args = AppConfig.from_args({"target": {"fused_ops": False}})
+    assert not args.target.fused_ops and args.drafter.fused_ops and AppConfig().target.fused_ops
+
+
 def test_every_field_has_help():
     def walk(cls):
         for f in dataclasses.fields(cls):

@@ -305,6 +305,7 @@ max_sessions: {{ int . }}
 gpu_memory_fraction: {{ . }}
 {{- end }}
 cuda_graphs: {{ .m.cudaGraphs }}
+fused_ops: {{ .m.fusedOps }}
 graph_memory_mib: {{ int .m.graphMemoryMib }}
 {{- if .target }}
 tensor_parallel_size: {{ int .m.tensorParallelSize }}
