@@ -30,6 +30,11 @@ belongs to the current step, or one sequence would outgrow `max_context_tokens`,
 and nothing is fed. With `max_context_tokens` set the pool is preallocated (`warm_up`) and never grows; a
 forward whose rows would together span more slots than that (a long session batched with a long prefill) is
 run as several smaller forwards instead, so only a single sequence's own length can exhaust it.
+
+Rows of different widths: a forward pads every row to its widest, so an eager step is split into forwards of
+rows of similar width where the padding would cost more than another forward (a prompt arriving beside
+decoding rows, prompts of different lengths prefilled together); a static step keeps its rows in one bucketed
+forward and runs only the rows past its largest token bucket apart (engine/runners/row_groups.py).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from treeserve.engine.models.attention import attention_for, use_attention
 from treeserve.engine.models.hf_cache import cache_argument
 from treeserve.engine.models.packed_linear import use_fast_cpu_linears
 from treeserve.engine.runners.lean_decoder import decoder_parts, head_forward, lean_forward, unsupported_reason
+from treeserve.engine.runners.row_groups import DEFAULT_FORWARD_OVERHEAD, RowShape, row_groups
 from treeserve.engine.runners.static_step import RowInput, StaticStep
 from treeserve.engine.runners.step_settings import StaticStepSettings
 from treeserve.engine.tree import ancestor_mask
@@ -92,7 +98,8 @@ class CachedLM:
 
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256, max_context_tokens: int | None = None,
-                 attention: str | None = None, static: StaticStepSettings | None = None):
+                 attention: str | None = None, static: StaticStepSettings | None = None,
+                 forward_overhead: float = DEFAULT_FORWARD_OVERHEAD):
         # Same function, faster on CPU: oneDNN linears on packed weights (a small tree costs about one
         # row), attention without repeat_kv; on a GPU fused SDPA (`attention`: override the per-device choice,
         # engine/models/attention.py). Both read the same additive tree mask.
@@ -106,6 +113,9 @@ class CachedLM:
         # step's CUDA graph replay calls no module, and a hook reading a device value would break a capture.
         self.forward_count = 0
         self.forward_tokens = 0
+        # What one more forward costs, in positions (rows x padded width): an eager step splits its rows by
+        # width where padding costs more (engine/runners/row_groups.py, which says how it is measured).
+        self.forward_overhead = forward_overhead
         # Features returned with `hidden`: None = the final post-norm state (EAGLE-1/2); else these
         # `hidden_states` indices side by side (EAGLE-3's low / middle / high layers).
         self.feature_layers: tuple[int, ...] | None = None
@@ -268,31 +278,22 @@ class CachedLM:
             self._step.clear()
 
     def _groups(self, requests: list[ExtendRequest]) -> list[list[int]]:
-        """Request indices per forward: one forward unless the rows would together span more slots than a
-        bounded pool's rows hold (max(slots) + max(fed tokens) > max_context_tokens)."""
+        """Request indices per forward (engine/runners/row_groups.py): a forward pads every row to its widest
+        row, so an eager step's rows are grouped by width where that padding costs more than another forward
+        (`forward_overhead` positions), every group fitting a bounded pool's rows (max(slots) + max(fed) <=
+        max_context_tokens); a static step stays one forward but for the rows past its largest token bucket."""
         cap = self.max_context_tokens
-        if cap is None:
-            return [list(range(len(requests)))]
-        need = []
-        for i, r in enumerate(requests):
+        shapes = []
+        for r in requests:
             cache = self.sessions[r.session_id]
             fed = len(cache.extension) + len(r.tokens)
-            if cache.slots + fed > cap:
+            if cap is not None and cache.slots + fed > cap:
                 raise KVPoolExhausted(f"session {r.session_id} would hold {cache.slots + fed} tokens; a KV row holds "
                                       f"max_context_tokens={cap}")
-            need.append((cache.slots, fed, i))
+            shapes.append(RowShape(fed, cache.slots))
         if self.static_settings is not None:  # a static step reads every slot of each row's own pool row
-            return [list(range(len(requests)))]
-        groups: list[list[int]] = []
-        top_slots = top_fed = 0
-        for slots, fed, i in sorted(need):
-            if groups and max(top_slots, slots) + max(top_fed, fed) <= cap:
-                groups[-1].append(i)
-                top_slots, top_fed = max(top_slots, slots), max(top_fed, fed)
-            else:
-                groups.append([i])
-                top_slots, top_fed = slots, fed
-        return groups
+            return row_groups(shapes, largest_bucket=self.static_settings.token_buckets[-1])
+        return row_groups(shapes, self.forward_overhead, cap)
 
     @torch.inference_mode()
     def _forward(self, requests: list[ExtendRequest], hidden: bool) -> list[ExtendOutput]:
