@@ -384,7 +384,7 @@ class CachedLM:
             feature_size = self.model.config.hidden_size
         else:
             parts = decoder_parts(self.model, self.max_context_tokens + settings.token_buckets[-1], self.device,
-                                  self.dtype)
+                                  self.dtype, fused_ops=settings.fused_ops)
             attn = parts.layers[0].self_attn
             with torch.inference_mode():  # one key projection tells this rank's KV heads (a TP shard has fewer)
                 probe = attn.k_proj(torch.zeros(1, 1, self.model.config.hidden_size, dtype=self.dtype,
