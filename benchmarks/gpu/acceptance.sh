@@ -13,7 +13,7 @@
 # Call A (random weights built on the GPU, nothing else needed): `treeserve profile` cost curves, eager (today's
 # path through the transformers modules) against the static step with CUDA graphs, same machine, same call:
 # Llama-2-70B one TP=4 rank, Vicuna-33B whole, SmolLM2-135M; batch 1 over 1..256 nodes, batches 8 and 32 at a
-# few node counts for the 70B rank. It also keeps part 0 of the GGUF in /root/keep for call B.
+# few node counts for the 70B rank; the 70B rank's static step without the fused ops. It also keeps part 0 of the GGUF in /root/keep for call B.
 # Call B (the real embedded pair): GPU-marked tests, then `treeserve bench --device cuda` on 10 dev prompts with
 # the greedy check: autoregressive without graphs (today's base), autoregressive and the default hybrid with
 # graphs, HF generate and HF generate with a static cache + torch.compile (the gpt-fast recipe) as peers.
@@ -78,6 +78,9 @@ curves)
     treeserve profile --preset vicuna-33b-v1.3 "${common[@]}" --step $step \
       --nodes 1 16 64 128 256 --batch 1 --json-out "$OUT/vicuna-33b-$step.json" 2>&1 | tee -a "$OUT/curves.log"
   done
+  # What the fused norms / rotation / SiLU add on top of graphs (engine/runners/fused_ops.py), same call.
+  treeserve profile --preset Llama-2-70b-hf --tp-size 4 "${common[@]}" --step static --no-fused-ops \
+    --nodes 1 8 64 --batch 1 --json-out "$OUT/llama2-70b-tp4-static-unfused.json" 2>&1 | tail -n 8 | tee -a "$OUT/curves.log"
   cat "$OUT"/*.json > /dev/null ;;
 bench)
   shim
