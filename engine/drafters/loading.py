@@ -71,9 +71,9 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     stated kind that disagrees with them is a ValueError (engine/drafters/registry.py). Kind "parallel" gives a
     ParallelTreeDrafter (k+1 positions per forward), "autoregressive" a LocalDrafter with the drafter's own C2T
     classifier and `lookup`'s copy-from-context settings (None: the defaults). `static`: its drafter model's
-    forwards run as the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py), and budget
-    "auto" measures the target on that step too; `cost_curve`: the target's curve from a `treeserve profile`
-    file of this target and device instead of measuring it."""
+    forwards (either kind) run as the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py),
+    and budget "auto" measures the target on that step too; `cost_curve`: the target's curve from a `treeserve
+    profile` file of this target and device instead of measuring it."""
     drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
     kind = kind_of(drafter_path, drafter_kind)
     drafter_class = KINDS[kind].load_class()
@@ -90,7 +90,7 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
         raise ValueError(f"drafter dtype must be a torch dtype or {AUTO!r}, got {dtype!r}")
     chooser = _chooser(budget, target, model, device, target_dtype, dtype, static, cost_curve)
     if kind == PARALLEL_KIND:  # ParallelTreeDrafter
-        return drafter_class(model, target.config.vocab_size, device, dtype, budget=chooser)
+        return drafter_class(model, target.config.vocab_size, device, dtype, budget=chooser, static=static)
     from treeserve.engine.drafters.model_runner import DrafterRunner  # LocalDrafter
 
     return drafter_class(DrafterRunner(model, target.config.vocab_size, device, dtype, static=static),

@@ -30,6 +30,7 @@ from treeserve.engine.drafters.parallel_tree_search import ParallelTreeSearch, s
 from treeserve.engine.drafters.registry import PARALLEL_KIND
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from treeserve.engine.runners.step_settings import StaticStepSettings
 from treeserve.engine.sampling import warp_probs
 from treeserve.engine.tree import TokenTree
 
@@ -41,10 +42,12 @@ class ParallelTreeDrafter(DrafterBase):
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, budget=None, max_sessions: int = 256,
-                 batch_chain_min_joint: float = 0.1):
+                 batch_chain_min_joint: float = 0.1, static: StaticStepSettings | None = None):
+        """`static`: run the drafter model's forwards as the static-shape step (engine/runners/static_step.py;
+        CUDA graphs on a GPU): its trunk through the lean decoder between the model's `lean_ends()`."""
         from treeserve.engine.drafters.models.parallel import mask_ids
 
-        self.lm = CachedLM(model, device, dtype, max_sessions)
+        self.lm = CachedLM(model, device, dtype, max_sessions, static=static)
         self.vocab_size = target_vocab_size
         self.num_masks = int(model.num_masks)
         self.masks = mask_ids(self.num_masks)

@@ -18,7 +18,8 @@ current tree (node 0, the root, first), left-aligned in the session's row of a s
    straight into its pool row by `PoolCache`; nothing else is copied back.
 
 The model is called as a plain transformers causal LM, so it stays tensor-parallel agnostic. With `static`
-settings and a Llama-layout model, forwards run instead as a static-shape step (engine/runners/static_step.py:
+settings and a Llama-layout model (a drafter model's trunk between its declared `lean_ends()`: embedding and
+head), forwards run instead as a static-shape step (engine/runners/static_step.py:
 the same weights through a lean decoder over a bounded pool with a scratch row, padded to buckets, replayed as
 CUDA graphs on a GPU); the pool is then always bounded (`StaticStepSettings.context_tokens` slots per row when
 `max_context_tokens` is not given, and at most the largest batch bucket of rows).
@@ -45,11 +46,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from treeserve.engine.drafters.models.base import DrafterModel  # an EAGLE model reads parent features
+# An EAGLE model reads parent features; a drafter model declares its lean decoder's embedding and head.
+from treeserve.engine.drafters.models.base import DrafterModel
 from treeserve.engine.models.attention import attention_for, use_attention
 from treeserve.engine.models.hf_cache import cache_argument
 from treeserve.engine.models.packed_linear import use_fast_cpu_linears
-from treeserve.engine.runners.lean_decoder import decoder_parts, head_forward, lean_forward, unsupported_reason
+from treeserve.engine.runners.lean_decoder import (LeanEnds, decoder_parts, head_forward, lean_forward,
+                                                   unsupported_reason)
 from treeserve.engine.runners.row_groups import DEFAULT_FORWARD_OVERHEAD, RowShape, row_groups
 from treeserve.engine.runners.static_step import RowInput, StaticStep
 from treeserve.engine.runners.step_settings import StaticStepSettings
@@ -122,11 +125,23 @@ class CachedLM:
         # The static-shape step's settings when this model can run it (None: the model's own forward): a
         # Llama-layout LM through the lean decoder, a feature-reading drafter head through its own forward.
         self.reads_features = isinstance(model, DrafterModel) and model.reads_target_features
-        reason = None if self.reads_features else unsupported_reason(model)
+        reason = None if self.reads_features else self._lean_reason()
         self.static_settings = static if static is not None and reason is None else None
         self.static_reason = None if static is None else reason  # why it could not
         self.static_step: StaticStep | None = None  # built by the first forward (the pool allocated in full)
         self.bound(max_sessions, max_context_tokens)
+
+    def _lean_ends(self) -> LeanEnds | None:
+        """The embedding and head the lean decoder runs around a drafter model's trunk (its declared
+        `lean_ends()`: the parallel drafter's [MASK] ids, a sub-vocabulary head); None: the causal LM's own."""
+        return self.model.lean_ends() if isinstance(self.model, DrafterModel) else None
+
+    def _lean_reason(self) -> str | None:
+        """Why this (not feature-reading) model cannot run the lean decoder (None: it can)."""
+        ends = self._lean_ends()
+        if ends is None and isinstance(self.model, DrafterModel):
+            return f"{type(self.model).__name__} declares no lean_ends() (its embedding and head)"
+        return unsupported_reason(self.model, ends)
 
     def bound(self, max_sessions: int, max_context_tokens: int | None = None) -> None:
         """Size the KV pool: `max_sessions` rows; with `max_context_tokens`, a bounded pool of that many slots
@@ -384,7 +399,7 @@ class CachedLM:
             feature_size = self.model.config.hidden_size
         else:
             parts = decoder_parts(self.model, self.max_context_tokens + settings.token_buckets[-1], self.device,
-                                  self.dtype, fused_ops=settings.fused_ops)
+                                  self.dtype, fused_ops=settings.fused_ops, ends=self._lean_ends())
             attn = parts.layers[0].self_attn
             with torch.inference_mode():  # one key projection tells this rank's KV heads (a TP shard has fewer)
                 probe = attn.k_proj(torch.zeros(1, 1, self.model.config.hidden_size, dtype=self.dtype,

@@ -18,13 +18,19 @@ Qwen3's q/k norms) and the MLP's SiLU(gate) * up run as compiled fused kernels (
 instead of the modules' elementwise chains; the projections stay the modules' own calls either way.
 
 Supported: the Llama layout (llama, mistral without an active sliding window, qwen2 with its q/k/v bias,
-qwen3); anything else (an EAGLE head, an unknown layout, a dynamic rope) is reported by `decoder_parts` and
-runs through the model's own forward instead.
+qwen3); anything else (an EAGLE head, an unknown layout, a dynamic rope) is reported by `unsupported_reason`
+and runs through the model's own forward instead.
+
+The two ends of the stack are the causal LM's own `model.embed_tokens` and `lm_head` unless the caller passes
+`LeanEnds`: a drafter model whose ids or head differ (the parallel drafter embeds [MASK] ids < 0 with its own
+rule and has a head over a sub-vocabulary) declares them (engine/drafters/models/base.py
+`DrafterModel.lean_ends`), and CachedLM hands them to `unsupported_reason` and `decoder_parts`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -38,14 +44,24 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # rope tables that do not depend on the sequence
 
 
+@dataclass(frozen=True)
+class LeanEnds:
+    """How a model's token ids become the first hidden state and what turns the final normed state into
+    logits, where these are not a causal LM's `model.embed_tokens` and `lm_head`. `embed` runs inside a captured
+    forward: it may not read a device value on the host (no `if tensor.any()`)."""
+
+    embed: Callable[[Tensor], Tensor]  # input_ids [B, W] -> [B, W, hidden]
+    head: nn.Module  # [B, W', hidden] -> logits [B, W', V]
+
+
 @dataclass
 class DecoderParts:
     """The submodules of a causal LM the lean forward calls, found once."""
 
-    embed: nn.Module  # token embedding
+    embed: Callable[[Tensor], Tensor]  # token embedding (model.embed_tokens, or a drafter's `LeanEnds.embed`)
     layers: list[nn.Module]  # decoder layers (input_layernorm, self_attn, post_attention_layernorm, mlp)
     norm: nn.Module  # final RMSNorm
-    lm_head: nn.Module
+    lm_head: nn.Module  # model.lm_head, or a drafter's `LeanEnds.head`
     head_dim: int
     scaling: float  # attention score scale (head_dim ** -0.5 for every supported layout)
     cos: Tensor  # [positions, head_dim] rotary cosines, in the model's dtype (the rotary module's own values)
@@ -54,8 +70,9 @@ class DecoderParts:
     fused_mlp: bool = False  # with `ops`: the MLP's activation is SiLU, so SiLU(gate) * up runs fused too
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why `model` cannot run the lean forward (None: it can)."""
+def unsupported_reason(model: nn.Module, ends: LeanEnds | None = None) -> str | None:
+    """Why `model` cannot run the lean forward (None: it can); `ends`: its embedding and head when they are not
+    `model.embed_tokens` and `model.lm_head` (a drafter model's `lean_ends()`)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -63,6 +80,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     inner = getattr(model, "model", None)
     if not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "not a decoder-only causal LM layout (model.embed_tokens / layers / norm / rotary_emb)"
+    if ends is None and not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return "no lm_head (a model with a head or embedding of its own passes LeanEnds)"
     rope_type = getattr(inner.rotary_emb, "rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rope type {rope_type!r} depends on the sequence length"
@@ -72,8 +91,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 
 def decoder_parts(model: nn.Module, positions: int, device: torch.device, dtype: torch.dtype,
-                  fused_ops: bool = False, ops: DecoderOps | None = None) -> DecoderParts:
-    """The parts of a supported model (check `unsupported_reason` first) with rotary tables for `positions`.
+                  fused_ops: bool = False, ops: DecoderOps | None = None, ends: LeanEnds | None = None
+                  ) -> DecoderParts:
+    """The parts of a supported model (check `unsupported_reason` first) with rotary tables for `positions`;
+    `ends`: the embedding and head to use instead of `model.embed_tokens` and `model.lm_head`.
     `fused_ops`: on a CUDA device the elementwise ops run compiled and fused (engine/runners/fused_ops.py);
     `ops`: run these fused ops on any device (a CPU test forces the fused path with them). Either way only when
     every norm is an RMSNorm of the Llama family; SiLU(gate) * up only when config.hidden_act is "silu"."""
@@ -92,7 +113,8 @@ def decoder_parts(model: nn.Module, positions: int, device: torch.device, dtype:
     if ops is not None and not all(norm_is_fusable(norm) for norm in norms):
         ops = None
     fused_mlp = ops is not None and all(mlp_is_fusable(layer.mlp, model.config) for layer in inner.layers)
-    return DecoderParts(inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head, head_dim,
+    embed, head = (inner.embed_tokens, model.lm_head) if ends is None else (ends.embed, ends.head)
+    return DecoderParts(embed, list(inner.layers), inner.norm, head, head_dim,
                         first.scaling, cos[0].contiguous(), sin[0].contiguous(), ops, fused_mlp)
 
 

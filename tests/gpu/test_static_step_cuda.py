@@ -87,3 +87,32 @@ def test_greedy_decoding_on_graphs_equals_generate(model):
         ref = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=20, do_sample=False,
                              eos_token_id=None)[0].tolist()
     assert context == ref
+
+
+def test_parallel_drafter_graph_replays_equal_its_eager_forward(model):
+    """The parallel drafter's trunk between its declared ends ([MASK] ids < 0 embedded without a host
+    synchronisation, the sub-vocabulary head) captured as graphs: chains [root, MASK_1..MASK_3] of three
+    sessions over several steps give its eager forward's logits."""
+    import copy
+
+    from treeserve.engine.drafters.models.parallel import ParallelDrafterModel, mask_ids
+
+    drafter = ParallelDrafterModel.from_target(copy.deepcopy(model).cpu(), [0, 1], torch.arange(0, VOCAB, 2), 3)
+    drafter = drafter.to("cuda").eval()
+    eager = CachedLM(drafter, "cuda", torch.float32, attention="sdpa")
+    graphed = CachedLM(drafter, "cuda", torch.float32, static=SETTINGS)
+    assert graphed.static_settings is SETTINGS
+    rng = random.Random(2)
+    contexts = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate((5, 30, 9))}
+    for _ in range(4):
+        outs = []
+        for lm in (eager, graphed):
+            for sid, context in contexts.items():
+                lm.begin(sid, context)
+            outs.append(lm.extend([ExtendRequest(sid, [context[-1], *mask_ids(3)], [-1, 0, 1, 2])
+                                   for sid, context in contexts.items()]))
+        for ref, got in zip(*outs):
+            torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+        for context in contexts.values():
+            context.extend(rng.randrange(VOCAB) for _ in range(rng.randrange(1, 4)))
+    assert graphed.static_step.graphs, "no bucket was captured"

@@ -16,12 +16,13 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from replay import HostReplay  # tests/runners/replay.py
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
 from treeserve.engine.factory import build_engine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
-from treeserve.engine.runners.static_step import CapturedStep, StaticStep
+from treeserve.engine.runners.static_step import StaticStep
 from treeserve.engine.runners.step_settings import StaticStepSettings, default_static_step, static_step_bytes
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.sampling import SamplingParams, warp_probs
@@ -99,29 +100,6 @@ def test_static_step_equals_the_eager_forward(model_fn):
             torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
     assert static.static_step is not None and eager.static_step is None
-
-
-class HostReplay:
-    """A CUDA graph's contract on the host: capture runs the forward (warm-ups, then the captured run) on whatever
-    the shared buffers hold; replay reruns it on their current contents and overwrites the captured outputs in
-    place. So a step that captured, filled or read in the wrong order gives wrong logits here too."""
-
-    def __init__(self):
-        self.bytes = 0
-        self.replays = 0
-
-    def capture(self, forward) -> CapturedStep:
-        for _ in range(2):
-            forward()
-        logits, hidden = forward()
-
-        def replay() -> None:
-            self.replays += 1
-            new_logits, new_hidden = forward()
-            logits.copy_(new_logits)
-            if hidden is not None:
-                hidden.copy_(new_hidden)
-        return CapturedStep(replay, logits, hidden)
 
 
 @pytest.mark.parametrize("capture_first", [False, True], ids=["captured-on-first-use", "captured-at-start"])

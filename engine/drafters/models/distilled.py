@@ -17,6 +17,7 @@ from torch import nn
 
 from treeserve.engine.drafters.models.base import DrafterModel, DrafterOutput
 from treeserve.engine.models.hf_cache import cache_argument, returned_cache
+from treeserve.engine.runners.lean_decoder import LeanEnds
 
 RESTRICTED_KIND = "restricted_vocab"
 
@@ -43,6 +44,10 @@ class RestrictedVocabDrafter(DrafterModel):
                          **cache_argument(self.model, past_key_values), use_cache=use_cache)
         return DrafterOutput(logits=self.head(out.last_hidden_state[:, -logits_to_keep:]),
                              past_key_values=returned_cache(self.model, out))
+
+    def lean_ends(self) -> LeanEnds:
+        """The trunk's token embedding and the restricted head (it has no `lm_head`)."""
+        return LeanEnds(self.model.embed_tokens, self.head)
 
     @classmethod
     def from_target(cls, target, layer_ids: list[int], vocab_ids: torch.Tensor) -> "RestrictedVocabDrafter":

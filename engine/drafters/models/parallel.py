@@ -14,7 +14,9 @@ q(x_{t+1+j} | x_<=t, MASK_1..MASK_j). All k+1 distributions come from ONE forwar
 Token ids: real tokens are >= 0; [MASK]_j (j = 1..k) is the id `-j` (`mask_ids(k)`). Negative ids never
 reach the embedding table. So the model runs unchanged through `CachedLM`: a step feeds the chain
 [root, -1, ..., -k]; at the next `begin` CachedLM keeps the root (the accepted path through a chain of
-negative ids is empty) and drops the masks' KV, so only real tokens ever stay in the cache.
+negative ids is empty) and drops the masks' KV, so only real tokens ever stay in the cache. On the static
+step (CUDA graphs on a GPU) the lean decoder runs the trunk between `lean_ends()`: the same embedding without
+its host synchronisation (`embed_masked`) and `head`.
 
 On disk: TreeServe's drafter layout (engine/drafters/models/base.py) with its card under
 `treeserve_parallel_drafter` (kind "parallel", `num_masks`); the weights add the mask embeddings. The shipped
@@ -32,6 +34,7 @@ from torch import nn
 
 from treeserve.engine.drafters.models.base import DrafterModel, DrafterOutput
 from treeserve.engine.models.hf_cache import cache_argument, returned_cache
+from treeserve.engine.runners.lean_decoder import LeanEnds
 
 PARALLEL_KEY = "treeserve_parallel_drafter"
 DEFAULT_NUM_MASKS = 4
@@ -64,13 +67,23 @@ class ParallelDrafterModel(DrafterModel):
         self.target_vocab_size = target_vocab_size
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embeddings of real tokens (>= 0) and of [MASK]_j (id -j)."""
+        """Embeddings of real tokens (>= 0) and of [MASK]_j (id -j). Eager only: it asks the host whether any id
+        is a mask (without one the mask embeddings get no gradient at all, as training expects); the static
+        step embeds with `embed_masked`, which never synchronises and gives the same numbers."""
+        if bool((input_ids < 0).any()):
+            return self.embed_masked(input_ids)
+        return self.model.embed_tokens(input_ids.clamp(min=0))
+
+    def embed_masked(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`embed` without a host synchronisation (capturable in a CUDA graph): the [MASK] lookup and the select
+        run whatever the ids are; a real token's row is its token embedding unchanged."""
         emb = self.model.embed_tokens(input_ids.clamp(min=0))
-        is_mask = input_ids < 0
-        if bool(is_mask.any()):
-            slot = (-input_ids - 1).clamp(0, self.num_masks - 1)
-            emb = torch.where(is_mask[..., None], self.mask_embeddings[slot].to(emb.dtype), emb)
-        return emb
+        slot = (-input_ids - 1).clamp(0, self.num_masks - 1)
+        return torch.where((input_ids < 0)[..., None], self.mask_embeddings[slot].to(emb.dtype), emb)
+
+    def lean_ends(self) -> LeanEnds:
+        """The static step's ends: [MASK]-aware embedding (`embed_masked`) and the sub-vocabulary head."""
+        return LeanEnds(self.embed_masked, self.head)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache: bool = False, logits_to_keep: int = 0) -> DrafterOutput:
