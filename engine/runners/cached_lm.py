@@ -306,7 +306,7 @@ class CachedLM:
                 raise KVPoolExhausted(f"session {r.session_id} would hold {cache.slots + fed} tokens; a KV row holds "
                                       f"max_context_tokens={cap}")
             shapes.append(RowShape(fed, cache.slots))
-        if self.static_settings is not None:  # a static step reads every slot of each row's own pool row
+        if self.static_settings is not None:  # one bucketed forward (each row reads its own pool row)
             return row_groups(shapes, largest_bucket=self.static_settings.token_buckets[-1])
         return row_groups(shapes, self.forward_overhead, cap)
 

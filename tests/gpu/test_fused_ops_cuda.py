@@ -7,14 +7,14 @@ compared with a float32 forward: the fused one may not be further from it than t
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from step_plans import plan_steps, run_plan  # tests/step_plans.py
+from treeserve.engine.runners.cached_lm import CachedLM
 from treeserve.engine.runners.lean_decoder import StepBuffers, decoder_parts, lean_forward
 from treeserve.engine.runners.static_step import CudaGraphs
 from treeserve.engine.runners.step_settings import StaticStepSettings
@@ -107,28 +107,6 @@ def test_a_compiled_forward_captured_as_a_graph_equals_the_modules(model_fn, dty
             close_enough(captured.hidden, ref_hidden, truth_hidden, dtype)
 
 
-def steps(seed: int, lengths: list[int], sizes: list[int], count: int = 4):
-    rng = random.Random(seed)
-    contexts = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate(lengths)}
-    for _ in range(count):
-        step = []
-        for (sid, context), size in zip(contexts.items(), sizes):
-            tokens = [context[-1]] + [rng.randrange(VOCAB) for _ in range(size - 1)]
-            parents = [-1] + [rng.randrange(i) for i in range(1, size)]
-            step.append((sid, list(context), tokens, parents))
-            context.extend(rng.randrange(VOCAB) for _ in range(rng.randrange(1, 4)))
-        yield step
-
-
-def run(lm: CachedLM, all_steps, hidden: bool = True):
-    out = []
-    for step in all_steps:
-        for sid, context, _, _ in step:
-            lm.begin(sid, context)
-        out.append(lm.extend_outputs([ExtendRequest(sid, t, p) for sid, _, t, p in step], hidden=hidden))
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model_fn", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
 def test_the_fused_static_step_equals_eager(model_fn, dtype):
@@ -142,9 +120,9 @@ def test_the_fused_static_step_equals_eager(model_fn, dtype):
     fused = CachedLM(model, "cuda", dtype, static=SETTINGS)
     for lm in (truth, eager, plain, fused):
         lm.feature_layers = (1, 2, 3)
-    plan = list(steps(0, [9, 40, 3], [6, 1, 12]))
-    for truth_step, eager_step, plain_step, fused_step in zip(run(truth, plan), run(eager, plan), run(plain, plan),
-                                                              run(fused, plan)):
+    plan = list(plan_steps(0, [9, 40, 3], [6, 1, 12], VOCAB))
+    for truth_step, eager_step, plain_step, fused_step in zip(run_plan(truth, plan, True), run_plan(eager, plan, True),
+                                                              run_plan(plain, plan, True), run_plan(fused, plan, True)):
         for t, e, p, f in zip(truth_step, eager_step, plain_step, fused_step):
             close_enough(f.logits, e.logits, t.logits, dtype)
             close_enough(f.hidden, e.hidden, t.hidden, dtype)

@@ -2,12 +2,15 @@
 for mixed batches and trees over several steps (graphs replayed on changed inputs), greedy generation equal to
 `generate`, and a graph memory budget that is too small refused at start with the setting named."""
 
+import copy
 import random
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from step_plans import plan_steps, run_plan  # tests/step_plans.py
+from treeserve.engine.drafters.models.parallel import ParallelDrafterModel, mask_ids
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.runners.static_step import GraphMemoryExceeded
 from treeserve.engine.runners.step_settings import StaticStepSettings
@@ -29,35 +32,13 @@ def model():
     return model
 
 
-def steps(seed: int, lengths: list[int], sizes: list[int], count: int = 4):
-    rng = random.Random(seed)
-    contexts = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate(lengths)}
-    for _ in range(count):
-        step = []
-        for (sid, context), size in zip(contexts.items(), sizes):
-            tokens = [context[-1]] + [rng.randrange(VOCAB) for _ in range(size - 1)]
-            parents = [-1] + [rng.randrange(i) for i in range(1, size)]
-            step.append((sid, list(context), tokens, parents))
-            context.extend(rng.randrange(VOCAB) for _ in range(rng.randrange(1, 4)))
-        yield step
-
-
-def run(lm: CachedLM, all_steps, hidden: bool):
-    out = []
-    for step in all_steps:
-        for sid, context, _, _ in step:
-            lm.begin(sid, context)
-        out.append(lm.extend_outputs([ExtendRequest(sid, t, p) for sid, _, t, p in step], hidden=hidden))
-    return out
-
-
 @pytest.mark.parametrize("lengths,sizes", [([7], [1]), ([9, 40, 3], [6, 1, 12]), ([5, 6], [16, 3])])
 def test_graph_replays_equal_the_eager_forward(model, lengths, sizes):
     eager = CachedLM(model, "cuda", torch.float32, attention="sdpa")
     graphed = CachedLM(model, "cuda", torch.float32, static=SETTINGS)
     eager.feature_layers = graphed.feature_layers = (1, 2, 3)
-    plan = list(steps(0, lengths, sizes))
-    for ref_step, got_step in zip(run(eager, plan, True), run(graphed, plan, True)):
+    plan = list(plan_steps(0, lengths, sizes, VOCAB))
+    for ref_step, got_step in zip(run_plan(eager, plan, True), run_plan(graphed, plan, True)):
         for ref, got in zip(ref_step, got_step):
             torch.testing.assert_close(got.logits, ref.logits, atol=2e-3, rtol=2e-3)
             torch.testing.assert_close(got.hidden, ref.hidden, atol=2e-3, rtol=2e-3)
@@ -93,10 +74,6 @@ def test_parallel_drafter_graph_replays_equal_its_eager_forward(model):
     """The parallel drafter's trunk between its declared ends ([MASK] ids < 0 embedded without a host
     synchronisation, the sub-vocabulary head) captured as graphs: chains [root, MASK_1..MASK_3] of three
     sessions over several steps give its eager forward's logits."""
-    import copy
-
-    from treeserve.engine.drafters.models.parallel import ParallelDrafterModel, mask_ids
-
     drafter = ParallelDrafterModel.from_target(copy.deepcopy(model).cpu(), [0, 1], torch.arange(0, VOCAB, 2), 3)
     drafter = drafter.to("cuda").eval()
     eager = CachedLM(drafter, "cuda", torch.float32, attention="sdpa")

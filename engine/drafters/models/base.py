@@ -21,14 +21,13 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-if TYPE_CHECKING:
-    from treeserve.engine.runners.lean_decoder import LeanEnds
+from treeserve.engine.runners.lean_decoder import LeanEnds
 
 DRAFTER_KEY = "treeserve_drafter"  # config.json card of the distilled, EAGLE and EAGLE-3 drafters
 _EMBED_KEY = "model.embed_tokens.weight"
@@ -62,7 +61,7 @@ class DrafterModel(nn.Module):
         """Target feature rows -> what a context row reads (the identity but for EAGLE-3)."""
         return features
 
-    def lean_ends(self) -> "LeanEnds | None":
+    def lean_ends(self) -> LeanEnds | None:
         """The embedding and head the static step's lean decoder (engine/runners/lean_decoder.py) runs around
         this drafter's Llama trunk `self.model`, or None: the drafter does not run the lean decoder (CachedLM
         keeps its own forward, or runs a feature-reading head's forward over the static pool). The embedding is
