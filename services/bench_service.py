@@ -69,6 +69,7 @@ class StreamRecord:
     steps: int = 0  # target forwards (stats)
     drafted_steps: int | None = 0  # of which steps with a tree (stats; None: the API does not report it)
     run_ahead_hits: int | None = 0  # of which trees drafted ahead (stats; None: not reported)
+    step_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # mean draft, score, verify ms of its steps (stats)
     ended: float = 0.0
     text: str = ""  # OpenAI: the streamed text
     finish: str | None = None  # OpenAI: the finish_reason
@@ -123,6 +124,9 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
             "tree_size": sum(r.tree_size * r.steps for r in ok) / steps,
             "plain_step_share": float("nan") if drafted is None else 1 - drafted / steps,
             "run_ahead_hit_rate": float("nan") if hits is None or drafted is None else hits / max(1, drafted),
+            # Where a step's time goes, as the Router timed it: the Draft call, the Target's Score, verification.
+            **{f"{part}_ms": sum(r.step_ms[k] * r.steps for r in ok) / steps if reported else float("nan")
+               for k, part in enumerate(("draft", "score", "verify"))},
             "greedy_compared_by": COMPARED_BY[api], "greedy_compared": check.compared,
             "greedy_mismatches": check.mismatches, "greedy_tie_divergences": check.tie_divergences}
 
@@ -200,6 +204,7 @@ def _grpc_session(address: str, prompts: list[list[int]], max_new_tokens: int, a
                             record.mal, record.tree_size, record.steps = (stats.mean_accepted_length,
                                                                           stats.mean_tree_size_tokens, stats.steps)
                             record.drafted_steps, record.run_ahead_hits = stats.drafted_steps, stats.run_ahead_hits
+                            record.step_ms = (stats.mean_draft_ms, stats.mean_score_ms, stats.mean_verify_ms)
                 except grpc.RpcError as exc:
                     record.error = exc.code().name
 
@@ -469,6 +474,11 @@ def _share(value: float) -> str:
     return "n/a" if value != value else f"{value:.0%}"
 
 
+def _step_ms(level: dict) -> str:
+    parts = [level.get(f"{part}_ms", float("nan")) for part in ("draft", "score", "verify")]
+    return "n/a" if any(x != x for x in parts) else " / ".join(f"{x:.0f}" if x >= 10 else f"{x:.1f}" for x in parts)
+
+
 def service_table(levels: list[dict], title: str):
     """The levels as a table; when a level was measured through the OpenAI API, a caption says how its tokens
     and equality were counted."""
@@ -483,7 +493,8 @@ def service_table(levels: list[dict], title: str):
     table = Table(title=title, caption=caption)
     for col in ("streams", "requests", "errors", "tokens", "agg tok/s", "tok/s per stream", "TTFT p50 ms",
                 "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "MAL", "draft tok/step", "plain steps",
-                "run-ahead hits", "= in-process greedy (text)" if by_text else "= in-process greedy"):
+                "run-ahead hits", "step ms draft / score / verify",
+                "= in-process greedy (text)" if by_text else "= in-process greedy"):
         table.add_column(col, justify="right")
     for lv in levels:
         equal = lv["greedy_compared"] - lv["greedy_mismatches"] - lv["greedy_tie_divergences"]
@@ -492,5 +503,5 @@ def service_table(levels: list[dict], title: str):
                       f"{lv['tokens_per_s']:.1f}", f"{lv['stream_tokens_per_s']:.1f}", f"{lv['ttft_ms_p50']:.0f}",
                       f"{lv['ttft_ms_p95']:.0f}", f"{lv['itl_ms_p50']:.0f}", f"{lv['itl_ms_p95']:.0f}",
                       f"{lv['mal']:.2f}", f"{lv.get('tree_size', 0.0):.2f}", _share(lv.get('plain_step_share', 0.0)),
-                      _share(lv.get('run_ahead_hit_rate', 0.0)), f"{equal}/{lv['greedy_compared']}{ties}")
+                      _share(lv.get('run_ahead_hit_rate', 0.0)), _step_ms(lv), f"{equal}/{lv['greedy_compared']}{ties}")
     return table

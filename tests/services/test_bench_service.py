@@ -3,9 +3,11 @@ errors, equality with in-process greedy), against the router on in-process runne
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
+from rich.console import Console
 
 from treeserve.engine.bench.greedy import GreedyCheck, greedy_reference
 from treeserve.services.bench_service import (StreamRecord, inter_token_latencies, measure, percentile,
@@ -39,6 +41,22 @@ def test_level_summary_counts_errors_and_equality():
     service_table([level], "t")  # renders
 
 
+def test_level_summary_weighs_step_times_by_steps():
+    """The step-time breakdown is per step over the level: a request of 30 steps counts three times one of 10."""
+    short = StreamRecord(0, token_ids=[1], ended=1.0, steps=10, step_ms=(10.0, 100.0, 1.0))
+    long = StreamRecord(1, token_ids=[1], ended=1.0, steps=30, step_ms=(30.0, 200.0, 2.0))
+    level = summarize_level(2, [short, long], wall_s=1.0, check=GreedyCheck())
+    assert (level["draft_ms"], level["score_ms"], level["verify_ms"]) == pytest.approx((25.0, 175.0, 1.75))
+    assert "25 / 175 / 1.8" in _rendered(service_table([level], "t"))
+    assert math.isnan(summarize_level(2, [short], 1.0, GreedyCheck(), "openai")["draft_ms"])  # not in its usage
+
+
+def _rendered(table) -> str:
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(table)
+    return console.export_text()
+
+
 def test_streams_through_grpc_equal_in_process_greedy(local_service, tiny_parts):
     """Levels of 1 and 3 concurrent streams through the public gRPC API: each level sends every prompt once
     (the single stream one after another), no errors, every stream's tokens are the target's own greedy answer,
@@ -57,6 +75,7 @@ def test_streams_through_grpc_equal_in_process_greedy(local_service, tiny_parts)
         assert lv["tokens"] == sum(len(tokens) for tokens, _ in references)
         assert lv["ttft_ms_p50"] > 0 and lv["ttft_ms_p95"] >= lv["ttft_ms_p50"]
         assert lv["itl_ms_p95"] >= lv["itl_ms_p50"] > 0
+        assert lv["score_ms"] > 0 and lv["draft_ms"] >= 0 and lv["verify_ms"] >= 0  # the Router's step timings
     with pytest.raises(ValueError, match="prompts"):
         measure(local_service.address, prompts[:1], references[:1], [2], 8, progress=False)
 
@@ -153,10 +172,6 @@ def test_streams_through_the_openai_api_equal_in_process_greedy(http_service, ti
     """Levels of 1 and 3 concurrent streaming /v1/completions requests with the prompt as token ids: no errors,
     every stream's text is the decoded greedy answer, tokens counted (usage) and spread over the chunks, TTFT/ITL
     measured, MAL from usage.speculation; plain steps / run-ahead hits n/a; the table says text was compared."""
-    import io
-
-    from rich.console import Console
-
     tokenizer = tiny_parts.target.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"]
@@ -173,9 +188,7 @@ def test_streams_through_the_openai_api_equal_in_process_greedy(http_service, ti
         assert lv["ttft_ms_p50"] > 0 and lv["itl_ms_p95"] >= lv["itl_ms_p50"] > 0
         assert lv["mal"] >= 1 and lv["tree_size"] > 0
         assert math.isnan(lv["plain_step_share"]) and math.isnan(lv["run_ahead_hit_rate"])
-    console = Console(width=400, record=True, file=io.StringIO())
-    console.print(service_table(levels, "OpenAI"))
-    text = console.export_text()
+    text = _rendered(service_table(levels, "OpenAI"))
     assert "= in-process greedy (text)" in text and "n/a" in text
 
 
