@@ -11,9 +11,10 @@ import dataclasses
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from step_plans import plan_steps, run_plan  # tests/step_plans.py
+from tiny_models import tiny_llama  # tests/tiny_models.py
 from treeserve.engine.runners.cached_lm import CachedLM
 from treeserve.engine.runners.lean_decoder import StepBuffers, decoder_parts, lean_forward
 from treeserve.engine.runners.static_step import CudaGraphs
@@ -26,17 +27,8 @@ VOCAB = 300
 DEVICE = torch.device("cuda")
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 1.0)
-        for layer in model.model.layers:
-            layer.input_layernorm.weight.normal_(1.0, 0.3)
-            layer.post_attention_layernorm.weight.normal_(1.0, 0.3)
-    return model
+def tiny_varied_llama() -> LlamaForCausalLM:
+    return tiny_llama(VOCAB, hidden=128, intermediate=256, layers=3, varied_norms=True)
 
 
 def tiny_qwen3() -> Qwen3ForCausalLM:
@@ -79,7 +71,7 @@ def causal_inputs(model, head_dim: int, batch: int, width: int, slots: int, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("model_fn", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("model_fn", [tiny_varied_llama, tiny_qwen3], ids=["llama", "qwen3"])
 def test_a_compiled_forward_captured_as_a_graph_equals_the_modules(model_fn, dtype):
     """Compiled during the capture's warm-up runs (as the static step captures), replayed on new token ids."""
     reference = model_fn().to(DEVICE)
@@ -108,7 +100,7 @@ def test_a_compiled_forward_captured_as_a_graph_equals_the_modules(model_fn, dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("model_fn", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("model_fn", [tiny_varied_llama, tiny_qwen3], ids=["llama", "qwen3"])
 def test_the_fused_static_step_equals_eager(model_fn, dtype):
     reference = model_fn().to(DEVICE)
     model = model_fn().to(DEVICE, dtype)

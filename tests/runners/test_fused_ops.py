@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from tiny_models import tiny_llama  # tests/tiny_models.py
 from treeserve.engine.models.packed_linear import use_fast_cpu_linears
 from treeserve.engine.runners.fused_ops import DecoderOps, compiled_ops
 from treeserve.engine.runners.lean_decoder import StepBuffers, decoder_parts, lean_forward
@@ -107,17 +108,8 @@ def test_every_bucket_shape_compiles_a_handful_of_graphs(largest_first):
     assert counter.frame_count == 5, counter.frame_count  # rms_norm 2, rotary 2, silu_mul 1
 
 
-def tiny_llama(**extra) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 1.0)
-        for layer in model.model.layers:  # norms that are not all ones, so their weights must be applied
-            layer.input_layernorm.weight.normal_(1.0, 0.3)
-            layer.post_attention_layernorm.weight.normal_(1.0, 0.3)
-    return model
+def tiny_varied_llama(**extra) -> LlamaForCausalLM:
+    return tiny_llama(max_positions=256, varied_norms=True, **extra)
 
 
 def tiny_qwen3() -> Qwen3ForCausalLM:
@@ -151,8 +143,8 @@ def causal_step(parts, model, batch: int, width: int, slots: int):
     return keys, values, inputs
 
 
-@pytest.mark.parametrize("model_fn", [tiny_llama, tiny_qwen3, lambda: tiny_llama(hidden_act="gelu"),
-                                      lambda: use_fast_cpu_linears(tiny_llama())],
+@pytest.mark.parametrize("model_fn", [tiny_varied_llama, tiny_qwen3, lambda: tiny_varied_llama(hidden_act="gelu"),
+                                      lambda: use_fast_cpu_linears(tiny_varied_llama())],
                          ids=["llama", "qwen3", "gelu-mlp", "packed-linears"])
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_lean_forward_with_fused_ops_equals_the_modules(model_fn, mode, request):
@@ -177,7 +169,7 @@ def test_lean_forward_with_fused_ops_equals_the_modules(model_fn, mode, request)
 
 
 def test_fused_ops_only_on_cuda_or_when_forced():
-    model = tiny_llama()
+    model = tiny_varied_llama()
     assert decoder_parts(model, 16, torch.device("cpu"), torch.float32, fused_ops=True).ops is None
     model.model.layers[1].post_attention_layernorm = torch.nn.LayerNorm(64)  # not an RMSNorm: keep the modules
     assert decoder_parts(model, 16, torch.device("cpu"), torch.float32, ops=EAGER).ops is None

@@ -15,9 +15,9 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from replay import HostReplay  # tests/runners/replay.py
+from tiny_models import tiny_llama  # tests/tiny_models.py
 from treeserve.engine.drafters.loading import build_local_drafter
 from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 from treeserve.engine.drafters.models.parallel import ParallelDrafterModel, mask_ids
@@ -36,19 +36,9 @@ VOCAB = 300
 MASKS = 3
 
 
-def tiny_target() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 1.0)  # peaked, tie-free distributions
-    return model
-
-
 def parallel_drafter(target=None, layers=(0, 1), vocab_ids=None, num_masks: int = MASKS) -> ParallelDrafterModel:
     """From the target's layers over a sub-vocabulary, with [MASK] embeddings far from one another."""
-    target = target if target is not None else tiny_target()
+    target = target if target is not None else tiny_llama(VOCAB)
     vocab_ids = vocab_ids if vocab_ids is not None else torch.arange(0, VOCAB, 2)
     model = ParallelDrafterModel.from_target(target, list(layers), vocab_ids, num_masks)
     with torch.no_grad():
@@ -57,7 +47,7 @@ def parallel_drafter(target=None, layers=(0, 1), vocab_ids=None, num_masks: int 
 
 
 def distilled_drafter() -> RestrictedVocabDrafter:
-    return RestrictedVocabDrafter.from_target(tiny_target(), [1], torch.arange(1, VOCAB, 3)).eval()
+    return RestrictedVocabDrafter.from_target(tiny_llama(VOCAB), [1], torch.arange(1, VOCAB, 3)).eval()
 
 
 def drafting_steps(seed: int, lengths: list[int], steps: int, masks: int):

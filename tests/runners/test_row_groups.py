@@ -11,8 +11,8 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from tiny_models import tiny_llama  # tests/tiny_models.py
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.runners.row_groups import DEFAULT_FORWARD_OVERHEAD, RowShape, forward_cost, row_groups
 from treeserve.engine.runners.step_settings import StaticStepSettings
@@ -86,16 +86,6 @@ def test_static_step_runs_only_rows_past_the_largest_bucket_apart():
 
 
 # ---------------------------------------------------------------------- through CachedLM
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 1.0)
-    return model
-
-
 def random_tree(rng: random.Random, root: int, size: int) -> tuple[list[int], list[int]]:
     return [root] + [rng.randrange(VOCAB) for _ in range(size - 1)], [-1] + [rng.randrange(i) for i in range(1, size)]
 
@@ -137,7 +127,7 @@ def run_alone(lm: CachedLM, steps) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("static", [None, SETTINGS], ids=["eager", "static"])
 def test_a_split_batch_gives_each_row_its_logits_alone(static):
-    model = tiny_llama()
+    model = tiny_llama(VOCAB)
     steps = decode_beside_prefill(0, prompt=60)
     batched, forwards = run_batched(CachedLM(model, static=static), steps)
     assert forwards == 2  # the decoding rows in one forward (a bucket on the static step), the prompt in another
@@ -147,7 +137,7 @@ def test_a_split_batch_gives_each_row_its_logits_alone(static):
 
 
 def test_a_bounded_eager_pool_splits_and_keeps_the_logits():
-    model = tiny_llama()
+    model = tiny_llama(VOCAB)
     steps = decode_beside_prefill(1, prompt=60)
     batched, forwards = run_batched(CachedLM(model, max_sessions=4, max_context_tokens=64), steps)
     assert forwards == 2

@@ -14,9 +14,11 @@ import random
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 
 from replay import HostReplay  # tests/runners/replay.py
+from step_plans import plan_steps, run_plan  # tests/step_plans.py
+from tiny_models import tiny_llama  # tests/tiny_models.py
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
 from treeserve.engine.factory import build_engine
 from treeserve.engine.models.loading import load_causal_lm
@@ -32,16 +34,6 @@ SETTINGS = StaticStepSettings(batch_buckets=(1, 2, 4), token_buckets=(1, 4, 8, 1
 VOCAB = 300
 
 
-def tiny_llama(**extra) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **extra)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 1.0)  # peaked, tie-free distributions
-    return model
-
-
 def tiny_qwen2() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -55,34 +47,6 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
     return model
 
 
-def random_tree(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
-    return [rng.randrange(VOCAB) for _ in range(size)], [-1] + [rng.randrange(i) for i in range(1, size)]
-
-
-def run_steps(lm: CachedLM, steps: list[list[tuple[str, list[int], list[int], list[int]]]], hidden: bool = False):
-    outs = []
-    for step in steps:
-        for sid, context, _, _ in step:
-            lm.begin(sid, context)
-        outs.append(lm.extend_outputs([ExtendRequest(sid, t, p) for sid, _, t, p in step], hidden=hidden))
-    return outs
-
-
-def make_steps(seed: int, lengths: list[int], sizes: list[int], steps: int = 3):
-    rng = random.Random(seed)
-    contexts = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate(lengths)}
-    out = []
-    for _ in range(steps):
-        step = []
-        for (sid, context), size in zip(contexts.items(), sizes):
-            tokens, parents = random_tree(rng, size)
-            tokens[0] = context[-1]
-            step.append((sid, list(context), tokens, parents))
-            context.extend(rng.randrange(VOCAB) for _ in range(rng.randrange(1, 4)))  # a few accepted tokens
-        out.append(step)
-    return out
-
-
 @pytest.mark.parametrize("model_fn", [tiny_llama, tiny_qwen2,
                                       lambda: tiny_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -90,11 +54,11 @@ def make_steps(seed: int, lengths: list[int], sizes: list[int], steps: int = 3):
                          ids=["llama", "qwen2", "llama3-rope"])
 def test_static_step_equals_the_eager_forward(model_fn):
     model = model_fn()
-    steps = make_steps(0, lengths=[5, 23, 9], sizes=[7, 12, 1])
+    steps = list(plan_steps(0, [5, 23, 9], [7, 12, 1], VOCAB, count=3))
     eager = CachedLM(model)
     static = CachedLM(model, static=SETTINGS)
     static.feature_layers = eager.feature_layers = (0, 1, 2)
-    for ref_step, got_step in zip(run_steps(eager, steps, hidden=True), run_steps(static, steps, hidden=True)):
+    for ref_step, got_step in zip(run_plan(eager, steps, hidden=True), run_plan(static, steps, hidden=True)):
         for ref, got in zip(ref_step, got_step):
             assert got.logits.shape == ref.logits.shape
             torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
@@ -108,7 +72,7 @@ def test_replayed_captures_equal_the_eager_forward(capture_first):
     mixed batches and trees equals the eager forward, whether a bucket is captured by its first step or by
     warm_up before any step."""
     model = tiny_llama()
-    steps = make_steps(6, lengths=[5, 23, 9], sizes=[7, 12, 1])
+    steps = list(plan_steps(6, [5, 23, 9], [7, 12, 1], VOCAB, count=3))
     eager = CachedLM(model)
     graphed = CachedLM(model, max_sessions=4, max_context_tokens=SETTINGS.context_tokens, static=SETTINGS)
     eager.feature_layers = graphed.feature_layers = (0, 1, 2)
@@ -120,7 +84,7 @@ def test_replayed_captures_equal_the_eager_forward(capture_first):
         captured = {key[:3] for key in graphed.static_step.graphs if key[3]}  # with features, as the steps ask
         assert captured == set(graphed.static_step.graph_buckets())
     replays_before = capturer.replays  # warm_up's own 1-token step replays too
-    for ref_step, got_step in zip(run_steps(eager, steps, hidden=True), run_steps(graphed, steps, hidden=True)):
+    for ref_step, got_step in zip(run_plan(eager, steps, hidden=True), run_plan(graphed, steps, hidden=True)):
         for ref, got in zip(ref_step, got_step):
             torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
@@ -133,10 +97,10 @@ def test_a_row_does_not_depend_on_its_batch_or_padding():
     """Each session alone (bucket 1 x its own width) and batched with longer / shorter rows (other buckets,
     padded rows and tokens) gives the same logits; a prefill wider than every bucket runs eagerly, same result."""
     model = tiny_llama()
-    steps = make_steps(1, lengths=[40, 3, 17, 8], sizes=[3, 16, 1, 9], steps=2)
-    batched = run_steps(CachedLM(model, static=SETTINGS), steps)
+    steps = list(plan_steps(1, [40, 3, 17, 8], [3, 16, 1, 9], VOCAB, count=2))
+    batched = run_plan(CachedLM(model, static=SETTINGS), steps, hidden=False)
     for index in range(4):
-        alone = run_steps(CachedLM(model, static=SETTINGS), [[step[index]] for step in steps])
+        alone = run_plan(CachedLM(model, static=SETTINGS), [[step[index]] for step in steps], hidden=False)
         for step_out, alone_out in zip(batched, alone):
             torch.testing.assert_close(step_out[index].logits, alone_out[0].logits, atol=1e-5, rtol=1e-5)
 
@@ -222,8 +186,8 @@ def test_unsupported_layouts_keep_the_eager_forward():
     model = tiny_llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     lm = CachedLM(model, static=SETTINGS)
     assert lm.static_settings is None and "dynamic" in lm.static_reason
-    steps = make_steps(3, lengths=[5], sizes=[4], steps=1)
-    assert run_steps(lm, steps)[0][0].logits.shape == (4, VOCAB)
+    steps = list(plan_steps(3, [5], [4], VOCAB, count=1))
+    assert run_plan(lm, steps, hidden=False)[0][0].logits.shape == (4, VOCAB)
 
 
 @pytest.fixture(scope="module")
