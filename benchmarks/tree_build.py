@@ -42,10 +42,12 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.acceptance import expected_accepted_length
-from treeserve.engine.builders import TreeConfig, make_builder
+from treeserve.engine.builders import make_builder
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.builders.base import DraftOracle, RowSummary
 from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows
+from treeserve.engine.sampling import sample_row, topk_rows
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import TokenTree, ancestor_mask
 from treeserve.engine.verify import TargetDists, verify_tree
 

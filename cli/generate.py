@@ -118,7 +118,7 @@ def _run_in_process(args: argparse.Namespace) -> int:
     from treeserve.engine.methods import uses_lookup
     from treeserve.engine.factory import build_engine
     from treeserve.engine.requests import GenerationRequest
-    from treeserve.engine.sampling import SamplingParams
+    from treeserve.engine.requests import SamplingParams
 
     engine = build_engine(args.target, args.drafter, args.method or DEFAULT_METHOD, args.budget or "auto", args.device,
                           args.dtype, drafter_dtype=args.drafter_dtype)

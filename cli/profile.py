@@ -2,7 +2,7 @@
 `CachedLM.extend`, beside the bounds the device allows.
 
 Every point is the median time of one forward that feeds `batch` sessions a chain of n tree nodes each after a
-`--prefix`-token cached context (engine/bench/cost_measure.py; as engine/budget.py times the budget chooser's
+`--prefix`-token cached context (engine/hardware/cost_measure.py; as engine/budget.py times the budget chooser's
 curve). Beside it: the weight-streaming bound (bytes of weights one forward reads over the device's MEASURED
 copy bandwidth) and the FLOP bound (2 x params x tokens over the MEASURED matmul peak of the dtype), their ratio
 to T and the tokens fed per second.
@@ -17,7 +17,7 @@ divided by N; embeddings and LM head whole), without the all-reduces a real TP s
 `--no-cuda-graphs` turns the graphs off; `--no-fused-ops` keeps the modules' own norms, rotation and SiLU instead
 of the fused kernels compiled on a GPU, engine/runners/fused_ops.py) instead of the model's own modules (`eager`).
 
-`--json-out` writes the curve (schema treeserve.costcurve/1, engine/bench/cost_curve.py); the budget chooser
+`--json-out` writes the curve (schema treeserve.costcurve/1, engine/hardware/cost_curve.py); the budget chooser
 (engine/budget.py `profile_from_cost_curve`, `measure_profile(cost_curve=...)`) and the PROJECTED cost model
 (engine/bench/projection.py `load_layouts(cost_curve=...)`) read it instead of ASSUMED efficiencies.
 
@@ -40,11 +40,11 @@ from rich.console import Console
 from rich.table import Table
 
 from treeserve.cli.main import CliError
-from treeserve.engine.bench.cost_curve import CostCurve
-from treeserve.engine.bench.cost_measure import DEFAULT_BATCHES, DEFAULT_NODES, STEP_MODES, measure_cost_curve, \
+from treeserve.engine.hardware.cost_curve import CostCurve
+from treeserve.engine.hardware.cost_measure import DEFAULT_BATCHES, DEFAULT_NODES, STEP_MODES, measure_cost_curve, \
     measure_device
-from treeserve.engine.bench.profile_model import DTYPES, load_profile_model, preset_config, rank_config
-from treeserve.engine.bench.projection import MODELS_DIR
+from treeserve.engine.hardware.profile_model import DTYPES, load_profile_model, preset_config, rank_config
+from treeserve.engine.hardware.profile_model import MODELS_DIR
 from treeserve.engine.devices import check_device
 from treeserve.engine.runners.step_settings import StaticStepSettings
 

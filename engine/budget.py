@@ -5,7 +5,7 @@ nodes: on a 2-core CPU a 64-node tree costs a few plain steps, on a GPU a 70B ta
 about the price of one; curves in docs/performance.md section 3) and on the drafter (how many extra tokens a
 bigger tree buys). So:
 
-1. `measure_profile` (engine/hardware_profile.py) times the target forward against tree size, and against
+1. `measure_profile` (engine/hardware/profile.py) times the target forward against tree size, and against
    rows x chain length for batched steps, and the drafter step at start-up, and caches them per model, step and
    machine (`$TREESERVE_CACHE/profiles/`), or reads the target curves from a `treeserve profile` file
    (`cost_curve`) and times the drafter only. As in Sequoia, the hardware curve bounds the useful sizes; as in
@@ -46,9 +46,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-# The profile's names are importable from here too (the chooser's callers measure profiles).
-from treeserve.engine.hardware_profile import (PROFILE_SIZES, HardwareProfile, machine_key,  # noqa: F401
-                                               measure_profile, profile_from_cost_curve, time_drafter_step)
+from treeserve.engine.hardware.profile import HardwareProfile
 from treeserve.engine.requests import StepRecord
 
 # 0 = no drafting this step: when even one draft token does not pay for itself, plain decoding wins.

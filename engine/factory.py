@@ -11,11 +11,13 @@ from dataclasses import replace
 
 import torch
 
-from treeserve.engine.budget import measure_profile
-from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig, split_method
+from treeserve.engine.hardware.profile import measure_profile
+from treeserve.engine.methods import DEFAULT_METHOD, split_method
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.drafters.dtype_choice import AUTO as AUTO_DTYPE
 from treeserve.engine.drafters.loading import build_local_drafter
+from treeserve.engine.drafters.models.base import runner_forward
 from treeserve.engine.drafters.models.loading import target_feature_layers
 from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND, canonical_name, default_drafter
 from treeserve.engine.lookup import LookupSettings
@@ -101,7 +103,7 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
         profile = drafter.budget.profile if drafter.budget is not None else \
             measure_profile(target.model, drafter.model, device, torch_dtype,
                             drafter_dtype=next(drafter.model.parameters()).dtype, static=static,
-                            cost_curve=cost_curve)
+                            cost_curve=cost_curve, drafter_forward=runner_forward(drafter.model))
         tree_overrides["delta"] = profile.opt_tree_delta()
     # An EAGLE-3 head whose config names no layers reads EAGLE-3's default for this target's depth.
     feature_layers = (target_feature_layers(drafter_path, target.model.config.num_hidden_layers)

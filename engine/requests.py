@@ -3,10 +3,31 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
-from treeserve.engine.builders import TreeConfig
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.tree_config import TreeConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters; temperature 0 means greedy decoding."""
+
+    temperature: float = 0.0  # >= 0; 0 selects greedy verification
+    top_k: int = 0  # keep the k most likely tokens; 0 disables
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 class FinishReason(enum.Enum):

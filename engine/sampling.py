@@ -19,12 +19,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from treeserve.engine.requests import SamplingParams
 
 # Block length for the two-level selection helpers; common vocabularies (32000, 49152, 128256,
 # 151936) are multiples of it. Other sizes fall back to whole-row operations.
@@ -33,27 +34,6 @@ BLOCK = 128
 _MIN_BLOCKED = 4 * BLOCK
 # Rows of the strided [GROUP, V // GROUP] view used by ResidualRow's top-k (columns = groups).
 GROUP = 32
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters; temperature 0 means greedy decoding."""
-
-    temperature: float = 0.0  # >= 0; 0 selects greedy verification
-    top_k: int = 0  # keep the k most likely tokens; 0 disables
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def warp_probs(logits: Tensor, params: SamplingParams) -> Tensor:

@@ -24,7 +24,8 @@ from typing import Iterable, Protocol
 
 import torch
 
-from treeserve.engine.builders import TreeConfig, make_builder
+from treeserve.engine.builders import make_builder
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.base import AUTOREGRESSIVE, Drafter, DraftRequest, batch_size_bucket, root_only
 from treeserve.engine.models.loading import chat_ids, model_eos_ids
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, StepRecord

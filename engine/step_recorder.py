@@ -11,15 +11,18 @@ whatever budget it tried then.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from treeserve.engine.drafters.base import Drafter
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import VerifyResult
 
-if TYPE_CHECKING:  # the engine module imports this one
-    from treeserve.engine.speculative_engine import Sequence
+
+class Sequence(Protocol):
+    """What the recorder reads of a sequence (the engine's `Sequence`): the records of its steps so far."""
+
+    steps: list[StepRecord]
 
 
 class StepRecorder:

@@ -101,7 +101,7 @@ def apply_tp(model: torch.nn.Module, device_mesh, *, src_data_rank: int | None =
     `src_data_rank=None` (default) splits each rank's own copy locally with no communication, which is right
     when every rank loaded the same weights; pass 0 to scatter rank 0's values instead (randomly initialised
     models). Parameters already holding meta tensors stay meta (their shards are loaded afterwards by
-    `treeserve.engine.tp_loading`), so this also works on a model built on the meta device."""
+    `treeserve.engine.models.tp_loading`), so this also works on a model built on the meta device."""
     tp_size = device_mesh.size()
     plan = tp_plan_for(model, tp_size)
     from torch.distributed.tensor.parallel import parallelize_module

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treeserve.engine.sampling import ResidualRow, SamplingParams
+from treeserve.engine.sampling import ResidualRow
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 

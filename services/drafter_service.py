@@ -17,7 +17,8 @@ import time
 import grpc
 import torch
 
-from treeserve.engine.builders import DEFAULT_METHOD, TreeConfig
+from treeserve.engine.methods import DEFAULT_METHOD
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.base import Drafter, DraftRequest
 from treeserve.engine.drafters.models.compatibility import detect_layout
 from treeserve.engine.drafters.registry import drafter_dir

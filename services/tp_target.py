@@ -23,7 +23,7 @@ How it is laid out:
   all ranks then `init_process_group(backend, "tcp://ip:port")` with backend `nccl` on cuda and `gloo`
   otherwise - the only device-specific choice in the TP path.
 - **Weights.** Each rank builds the model on the meta device and reads only its slices from the safetensors
-  files (`treeserve.engine.tp_loading.load_tp_shard`), then wraps it in a `TargetRunner`. Each rank keeps
+  files (`treeserve.engine.models.tp_loading.load_tp_shard`), then wraps it in a `TargetRunner`. Each rank keeps
   its own per-session KV caches, sharded by KV head.
 - **Steps.** Every rank receives the same inputs (`score`, `release`), one step at a time and in the same
   order (a lock around each step: collectives must pair up across ranks); rank 0 returns the results, the
@@ -127,7 +127,7 @@ class _Rank:
         from torch.distributed.device_mesh import DeviceMesh
 
         from treeserve.engine.runners.target import TargetRunner
-        from treeserve.engine.tp_loading import load_tp_shard
+        from treeserve.engine.models.tp_loading import load_tp_shard
 
         dev = torch.device(device)
         if dev.type != "cpu":

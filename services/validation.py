@@ -25,7 +25,7 @@ from treeserve.engine.chat_templates import chat_prompt_ids, special_token_strin
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.methods import LOOKUP, split_method, with_lookup
 from treeserve.engine.requests import GenerationRequest
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.services.config import METHODS, LimitsConfig
 
 MAX_BUDGET_TOKENS = 1024
@@ -160,7 +160,7 @@ class RequestValidator:
 
     def tree(self, method: str | None, budget_tokens: int = 0):
         """(per-request TreeConfig or None for the server default, method name)."""
-        from treeserve.engine.builders import TreeConfig
+        from treeserve.engine.tree_config import TreeConfig
         from treeserve.engine.factory import tree_config
 
         if method is not None and method not in METHODS:

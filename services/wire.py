@@ -15,11 +15,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import SparseRows, TargetDists, VerifyResult
 from treeserve.services.features import decode_features, encode_features

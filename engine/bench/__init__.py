@@ -12,7 +12,7 @@ Spec-Bench prompts with the same target in one process, side by side.
   assisted generation on the same prompts;
 - projection.py: PROJECTED speedups on the 4xA100 layouts from a documented cost model, or from a measured cost
   curve;
-- plots.py: the pictures;
-- cost_curve.py, cost_measure.py, profile_model.py: `treeserve profile`'s cost curves (the file format, the
-  measurement beside the bounds, the model or preset measured).
+- plots.py: the pictures.
+
+The cost curves of `treeserve profile`, which the budget chooser reads too, are engine/hardware/.
 """

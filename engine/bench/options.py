@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from treeserve.engine.bench.cost_curve import CostCurve  # torch-free
+from treeserve.engine.hardware.cost_curve import CostCurve  # torch-free
 from treeserve.engine.dev_prompts import DEV_PROMPTS
 from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 

@@ -42,7 +42,7 @@ Constants (each with its source; ASSUMED ones are not measured anywhere and are 
 | model sizes | config.json | deploy/models/*/config.json (public Hugging Face config facts) |
 
 Measured instead of ASSUMED: `load_layouts(cost_curve=FILE)` takes a `treeserve profile` file (schema
-treeserve.costcurve/1, engine/bench/cost_curve.py) of a layout's target preset at the layout's TP size (one rank's
+treeserve.costcurve/1, engine/hardware/cost_curve.py) of a layout's target preset at the layout's TP size (one rank's
 shapes, random weights) and uses its batch-1 curve for that target's forward, replacing B, F, e_B, e_F and k:
 
     t(n) = T_measured(n) + KV_rank(ctx - prefix) / copy bandwidth (measured) + the ring all-reduces above
@@ -59,10 +59,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from treeserve.engine.bench.cost_curve import CostCurve
-
-REPO_ROOT = Path(__file__).resolve().parents[2]  # engine/bench/projection.py -> the checkout
-MODELS_DIR = REPO_ROOT / "deploy" / "models"
+from treeserve.engine.hardware.cost_curve import CostCurve
+from treeserve.engine.hardware.profile_model import MODELS_DIR
 
 HBM_BYTES_S = 2.039e12
 BF16_FLOPS = 312e12

@@ -99,7 +99,7 @@ def run_bench(options: BenchOptions) -> int:
 
     from treeserve.engine.dev_prompts import load_prompts
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.sampling import SamplingParams
+    from treeserve.engine.requests import SamplingParams
 
     options.validate()
     torch.set_num_threads(options.threads)

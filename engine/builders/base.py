@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows
+from treeserve.engine.sampling import sample_row, topk_rows
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 

@@ -22,7 +22,7 @@ import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive
 from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import TokenTree
 
 

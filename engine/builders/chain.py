@@ -24,7 +24,8 @@ import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
-from treeserve.engine.sampling import SamplingParams, sample_row
+from treeserve.engine.sampling import sample_row
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 

@@ -40,7 +40,8 @@ from treeserve.engine.builders.base import (
     check_positive,
     safe_log,
 )
-from treeserve.engine.sampling import ResidualRow, SamplingParams
+from treeserve.engine.sampling import ResidualRow
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import TokenTree
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive, safe_log
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 
 Path = tuple[int, ...]

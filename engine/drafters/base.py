@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.methods import AUTOREGRESSIVE
 from treeserve.engine.requests import StepRecord
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import TokenTree
 
 if TYPE_CHECKING:  # type names only: the runners import torch models this module does not need

@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from treeserve.engine.budget import machine_key, time_drafter_step
+from treeserve.engine.hardware.profile import machine_key, time_drafter_step
+from treeserve.engine.drafters.models.base import runner_forward
 
 AUTO = "auto"
 FRONTIER_NODES = 4  # nodes per drafter forward in a typical CPU tree (docs/performance.md: ~4 per step)
@@ -50,7 +51,8 @@ def fastest_dtype(load: Callable[[torch.dtype], torch.nn.Module], device: str, t
         step_ms = json.loads(path.read_text())["step_ms"]
     else:
         loaded.update((dtype, load(dtype)) for dtype in candidates[1:])
-        step_ms = {str(dtype): time_drafter_step(model, device, dtype, FRONTIER_NODES)
+        step_ms = {str(dtype): time_drafter_step(model, device, dtype, FRONTIER_NODES,
+                                                     forward=runner_forward(model))
                    for dtype, model in loaded.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"step_ms": step_ms, "nodes": FRONTIER_NODES}, indent=1))

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import torch
 
-from treeserve.engine.budget import BudgetChooser, measure_profile
+from treeserve.engine.budget import BudgetChooser
+from treeserve.engine.hardware.profile import measure_profile
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafters.base import DrafterBase
 from treeserve.engine.drafters.dtype_choice import AUTO, fastest_dtype
+from treeserve.engine.drafters.models.base import runner_forward
 from treeserve.engine.drafters.registry import KINDS, PARALLEL_KIND, canonical_name, drafter_dir, kind_of
 from treeserve.engine.lookup import LookupSettings
 from treeserve.engine.runners.step_settings import StaticStepSettings
@@ -49,7 +51,8 @@ def _chooser(budget: int | str, target: torch.nn.Module, model: torch.nn.Module,
     machine; `cost_curve`: the target's from a `treeserve profile` file); an integer: none."""
     if budget == "auto":
         return BudgetChooser(measure_profile(target, model, device, target_dtype, drafter_dtype=dtype,
-                                             static=static, cost_curve=cost_curve))
+                                             static=static, cost_curve=cost_curve,
+                                             drafter_forward=runner_forward(model)))
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
     return None

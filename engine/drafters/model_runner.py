@@ -30,10 +30,11 @@ from torch import Tensor
 
 from treeserve.engine.builders.base import DraftOracle, RowSummary
 from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.drafters.models.base import DrafterModelFacts
+from treeserve.engine.drafters.models.base import DrafterModelFacts, runner_forward
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.runners.step_settings import StaticStepSettings
-from treeserve.engine.sampling import SamplingParams, sample_row, topk_rows, warp_probs
+from treeserve.engine.sampling import sample_row, topk_rows, warp_probs
+from treeserve.engine.requests import SamplingParams
 
 
 def _timed(method):
@@ -53,7 +54,7 @@ class DrafterRunner:
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256,
                  static: StaticStepSettings | None = None):
         """`static`: run the drafter model's forwards as the static-shape step (engine/runners/static_step.py)."""
-        self.lm = CachedLM(model, device, dtype, max_sessions, static=static)
+        self.lm = CachedLM(model, device, dtype, max_sessions, static=static, drafter=runner_forward(model))
         self.vocab_size = target_vocab_size
         facts = DrafterModelFacts.of(model, target_vocab_size)
         # [V_draft] target ids of the head's rows (None: the full vocabulary; arange(V_draft) for a causal LM

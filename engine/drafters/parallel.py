@@ -24,7 +24,7 @@ import time
 import torch
 from torch import Tensor
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.base import AUTOREGRESSIVE, DrafterBase, DraftRequest, root_only
 from treeserve.engine.drafters.parallel_tree_search import ParallelTreeSearch, search_for_config
 from treeserve.engine.drafters.registry import PARALLEL_KIND
@@ -47,7 +47,7 @@ class ParallelTreeDrafter(DrafterBase):
         CUDA graphs on a GPU): its trunk through the lean decoder between the model's `lean_ends()`."""
         from treeserve.engine.drafters.models.parallel import mask_ids
 
-        self.lm = CachedLM(model, device, dtype, max_sessions, static=static)
+        self.lm = CachedLM(model, device, dtype, max_sessions, static=static, drafter=model.runner_forward())
         self.vocab_size = target_vocab_size
         self.num_masks = int(model.num_masks)
         self.masks = mask_ids(self.num_masks)

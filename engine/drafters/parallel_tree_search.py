@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.builders.static import named_tree
 from treeserve.engine.tree import ChildDraw, TokenTree
 

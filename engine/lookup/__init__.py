@@ -36,31 +36,17 @@ Every lookup candidate is a deterministic function of the context, so verificati
 
 Modules: suffix_index (the index, match states and candidate rows), session (per-request calibration and
 predictions, pooled prior, settings), shared_outputs (the cross-request index), trees (lookup-only trees and
-chains), hybrid_oracle (the mixing oracle).
+chains). The package exports only the torch-free parts (the Serve config validates `speculation.lookup` without
+torch): import the trees from `lookup.trees`. The mixing oracle drives a drafter model, so it lives with the
+drafters (engine/drafters/hybrid_oracle.py).
 """
-
-import importlib
 
 from treeserve.engine.lookup.session import (MATCH_BUCKETS, PRIOR_HIT, PRIORS, LookupSession, LookupSettings,
                                              LookupSources, LookupStats, match_bucket)
 from treeserve.engine.lookup.shared_outputs import SharedOutputs
 from treeserve.engine.lookup.suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
 
-# The parts that use torch, imported on first use: the settings and the index stay torch-free (the Serve
-# config validates `speculation.lookup` without loading torch).
-_TORCH_PARTS = {"HybridOracle": "hybrid_oracle", "head_index": "hybrid_oracle", "LookupPlan": "trees",
-                "LookupTreeBuilder": "trees", "lookup_chain": "trees", "merge_chains": "trees", "plan_lookup": "trees"}
-
-
-def __getattr__(name: str):
-    module = _TORCH_PARTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
 __all__ = [
-    "MATCH_BUCKETS", "PRIOR_HIT", "PRIORS", "NO_MATCH", "SEPARATOR", "HybridOracle", "LookupPlan", "LookupRow",
-    "LookupSession", "LookupSettings", "LookupSources", "LookupState", "LookupStats", "LookupTreeBuilder",
-    "SharedOutputs", "SuffixIndex", "head_index", "lookup_chain", "match_bucket", "merge_chains", "plan_lookup",
+    "MATCH_BUCKETS", "PRIOR_HIT", "PRIORS", "NO_MATCH", "SEPARATOR", "LookupRow", "LookupSession", "LookupSettings",
+    "LookupSources", "LookupState", "LookupStats", "SharedOutputs", "SuffixIndex", "match_bucket",
 ]

@@ -53,7 +53,7 @@ def load_target_parts(path: str | os.PathLike, device: str = "cpu", dtype: torch
     from transformers import AutoConfig
 
     from treeserve.engine.models.loading import load_causal_lm, resolve_model_dir
-    from treeserve.engine.tp_loading import _checkpoint_files
+    from treeserve.engine.models.tp_loading import _checkpoint_files
 
     model_dir = resolve_model_dir(path)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)

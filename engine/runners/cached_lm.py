@@ -47,7 +47,6 @@ import torch
 from torch import Tensor
 
 # An EAGLE model reads parent features; a drafter model declares its lean decoder's embedding and head.
-from treeserve.engine.drafters.models.base import DrafterModel
 from treeserve.engine.models.attention import attention_for, use_attention
 from treeserve.engine.models.hf_cache import cache_argument
 from treeserve.engine.models.packed_linear import use_fast_cpu_linears
@@ -96,13 +95,24 @@ class ExtendOutput:
     hidden: Tensor | None  # [n_ext + M, H] last hidden state of every fed row (extension first), if asked
 
 
+@dataclass(frozen=True)
+class DrafterForward:
+    """How a drafter model's forward differs from a causal LM's, declared by the drafter itself
+    (engine/drafters/models `DrafterModel.runner_forward()`), so the runner never inspects drafter classes."""
+
+    reads_features: bool  # EAGLE heads: forward(parent_features=...) reads the target's features, returns `hidden`
+    lean_ends: LeanEnds | None  # the embedding and head the lean decoder runs around its trunk; None: none declared
+
+
 class CachedLM:
     """Runs `model` over token trees for many sessions, keeping each session's KV cache."""
 
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256, max_context_tokens: int | None = None,
                  attention: str | None = None, static: StaticStepSettings | None = None,
-                 forward_overhead: float = DEFAULT_FORWARD_OVERHEAD):
+                 forward_overhead: float = DEFAULT_FORWARD_OVERHEAD, drafter: DrafterForward | None = None):
+        # `drafter`: how the model's forward differs from a causal LM's, declared by a drafter model
+        # (`DrafterModel.runner_forward()`); None: a causal LM (a target, or a drafter that is one).
         # Same function, faster on CPU: oneDNN linears on packed weights (a small tree costs about one
         # row), attention without repeat_kv; on a GPU fused SDPA (`attention`: override the per-device choice,
         # engine/models/attention.py). Both read the same additive tree mask.
@@ -124,7 +134,8 @@ class CachedLM:
         self.feature_layers: tuple[int, ...] | None = None
         # The static-shape step's settings when this model can run it (None: the model's own forward): a
         # Llama-layout LM through the lean decoder, a feature-reading drafter head through its own forward.
-        self.reads_features = isinstance(model, DrafterModel) and model.reads_target_features
+        self.drafter = drafter
+        self.reads_features = drafter is not None and drafter.reads_features
         reason = None if self.reads_features else self._lean_reason()
         self.static_settings = static if static is not None and reason is None else None
         self.static_reason = None if static is None else reason  # why it could not
@@ -133,13 +144,13 @@ class CachedLM:
 
     def _lean_ends(self) -> LeanEnds | None:
         """The embedding and head the lean decoder runs around a drafter model's trunk (its declared
-        `lean_ends()`: the parallel drafter's [MASK] ids, a sub-vocabulary head); None: the causal LM's own."""
-        return self.model.lean_ends() if isinstance(self.model, DrafterModel) else None
+        `lean_ends`: the parallel drafter's [MASK] ids, a sub-vocabulary head); None: the causal LM's own."""
+        return self.drafter.lean_ends if self.drafter is not None else None
 
     def _lean_reason(self) -> str | None:
         """Why this (not feature-reading) model cannot run the lean decoder (None: it can)."""
         ends = self._lean_ends()
-        if ends is None and isinstance(self.model, DrafterModel):
+        if ends is None and self.drafter is not None:
             return f"{type(self.model).__name__} declares no lean_ends() (its embedding and head)"
         return unsupported_reason(self.model, ends)
 
@@ -366,7 +377,7 @@ class CachedLM:
                          attention_mask=mask.to(self.device), **cache_argument(self.model, pkv), use_cache=True,
                          logits_to_keep=width - kept_from, **extra)
         logits = out.logits.float()  # [B, width - kept_from, V]
-        states = getattr(out, "hidden", None)
+        states = out.hidden if self.reads_features else None
         if states is None and hidden:
             states = (out.hidden_states[-1] if self.feature_layers is None  # post-norm: what the LM head reads
                       else torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1))

@@ -14,7 +14,8 @@ import torch
 
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.runners.step_settings import StaticStepSettings
-from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.sampling import warp_probs
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists, verify_tree
 

@@ -28,7 +28,7 @@ from treeserve.engine.drafters.base import root_only
 from treeserve.engine.speculative_engine import CommittedFeatures
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import TokenTree
 
 

@@ -86,7 +86,7 @@ def choose_beta(reference: SweepPoint, sweep: list[SweepPoint], candidate_fracti
 def measure(engine, prompts: list[list[int]], tree, max_new_tokens: int) -> tuple[float, float]:
     """(MAL, candidates per step) of greedy decoding of `prompts` with the per-request tree config `tree`."""
     from treeserve.engine.requests import GenerationRequest
-    from treeserve.engine.sampling import SamplingParams
+    from treeserve.engine.requests import SamplingParams
 
     tokens = steps = candidates = 0
     for ids in prompts:

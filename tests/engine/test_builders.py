@@ -19,14 +19,14 @@ from treeserve.engine.builders import (
     Eagle2Builder,
     OptTreeBuilder,
     StaticTreeBuilder,
-    TreeConfig,
     make_builder,
     sequoia_tree,
 )
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.builders.base import PartialTree
 from treeserve.engine.builders.static import EAGLE1_25, MC_SIM_7B_63, binary_tree
 from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw
 
 GREEDY = SamplingParams()

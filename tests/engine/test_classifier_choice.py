@@ -3,7 +3,8 @@ the tree config names a classifier file."""
 import numpy as np
 import torch
 
-from treeserve.engine.builders import TreeConfig, make_builder
+from treeserve.engine.builders import make_builder
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafters.loading import C2T_CLASSIFIER_FILE, drafter_classifier_path, load_classifier
 

@@ -22,24 +22,16 @@ from treeserve.engine.builders import (
     DySpecThresholdBuilder,
     Eagle2Builder,
     OptTreeBuilder,
-    TreeConfig,
     make_builder,
-    split_method,
 )
+from treeserve.engine.methods import split_method
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.builders.base import DraftOracle, PartialTree
 from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.lookup import (
-    HybridOracle,
-    LookupSettings,
-    LookupSources,
-    LookupTreeBuilder,
-    SuffixIndex,
-    lookup_chain,
-    match_bucket,
-    merge_chains,
-    plan_lookup,
-)
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.lookup import LookupSettings, LookupSources, SuffixIndex, match_bucket
+from treeserve.engine.lookup.trees import LookupTreeBuilder, lookup_chain, merge_chains, plan_lookup
+from treeserve.engine.drafters.hybrid_oracle import HybridOracle
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw, Source
 from treeserve.engine.verify import TargetDists, verify_tree
 

@@ -6,8 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from treeserve.engine.lookup import (MATCH_BUCKETS, NO_MATCH, SEPARATOR, LookupSettings, LookupSources, SharedOutputs,
-                                     SuffixIndex, match_bucket, plan_lookup)
+from treeserve.engine.lookup import (
+    MATCH_BUCKETS,
+    NO_MATCH,
+    SEPARATOR,
+    LookupSettings,
+    LookupSources,
+    SharedOutputs,
+    SuffixIndex,
+    match_bucket,
+)
+from treeserve.engine.lookup.trees import plan_lookup
 
 
 def finished(sources: LookupSources, session_id: str, prompt: list[int], output: list[int]) -> None:

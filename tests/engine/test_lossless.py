@@ -34,7 +34,7 @@ from treeserve.engine.builders import (
     StaticTreeBuilder,
 )
 from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw
 from treeserve.engine.verify import verify_tree
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from treeserve.engine.sampling import ResidualRow, SamplingParams, sample_row, topk_rows, warp_probs
+from treeserve.engine.sampling import ResidualRow, sample_row, topk_rows, warp_probs
+from treeserve.engine.requests import SamplingParams
 
 
 @pytest.mark.parametrize(

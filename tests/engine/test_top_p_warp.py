@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from treeserve.engine import sampling
-from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.sampling import warp_probs
+from treeserve.engine.requests import SamplingParams
 
 
 def reference_warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from treeserve.engine.builders.base import DraftOracle, PartialTree
-from treeserve.engine.sampling import ResidualRow, SamplingParams
+from treeserve.engine.sampling import ResidualRow
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree, ancestor_mask
 from treeserve.engine.verify import TargetDists, verify_tree
 

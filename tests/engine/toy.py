@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from treeserve.engine.builders.base import DraftOracle
-from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.sampling import warp_probs
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists
 

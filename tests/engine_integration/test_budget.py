@@ -3,10 +3,10 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from treeserve.engine.budget import (EARLY_STOP_STEPS, LOOKUP_ONLY, MAX_HOLD_DOUBLINGS, BudgetChooser, HardwareProfile,
-                                     allocate_copies)
+from treeserve.engine.budget import EARLY_STOP_STEPS, LOOKUP_ONLY, MAX_HOLD_DOUBLINGS, BudgetChooser, allocate_copies
+from treeserve.engine.hardware.profile import HardwareProfile
 from treeserve.engine.builders import ChainBuilder, DySpecBuilder
-from treeserve.engine.hardware_profile import BATCH_PROFILE_NODES, BATCH_PROFILE_ROWS, measure_profile
+from treeserve.engine.hardware.profile import BATCH_PROFILE_NODES, BATCH_PROFILE_ROWS, measure_profile
 from treeserve.engine.requests import StepRecord
 
 PROFILE = HardwareProfile({1: 40.0, 2: 43.0, 4: 60.0, 8: 72.0, 16: 80.0, 32: 92.0, 64: 140.0}, 3.0, 128)

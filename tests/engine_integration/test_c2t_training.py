@@ -13,7 +13,7 @@ from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.builders import Eagle2Builder
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.training.c2t import C2TTrainConfig, accepted_mask, answer_positions, collect, greedy_answer, train_classifier
 from treeserve.engine.verify import verify_tree
 from treeserve.engine.runners.target import ScoreRequest

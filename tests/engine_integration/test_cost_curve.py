@@ -17,11 +17,11 @@ from treeserve.engine.bench.options import BenchOptions
 from treeserve.cli.main import main
 from treeserve.cli.profile import add_arguments, command_line
 from treeserve.engine.bench import projection
-from treeserve.engine.bench.cost_curve import SCHEMA, CostCurve, ModelFacts, interpolate_ms
-from treeserve.engine.bench.cost_measure import DeviceFacts, measure_cost_curve
-from treeserve.engine.bench.profile_model import (build_random_model, load_profile_model, model_facts,
+from treeserve.engine.hardware.cost_curve import SCHEMA, CostCurve, ModelFacts, interpolate_ms
+from treeserve.engine.hardware.cost_measure import DeviceFacts, measure_cost_curve
+from treeserve.engine.hardware.profile_model import (build_random_model, load_profile_model, model_facts,
                                                   preset_config, rank_config)
-from treeserve.engine.budget import measure_profile, profile_from_cost_curve
+from treeserve.engine.hardware.profile import measure_profile, profile_from_cost_curve
 from treeserve.engine.runners.step_settings import StaticStepSettings
 
 TINY = {"_comment": "a tiny Llama for tests", "architectures": ["LlamaForCausalLM"], "model_type": "llama",

@@ -25,7 +25,7 @@ def test_fastest_dtype_measures_once_per_machine(tiny_drafter_dir, tmp_path, mon
         loaded.append(dtype)
         return load_model(tiny_drafter_dir, "cpu", dtype)
 
-    def fake_step(model, device, dtype, nodes):
+    def fake_step(model, device, dtype, nodes, forward=None):
         assert next(model.parameters()).dtype == dtype and nodes == dtype_choice.FRONTIER_NODES
         timed.append(dtype)
         return {torch.float32: 4.0, torch.bfloat16: 2.0}[dtype]

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.drafters.models.loading import load_drafter
@@ -15,7 +15,7 @@ from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 
 METHODS = [
     TreeConfig(method="chain", depth=4),
@@ -193,7 +193,8 @@ def test_c2t_collection_with_an_eagle_drafter(target):
 def test_feature_rows_must_match_the_fed_rows(target, eagle_dir):
     from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 
-    lm = CachedLM(load_drafter(str(eagle_dir), target.model))
+    head = load_drafter(str(eagle_dir), target.model)
+    lm = CachedLM(head, drafter=head.runner_forward())
     lm.begin("s", [1, 2, 3, 4])  # three context tokens to feed before the root
     with pytest.raises(ValueError, match=r"session s: 4 fed rows need features \[4, 64\], got \[2, 64\]"):
         lm.extend([ExtendRequest("s", [4], [-1], torch.zeros(2, 64))])

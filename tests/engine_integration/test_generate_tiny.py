@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 
 METHODS = [
     TreeConfig(method="autoregressive"),
@@ -106,7 +106,8 @@ def test_stop_string(pair):
 def test_batched_chain_depth_is_chosen_per_batch_size_and_stays_lossless(pair):
     """With hardware-aware budgets, batched steps explore chain depths (0 = plain batched decoding) in
     their own chooser per batch-size bucket, fed one record per sequence; output stays the target's."""
-    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+    from treeserve.engine.budget import BudgetChooser
+    from treeserve.engine.hardware.profile import HardwareProfile
 
     target, drafter = pair
     profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0}, 5.0, 128)
@@ -131,7 +132,8 @@ def test_batched_chain_depth_is_chosen_per_batch_size_and_stays_lossless(pair):
 def test_an_explicit_budget_caps_batched_chains_without_the_chooser(pair):
     """A batch whose requests fix their budget drafts chains of at most that many tokens (and of the
     configured depth, not a chosen one); the batch choosers are neither asked nor credited."""
-    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+    from treeserve.engine.budget import BudgetChooser
+    from treeserve.engine.hardware.profile import HardwareProfile
     from treeserve.engine.drafters.base import DraftRequest
 
     target, drafter = pair
@@ -153,7 +155,8 @@ def test_a_sequence_drafted_alone_for_a_batched_step_is_drafted_as_the_batch(pai
     """One speculative sequence in a step of several (the others autoregressive here; or held by other
     Drafter replicas: `batch_size`) is a batched step: a chain from the bucket chooser, never a batch-1
     tree from the batch-1 chooser, so the step's records (batch_size > 1) reach the chooser that decided."""
-    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+    from treeserve.engine.budget import BudgetChooser
+    from treeserve.engine.hardware.profile import HardwareProfile
     from treeserve.engine.drafters.base import DraftRequest
 
     target, drafter = pair
@@ -176,7 +179,8 @@ def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
     """When the budget chooser picks plain decoding it holds it: the engine does not call the drafter for
     the held steps, the held steps' records reach budget 0, and the drafter catches up its cache from the
     context at the next drafted step (output = the target's greedy decoding)."""
-    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+    from treeserve.engine.budget import BudgetChooser
+    from treeserve.engine.hardware.profile import HardwareProfile
 
     target, drafter = pair
     # Explore budget 0 first and hold it 3 steps, then a budget that drafts, then exploit.
@@ -203,7 +207,8 @@ def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
 def test_a_fixed_budget_is_not_overridden_by_the_chooser(pair):
     """Only budget_auto trees are sized by the hardware-aware chooser: a request's explicit budget stands
     (the chooser, which would pick plain decoding here, is neither asked nor credited)."""
-    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+    from treeserve.engine.budget import BudgetChooser
+    from treeserve.engine.hardware.profile import HardwareProfile
     from treeserve.engine.drafters.base import DraftRequest
 
     target, drafter = pair

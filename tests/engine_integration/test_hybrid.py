@@ -6,8 +6,9 @@ when they pay and falls back to the model's when they do not."""
 import pytest
 import torch
 
-from treeserve.engine.budget import LOOKUP_ONLY, BudgetChooser, HardwareProfile
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.budget import LOOKUP_ONLY, BudgetChooser
+from treeserve.engine.hardware.profile import HardwareProfile
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.lookup import MATCH_BUCKETS, LookupSettings
 from treeserve.engine.speculative_engine import SpeculativeEngine
@@ -15,7 +16,7 @@ from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import GenerationRequest, StepRecord
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 
 # The tiny random target soon repeats itself, and these prompts repeat themselves: both give the lookup matches.
 PROMPTS = ["one two three four five six. one two three four five six. one two three",

@@ -28,7 +28,7 @@ from test_published_heads import HEADS, INTER, KV_HEADS, write_eagle3
 from treeserve.engine.factory import build_engine, tree_config
 from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import Source
 from treeserve.engine.chat_templates import model_has_template
 from treeserve.services.router_replica import load_tokenizer

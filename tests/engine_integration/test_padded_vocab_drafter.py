@@ -22,7 +22,7 @@ from families import QWEN25, drafted_trees, make_family_drafter, make_family_mod
 from treeserve.engine.factory import build_engine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.cli.main import main
 from treeserve.engine.drafters.models.compatibility import check_drafter
 from treeserve.engine.drafters.models.loading import load_drafter

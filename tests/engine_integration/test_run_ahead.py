@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
@@ -16,7 +16,8 @@ from treeserve.engine.drafters.run_ahead import AheadTree, RunAheadStore, likely
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.sampling import warp_probs
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.tree import TokenTree
 

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
@@ -14,7 +14,7 @@ from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -76,8 +76,8 @@ def test_parallel_drafter_graph_replays_equal_its_eager_forward(model):
     sessions over several steps give its eager forward's logits."""
     drafter = ParallelDrafterModel.from_target(copy.deepcopy(model).cpu(), [0, 1], torch.arange(0, VOCAB, 2), 3)
     drafter = drafter.to("cuda").eval()
-    eager = CachedLM(drafter, "cuda", torch.float32, attention="sdpa")
-    graphed = CachedLM(drafter, "cuda", torch.float32, static=SETTINGS)
+    eager = CachedLM(drafter, "cuda", torch.float32, attention="sdpa", drafter=drafter.runner_forward())
+    graphed = CachedLM(drafter, "cuda", torch.float32, static=SETTINGS, drafter=drafter.runner_forward())
     assert graphed.static_settings is SETTINGS
     rng = random.Random(2)
     contexts = {f"s{i}": [rng.randrange(VOCAB) for _ in range(n)] for i, n in enumerate((5, 30, 9))}

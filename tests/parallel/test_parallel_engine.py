@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import make_parallel_drafter
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.parallel import ParallelTreeDrafter
 from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.training.distill_data import teacher_labels
 from treeserve.engine.training.parallel import ParallelTrainConfig, train_parallel_drafter
 

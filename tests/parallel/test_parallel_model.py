@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from conftest import make_parallel_drafter
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.drafters.models.loading import load_parallel_drafter
 from treeserve.engine.drafters.models.parallel import ParallelDrafterModel, is_parallel_drafter, mask_ids
 from treeserve.engine.drafters.parallel import ParallelTreeDrafter
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.training.parallel import group_distributions, group_layout
 
 GREEDY = SamplingParams()

@@ -13,9 +13,9 @@ import torch
 from scipy.stats import chisquare
 
 from toy import ToyModels, target_for
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.parallel_tree_search import ParallelTreeSearch, search_for_config
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw
 from treeserve.engine.verify import verify_tree
 

@@ -7,7 +7,7 @@ from treeserve.engine.c2t_classifier import top_entropy
 from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.drafters.model_runner import DrafterRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 
 
 @pytest.fixture(scope="module")

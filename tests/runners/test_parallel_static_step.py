@@ -88,8 +88,9 @@ def test_drafter_on_the_static_step_equals_its_eager_forward(kind, capture):
     largest token bucket (eagerly, apart), the other rows in one bucketed forward; [MASK] rows beside real ones."""
     model = parallel_drafter() if kind == "parallel" else distilled_drafter()
     steps = drafting_steps(7, lengths=[5, 23, 9], steps=4, masks=MASKS if kind == "parallel" else 0)
-    eager = CachedLM(model)
-    static = CachedLM(model, max_sessions=4, max_context_tokens=SETTINGS.context_tokens, static=SETTINGS)
+    eager = CachedLM(model, drafter=model.runner_forward())
+    static = CachedLM(model, max_sessions=4, max_context_tokens=SETTINGS.context_tokens, static=SETTINGS,
+                      drafter=model.runner_forward())
     assert static.static_settings is SETTINGS and static.static_reason is None
     capturer = HostReplay()
     if capture:
@@ -143,10 +144,10 @@ def test_a_model_without_declared_ends_keeps_its_own_forward():
     plain = distilled_drafter()
     lacking = NoLeanEnds(plain.config, plain.vocab_ids, VOCAB).eval()
     lacking.load_state_dict(plain.state_dict())
-    lm = CachedLM(lacking, static=SETTINGS)
+    lm = CachedLM(lacking, static=SETTINGS, drafter=lacking.runner_forward())
     assert lm.static_settings is None and "lean_ends" in lm.static_reason
     steps = drafting_steps(2, lengths=[6], steps=1, masks=0)
-    ref = run_steps(CachedLM(plain), steps)[0][0]
+    ref = run_steps(CachedLM(plain, drafter=plain.runner_forward()), steps)[0][0]
     torch.testing.assert_close(run_steps(lm, steps)[0][0], ref)
     assert lm.static_step is None
 

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
 from replay import HostReplay  # tests/runners/replay.py
 from step_plans import plan_steps, run_plan  # tests/step_plans.py
 from tiny_models import tiny_llama  # tests/tiny_models.py
+from treeserve.engine.drafters.models.base import runner_forward
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
 from treeserve.engine.factory import build_engine
 from treeserve.engine.models.loading import load_causal_lm
@@ -27,7 +28,8 @@ from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.runners.static_step import StaticStep
 from treeserve.engine.runners.step_settings import StaticStepSettings, default_static_step, static_step_bytes
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.sampling import warp_probs
+from treeserve.engine.requests import SamplingParams
 
 SETTINGS = StaticStepSettings(batch_buckets=(1, 2, 4), token_buckets=(1, 4, 8, 16), context_tokens=96,
                               min_context_bucket=16)  # context buckets 16, 32, 64, 96: steps cross them
@@ -146,7 +148,8 @@ def test_eagle3_head_on_the_static_step_equals_its_own_forward(width):
     The pool has the head's own KV heads and head_dim (a narrower head's differ from its target's)."""
     head = (Eagle3Drafter.from_target(tiny_llama(), torch.arange(0, VOCAB, 2)) if width == "target"
             else narrow_eagle3_head()).eval()
-    eager, static = CachedLM(head), CachedLM(head, static=SETTINGS)
+    forward = head.runner_forward()
+    eager, static = CachedLM(head, drafter=forward), CachedLM(head, static=SETTINGS, drafter=forward)
     rng = random.Random(5)
     gen = torch.Generator().manual_seed(5)
     contexts = {"a": [rng.randrange(VOCAB) for _ in range(11)], "b": [rng.randrange(VOCAB) for _ in range(4)]}
@@ -195,7 +198,8 @@ def tiny_pair(tiny_target_dir, tiny_drafter_dir):
     target = load_causal_lm(tiny_target_dir)
     engine = build_engine(target=target, drafter_path=str(tiny_drafter_dir), method="dyspec", budget=6)
     engine.target = TargetRunner(target.model, static=SETTINGS)  # the static step on the CPU, both models
-    engine.drafter.runner.lm = CachedLM(engine.drafter.model, static=SETTINGS)
+    engine.drafter.runner.lm = CachedLM(engine.drafter.model, static=SETTINGS,
+                                        drafter=runner_forward(engine.drafter.model))
     return target, engine
 
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.base import DraftRequest, root_only
 from treeserve.engine.speculative_engine import SpeculativeEngine
@@ -22,7 +22,7 @@ from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.services import wire
 from treeserve.services.config import LimitsConfig
 from treeserve.services.drafter_service import DrafterServicer

@@ -13,7 +13,7 @@ import torch
 from treeserve.engine.drafters.base import root_only
 from treeserve.engine.runners.cached_lm import KVPoolExhausted
 from treeserve.engine.runners.target import ScoreRequest
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.verify import TargetDists
 from treeserve.services.target_service import TargetServicer
 from treeserve.services.transport.clients import RemoteTarget

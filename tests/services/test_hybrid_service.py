@@ -113,7 +113,7 @@ def test_drafter_replica_drafts_lookup_candidates(tiny_parts):
 
 
 def test_serve_config_names_hybrid_methods():
-    from treeserve.engine.builders import METHODS as ENGINE_METHODS
+    from treeserve.engine.methods import METHODS as ENGINE_METHODS
     from treeserve.services.config import METHODS, AppConfig, load_serve_config
 
     assert set(METHODS) - {"autoregressive"} <= set(ENGINE_METHODS)

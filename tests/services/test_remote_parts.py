@@ -16,7 +16,7 @@ from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.services.drafter_service import DrafterServicer
 from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
 from treeserve.services.transport.discovery import static_discovery
@@ -161,7 +161,7 @@ def test_drafter_lost_degrades_to_autoregressive_steps(remote, tiny_parts):
 
 
 def test_subbatch_of_one_drafts_a_chain(tiny_parts):
-    from treeserve.engine.sampling import SamplingParams
+    from treeserve.engine.requests import SamplingParams
     from treeserve.services import wire
 
     vocab = tiny_parts.target.model.config.vocab_size
@@ -193,7 +193,8 @@ def test_held_plain_decoding_skips_the_draft_rpc(tiny_parts):
     """A drafter replica whose budget chooser holds plain decoding says so in DraftResponse.plain_steps_held:
     the router's engine sends no Draft for the held steps, reports their observations with the next Draft
     (credited to budget 0 there), and the output stays the in-process engine's."""
-    from treeserve.engine.budget import BudgetChooser, HardwareProfile
+    from treeserve.engine.budget import BudgetChooser
+    from treeserve.engine.hardware.profile import HardwareProfile
 
     vocab = tiny_parts.target.model.config.vocab_size
     chooser = BudgetChooser(HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0}, 5.0, 128), max_budget=4,

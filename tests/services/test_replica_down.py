@@ -26,7 +26,7 @@ from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.factory import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.verify import TargetDists
 from treeserve.services.config import LimitsConfig

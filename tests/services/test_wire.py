@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from treeserve.engine.builders import TreeConfig
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.requests import StepRecord
-from treeserve.engine.sampling import SamplingParams, warp_probs
+from treeserve.engine.sampling import warp_probs
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import ChildDraw, TokenTree
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.verify import SparseRows, TargetDists, VerifyResult, check_verified, verify_tree

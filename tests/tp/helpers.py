@@ -7,7 +7,7 @@ import json
 import torch
 
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
-from treeserve.engine.sampling import SamplingParams
+from treeserve.engine.requests import SamplingParams
 from treeserve.engine.dev_prompts import DEV_PROMPTS
 from treeserve.engine.tree import TokenTree
 

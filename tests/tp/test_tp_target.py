@@ -75,7 +75,7 @@ def test_tiny_tp2_greedy_equals_tp1(tiny_tp2, tiny_tp_dir):
 
 def test_bad_request_raises_and_group_stays_usable(tiny_tp2):
     from treeserve.engine.runners.target import ScoreRequest
-    from treeserve.engine.sampling import SamplingParams
+    from treeserve.engine.requests import SamplingParams
     from treeserve.engine.tree import TokenTree
 
     bad = ScoreRequest("bad", [5, 6, 7], TokenTree.build([8], [-1]), SamplingParams())  # root != context[-1]

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from treeserve.engine.runners.cached_lm import DrafterForward
 from treeserve.engine.runners.lean_decoder import LeanEnds
 
 DRAFTER_KEY = "treeserve_drafter"  # config.json card of the distilled, EAGLE and EAGLE-3 drafters
@@ -37,6 +38,12 @@ _EMBED_KEY = "model.embed_tokens.weight"
 class DrafterOutput:
     logits: torch.Tensor  # [B, T_kept, V_draft] logits over vocab_ids (T_kept: see forward's logits_to_keep)
     past_key_values: object
+
+
+def runner_forward(model: nn.Module) -> DrafterForward | None:
+    """How a drafter model's forward differs from a causal LM's, for its runner; None for a drafter that is a
+    causal LM (a small model of the target's family)."""
+    return model.runner_forward() if isinstance(model, DrafterModel) else None
 
 
 class DrafterModel(nn.Module):
@@ -67,6 +74,11 @@ class DrafterModel(nn.Module):
         keeps its own forward, or runs a feature-reading head's forward over the static pool). The embedding is
         captured into CUDA graphs: it may not read a device value on the host."""
         return None
+
+    def runner_forward(self) -> DrafterForward:
+        """What a runner (engine/runners/cached_lm.py) must know of this model's forward: whether it reads the
+        target's features, and the ends of its trunk for the lean decoder."""
+        return DrafterForward(reads_features=self.reads_target_features, lean_ends=self.lean_ends())
 
     # ------------------------------------------------------------------ TreeServe's layout
     @classmethod

@@ -1,6 +1,6 @@
 """What a step costs on this machine: the target's forward against tree size (and batch rows) and one drafter
 step, measured at start-up and cached per model and machine (`$TREESERVE_CACHE/profiles/`), or the target's
-curve read from a `treeserve profile` file (engine/bench/cost_curve.py). The budget chooser (engine/budget.py)
+curve read from a `treeserve profile` file (engine/hardware/cost_curve.py). The budget chooser (engine/budget.py)
 prices budgets with it.
 
 Batched steps are priced by the batch they are in: `batch_target_ms[rows][nodes]` is the target forward of
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from treeserve.engine.bench.cost_curve import CostCurve, interpolate_ms
+from treeserve.engine.hardware.cost_curve import CostCurve, interpolate_ms
 from treeserve.engine.devices import device_name
 from treeserve.engine.models.attention import GROUPED_ATTENTION
 from treeserve.engine.models.loading import cache_root
 from treeserve.engine.models.packed_linear import LAYOUT_VERSION
-from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
+from treeserve.engine.runners.cached_lm import CachedLM, DrafterForward, ExtendRequest
 from treeserve.engine.runners.step_settings import StaticStepSettings
 
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -139,17 +139,17 @@ def _profile_key(target: torch.nn.Module, drafter: torch.nn.Module | None, devic
 
 def time_drafter_step(drafter: torch.nn.Module, device: str, dtype: torch.dtype, nodes: int = 1,
                       prefix_tokens: int = 128, repeats: int = 20, static: StaticStepSettings | None = None,
-                      rows: int = 1) -> float:
+                      rows: int = 1, forward: DrafterForward | None = None) -> float:
     """Median ms of one drafter forward over `rows` rows of `nodes` tree nodes after a `prefix_tokens` context,
     on the step the drafter runs (`static`: the static-shape step). A drafter step is a few ms, so one stall of
     this shared VM skews a short median (seen: 15.6 ms for a 5 ms step): many repeats, which cost little."""
     context = [11 + (i % 97) for i in range(prefix_tokens + 1)]
-    return _time_batch(CachedLM(drafter, device, dtype, static=static), context, rows, nodes, repeats)
+    return _time_batch(CachedLM(drafter, device, dtype, static=static, drafter=forward), context, rows, nodes, repeats)
 
 
 def profile_from_cost_curve(paths: str | Path | list[str | Path], drafter_step_ms: float,
                             prefix_tokens: int | None = None) -> HardwareProfile:
-    """A profile whose target curves are a `treeserve profile` file's (engine/bench/cost_curve.py: batch 1 and
+    """A profile whose target curves are a `treeserve profile` file's (engine/hardware/cost_curve.py: batch 1 and
     any batch sizes it measured), with the drafter step measured by the caller. Of several files (one per
     prefix), the one measured at the prefix nearest `prefix_tokens` (default: the first file)."""
     curves = [CostCurve.load(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
@@ -181,17 +181,19 @@ def _checked_cost_curve(path: str, target: torch.nn.Module, device: str, dtype: 
 def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, device: str = "cpu",
                     dtype: torch.dtype = torch.float32, prefix_tokens: int = 128, repeats: int = 5,
                     cache_dir: Path | None = None, drafter_dtype: torch.dtype | None = None,
-                    cost_curve: str | None = None, static: StaticStepSettings | None = None) -> HardwareProfile:
+                    cost_curve: str | None = None, static: StaticStepSettings | None = None,
+                    drafter_forward: DrafterForward | None = None) -> HardwareProfile:
     """Time target forwards of PROFILE_SIZES tree nodes (in `dtype`), of BATCH_PROFILE_ROWS rows x
     BATCH_PROFILE_NODES chains, and drafter steps of 1 and those rows (in `drafter_dtype`, default `dtype`), on
     the step the models run (`static`: the static-shape step, CUDA graphs on a GPU); medians, cached per model,
     step and machine. With `cost_curve` (a `treeserve profile` file of this target, device and dtype) the target
-    curves are read from it and only the drafter is timed, at the file's prefix."""
+    curves are read from it and only the drafter is timed, at the file's prefix. `drafter_forward`: how the
+    drafter's forward differs from a causal LM's (`DrafterModel.runner_forward`; None: it is one)."""
     drafter_dtype = drafter_dtype or dtype
     if cost_curve is not None:
         curve = _checked_cost_curve(cost_curve, target, device, dtype)
         profile = _from_curve(curve, 0.0)
-        _time_drafter(profile, drafter, device, drafter_dtype, curve.prefix, repeats, static)
+        _time_drafter(profile, drafter, drafter_forward, device, drafter_dtype, curve.prefix, repeats, static)
         return profile
     key = _profile_key(target, drafter, device, dtype, drafter_dtype, static)
     path = (cache_dir or cache_root() / "profiles") / f"{key}.json"
@@ -202,17 +204,18 @@ def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, de
     profile = HardwareProfile({n: _time_extend(lm, context, n, repeats) for n in PROFILE_SIZES}, 0.0, prefix_tokens,
                               {rows: {n: _time_batch(lm, context, rows, n, repeats) for n in BATCH_PROFILE_NODES}
                                for rows in BATCH_PROFILE_ROWS})
-    _time_drafter(profile, drafter, device, drafter_dtype, prefix_tokens, repeats, static)
+    _time_drafter(profile, drafter, drafter_forward, device, drafter_dtype, prefix_tokens, repeats, static)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(profile.to_json(), indent=1))
     return profile
 
 
-def _time_drafter(profile: HardwareProfile, drafter: torch.nn.Module | None, device: str, dtype: torch.dtype,
+def _time_drafter(profile: HardwareProfile, drafter: torch.nn.Module | None, forward: DrafterForward | None,
+                  device: str, dtype: torch.dtype,
                   prefix: int, repeats: int, static: StaticStepSettings | None) -> None:
     """Fill the profile's drafter step times (1 row, and BATCH_PROFILE_ROWS rows); none without a drafter."""
     if drafter is None:
         return
-    profile.drafter_step_ms = time_drafter_step(drafter, device, dtype, 1, prefix, 4 * repeats, static)
-    profile.batch_drafter_ms = {rows: time_drafter_step(drafter, device, dtype, 1, prefix, repeats, static, rows)
+    profile.drafter_step_ms = time_drafter_step(drafter, device, dtype, 1, prefix, 4 * repeats, static, forward=forward)
+    profile.batch_drafter_ms = {rows: time_drafter_step(drafter, device, dtype, 1, prefix, repeats, static, rows, forward)
                                 for rows in BATCH_PROFILE_ROWS}

@@ -1,4 +1,4 @@
-"""Measuring a cost curve (engine/bench/cost_curve.py): the device's copy bandwidth and matmul peak, then
+"""Measuring a cost curve (engine/hardware/cost_curve.py): the device's copy bandwidth and matmul peak, then
 T(n nodes, batch) through TreeServe's own `CachedLM.extend`.
 
 A point is timed as engine/budget.py `_time_extend` times the budget chooser's curve: every session holds a
@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from treeserve.engine.bench.cost_curve import CostCurve, ModelFacts
+from treeserve.engine.hardware.cost_curve import CostCurve, ModelFacts
 from treeserve.engine.devices import device_name
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.runners.step_settings import StaticStepSettings

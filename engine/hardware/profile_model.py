@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from treeserve.engine.bench.cost_curve import ModelFacts
-from treeserve.engine.bench.projection import MODELS_DIR
+from treeserve.engine.hardware.cost_curve import ModelFacts
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.tp import check_tp_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The presets' config facts (one folder per model: config.json), read from the checkout.
+MODELS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "models"
 
 
 def list_presets(models_dir: Path = MODELS_DIR) -> list[str]:
