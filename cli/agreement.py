@@ -15,7 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
-from treeserve.engine.dev_prompts import DEV_PROMPTS
+from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
+from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +46,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from treeserve.engine.dev_prompts import load_prompts
     from treeserve.engine.drafters.models.base import DrafterModel
     from treeserve.engine.drafters.models.loading import load_drafter
-    from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.training.agreement import Counts, depth_table, greedy_sequence
     from treeserve.engine.training.chain_acceptance import ChainCounts, chain_hits, target_features
@@ -79,7 +78,6 @@ def run(args: argparse.Namespace) -> int:
     for name, c in counts.items():
         result = {**c.result(args.num_prompts, args.max_new_tokens, args.top_k), "acceptance_by_depth": chains[name].rates()}
         if args.write_card:
-            from treeserve.engine.drafters.registry import drafter_dir
             from treeserve.engine.training.model_card import write_drafter_card
 
             write_drafter_card(drafter_dir(name), result, args, name)
@@ -95,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
 
 def run_parallel(args: argparse.Namespace) -> int:
     """`--kind parallel`: per-position agreement of one parallel drafter, as JSON."""
-    from treeserve.engine.dev_prompts import load_prompts
     from treeserve.engine.drafters.models.loading import load_parallel_drafter
     from treeserve.engine.models.loading import load_causal_lm
     from treeserve.engine.training.parallel import dev_agreement

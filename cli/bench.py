@@ -42,14 +42,18 @@ import json
 import socket
 from pathlib import Path
 
-from treeserve.cli.connection import add_credential_arguments, credentials
+from treeserve.engine.bench.greedy import greedy_reference
 from treeserve.engine.bench.options import DEFAULT_METHODS, PEER_SETS, SWEEP_BUDGETS, SWEEP_METHODS, BenchOptions
+from treeserve.engine.bench.run import run_bench
 from treeserve.engine.bench.runner import BENCH_METHODS
-from treeserve.engine.dev_prompts import DEV_PROMPTS
+from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
 from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 from treeserve.engine.methods import SERVED_METHODS  # torch-free
-from treeserve.services.bench_service import CONCURRENCY, SERVICE_APIS
-from treeserve.services.launch import DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE
+from treeserve.engine.models.loading import chat_ids, load_causal_lm
+from treeserve.services.bench_service import CONCURRENCY, SERVICE_APIS, API_NAMES, measure, service_table
+from treeserve.services.launch import (DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE, api_address, load_config,
+                                       start_service, stop_service)
+from .connection import add_credential_arguments, credentials
 
 EXAMPLES = """examples:
   treeserve bench --num-prompts 40 --repeats 2 --check-greedy --peers hf --plot bench-plots \\
@@ -203,7 +207,6 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
 def run(args: argparse.Namespace) -> int:
     if args.service or args.address is not None or args.http_address is not None:
         return run_service(args)
-    from treeserve.engine.bench.run import run_bench
 
     return run_bench(bench_options(args))
 
@@ -226,11 +229,6 @@ def run_service(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
     from tqdm import tqdm
-
-    from treeserve.engine.bench.greedy import greedy_reference
-    from treeserve.engine.dev_prompts import load_prompts
-    from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.services.bench_service import API_NAMES, measure, service_table
 
     if args.service_rounds < 1 or args.max_new_tokens < 1 or min(args.concurrency) < 1:
         raise ValueError("--service-rounds, --max-new-tokens and --concurrency must be >= 1")
@@ -287,8 +285,6 @@ def _measure_local(args: argparse.Namespace, prompts, references, most: int, tls
     """Start the service from --config on a free gRPC port (and, for --service-api openai, a free HTTP API port;
     concurrency and batch limits raised to the largest level), measure it through --service-api, stop it ->
     (levels, JSON config, title)."""
-    from treeserve.services.bench_service import measure
-    from treeserve.services.launch import api_address, load_config, start_service, stop_service
 
     grpc_port, http_port = _free_ports(2)
     config = load_config(args.config, method=args.service_method, budget=args.service_budget, target=args.target,

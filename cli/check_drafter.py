@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from treeserve.engine.chat_templates import check_setting
+from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
+from treeserve.engine.drafters.models.compatibility import LAYOUT_NAMES, check_drafter, read_config
+from treeserve.engine.drafters.registry import drafter_dir
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -35,8 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def inspect(target: str, drafter: str, dtype: str = "float32") -> dict:
     """The file checks and the size report (ValueError naming both models for a pair that does not fit)."""
-    from treeserve.engine.drafters.registry import drafter_dir
-    from treeserve.engine.drafters.models.compatibility import LAYOUT_NAMES, check_drafter, read_config
     from treeserve.engine.models.loading import resolve_model_dir
 
     target_dir = resolve_model_dir(target)
@@ -78,7 +80,6 @@ def agreement(target: str, drafter: str, chat_template: str | None, dtype: str, 
     from treeserve.engine.drafters.models.loading import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.factory import parse_dtype
-    from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
     from treeserve.engine.training.agreement import Counts, greedy_sequence
 
     torch_dtype = parse_dtype(dtype)
@@ -98,8 +99,6 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
     if args.chat_template is not None:
-        from treeserve.engine.chat_templates import check_setting
-
         check_setting(args.chat_template)
     result = inspect(args.target, args.drafter, args.dtype)
     if not args.no_agreement:

@@ -11,8 +11,10 @@ import argparse
 import sys
 import time
 
+from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
 from treeserve.engine.methods import SERVED_METHODS  # torch-free
-from treeserve.services.launch import DEFAULT_CONFIG
+from treeserve.services.launch import DEFAULT_CONFIG, load_config, start_service, stop_service
+from .generate import format_stats, stream_completion
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -29,9 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
-    from treeserve.cli.generate import format_stats, stream_completion
-    from treeserve.services.launch import load_config, start_service, stop_service
     from treeserve.v1 import generation_pb2 as gen
 
     method = args.method

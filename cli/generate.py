@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
 from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
-from treeserve.cli.connection import add_credential_arguments, credentials
-from treeserve.cli.main import CliError
+from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS, uses_lookup  # torch-free
+from treeserve.engine.requests import GenerationRequest, SamplingParams
+from .connection import add_credential_arguments, credentials
+from .main import CliError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,10 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_in_process(args: argparse.Namespace) -> int:
-    from treeserve.engine.methods import uses_lookup
     from treeserve.engine.factory import build_engine
-    from treeserve.engine.requests import GenerationRequest
-    from treeserve.engine.requests import SamplingParams
 
     engine = build_engine(args.target, args.drafter, args.method or DEFAULT_METHOD, args.budget or "auto", args.device,
                           args.dtype, drafter_dtype=args.drafter_dtype)

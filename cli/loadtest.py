@@ -33,10 +33,12 @@ import random
 import sys
 from pathlib import Path
 
-from treeserve.cli.connection import add_credential_arguments, credentials
 from treeserve.engine.methods import SERVED_METHODS, uses_lookup  # torch-free
-from treeserve.services.launch import DEFAULT_CONFIG
-from treeserve.services.loadtest import LoadTestOptions
+from treeserve.services.launch import DEFAULT_CONFIG, start_service, stop_service, load_config
+from treeserve.services.loadtest import LoadTestOptions, LoadTest, Reference, is_loopback, load_prompts
+from treeserve.services.loadtest_report import format_report, report as summarize
+from .connection import add_credential_arguments, credentials
+from .main import CliError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,9 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treeserve.cli.main import CliError
-    from treeserve.services.loadtest import LoadTest, Reference, is_loopback, load_prompts
-    from treeserve.services.loadtest_report import format_report, report as summarize
     from treeserve.services.transport.replica_server import quiet_poller_noise
 
     quiet_poller_noise()  # grpc.aio here and in Ray's driver threads: harmless BlockingIOErrors otherwise
@@ -127,8 +126,6 @@ def run(args: argparse.Namespace) -> int:
     expected = [reference.greedy(p, n) for p, n in zip(prompts, budget)]
     limit_new = config.app.args.limits.max_new_tokens if config is not None else 512
     if config is not None:
-        from treeserve.services.launch import start_service
-
         print(f"starting the service from {args.config} ...", file=sys.stderr)
         service = start_service(config, quiet=True, ready_timeout_s=args.ready_timeout)
         address = service.address
@@ -144,8 +141,6 @@ def run(args: argparse.Namespace) -> int:
         report = summarize(test, wall)
     finally:
         if service is not None:
-            from treeserve.services.launch import stop_service
-
             stop_service(service)
     print(format_report(report))
     if args.json:
@@ -164,7 +159,6 @@ def options(args: argparse.Namespace, new_tokens: tuple[int, int]) -> LoadTestOp
 def _load(args: argparse.Namespace):
     from treeserve.services.app import config_to_args
     from treeserve.services.config import AppConfig
-    from treeserve.services.launch import load_config
 
     config = load_config(args.config)
     if not config.app.args.api.loopback_only:

@@ -7,10 +7,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-from treeserve.cli.options import add_dataclass_options
-from treeserve.engine.devices import check_device
 from treeserve.engine.dev_prompts import DEV_PROMPTS, REPO_ROOT
-from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, CorpusConfig
+from treeserve.engine.devices import check_device
+from treeserve.engine.models.loading import cache_root, load_causal_lm
+from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, CorpusConfig, build_corpus, corpus_summary
+from treeserve.engine.training.prompt_mix import evaluation_texts
+from .options import add_dataclass_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,9 +56,6 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from treeserve.engine.drafters.models.eagle3 import default_feature_layers
-    from treeserve.engine.models.loading import cache_root, load_causal_lm
-    from treeserve.engine.training.corpus import build_corpus, corpus_summary
-    from treeserve.engine.training.prompt_mix import evaluation_texts
 
     if args.summary:
         print(json.dumps(corpus_summary(args.out), indent=2))

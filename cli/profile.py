@@ -39,14 +39,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from treeserve.cli.main import CliError
-from treeserve.engine.hardware.cost_curve import CostCurve
-from treeserve.engine.hardware.cost_measure import DEFAULT_BATCHES, DEFAULT_NODES, STEP_MODES, measure_cost_curve, \
-    measure_device
-from treeserve.engine.hardware.profile_model import DTYPES, load_profile_model, preset_config, rank_config
-from treeserve.engine.hardware.profile_model import MODELS_DIR
 from treeserve.engine.devices import check_device
+from treeserve.engine.hardware.cost_curve import CostCurve
+from treeserve.engine.hardware.cost_measure import (DEFAULT_BATCHES, DEFAULT_NODES, STEP_MODES, measure_cost_curve,
+                                                    measure_device)
+from treeserve.engine.hardware.profile_model import DTYPES, load_profile_model, preset_config, rank_config, MODELS_DIR
 from treeserve.engine.runners.step_settings import StaticStepSettings
+from .main import CliError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

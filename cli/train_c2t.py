@@ -8,8 +8,15 @@ import json
 import random
 from pathlib import Path
 
-from treeserve.engine.training.c2t import C2TTrainConfig
-from treeserve.cli.options import add_dataclass_options
+from treeserve.engine.drafters.loading import drafter_classifier_path
+from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.drafters.models.loading import load_drafter, target_feature_layers
+from treeserve.engine.models.loading import chat_ids, load_causal_lm
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.training import prompts as sources
+from treeserve.engine.training.c2t import C2TTrainConfig, collect, train_classifier
+from treeserve.engine.training.prompts import prompt_texts
+from .options import add_dataclass_options
 
 
 BUILT_IN_SOURCES = "built-in: Python docs passages, HumanEval prompts, Debian text packages if installed (never the dev set)"
@@ -33,15 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from treeserve.engine.drafters.models.loading import load_drafter, target_feature_layers
-    from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.drafters.loading import drafter_classifier_path
-    from treeserve.engine.drafters.model_runner import DrafterRunner
-    from treeserve.engine.runners.target import TargetRunner
-    from treeserve.engine.training import prompts as sources
-    from treeserve.engine.training.c2t import collect, train_classifier
-    from treeserve.engine.training.prompts import prompt_texts
 
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")

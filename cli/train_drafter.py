@@ -8,16 +8,18 @@ import json
 import time
 from pathlib import Path
 
-from treeserve.cli.options import add_dataclass_options
-from treeserve.engine.training.distill_data import DistillDataConfig
+from treeserve.engine.drafters.models.eagle import is_eagle_drafter
+from treeserve.engine.drafters.registry import SHIPPED
+from treeserve.engine.models.loading import cache_root, load_causal_lm
+from treeserve.engine.training.distill_data import DistillDataConfig, build_distill_data, load_distill_data
+from treeserve.engine.training.drafter import DrafterTrainConfig, train_drafter
+from treeserve.engine.training.eagle import EagleTrainConfig, target_features, train_eagle
 from treeserve.engine.training.model_card import portable_card
+from treeserve.engine.training.parallel import ParallelTrainConfig, train_parallel_drafter
+from .options import add_dataclass_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from treeserve.engine.drafters.registry import SHIPPED
-    from treeserve.engine.training.drafter import DrafterTrainConfig
-    from treeserve.engine.training.eagle import EagleTrainConfig
-    from treeserve.engine.training.parallel import ParallelTrainConfig
 
     parser.add_argument("--kind", choices=["autoregressive", "parallel", "eagle"], default="autoregressive",
                         help="drafter kind: 'autoregressive' (a few target layers with a restricted-vocabulary head), "
@@ -41,8 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _distill_data(args: argparse.Namespace, target, data_config: DistillDataConfig):
     """The cached (or newly generated) self-distillation data, its path, generation minutes and special ids."""
-    from treeserve.engine.models.loading import cache_root
-    from treeserve.engine.training.distill_data import build_distill_data, load_distill_data
 
     data_dir = args.data_dir or cache_root() / "distill" / f"{target.path.name}-seed{args.seed}"
     started = time.time()
@@ -63,16 +63,11 @@ def _check_init(train_config, n_layers: int) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.training.drafter import DrafterTrainConfig, train_drafter
-
     if args.kind == "parallel":
         return run_parallel(args)
     if args.kind == "eagle":
         return run_eagle(args)
     if args.out is None:
-        from treeserve.engine.drafters.registry import SHIPPED
-
         args.out = SHIPPED["distilled"].directory
     torch.set_num_threads(args.threads)
     data_config = DistillDataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillDataConfig)})
@@ -96,10 +91,6 @@ def run(args: argparse.Namespace) -> int:
 def run_parallel(args: argparse.Namespace) -> int:
     """`--kind parallel`: same cached self-distillation data, group-wise parallel training."""
     import torch
-
-    from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.drafters.registry import SHIPPED
-    from treeserve.engine.training.parallel import ParallelTrainConfig, train_parallel_drafter
 
     torch.set_num_threads(args.threads)
     out = args.out or SHIPPED["parallel"].directory
@@ -129,11 +120,6 @@ def run_eagle(args: argparse.Namespace) -> int:
     """`--kind eagle`: the same cached self-distillation data, the target's features computed once (cached
     next to it), EAGLE's feature regression + token loss."""
     import torch
-
-    from treeserve.engine.drafters.models.eagle import is_eagle_drafter
-    from treeserve.engine.drafters.registry import SHIPPED
-    from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.training.eagle import EagleTrainConfig, target_features, train_eagle
 
     torch.set_num_threads(args.threads)
     out = args.out or SHIPPED["eagle"].directory

@@ -8,16 +8,17 @@ import json
 import time
 from pathlib import Path
 
-from treeserve.cli.options import add_dataclass_options
-from treeserve.engine.devices import check_device
 from treeserve.engine.dev_prompts import REPO_ROOT
-from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR
-from treeserve.engine.training.eagle3 import Eagle3TrainConfig
+from treeserve.engine.devices import check_device, device_name
+from treeserve.engine.drafters.models.eagle3 import default_feature_layers, is_eagle3_drafter
+from treeserve.engine.drafters.registry import SHIPPED
+from treeserve.engine.models.loading import cache_root, load_causal_lm
+from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, compute_chunk_features, corpus_summary, features_path
+from treeserve.engine.training.eagle3 import Eagle3TrainConfig, load_corpus, train_eagle3
+from .options import add_dataclass_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from treeserve.engine.drafters.registry import SHIPPED
-
     parser.add_argument("--target", default="default", help="target model: 'default', a model directory or a .gguf")
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS_DIR,
                         help=f"corpus directory written by `treeserve make-corpus` "
@@ -37,12 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from treeserve.engine.drafters.models.eagle3 import default_feature_layers, is_eagle3_drafter
-    from treeserve.engine.devices import device_name
-    from treeserve.engine.models.loading import cache_root, load_causal_lm
-    from treeserve.engine.training.corpus import compute_chunk_features, corpus_summary, features_path
-    from treeserve.engine.training.eagle3 import load_corpus, train_eagle3
 
     config = Eagle3TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Eagle3TrainConfig)})
     previous = None  # read now: --out may be the --init-from directory

@@ -8,8 +8,12 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
+from treeserve.engine.c2t_classifier import C2TClassifier
+from treeserve.engine.drafters.loading import drafter_classifier_path
 from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
-from treeserve.engine.training.c2t_tune import DEFAULT_BETAS
+from treeserve.engine.factory import build_engine
+from treeserve.engine.training.c2t_tune import DEFAULT_BETAS, TUNING_PROMPTS, choose_beta, record_beta, sweep_betas
+from treeserve.engine.training.prompts import prompt_texts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,12 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from treeserve.engine.c2t_classifier import C2TClassifier
-    from treeserve.engine.drafters.loading import drafter_classifier_path
-    from treeserve.engine.factory import build_engine
-    from treeserve.engine.training.c2t_tune import TUNING_PROMPTS, choose_beta, record_beta, sweep_betas
-    from treeserve.engine.training.prompts import prompt_texts
 
     if not all(0.0 < b < 1.0 for b in args.betas):
         raise ValueError(f"--betas must lie in (0, 1), got {args.betas}")

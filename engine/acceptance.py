@@ -18,7 +18,7 @@ i.e. OPT-Tree's E(A) (which excludes the root and the bonus token) plus one. Use
 
 from __future__ import annotations
 
-from treeserve.engine.tree import TokenTree
+from .tree import TokenTree
 
 
 def expected_accepted_drafts(tree: TokenTree) -> float:

@@ -46,8 +46,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from treeserve.engine.hardware.profile import HardwareProfile
-from treeserve.engine.requests import StepRecord
+from .hardware.profile import HardwareProfile
+from .requests import StepRecord
 
 # 0 = no drafting this step: when even one draft token does not pay for itself, plain decoding wins.
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

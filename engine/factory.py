@@ -11,20 +11,20 @@ from dataclasses import replace
 
 import torch
 
-from treeserve.engine.hardware.profile import measure_profile
-from treeserve.engine.methods import DEFAULT_METHOD, split_method
-from treeserve.engine.tree_config import TreeConfig
-from treeserve.engine.drafters.base import AUTOREGRESSIVE
-from treeserve.engine.drafters.dtype_choice import AUTO as AUTO_DTYPE
-from treeserve.engine.drafters.loading import build_local_drafter
-from treeserve.engine.drafters.models.base import runner_forward
-from treeserve.engine.drafters.models.loading import target_feature_layers
-from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND, canonical_name, default_drafter
-from treeserve.engine.lookup import LookupSettings
-from treeserve.engine.speculative_engine import SpeculativeEngine
-from treeserve.engine.models.loading import LoadedModel, load_causal_lm
-from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.runners.step_settings import default_static_step
+from .drafters.base import AUTOREGRESSIVE
+from .drafters.dtype_choice import AUTO as AUTO_DTYPE
+from .drafters.loading import build_local_drafter
+from .drafters.models.base import runner_forward
+from .drafters.models.loading import target_feature_layers
+from .drafters.registry import AUTOREGRESSIVE_KIND, canonical_name, default_drafter
+from .hardware.profile import measure_profile
+from .lookup import LookupSettings
+from .methods import DEFAULT_METHOD, split_method
+from .models.loading import LoadedModel, load_causal_lm
+from .runners.step_settings import default_static_step
+from .runners.target import TargetRunner
+from .speculative_engine import SpeculativeEngine
+from .tree_config import TreeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from treeserve.engine.tree_config import TreeConfig
+from .tree_config import TreeConfig
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treeserve.engine.requests import SamplingParams
+from .requests import SamplingParams
 
 # Block length for the two-level selection helpers; common vocabularies (32000, 49152, 128256,
 # 151936) are multiples of it. Other sizes fall back to whole-row operations.

@@ -24,15 +24,15 @@ from typing import Iterable, Protocol
 
 import torch
 
-from treeserve.engine.builders import make_builder
-from treeserve.engine.tree_config import TreeConfig
-from treeserve.engine.drafters.base import AUTOREGRESSIVE, Drafter, DraftRequest, batch_size_bucket, root_only
-from treeserve.engine.models.loading import chat_ids, model_eos_ids
-from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
-from treeserve.engine.runners.target import ScoreRequest
-from treeserve.engine.step_recorder import StepRecorder
-from treeserve.engine.tree import TokenTree
-from treeserve.engine.verify import TargetDists, VerifyResult, check_verified, verify_tree
+from .builders import make_builder
+from .drafters.base import AUTOREGRESSIVE, Drafter, DraftRequest, batch_size_bucket, root_only
+from .models.loading import chat_ids, model_eos_ids
+from .requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
+from .runners.target import ScoreRequest
+from .step_recorder import StepRecorder
+from .tree import TokenTree
+from .tree_config import TreeConfig
+from .verify import TargetDists, VerifyResult, check_verified, verify_tree
 
 
 class Target(Protocol):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from treeserve.engine.drafters.base import Drafter
-from treeserve.engine.requests import StepRecord
-from treeserve.engine.tree import TokenTree
-from treeserve.engine.verify import VerifyResult
+from .drafters.base import Drafter
+from .requests import StepRecord
+from .tree import TokenTree
+from .verify import VerifyResult
 
 
 class Sequence(Protocol):

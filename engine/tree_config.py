@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from treeserve.engine.methods import DEFAULT_METHOD, METHODS
+from .methods import DEFAULT_METHOD, METHODS
 
 
 @dataclass

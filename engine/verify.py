@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treeserve.engine.sampling import ResidualRow
-from treeserve.engine.requests import SamplingParams
-from treeserve.engine.tree import ChildDraw, TokenTree
+from .requests import SamplingParams
+from .sampling import ResidualRow
+from .tree import ChildDraw, TokenTree
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,11 @@ from typing import Any, Callable
 
 import grpc
 
-from treeserve.services.config import ApiConfig, SecurityConfig
-from treeserve.services.internal_auth import deny_handler, metadata_value
-from treeserve.services.validation import RequestError, decode_generate_request
 from treeserve.v1 import generation_pb2 as gen
+from .config import ApiConfig, SecurityConfig
+from .internal_auth import deny_handler, metadata_value
+from .transport.replica_server import ReplicaServer
+from .validation import RequestError, decode_generate_request
 
 log = logging.getLogger("treeserve.api")
 
@@ -322,8 +323,6 @@ def start_api_server(router: Any, api: ApiConfig, security: SecurityConfig, port
     """Start the public API for `router` on its own thread and event loop (a ReplicaServer); returns it.
     With `api.http_port` (or `http_port`, 0 = any free port) the OpenAI-compatible HTTP API too (`server.http`).
     Raises ValueError (naming the field) when the TLS or token files are unusable."""
-    from treeserve.services.transport.replica_server import ReplicaServer
-
     credentials = server_credentials(security)
     interceptors = []
     if security.auth_token_file:
@@ -356,7 +355,9 @@ def start_api_server(router: Any, api: ApiConfig, security: SecurityConfig, port
     server.http = None
     if api.http_port is not None or http_port is not None:
         # The OpenAI-compatible HTTP API on the same loop, router, TLS files and tokens (services/openai_api.py).
-        from treeserve.services.openai_api import start_http_api
+        # Imported here: openai_api reads this module's request ids, token file and rejection log.
+        from .openai_api import start_http_api
+
 
         try:
             server.http = start_http_api(router, api, security, server.loop, port=http_port)

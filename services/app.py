@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from treeserve.services.config import AppConfig, ApplicationConfig, DeploymentConfig
+from .config import AppConfig, ApplicationConfig, DeploymentConfig
 
 # Replicas are tiny on the default CPU layout: 1 CPU each would deadlock three deployments on 2 cores.
 DEFAULT_ACTOR_OPTIONS = {"num_cpus": 0.5, "num_gpus": 0}
@@ -95,10 +95,10 @@ def _bind(args: Mapping[str, Any], overrides: dict[str, dict[str, Any]], interna
     replica as an init argument: through Ray's control plane, never over the replicas' own gRPC channels."""
     from ray import serve
 
-    from treeserve.services.drafter_service import DrafterReplica
-    from treeserve.services.internal_auth import generate_secret
-    from treeserve.services.router_replica import RouterReplica
-    from treeserve.services.target_service import TargetReplica
+    from .drafter_service import DrafterReplica
+    from .internal_auth import generate_secret
+    from .router_replica import RouterReplica
+    from .target_service import TargetReplica
 
     config = AppConfig.from_args(dict(args))
     args = dict(args)

@@ -46,6 +46,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from treeserve.engine.bench.greedy import TIE_GAP, GreedyCheck
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -179,7 +180,7 @@ def _grpc_session(address: str, prompts: list[list[int]], max_new_tokens: int, a
     """A context manager per client: its channel, yielding `call(record)` (one GenerateStream)."""
     import grpc
 
-    from treeserve.services.client import auth_metadata, open_channel
+    from .client import auth_metadata, open_channel
     from treeserve.v1 import generation_pb2 as gen
     from treeserve.v1 import generation_pb2_grpc as gen_grpc
 
@@ -315,8 +316,6 @@ def compare_text(check, reference: list[int], gaps: list[float], prefixes: list[
     (without a final stop token's, as the Router sends it) and its token count theirs; otherwise the divergence
     is at the first greedy token whose text the stream does not continue (allowed at a near-tie of its top-2
     logits), or the stream went on past greedy's end (a mismatch)."""
-    from treeserve.engine.bench.greedy import TIE_GAP
-
     check.compared += 1
     n = len(reference)
     if tokens == n and (text == prefixes[n] or (n and finish == "stop" and text == prefixes[n - 1])):
@@ -437,8 +436,6 @@ def measure(address: str, prompts: list[list[int]], references: list[tuple[list[
     in `stream_round`; `api` "openai" measures the HTTP API at `address` and needs `decode` (ids -> text, the
     target's tokenizer without special tokens) to compare its text with the references."""
     from tqdm import tqdm
-
-    from treeserve.engine.bench.greedy import GreedyCheck
 
     if max(concurrency) > len(prompts):
         raise ValueError(f"{max(concurrency)} streams need as many prompts, got {len(prompts)}")

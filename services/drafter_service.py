@@ -17,19 +17,22 @@ import time
 import grpc
 import torch
 
-from treeserve.engine.methods import DEFAULT_METHOD
-from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.base import Drafter, DraftRequest
+from treeserve.engine.drafters.loading import build_local_drafter
 from treeserve.engine.drafters.models.compatibility import detect_layout
 from treeserve.engine.drafters.registry import drafter_dir
-from treeserve.engine.runners.cached_lm import KVPoolExhausted
+from treeserve.engine.factory import parse_drafter_dtype, parse_dtype, tree_config
+from treeserve.engine.methods import DEFAULT_METHOD
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.models.target_parts import load_target_parts
+from treeserve.engine.runners.kv_pool import KVPoolExhausted, limit_gpu_memory
 from treeserve.engine.runners.step_settings import default_static_step
-from treeserve.services import wire
-from treeserve.services.features import FeatureStore, read_delta
-from treeserve.services.transport.replica import GrpcReplica, SessionClock
-from treeserve.services.transport.replica_server import Worker, limit_threads
-from treeserve.v1 import internal_pb2 as pb
-from treeserve.v1 import internal_pb2_grpc as pb_grpc
+from treeserve.engine.tree_config import TreeConfig
+from treeserve.v1 import internal_pb2 as pb, internal_pb2_grpc as pb_grpc
+from . import wire
+from .features import FeatureStore, read_delta
+from .transport.replica import GrpcReplica, SessionClock
+from .transport.replica_server import Worker, limit_threads
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
@@ -51,8 +54,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.run_ahead = run_ahead
     def _requests(self, message: pb.DraftRequest) -> list[tuple[DraftRequest, tuple[torch.Tensor, int] | None]]:
         """Each item as a DraftRequest (without its features) and its feature delta (rows, start), if any."""
-        from treeserve.engine.factory import tree_config
-
         out = []
         for item in message.items:
             if not item.context:
@@ -141,7 +142,7 @@ class DrafterReplica(GrpcReplica):
     def __init__(self, args: dict | None = None, drafter: Drafter | None = None, vocab_size: int | None = None,
                  internal_secret: str | None = None):
         limit_threads()
-        from treeserve.services.config import AppConfig
+        from .config import AppConfig
 
         config = AppConfig.from_args(args)
         if drafter is None:
@@ -158,10 +159,6 @@ def load_drafter_from_config(config) -> tuple[Drafter, int]:
     the whole target is loaded then; with a fixed budget only the parts a drafter borrows are (its config,
     embeddings, final norm and LM head: engine/models/target_parts.py), which is what lets a drafter replica
     sit beside a 70B tensor-parallel target on a share of one GPU."""
-    from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.drafters.loading import build_local_drafter
-    from treeserve.engine.factory import parse_drafter_dtype, parse_dtype
-    from treeserve.engine.runners.kv_pool import limit_gpu_memory
 
     dtype = parse_drafter_dtype(config.drafter.dtype)  # a dtype, or "auto": measured by build_local_drafter
     # The target's parts load in the target's dtype: budget "auto" times the target as the Target replica runs
@@ -171,8 +168,6 @@ def load_drafter_from_config(config) -> tuple[Drafter, int]:
     if config.speculation.budget == "auto":
         target = load_causal_lm(config.target.path, config.drafter.device, target_dtype).model
     else:
-        from treeserve.engine.models.target_parts import load_target_parts
-
         # A plain causal LM borrows nothing from the target but its config: the parts stay in host memory rather
         # than beside it on its GPU share while it loads (a 32B target's embeddings and LM head are 3 GB).
         parts_device = "cpu" if _plain_causal_lm(config.drafter.path) else config.drafter.device

@@ -16,6 +16,8 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from treeserve.engine.drafters.registry import SHIPPED, canonical_name, drafter_dir
+from .host_priority import REPLICA_SYSTEM_CONFIG, deprioritise_control_plane
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "local-cpu.yaml"
@@ -48,8 +50,8 @@ def api_address(args) -> str:
 def load_config(path: str | None, method: str | None = None, budget: str | None = None, target: str | None = None,
                 drafter: str | None = None, grpc_port: int | None = None, http_port: int | None = None):
     """The Serve config with command-line overrides applied and re-validated (`http_port` 0 turns the HTTP API off)."""
-    from treeserve.services.app import config_to_args
-    from treeserve.services.config import AppConfig, load_serve_config
+    from .app import config_to_args
+    from .config import AppConfig, load_serve_config
 
     config = load_serve_config(path) if path else load_serve_config({})
     args = config.app.args
@@ -82,8 +84,6 @@ def _int(value: str, name: str) -> int:
 
 def _check_models(args) -> None:
     """Fail before starting Ray when a model the config names cannot exist (replicas would crash-loop)."""
-    from treeserve.engine.drafters.registry import SHIPPED, canonical_name, drafter_dir
-
     if args.speculation.method != "autoregressive":
         name = canonical_name(args.drafter.path, args.drafter.kind)
         directory = drafter_dir(name)
@@ -109,7 +109,7 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
     import ray
     from ray import serve
 
-    from treeserve.services.app import build_app_from_config, config_to_args
+    from .app import build_app_from_config, config_to_args
 
     app = config.app
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -120,8 +120,6 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
     started = False
     try:
         if not ray.is_initialized():
-            from treeserve.services.host_priority import REPLICA_SYSTEM_CONFIG
-
             joining = ray_address is not None or bool(os.environ.get("RAY_ADDRESS"))
             local = not joining and control_plane_nice > 0
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=not quiet,
@@ -140,8 +138,6 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
         serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
                   route_prefix=app.route_prefix)
         if started:
-            from treeserve.services.host_priority import deprioritise_control_plane
-
             deprioritise_control_plane(control_plane_nice)
         service = Service(api_address(app.args), app.name, config, started)
         wait_until_ready(service.address, app.name, ready_timeout_s)

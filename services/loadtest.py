@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from treeserve.engine.dev_prompts import DEV_PROMPTS
+from treeserve.engine.requests import GenerationRequest
 
 MALFORMED_KINDS = ("garbage", "empty_prompt", "negative_temperature", "unknown_method", "token_out_of_vocab",
                    "too_many_new_tokens", "bad_top_p")
@@ -104,8 +105,6 @@ class Reference:
         return self.engine.encode_chat(text)
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        from treeserve.engine.requests import GenerationRequest
-
         return self.engine.generate([GenerationRequest(prompt, max_new_tokens=max_new_tokens)])[0].token_ids
 
     def top2_gap(self, ids: list[int]) -> float:
@@ -161,12 +160,12 @@ class LoadTest:
 
     # -------------------------------------------------------------- one request
     def _metadata(self) -> list[tuple[str, str]]:
-        from treeserve.services.client import auth_metadata
+        from .client import auth_metadata
 
         return auth_metadata(self.token)
 
     def _valid_request(self, out: Outcome):
-        from treeserve.services.validation import method_enum
+        from .validation import method_enum
         from treeserve.v1 import generation_pb2 as gen
 
         sampling = gen.SamplingParams()
@@ -280,7 +279,7 @@ class LoadTest:
         return out, self._valid_request(out)
 
     async def _worker(self, end: float) -> None:
-        from treeserve.services.client import open_channel
+        from .client import open_channel
         from treeserve.v1 import generation_pb2_grpc as gen_grpc
 
         async with open_channel(self.address, aio=True, **self.tls) as channel:

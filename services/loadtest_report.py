@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from treeserve.services.loadtest import LoadTest, percentile
+from .loadtest import LoadTest, percentile
 
 
 def report(test: LoadTest, wall_s: float) -> dict:

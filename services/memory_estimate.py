@@ -26,8 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, check_drafter, layout_from_config
+from treeserve.engine.drafters.registry import drafter_dir
 from treeserve.engine.runners.step_settings import default_static_step, static_step_bytes
-from treeserve.services.config import DTYPE_BYTES, AppConfig, ModelConfig, ModelFacts, ServeConfigFile, load_serve_config
+from .config import DTYPE_BYTES, AppConfig, ModelConfig, ModelFacts, ServeConfigFile, load_serve_config
 
 GIB = 1024**3
 # Tree nodes per step assumed for activations when the budget is "auto" (the GPU cost curve is flat
@@ -164,8 +166,6 @@ def shipped_drafter_facts(model: ModelConfig, role: str) -> ModelFacts | None:
     if role != "drafter" or model.path.startswith("/"):
         return None
     try:
-        from treeserve.engine.drafters.registry import drafter_dir
-
         config = drafter_dir(model.path, model.kind) / "config.json"
     except (ImportError, KeyError):
         return None
@@ -182,12 +182,9 @@ def feature_drafter_params(args: AppConfig) -> int | None:
     drafter, target = args.drafter, args.target.facts()
     if target is None:
         return None
-    from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, check_drafter, layout_from_config
 
     where = Path(drafter.path).expanduser()
     if drafter.path in ("eagle", "eagle3"):
-        from treeserve.engine.drafters.registry import drafter_dir
-
         where = drafter_dir(drafter.path)
     raw = None
     if not (where / "config.json").is_file():

@@ -51,11 +51,11 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from treeserve.services.api_server import REQUEST_ID_KEY, TokenFile, _FileWatch, log_rejection, request_id
-from treeserve.services.config import ApiConfig, SecurityConfig
-from treeserve.services.openai_request import INVALID, STATUS, TOO_LARGE, ApiError, Fields, error_body, param_of
-from treeserve.services.validation import RequestError
 from treeserve.v1 import generation_pb2 as gen
+from .api_server import REQUEST_ID_KEY, TokenFile, _FileWatch, log_rejection, request_id
+from .config import ApiConfig, SecurityConfig
+from .openai_request import INVALID, STATUS, TOO_LARGE, ApiError, Fields, error_body, param_of
+from .validation import RequestError
 
 log = logging.getLogger("treeserve.api")
 

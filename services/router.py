@@ -29,12 +29,13 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from treeserve.engine.speculative_engine import Sequence, SpeculativeEngine
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult
-from treeserve.services.config import LimitsConfig
-from treeserve.services.metrics import RouterMetrics
-from treeserve.services.validation import RequestError, RequestValidator, method_enum
+from treeserve.engine.speculative_engine import Sequence, SpeculativeEngine
 from treeserve.v1 import generation_pb2 as gen
+from .config import LimitsConfig
+from .metrics import RouterMetrics
+from .transport.pool import NoReplicaError, ReplicasFullError
+from .validation import RequestError, RequestValidator, method_enum
 
 log = logging.getLogger("treeserve.router")
 
@@ -221,7 +222,6 @@ class Router:
             except (Exception, asyncio.CancelledError) as exc:  # retried on other replicas already: fail the batch
                 if isinstance(exc, asyncio.CancelledError) and self._task is not None and self._task.cancelling():
                     raise  # the router is closing
-                from treeserve.services.transport.pool import NoReplicaError, ReplicasFullError
 
                 if isinstance(exc, ReplicasFullError):  # healthy replicas without room: over capacity
                     log.warning("step refused for %d sequences: %s", len(batch), exc)

@@ -15,11 +15,19 @@ from typing import Any
 
 from treeserve.engine import chat_templates
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
+from treeserve.engine.factory import tree_config
 from treeserve.engine.models.loading import model_eos_ids, read_generation_config, resolve_model_dir
 from treeserve.engine.speculative_engine import SpeculativeEngine
-from treeserve.services.metrics import RouterMetrics
-from treeserve.services.router import Router
 from treeserve.v1 import generation_pb2 as gen
+from .api_server import start_api_server
+from .config import AppConfig
+from .internal_auth import registry_scope
+from .metrics import RouterMetrics
+from .router import Router
+from .transport.clients import RemoteDrafter, RemoteTarget
+from .transport.discovery import Registry, replica_identity, serve_discovery
+from .transport.pool import ReplicaPool
+from .transport.replica_server import limit_threads
 
 log = logging.getLogger("treeserve.router")
 
@@ -37,13 +45,6 @@ class RouterReplica(Router):
 
     def __init__(self, args: dict | None, drafter_handle: Any = None, target_handle: Any = None,
                  internal_secret: str | None = None, serve_api: bool = True):
-        from treeserve.engine.factory import tree_config
-        from treeserve.services.config import AppConfig
-        from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
-        from treeserve.services.transport.discovery import Registry, replica_identity, serve_discovery
-        from treeserve.services.transport.pool import ReplicaPool
-        from treeserve.services.transport.replica_server import limit_threads
-        from treeserve.services.internal_auth import registry_scope
         from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
         limit_threads()
@@ -81,8 +82,6 @@ class RouterReplica(Router):
         self.config = config
         self.api_server = None
         if serve_api:
-            from treeserve.services.api_server import start_api_server
-
             self.api_server = start_api_server(self, config.api, config.security)
             # The step loop and the replica clients live on the API server's loop, where requests arrive.
             asyncio.run_coroutine_threadsafe(self.start(), self.api_server.loop).result(30)

@@ -13,14 +13,17 @@ from typing import Any
 
 import grpc
 
-from treeserve.engine.runners.cached_lm import KVPoolExhausted
+from treeserve.engine.drafters.models.loading import target_feature_layers
+from treeserve.engine.factory import parse_dtype
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.runners.kv_pool import KVPoolExhausted, limit_gpu_memory
 from treeserve.engine.runners.step_settings import default_static_step
-from treeserve.services import wire
-from treeserve.services.features import FeaturesUnavailable, check_target_provides
-from treeserve.services.transport.replica import GrpcReplica, SessionClock
-from treeserve.services.transport.replica_server import Worker, limit_threads
-from treeserve.v1 import internal_pb2 as pb
-from treeserve.v1 import internal_pb2_grpc as pb_grpc
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.v1 import internal_pb2 as pb, internal_pb2_grpc as pb_grpc
+from . import wire
+from .features import FeaturesUnavailable, check_target_provides
+from .transport.replica import GrpcReplica, SessionClock
+from .transport.replica_server import Worker, limit_threads
 
 
 
@@ -92,7 +95,7 @@ class TargetReplica(GrpcReplica):
 
     def __init__(self, args: dict | None = None, runner: Any = None, internal_secret: str | None = None):
         limit_threads()
-        from treeserve.services.config import AppConfig
+        from .config import AppConfig
 
         config = AppConfig.from_args(args)
         self.runner = runner if runner is not None else load_target_from_config(config)
@@ -114,7 +117,6 @@ def load_target_from_config(config) -> Any:
     target = config.target
     # The KV pool is preallocated at start: max_sessions x max_context_tokens (treeserve memory-estimate).
     sessions = config.kv_sessions("target")
-    from treeserve.engine.drafters.models.loading import target_feature_layers
 
     # An EAGLE-3 drafter fuses several target layers: the Target returns exactly those with its scores (read
     # from the drafter's config.json alone; EAGLE-1/2 and other drafters: None, the final state).
@@ -123,16 +125,12 @@ def load_target_from_config(config) -> Any:
     static = default_static_step(target.device, target.cuda_graphs, target.graph_memory_mib, max_rows=sessions,
                                  fused_ops=target.fused_ops)
     if target.tensor_parallel_size > 1:
-        from treeserve.services.tp_target import TensorParallelTarget  # lazy: needs Ray and torch.distributed
+        from .tp_target import TensorParallelTarget  # lazy: needs Ray and torch.distributed
 
         return TensorParallelTarget(target.path, target.tensor_parallel_size, target.device, target.dtype,
                                     max_sessions=sessions, max_context_tokens=target.max_context_tokens,
                                     static=static,
                                     gpu_memory_fraction=target.gpu_memory_fraction, feature_layers=feature_layers)
-    from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.factory import parse_dtype
-    from treeserve.engine.runners.kv_pool import limit_gpu_memory
-    from treeserve.engine.runners.target import TargetRunner
 
     dtype = parse_dtype(target.dtype)
     limit_gpu_memory(target.device, target.gpu_memory_fraction)

@@ -48,8 +48,10 @@ from typing import Any
 import ray
 import torch
 
-from treeserve.engine.tp import check_tp_size
+from treeserve.engine.models.loading import resolve_model_dir
+from treeserve.engine.models.tp_loading import load_tp_shard
 from treeserve.engine.runners.step_settings import StaticStepSettings
+from treeserve.engine.tp import check_tp_size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,7 +129,6 @@ class _Rank:
         from torch.distributed.device_mesh import DeviceMesh
 
         from treeserve.engine.runners.target import TargetRunner
-        from treeserve.engine.models.tp_loading import load_tp_shard
 
         dev = torch.device(device)
         if dev.type != "cpu":
@@ -216,8 +217,6 @@ class TensorParallelTarget:
                  start_timeout_s: float = 600.0, step_timeout_s: float = 600.0,
                  health_timeout_s: float = 30.0, load_from_slices: bool = True):
         from transformers import AutoConfig
-
-        from treeserve.engine.models.loading import resolve_model_dir
 
         self.tensor_parallel_size = tensor_parallel_size
         self.device = str(device)

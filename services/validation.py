@@ -24,9 +24,9 @@ import grpc
 from treeserve.engine.chat_templates import chat_prompt_ids, special_token_strings  # noqa: F401 (re-exported)
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.methods import LOOKUP, split_method, with_lookup
-from treeserve.engine.requests import GenerationRequest
-from treeserve.engine.requests import SamplingParams
-from treeserve.services.config import METHODS, LimitsConfig
+from treeserve.engine.requests import GenerationRequest, SamplingParams
+from treeserve.engine.tree_config import TreeConfig
+from .config import METHODS, LimitsConfig
 
 MAX_BUDGET_TOKENS = 1024
 MAX_STOP_STRINGS = 16
@@ -160,7 +160,6 @@ class RequestValidator:
 
     def tree(self, method: str | None, budget_tokens: int = 0):
         """(per-request TreeConfig or None for the server default, method name)."""
-        from treeserve.engine.tree_config import TreeConfig
         from treeserve.engine.factory import tree_config
 
         if method is not None and method not in METHODS:

@@ -15,15 +15,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.base import DraftRequest
-from treeserve.engine.requests import StepRecord
+from treeserve.engine.requests import StepRecord, SamplingParams
 from treeserve.engine.runners.target import ScoreRequest
-from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import TokenTree
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.verify import SparseRows, TargetDists, VerifyResult
-from treeserve.services.features import decode_features, encode_features
 from treeserve.v1 import internal_pb2 as pb
+from .features import decode_features, encode_features
 
 DENSE_DTYPES = {"float32": pb.PROB_ENCODING_DENSE_FLOAT32, "float16": pb.PROB_ENCODING_DENSE_FLOAT16}
 

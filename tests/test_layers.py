@@ -1,32 +1,155 @@
-"""The layer rules (docs/design.md): engine/ is a plain library (no Ray, no gRPC, nothing of services/ or cli/),
-services/ never reaches up into the command layer cli/, and only cli/ parses command lines (argparse). Checked
-statically: every import statement of every module, those inside functions included, parsed with ast."""
+"""The layer rules (docs/design.md section 2), checked statically on every import statement of every module (those
+inside functions included, relative ones resolved), parsed with ast:
+
+- engine/ is a plain library (no Ray, no gRPC, nothing of services/ or cli/); services/ never reaches up into the
+  command layer cli/; only cli/ parses command lines (argparse).
+- Inside engine/, floors that import only downward (a floor may import its own floor and those below), and no
+  import cycle among its packages and top-level modules.
+- Inside engine/, imports of TreeServe's own modules sit at module level, except in the modules that must import
+  without torch (config validation and the CLI's options read them): those may reach a torch module inside the
+  function that needs it. Those modules really import without torch.
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"engine": "treeserve.engine", "services": "treeserve.services", "cli": "treeserve.cli"}
 # folder -> top-level modules / treeserve packages its code must not import
 FORBIDDEN = {
     "engine": ("treeserve.cli", "treeserve.services", "ray", "grpc", "argparse"),
     "services": ("treeserve.cli", "argparse"),
 }
+# The engine's floors, lowest first: a module's floor is that of its longest listed prefix (relative to engine/).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    # 0. settings and requests, torch-free: what the Serve config, the wire format and the CLI's options read
+    ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
+     "drafters.models.compatibility", "lookup", "lookup.session", "lookup.suffix_index", "lookup.shared_outputs",
+     "hardware.cost_curve"),
+    # 1. token trees, sampling, verification and the C2T classifier: pure functions over tensors
+    ("tree", "sampling", "verify", "acceptance", "c2t_classifier"),
+    # 2. models and the runners that keep their KV caches; what a step costs on this machine
+    ("tp", "models", "runners", "hardware"),
+    # 3. tree builders, copy-from-context trees, the budget chooser
+    ("builders", "lookup.trees", "budget"),
+    # 4. drafters
+    ("drafters",),
+    # 5. the engine and its factory
+    ("speculative_engine", "step_recorder", "factory"),
+    # 6. tools over the engine: the bench and the training loops
+    ("bench", "training"),
+)
+# Modules that import without torch although parts of them use it (a function-local import of a torch module of
+# TreeServe's, where the function needs it): the Serve config validates drafters and lookup settings with them,
+# and the CLI builds its options from them, in processes that never load a model.
+TORCH_FREE = ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
+              "drafters.models.compatibility", "lookup", "lookup.session", "hardware.cost_curve", "bench.options")
 
 
-def imported_modules(path: Path) -> list[tuple[int, str]]:
-    """(line, dotted module name) of every import in the file; `from treeserve import cli` counts as
-    treeserve.cli."""
+def module_name(path: Path, root: Path = ROOT) -> str:
+    folder, *rest = path.relative_to(root).with_suffix("").parts
+    rest = rest[:-1] if rest and rest[-1] == "__init__" else rest
+    return ".".join([PACKAGES[folder], *rest])
+
+
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str, bool]]:
+    """(line, dotted module name, inside a function) of every import in the file (a checkout's `root`), relative
+    ones resolved; `from treeserve import cli` counts as treeserve.cli."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    local = {id(node) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(f)}
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(tree):
+        inside = id(node) in local
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+            found += [(node.lineno, alias.name, inside) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            found.append((node.lineno, base, inside))
+            found += [(node.lineno, f"{base}.{alias.name}", inside) for alias in node.names]
+    return found
+
+
+def engine_modules() -> dict[str, Path]:
+    """Every engine module by its name relative to engine/ ("" for the package itself)."""
+    return {module_name(p).removeprefix("treeserve.engine").lstrip("."): p for p in sorted((ROOT / "engine").rglob("*.py"))}
+
+
+def floor_of(name: str) -> int:
+    best, floor = -1, -1
+    for level, prefixes in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                best, floor = len(prefix), level
+    return floor
+
+
+def engine_import_edges(module_level_only: bool = False) -> list[tuple[str, str, str]]:
+    """(importing module, imported engine module, "file:line") for every import of an engine module by an engine
+    module (only those at module level if asked); a `from package import name` counts as the package when `name`
+    is no module of it."""
+    modules = engine_modules()
+    edges = []
+    for source, path in modules.items():
+        for line, name, inside in imports(path):
+            if inside and module_level_only:
+                continue
+            if not name.startswith("treeserve.engine."):
+                continue
+            target = name.removeprefix("treeserve.engine.")
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            edge = (source, target, f"{path.relative_to(ROOT)}:{line}")
+            if target and target != source and edge not in edges:
+                edges.append(edge)
+    return edges
+
+
+def unit(name: str) -> str:
+    """The engine package or top-level module a module belongs to (what cycles are counted between)."""
+    return name.split(".")[0]
+
+
+def cycles(edges: list[tuple[str, str, str]]) -> list[list[str]]:
+    """Strongly connected components of more than one unit (Tarjan)."""
+    graph = defaultdict(set)
+    for source, target, _ in edges:
+        if unit(source) != unit(target):
+            graph[unit(source)].add(unit(target))
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
     return found
 
 
@@ -34,7 +157,7 @@ def violations(folder: str) -> list[str]:
     banned = FORBIDDEN[folder]
     return [f"{path.relative_to(ROOT)}:{line} imports {name}"
             for path in sorted((ROOT / folder).rglob("*.py"))
-            for line, name in imported_modules(path)
+            for line, name, _ in imports(path)
             if any(name == b or name.startswith(b + ".") for b in banned)]
 
 
@@ -43,9 +166,47 @@ def test_layers_import_only_downwards(folder):
     assert not violations(folder), "\n".join(violations(folder))
 
 
+def test_every_engine_module_has_a_floor():
+    assert not [name for name in engine_modules() if name and floor_of(name) < 0]
+
+
+def test_engine_floors_import_only_downwards():
+    """At module level: the torch-free modules' function-local imports of torch modules are the one exception."""
+    upward = [f"{where}: {source} (floor {floor_of(source)}) imports {target} (floor {floor_of(target)})"
+              for source, target, where in engine_import_edges(module_level_only=True)
+              if source and floor_of(target) > floor_of(source)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle_among_engine_packages():
+    assert cycles(engine_import_edges()) == []
+
+
+def test_engine_imports_its_own_modules_at_module_level():
+    lazy = [f"{path.relative_to(ROOT)}:{line} imports {name} inside a function"
+            for name_, path in engine_modules().items() if name_ not in TORCH_FREE
+            for line, name, inside in imports(path) if inside and name.startswith("treeserve.")]
+    assert not lazy, "\n".join(lazy)
+
+
+def test_torch_free_modules_import_without_torch():
+    names = [f"treeserve.engine.{name}" for name in TORCH_FREE]
+    code = (f"import sys\nfor name in {names!r}:\n    __import__(name)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_the_check_sees_every_import_form(tmp_path):
-    sample = tmp_path / "sample.py"
-    sample.write_text("import grpc.aio\nfrom ray import serve\nfrom treeserve import cli\n\n"
-                      "def lazy():\n    from treeserve.services.client import open_channel\n")
-    names = {name for _, name in imported_modules(sample)}
-    assert {"grpc.aio", "ray", "treeserve.cli", "treeserve.services.client"} <= names
+    sample = tmp_path / "engine" / "drafters" / "sample.py"
+    sample.parent.mkdir(parents=True)
+    sample.write_text("import grpc.aio\nfrom ray import serve\nfrom treeserve import cli\nfrom ..tree import TokenTree\n"
+                      "from . import registry\n\ndef lazy():\n    from treeserve.services.client import open_channel\n")
+    found = {(name, inside) for _, name, inside in imports(sample, tmp_path)}
+    assert {("grpc.aio", False), ("ray", False), ("treeserve.cli", False), ("treeserve.engine.tree.TokenTree", False),
+            ("treeserve.engine.drafters.registry", False), ("treeserve.services.client", True)} <= found
+
+
+def test_cycles_are_found():
+    edges = [("a.x", "b", ""), ("b", "c.y", ""), ("c.z", "a", ""), ("d", "a", "")]
+    assert cycles(edges) == [["a", "b", "c"]]

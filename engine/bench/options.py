@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from treeserve.engine.hardware.cost_curve import CostCurve  # torch-free
-from treeserve.engine.dev_prompts import DEV_PROMPTS
-from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
+from ..dev_prompts import DEV_PROMPTS
+from ..devices import check_device
+from ..drafters.registry import DEFAULT_DRAFTER  # torch-free
+from ..hardware.cost_curve import CostCurve  # torch-free
 
 DEFAULT_METHODS = ("autoregressive", "chain:4", "static:60", "eagle2:32", "dyspec:32", "dyspec_threshold:32",
                    "opt_tree:32", "c2t:32", "dyspec:auto", "opt_tree:auto", "c2t:auto", "lookup:auto",
@@ -73,7 +74,6 @@ class BenchOptions:
             raise ValueError("--peers run greedy Hugging Face generate: they need --temperature 0")
         if self.sweep_prompts < 0 or any(b < 1 for b in self.sweep_budgets):
             raise ValueError("--sweep-prompts must be >= 0 and --sweep-budgets >= 1")
-        from treeserve.engine.devices import check_device
 
         check_device(self.device)
         if self.cost_curve is not None:  # checked now, not after the timed runs that the projection follows

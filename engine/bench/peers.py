@@ -32,8 +32,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treeserve.engine.bench.options import PEER_SETS
-from treeserve.engine.models.hf_cache import cache_keyword
+from ..drafters.models.base import DrafterModel
+from ..drafters.models.loading import load_drafter
+from ..drafters.models.parallel import is_parallel_drafter
+from ..drafters.registry import drafter_dir
+from ..models.hf_cache import cache_keyword
+from .options import PEER_SETS
 
 PLD_TOKENS = 10  # prompt_lookup_num_tokens: transformers' documented example value, the one users copy
 
@@ -112,11 +116,6 @@ def hf_assistant(name: str, target_model):
     """An assistant model transformers' assisted generation can run, built from drafter `name`, or
     (None, reason) when it cannot run this drafter."""
     from transformers import LlamaForCausalLM, PreTrainedModel
-
-    from treeserve.engine.drafters.models.base import DrafterModel
-    from treeserve.engine.drafters.models.loading import load_drafter
-    from treeserve.engine.drafters.models.parallel import is_parallel_drafter
-    from treeserve.engine.drafters.registry import drafter_dir
 
     if is_parallel_drafter(drafter_dir(name)):
         return None, f"{name} is a parallel drafter (mask tokens; assisted generation feeds plain tokens)"

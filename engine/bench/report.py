@@ -7,8 +7,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from treeserve.engine.bench.projection import Measured, cost_source, load_layouts, projected_speedup
-from treeserve.engine.bench.runner import AR_KEY, HF_KEY
+from .projection import Measured, cost_source, load_layouts, projected_speedup
+from .runner import AR_KEY, HF_KEY
 
 
 @dataclass

@@ -13,13 +13,18 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from treeserve.engine.devices import device_name
-from treeserve.engine.bench.greedy import TIE_GAP, GreedyCheck, greedy_reference
-from treeserve.engine.bench.options import BenchOptions
-from treeserve.engine.bench.report import (MethodStats, category_table, label, measured_table, projection_rows,
-                                           projection_table, summarize, sweep_table)
-from treeserve.engine.bench.runner import (AR_KEY, HF_KEY, EngineRunner, entry_key, file_stem, parse_entry,
-                                           parse_method, spec_bench_answer)
+from ..dev_prompts import load_prompts
+from ..devices import device_name
+from ..factory import build_engine
+from ..models.loading import chat_ids, load_causal_lm
+from ..requests import GenerationRequest, SamplingParams
+from .greedy import TIE_GAP, GreedyCheck, greedy_reference
+from .options import BenchOptions
+from .peers import build_peers
+from .plots import mal_vs_candidates, write_plots
+from .report import (MethodStats, category_table, label, measured_table, projection_rows, projection_table, summarize,
+                     sweep_table)
+from .runner import AR_KEY, HF_KEY, EngineRunner, entry_key, file_stem, parse_entry, parse_method, spec_bench_answer
 
 # Not from the dev set: they only let each engine's budget chooser finish exploring before timing starts.
 WARMUP_PROMPTS = ["Describe how a bicycle works.", "Write a short letter thanking a friend for a gift.",
@@ -30,10 +35,6 @@ def budget_sweep(options: BenchOptions, target, rows: list[dict], sampling) -> l
     """Untimed: every `sweep_methods` builder at every `sweep_budgets` budget on `rows` (one run each) -> MAL
     and candidate tokens per step."""
     from tqdm import tqdm
-
-    from treeserve.engine.models.loading import chat_ids
-    from treeserve.engine.factory import build_engine
-    from treeserve.engine.requests import GenerationRequest
 
     pairs = [(m, b) for m in options.sweep_methods for b in options.sweep_budgets]
     for m, b in pairs:
@@ -62,8 +63,6 @@ def build_runners(options: BenchOptions, methods: list[tuple[str, int | str, str
                   sampling) -> tuple[dict, dict[str, MethodStats]]:
     """One runner and one statistics record per method entry (method, budget, drafter kind) and per peer, keyed
     alike."""
-    from treeserve.engine.bench.peers import build_peers
-    from treeserve.engine.factory import build_engine
 
     parallel_path = options.parallel_drafter
     runners = {}
@@ -96,10 +95,6 @@ def run_bench(options: BenchOptions) -> int:
     import torch
     from rich.console import Console
     from tqdm import tqdm
-
-    from treeserve.engine.dev_prompts import load_prompts
-    from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.requests import SamplingParams
 
     options.validate()
     torch.set_num_threads(options.threads)
@@ -191,8 +186,6 @@ def run_bench(options: BenchOptions) -> int:
     if options.json_out:  # written now and again after the sweep: the measured results never wait for it
         options.json_out.write_text(json.dumps(report, indent=1))
     if plot_dir is not None:
-        from treeserve.engine.bench.plots import mal_vs_candidates, write_plots
-
         plotted = [{"label": label(s), "speedup": s["speedup"], "category_speedups": s["category_speedups"]}
                    for s in summary if s["key"] != AR_KEY]
         for path in write_plots(plot_dir, plotted, [], choosers,

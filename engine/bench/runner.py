@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 import time
 
-from treeserve.engine.methods import AUTOREGRESSIVE, METHODS
+from ..methods import AUTOREGRESSIVE, METHODS
+from ..requests import GenerationRequest
+from .peers import Outcome
 
 # Every method the in-process bench runs: plain decoding and every TreeConfig method of the registry
 # (engine/methods.py; lookup and <builder>+lookup included).
@@ -61,8 +63,6 @@ def spec_bench_answer(row: dict, model_id: str, outcome) -> dict:
 
 def engine_outcome(result):
     """A TreeServe GenerationResult in the bench's common terms (peers.Outcome)."""
-    from treeserve.engine.bench.peers import Outcome
-
     steps = result.steps
     # A step's record counts every token it accepted; the answer keeps only max_new_tokens of them (or ends at
     # EOS), so the last step's count is clipped: accepted lengths sum to the tokens generated, as in MAL.
@@ -88,8 +88,6 @@ class EngineRunner:
         self.drafter_lm = engine.drafter.lm if engine.drafter is not None else None
 
     def generate(self, prompt: list[int], max_new_tokens: int):
-        from treeserve.engine.requests import GenerationRequest
-
         request = GenerationRequest(prompt, max_new_tokens=max_new_tokens, sampling=self.sampling, seed=0)
         if self.drafter_lm is None:
             return engine_outcome(self.engine.generate([request])[0])

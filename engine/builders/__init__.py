@@ -5,17 +5,17 @@ Budget always counts DRAFT nodes (the root, i.e. the last emitted token, exclude
 
 from __future__ import annotations
 
-from treeserve.engine.builders.base import DraftOracle, PartialTree, TreeBuilder
-from treeserve.engine.builders.c2t import C2TBuilder
-from treeserve.engine.builders.chain import C2TChainBuilder, ChainBuilder
-from treeserve.engine.builders.dyspec import DySpecBuilder, DySpecThresholdBuilder
-from treeserve.engine.builders.eagle2 import Eagle2Builder
-from treeserve.engine.builders.opt_tree import OptTreeBuilder
-from treeserve.engine.builders.static import StaticTreeBuilder, binary_tree, named_tree, sequoia_tree
-from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.lookup.trees import LookupTreeBuilder
-from treeserve.engine.methods import HYBRID_BUILDERS, LOOKUP, METHODS, split_method
-from treeserve.engine.tree_config import TreeConfig
+from ..c2t_classifier import C2TClassifier
+from ..lookup.trees import LookupTreeBuilder
+from ..methods import HYBRID_BUILDERS, LOOKUP, METHODS, split_method
+from ..tree_config import TreeConfig
+from .base import DraftOracle, PartialTree, TreeBuilder
+from .c2t import C2TBuilder
+from .chain import C2TChainBuilder, ChainBuilder
+from .dyspec import DySpecBuilder, DySpecThresholdBuilder
+from .eagle2 import Eagle2Builder
+from .opt_tree import OptTreeBuilder
+from .static import StaticTreeBuilder, binary_tree, named_tree, sequoia_tree
 
 
 def _classifier(config: TreeConfig, default: C2TClassifier | None) -> C2TClassifier:

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.sampling import sample_row, topk_rows
-from treeserve.engine.requests import SamplingParams
-from treeserve.engine.tree import ChildDraw, TokenTree
+from ..c2t_classifier import top_entropy
+from ..requests import SamplingParams
+from ..sampling import sample_row, topk_rows
+from ..tree import ChildDraw, TokenTree
 
 
 @dataclass

@@ -20,10 +20,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive
-from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.requests import SamplingParams
-from treeserve.engine.tree import TokenTree
+from ..c2t_classifier import C2TClassifier
+from ..requests import SamplingParams
+from ..tree import TokenTree
+from .base import DraftOracle, PartialTree, check_open_unit, check_positive
 
 
 @dataclass

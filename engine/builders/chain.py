@@ -22,11 +22,11 @@ from typing import ClassVar
 
 import torch
 
-from treeserve.engine.builders.base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
-from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
-from treeserve.engine.sampling import sample_row
-from treeserve.engine.requests import SamplingParams
-from treeserve.engine.tree import ChildDraw, TokenTree
+from ..c2t_classifier import C2TClassifier, c2t_features
+from ..requests import SamplingParams
+from ..sampling import sample_row
+from ..tree import ChildDraw, TokenTree
+from .base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
 
 
 @dataclass

@@ -32,17 +32,10 @@ from typing import ClassVar
 
 import torch
 
-from treeserve.engine.builders.base import (
-    DraftOracle,
-    PartialTree,
-    UniformStream,
-    check_open_unit,
-    check_positive,
-    safe_log,
-)
-from treeserve.engine.sampling import ResidualRow
-from treeserve.engine.requests import SamplingParams
-from treeserve.engine.tree import ChildDraw, TokenTree
+from ..requests import SamplingParams
+from ..sampling import ResidualRow
+from ..tree import ChildDraw, TokenTree
+from .base import DraftOracle, PartialTree, UniformStream, check_open_unit, check_positive, safe_log
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive
-from treeserve.engine.requests import SamplingParams
-from treeserve.engine.tree import TokenTree
+from ..requests import SamplingParams
+from ..tree import TokenTree
+from .base import DraftOracle, PartialTree, check_positive
 
 
 @dataclass

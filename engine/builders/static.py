@@ -14,9 +14,9 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from treeserve.engine.builders.base import DraftOracle, PartialTree, check_positive, safe_log
-from treeserve.engine.requests import SamplingParams
-from treeserve.engine.tree import ChildDraw, TokenTree
+from ..requests import SamplingParams
+from ..tree import ChildDraw, TokenTree
+from .base import DraftOracle, PartialTree, check_positive, safe_log
 
 Path = tuple[int, ...]
 

@@ -20,23 +20,22 @@ from dataclasses import replace
 
 import torch
 
-from treeserve.engine.budget import BudgetChooser, allocate_copies
-from treeserve.engine.builders import make_builder
-from treeserve.engine.methods import LOOKUP, split_method
-from treeserve.engine.tree_config import TreeConfig
-from treeserve.engine.builders.base import check_positive
-from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.drafters.base import AUTOREGRESSIVE, DrafterBase, DraftRequest, batch_size_bucket, root_only
-from treeserve.engine.drafters.batched_c2t_chains import draft_c2t_chains
-from treeserve.engine.drafters.model_runner import DrafterRunner
-from treeserve.engine.drafters.registry import AUTOREGRESSIVE_KIND
-from treeserve.engine.drafters.run_ahead import (BONUS_CANDIDATES, GUESSES, TREE_SPAN, AheadTree, OffsetOracle,
-                                                 RunAheadStore, likely_path)
-from treeserve.engine.lookup import LookupSession, LookupSettings, LookupSources
-from treeserve.engine.lookup.trees import lookup_chain, merge_chains, plan_lookup
-from treeserve.engine.drafters.hybrid_oracle import HybridOracle, head_index
-from treeserve.engine.requests import StepRecord
-from treeserve.engine.tree import TokenTree
+from ..budget import BudgetChooser, allocate_copies
+from ..builders import make_builder
+from ..builders.base import check_positive
+from ..c2t_classifier import C2TClassifier
+from ..lookup import LookupSession, LookupSettings, LookupSources
+from ..lookup.trees import lookup_chain, merge_chains, plan_lookup
+from ..methods import LOOKUP, split_method
+from ..requests import StepRecord
+from ..tree import TokenTree
+from ..tree_config import TreeConfig
+from .base import AUTOREGRESSIVE, DrafterBase, DraftRequest, batch_size_bucket, root_only
+from .batched_c2t_chains import draft_c2t_chains
+from .hybrid_oracle import HybridOracle, head_index
+from .model_runner import DrafterRunner
+from .registry import AUTOREGRESSIVE_KIND
+from .run_ahead import BONUS_CANDIDATES, GUESSES, TREE_SPAN, AheadTree, OffsetOracle, RunAheadStore, likely_path
 
 
 # Batched steps explore only chain depths predicted within this share of the best prediction (and plain decoding),

@@ -20,15 +20,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from treeserve.engine.tree_config import TreeConfig
-from treeserve.engine.methods import AUTOREGRESSIVE
-from treeserve.engine.requests import StepRecord
-from treeserve.engine.requests import SamplingParams
-from treeserve.engine.tree import TokenTree
+from ..methods import AUTOREGRESSIVE
+from ..requests import StepRecord, SamplingParams
+from ..tree import TokenTree
+from ..tree_config import TreeConfig
 
 if TYPE_CHECKING:  # type names only: the runners import torch models this module does not need
-    from treeserve.engine.budget import BudgetChooser
-    from treeserve.engine.runners.cached_lm import CachedLM
+    from ..budget import BudgetChooser
+    from ..runners.cached_lm import CachedLM
 
 __all__ = ["AUTOREGRESSIVE", "Drafter", "DrafterBase", "DraftRequest", "batch_size_bucket", "root_only"]
 

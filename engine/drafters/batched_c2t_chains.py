@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features
-from treeserve.engine.drafters.model_runner import DrafterRunner, SessionOracle
-from treeserve.engine.tree import ChildDraw, TokenTree
+from ..c2t_classifier import C2TClassifier, c2t_features
+from ..tree import ChildDraw, TokenTree
+from .model_runner import DrafterRunner, SessionOracle
 
 
 def draft_c2t_chains(drafter: DrafterRunner, oracles: list[SessionOracle], roots: list[int],

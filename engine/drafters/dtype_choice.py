@@ -21,8 +21,9 @@ from typing import Callable
 
 import torch
 
-from treeserve.engine.hardware.profile import machine_key, time_drafter_step
-from treeserve.engine.drafters.models.base import runner_forward
+from ..hardware.profile import machine_key, time_drafter_step
+from ..models.loading import cache_root
+from .models.base import runner_forward
 
 AUTO = "auto"
 FRONTIER_NODES = 4  # nodes per drafter forward in a typical CPU tree (docs/performance.md: ~4 per step)
@@ -39,8 +40,6 @@ def fastest_dtype(load: Callable[[torch.dtype], torch.nn.Module], device: str, t
     """The dtype among `candidate_dtypes(target_dtype)` whose drafter step (`FRONTIER_NODES` nodes) is fastest
     on this machine, and the drafter in it; `load(dtype)` gives the drafter in a dtype (each dtype is loaded at
     most once). Measured once per drafter and machine."""
-    from treeserve.engine.models.loading import cache_root
-
     candidates = candidate_dtypes(target_dtype)
     loaded = {candidates[0]: load(candidates[0])}
     if len(candidates) == 1:

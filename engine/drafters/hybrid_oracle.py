@@ -9,13 +9,13 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from treeserve.engine.builders.base import DraftOracle, RowSummary
-from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.lookup.session import LookupSession
-from treeserve.engine.lookup.suffix_index import LookupRow, LookupState
-from treeserve.engine.lookup.trees import LookupPlan, plan_lookup
-from treeserve.engine.sampling import topk_rows
-from treeserve.engine.tree import Source
+from ..builders.base import DraftOracle, RowSummary
+from ..c2t_classifier import top_entropy
+from ..lookup.session import LookupSession
+from ..lookup.suffix_index import LookupRow, LookupState
+from ..lookup.trees import LookupPlan, plan_lookup
+from ..sampling import topk_rows
+from ..tree import Source
 
 
 class _Node:
@@ -182,7 +182,7 @@ class HybridOracle(DraftOracle):
     def _head_rows(self, tokens, parents, nodes: list[int]):  # type: ignore[no-untyped-def]
         """([n, V_draft] copies of the model's head rows, its runner) for a SessionOracle, else None; records
         each node's model top-1 (for BOTH labels)."""
-        from treeserve.engine.drafters.model_runner import SessionOracle
+        from .model_runner import SessionOracle
 
         model = self.model
         if not isinstance(model, SessionOracle):

@@ -11,16 +11,22 @@ from pathlib import Path
 
 import torch
 
-from treeserve.engine.budget import BudgetChooser
-from treeserve.engine.hardware.profile import measure_profile
-from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.drafters.base import DrafterBase
-from treeserve.engine.drafters.dtype_choice import AUTO, fastest_dtype
-from treeserve.engine.drafters.models.base import runner_forward
-from treeserve.engine.drafters.registry import KINDS, PARALLEL_KIND, canonical_name, drafter_dir, kind_of
-from treeserve.engine.lookup import LookupSettings
-from treeserve.engine.runners.step_settings import StaticStepSettings
+from ..budget import BudgetChooser
+from ..c2t_classifier import C2TClassifier
+from ..hardware.profile import measure_profile
+from ..lookup import LookupSettings
+from ..runners.step_settings import StaticStepSettings
+from .autoregressive import LocalDrafter
+from .base import DrafterBase
+from .dtype_choice import AUTO, fastest_dtype
+from .model_runner import DrafterRunner
+from .models.base import runner_forward
+from .models.loading import load_drafter, load_parallel_drafter
+from .parallel import ParallelTreeDrafter
+from .registry import AUTOREGRESSIVE_KIND, PARALLEL_KIND, canonical_name, drafter_dir, kind_of
 
+# The class that drafts with each kind the registry names.
+DRAFTER_CLASSES: dict[str, type[DrafterBase]] = {AUTOREGRESSIVE_KIND: LocalDrafter, PARALLEL_KIND: ParallelTreeDrafter}
 C2T_CLASSIFIER_FILE = "c2t.safetensors"  # a drafter directory's own C2T classifier (trained on its trees)
 
 
@@ -79,10 +85,7 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     profile` file of this target and device instead of measuring it."""
     drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
     kind = kind_of(drafter_path, drafter_kind)
-    drafter_class = KINDS[kind].load_class()
     target_dtype = target_dtype or next(target.parameters()).dtype
-    from treeserve.engine.drafters.models.loading import load_drafter, load_parallel_drafter
-
     load = load_parallel_drafter if kind == PARALLEL_KIND else load_drafter
     if dtype == AUTO:
         dtype, model = fastest_dtype(lambda candidate: load(drafter_path, target, device, candidate), device,
@@ -92,9 +95,7 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     else:
         raise ValueError(f"drafter dtype must be a torch dtype or {AUTO!r}, got {dtype!r}")
     chooser = _chooser(budget, target, model, device, target_dtype, dtype, static, cost_curve)
-    if kind == PARALLEL_KIND:  # ParallelTreeDrafter
-        return drafter_class(model, target.config.vocab_size, device, dtype, budget=chooser, static=static)
-    from treeserve.engine.drafters.model_runner import DrafterRunner  # LocalDrafter
-
-    return drafter_class(DrafterRunner(model, target.config.vocab_size, device, dtype, static=static),
+    if kind == PARALLEL_KIND:
+        return ParallelTreeDrafter(model, target.config.vocab_size, device, dtype, budget=chooser, static=static)
+    return LocalDrafter(DrafterRunner(model, target.config.vocab_size, device, dtype, static=static),
                          classifier=load_classifier(classifier_path, drafter_path), budget=chooser, lookup=lookup)

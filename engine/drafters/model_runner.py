@@ -28,13 +28,13 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from treeserve.engine.builders.base import DraftOracle, RowSummary
-from treeserve.engine.c2t_classifier import top_entropy
-from treeserve.engine.drafters.models.base import DrafterModelFacts, runner_forward
-from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
-from treeserve.engine.runners.step_settings import StaticStepSettings
-from treeserve.engine.sampling import sample_row, topk_rows, warp_probs
-from treeserve.engine.requests import SamplingParams
+from ..builders.base import DraftOracle, RowSummary
+from ..c2t_classifier import top_entropy
+from ..requests import SamplingParams
+from ..runners.cached_lm import CachedLM, ExtendRequest
+from ..runners.step_settings import StaticStepSettings
+from ..sampling import sample_row, topk_rows, warp_probs
+from .models.base import DrafterModelFacts, runner_forward
 
 
 def _timed(method):

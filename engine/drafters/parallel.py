@@ -24,15 +24,16 @@ import time
 import torch
 from torch import Tensor
 
-from treeserve.engine.tree_config import TreeConfig
-from treeserve.engine.drafters.base import AUTOREGRESSIVE, DrafterBase, DraftRequest, root_only
-from treeserve.engine.drafters.parallel_tree_search import ParallelTreeSearch, search_for_config
-from treeserve.engine.drafters.registry import PARALLEL_KIND
-from treeserve.engine.requests import StepRecord
-from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
-from treeserve.engine.runners.step_settings import StaticStepSettings
-from treeserve.engine.sampling import warp_probs
-from treeserve.engine.tree import TokenTree
+from ..requests import StepRecord
+from ..runners.cached_lm import CachedLM, ExtendRequest
+from ..runners.step_settings import StaticStepSettings
+from ..sampling import warp_probs
+from ..tree import TokenTree
+from ..tree_config import TreeConfig
+from .base import AUTOREGRESSIVE, DrafterBase, DraftRequest, root_only
+from .models.parallel import mask_ids
+from .parallel_tree_search import ParallelTreeSearch, search_for_config
+from .registry import PARALLEL_KIND
 
 
 class ParallelTreeDrafter(DrafterBase):
@@ -45,8 +46,6 @@ class ParallelTreeDrafter(DrafterBase):
                  batch_chain_min_joint: float = 0.1, static: StaticStepSettings | None = None):
         """`static`: run the drafter model's forwards as the static-shape step (engine/runners/static_step.py;
         CUDA graphs on a GPU): its trunk through the lean decoder between the model's `lean_ends()`."""
-        from treeserve.engine.drafters.models.parallel import mask_ids
-
         self.lm = CachedLM(model, device, dtype, max_sessions, static=static, drafter=model.runner_forward())
         self.vocab_size = target_vocab_size
         self.num_masks = int(model.num_masks)

@@ -25,9 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from treeserve.engine.tree_config import TreeConfig
-from treeserve.engine.builders.static import named_tree
-from treeserve.engine.tree import ChildDraw, TokenTree
+from ..builders.static import named_tree
+from ..tree import ChildDraw, TokenTree
+from ..tree_config import TreeConfig
 
 Path = tuple[int, ...]
 

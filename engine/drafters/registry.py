@@ -1,4 +1,5 @@
-"""The drafter registry: which drafter kinds exist, which class drafts for each, and the shipped drafters' names.
+"""The drafter registry: which drafter kinds exist and the shipped drafters' names (engine/drafters/loading.py
+maps a kind to the class that drafts with it).
 
 A drafter is chosen by two settings: its `kind` (how it drafts: "autoregressive" = one drafter forward per tree
 depth, `LocalDrafter`; "parallel" = all depths from one forward, ParallelSpec's `ParallelTreeDrafter`) and its
@@ -20,7 +21,8 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+
+from .models.compatibility import LAYOUT_NAMES, detect_layout, read_config
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +32,11 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 DEPRECATED_NAME = "default"
 
 
-def _local_drafter() -> type:
-    from treeserve.engine.drafters.autoregressive import LocalDrafter
-
-    return LocalDrafter
-
-
-def _parallel_tree_drafter() -> type:
-    from treeserve.engine.drafters.parallel import ParallelTreeDrafter
-
-    return ParallelTreeDrafter
-
-
 @dataclass(frozen=True)
 class DrafterKind:
     """One way of drafting."""
 
     name: str  # what `drafter.kind` and `--drafter-kind` say
-    load_class: Callable[[], type]  # its Drafter class, imported on use (this module stays torch-free)
     layouts: tuple[str, ...]  # drafter directory layouts it drafts with (compatibility.detect_layout)
     default: str  # the shipped drafter an unset drafter path stands for under this kind
     deprecated_alias: str  # the shipped drafter the deprecated name "default" stands for under this kind
@@ -55,10 +44,10 @@ class DrafterKind:
 
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (
     # One drafter forward per tree depth: the distilled LM, EAGLE, EAGLE-3, published heads, any causal LM.
-    DrafterKind(AUTOREGRESSIVE_KIND, _local_drafter, ("restricted", "treeserve_eagle", "eagle3", "eagle", "causal_lm"),
+    DrafterKind(AUTOREGRESSIVE_KIND, ("restricted", "treeserve_eagle", "eagle3", "eagle", "causal_lm"),
                 "eagle3", "distilled"),
     # Every tree depth from one forward (ParallelSpec's [MASK] tokens).
-    DrafterKind(PARALLEL_KIND, _parallel_tree_drafter, ("parallel",), "parallel", "parallel"),
+    DrafterKind(PARALLEL_KIND, ("parallel",), "parallel", "parallel"),
 )}
 DRAFTER_KINDS = tuple(KINDS)
 DEFAULT_DRAFTER = KINDS[AUTOREGRESSIVE_KIND].default  # what the CLI, the Serve configs and the Helm chart draft with
@@ -129,8 +118,6 @@ def kind_of(path: str, kind: str | None = None) -> str:
     if name in SHIPPED:
         found, what = SHIPPED[name].kind, f'the shipped drafter "{name}"'
     else:
-        from treeserve.engine.drafters.models.compatibility import LAYOUT_NAMES, detect_layout, read_config
-
         directory = Path(name).expanduser()
         raw = read_config(directory)
         if raw is None:

@@ -28,8 +28,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from treeserve.engine.builders.base import DraftOracle, RowSummary
-from treeserve.engine.tree import TokenTree
+from ..builders.base import DraftOracle, RowSummary
+from ..tree import TokenTree
 
 
 GUESSES = 2  # accepted lengths guessed per step: the whole likely path, and the path without its last node

@@ -27,10 +27,10 @@ from typing import Callable
 
 import torch
 
-from treeserve.engine.hardware.cost_curve import CostCurve, ModelFacts
-from treeserve.engine.devices import device_name
-from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
-from treeserve.engine.runners.step_settings import StaticStepSettings
+from ..devices import device_name
+from ..runners.cached_lm import CachedLM, ExtendRequest
+from ..runners.step_settings import StaticStepSettings
+from .cost_curve import CostCurve, ModelFacts
 
 DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_BATCHES = (1,)

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from treeserve.engine.hardware.cost_curve import CostCurve, interpolate_ms
-from treeserve.engine.devices import device_name
-from treeserve.engine.models.attention import GROUPED_ATTENTION
-from treeserve.engine.models.loading import cache_root
-from treeserve.engine.models.packed_linear import LAYOUT_VERSION
-from treeserve.engine.runners.cached_lm import CachedLM, DrafterForward, ExtendRequest
-from treeserve.engine.runners.step_settings import StaticStepSettings
+from ..devices import device_name
+from ..models.attention import GROUPED_ATTENTION
+from ..models.loading import cache_root
+from ..models.packed_linear import LAYOUT_VERSION
+from ..runners.cached_lm import CachedLM, DrafterForward, ExtendRequest
+from ..runners.step_settings import StaticStepSettings
+from .cost_curve import CostCurve, interpolate_ms
 
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 

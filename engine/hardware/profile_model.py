@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from treeserve.engine.hardware.cost_curve import ModelFacts
-from treeserve.engine.models.loading import load_causal_lm
-from treeserve.engine.tp import check_tp_size
+from ..models.loading import load_causal_lm
+from ..tp import check_tp_size
+from .cost_curve import ModelFacts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The presets' config facts (one folder per model: config.json), read from the checkout.

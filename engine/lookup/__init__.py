@@ -41,10 +41,10 @@ torch): import the trees from `lookup.trees`. The mixing oracle drives a drafter
 drafters (engine/drafters/hybrid_oracle.py).
 """
 
-from treeserve.engine.lookup.session import (MATCH_BUCKETS, PRIOR_HIT, PRIORS, LookupSession, LookupSettings,
-                                             LookupSources, LookupStats, match_bucket)
-from treeserve.engine.lookup.shared_outputs import SharedOutputs
-from treeserve.engine.lookup.suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
+from .session import (MATCH_BUCKETS, PRIOR_HIT, PRIORS, LookupSession, LookupSettings, LookupSources, LookupStats,
+                      match_bucket)
+from .shared_outputs import SharedOutputs
+from .suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
 
 __all__ = [
     "MATCH_BUCKETS", "PRIOR_HIT", "PRIORS", "NO_MATCH", "SEPARATOR", "LookupRow", "LookupSession", "LookupSettings",

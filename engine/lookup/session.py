@@ -9,8 +9,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from treeserve.engine.lookup.shared_outputs import SharedOutputs
-from treeserve.engine.lookup.suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
+from .shared_outputs import SharedOutputs
+from .suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
 
 # Lower edges of the match-length buckets the calibration keeps, and the probability each starts from that
 # the target's next token is one of the candidates (rising with the match length, as prompt lookup's n-gram

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from treeserve.engine.lookup.suffix_index import SEPARATOR, SuffixIndex
+from .suffix_index import SEPARATOR, SuffixIndex
 
 
 class SharedOutputs:

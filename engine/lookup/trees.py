@@ -10,8 +10,8 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from treeserve.engine.lookup.session import LookupSession
-from treeserve.engine.tree import ChildDraw, Source, TokenTree
+from ..tree import ChildDraw, Source, TokenTree
+from .session import LookupSession
 
 
 @dataclass

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from treeserve.engine import chat_templates
-from treeserve.engine.chat_templates import chat_prompt_ids
+from .. import chat_templates
+from ..chat_templates import chat_prompt_ids
 
 # Never touch a hub, even when a caller passes something that looks like a hub id.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -14,6 +14,8 @@ import os
 
 import torch
 from torch import nn
+from .loading import load_causal_lm, resolve_model_dir
+from .tp_loading import _checkpoint_files
 
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
@@ -51,9 +53,6 @@ def load_target_parts(path: str | os.PathLike, device: str = "cpu", dtype: torch
     """The target's config, embeddings, final norm and LM head (the embeddings again when tied), read alone."""
     from safetensors import safe_open
     from transformers import AutoConfig
-
-    from treeserve.engine.models.loading import load_causal_lm, resolve_model_dir
-    from treeserve.engine.models.tp_loading import _checkpoint_files
 
     model_dir = resolve_model_dir(path)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)

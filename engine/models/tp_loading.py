@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from treeserve.engine.tp import apply_tp, check_tp_size, placements_for, tp_plan_for
+from ..tp import apply_tp, check_tp_size, placements_for, tp_plan_for
+from .loading import load_causal_lm, resolve_model_dir
 
 
 @dataclass
@@ -78,8 +79,6 @@ def load_tp_shard(path, device_mesh, device: str | torch.device = "cpu",
 
     `from_slices=False` forces the fallback (full `load_causal_lm`, then `apply_tp` on the built model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from treeserve.engine.models.loading import load_causal_lm, resolve_model_dir
 
     start = time.perf_counter()
     model_dir = resolve_model_dir(path)

@@ -47,19 +47,15 @@ import torch
 from torch import Tensor
 
 # An EAGLE model reads parent features; a drafter model declares its lean decoder's embedding and head.
-from treeserve.engine.models.attention import attention_for, use_attention
-from treeserve.engine.models.hf_cache import cache_argument
-from treeserve.engine.models.packed_linear import use_fast_cpu_linears
-from treeserve.engine.runners.lean_decoder import (LeanEnds, decoder_parts, head_forward, lean_forward,
-                                                   unsupported_reason)
-from treeserve.engine.runners.row_groups import DEFAULT_FORWARD_OVERHEAD, RowShape, row_groups
-from treeserve.engine.runners.static_step import RowInput, StaticStep
-from treeserve.engine.runners.step_settings import StaticStepSettings
-from treeserve.engine.tree import ancestor_mask
-
-
-class KVPoolExhausted(RuntimeError):
-    """A step needs more KV rows or slots than the bounded pool holds (the servicers: RESOURCE_EXHAUSTED)."""
+from ..models.attention import attention_for, use_attention
+from ..models.hf_cache import cache_argument
+from ..models.packed_linear import use_fast_cpu_linears
+from ..tree import ancestor_mask
+from .kv_pool import KVPool, KVPoolExhausted, PoolCache
+from .lean_decoder import LeanEnds, decoder_parts, head_forward, lean_forward, unsupported_reason
+from .row_groups import DEFAULT_FORWARD_OVERHEAD, RowShape, row_groups
+from .static_step import RowInput, StaticStep
+from .step_settings import StaticStepSettings
 
 
 @dataclass
@@ -157,8 +153,6 @@ class CachedLM:
     def bound(self, max_sessions: int, max_context_tokens: int | None = None) -> None:
         """Size the KV pool: `max_sessions` rows; with `max_context_tokens`, a bounded pool of that many slots
         per row (preallocated by the next forward, see `warm_up`). Drops every session."""
-        from treeserve.engine.runners.kv_pool import KVPool  # imports transformers: only where a model runs
-
         scratch_rows = 0
         if self.static_settings is not None:
             scratch_rows = 1
@@ -324,8 +318,6 @@ class CachedLM:
     @torch.inference_mode()
     def _forward(self, requests: list[ExtendRequest], hidden: bool) -> list[ExtendOutput]:
         """One model forward over `requests` (each session at most once, every row fits the pool)."""
-        from treeserve.engine.runners.kv_pool import PoolCache
-
         # Batch rows follow pool rows, so consecutive sessions read their KV as a view of the pool.
         order = sorted(range(len(requests)), key=lambda i: self.sessions[requests[i].session_id].row)
         caches = [self.sessions[requests[i].session_id] for i in order]

@@ -30,7 +30,11 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from treeserve.engine.runners.cached_lm import KVPoolExhausted  # defined there: importable without transformers
+
+
+class KVPoolExhausted(RuntimeError):
+    """A step needs more KV rows or slots than the bounded pool holds (the servicers: RESOURCE_EXHAUSTED)."""
+
 
 
 class KVPool:

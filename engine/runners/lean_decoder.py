@@ -36,9 +36,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from treeserve.engine.models.attention import grouped_attention
-from treeserve.engine.models.hf_cache import cache_argument
-from treeserve.engine.runners.fused_ops import DecoderOps, cuda_ops, mlp_is_fusable, norm_is_fusable, rotate_half
+from ..models.attention import grouped_attention
+from ..models.hf_cache import cache_argument
+from .fused_ops import DecoderOps, cuda_ops, mlp_is_fusable, norm_is_fusable, rotate_half
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # rope tables that do not depend on the sequence

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from treeserve.engine.runners.lean_decoder import StepBuffers
-from treeserve.engine.runners.step_settings import StaticStepSettings
+from .lean_decoder import StepBuffers
+from .step_settings import StaticStepSettings
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
-from treeserve.engine.runners.step_settings import StaticStepSettings
-from treeserve.engine.sampling import warp_probs
-from treeserve.engine.requests import SamplingParams
-from treeserve.engine.tree import TokenTree
-from treeserve.engine.verify import TargetDists, verify_tree
+from ..requests import SamplingParams
+from ..sampling import warp_probs
+from ..tree import TokenTree
+from ..verify import TargetDists, verify_tree
+from .cached_lm import CachedLM, ExtendRequest
+from .step_settings import StaticStepSettings
 
 
 @dataclass

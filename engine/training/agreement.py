@@ -7,6 +7,8 @@ chain_acceptance.py adds the acceptance at deeper chain positions.
 """
 
 from __future__ import annotations
+from ..drafters.models.base import DrafterModel
+from .chain_acceptance import target_features
 
 
 def greedy_sequence(target, prompt_ids: list[int], max_new_tokens: int):
@@ -30,8 +32,6 @@ class Counts:
         target model, whose features an EAGLE drafter reads)."""
         import torch
 
-        from treeserve.engine.drafters.models.base import DrafterModel
-
         # TreeServe's drafter models declare their features and head; a plain causal LM reads neither.
         own = isinstance(drafter, DrafterModel)
         answer = sequence[prompt_len:]
@@ -39,7 +39,6 @@ class Counts:
         if own and drafter.reads_target_features:
             # EAGLE: every position reads the target's feature of the position before (the first token
             # of a draft tree, whose parent is the root, sees exactly this); EAGLE-3 fuses several layers.
-            from treeserve.engine.training.chain_acceptance import target_features
 
             features = drafter.project_target_features(target_features(target, drafter, sequence[:-1])[None])
             inputs["parent_features"] = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)

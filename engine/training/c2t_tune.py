@@ -27,6 +27,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from ..factory import tree_config
+from ..requests import GenerationRequest, SamplingParams
 
 TUNING_PROMPTS = (
     "Explain speculative decoding in simple terms.", "Write a short poem about the sea.",
@@ -85,8 +87,6 @@ def choose_beta(reference: SweepPoint, sweep: list[SweepPoint], candidate_fracti
 
 def measure(engine, prompts: list[list[int]], tree, max_new_tokens: int) -> tuple[float, float]:
     """(MAL, candidates per step) of greedy decoding of `prompts` with the per-request tree config `tree`."""
-    from treeserve.engine.requests import GenerationRequest
-    from treeserve.engine.requests import SamplingParams
 
     tokens = steps = candidates = 0
     for ids in prompts:
@@ -102,8 +102,6 @@ def sweep_betas(engine, prompts: list[list[int]], budget: int, cap: int, betas, 
     """(EAGLE-2 at `budget`, C2T capped at `cap` for every beta in ascending order) over greedy decoding of
     `prompts`."""
     from tqdm import tqdm
-
-    from treeserve.engine.factory import tree_config
 
     runs = [("eagle2", None)] + [("c2t", b) for b in sorted(set(betas))]
     points = []

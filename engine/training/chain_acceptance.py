@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeserve.engine.drafters.models.base import DrafterModel
+from ..drafters.models.base import DrafterModel
 
 
 @dataclass

@@ -29,11 +29,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from treeserve.engine.devices import device_name
-from treeserve.engine.models.hf_cache import cache_argument
-from treeserve.engine.models.loading import chat_ids
-from treeserve.engine.training import prompt_mix
-from treeserve.engine.training.prompts import clean_instruction
+from ..devices import device_name
+from ..models.hf_cache import cache_argument
+from ..models.loading import chat_ids
+from . import prompt_mix
+from .prompts import clean_instruction
 
 # Where the shipped drafters' corpus lives: committed chunk by chunk, so a later run (or session) resumes it.
 DEFAULT_CORPUS_DIR = Path(__file__).resolve().parent / "corpus_chunks" / "smollm2-135m-instruct-seed0"

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
-from treeserve.engine.training.batches import SequenceBatches
-from treeserve.engine.training.loop import (LoopSettings, StepLoss, holdout_split, run_training,
-                                            target_to_draft_map)
+from ..drafters.models.distilled import RestrictedVocabDrafter
+from .batches import SequenceBatches
+from .loop import LoopSettings, StepLoss, holdout_split, run_training, target_to_draft_map
 
 
 @dataclass

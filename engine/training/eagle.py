@@ -25,11 +25,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from treeserve.engine.drafters.models.eagle import EagleDrafter
-from treeserve.engine.training.batches import SequenceBatches
-from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions
-from treeserve.engine.training.loop import (LoopSettings, StepLoss, holdout_split, run_training,
-                                            target_to_draft_map)
+from ..drafters.models.eagle import EagleDrafter
+from .batches import SequenceBatches
+from .drafter import _sequences, choose_vocab, label_positions
+from .loop import LoopSettings, StepLoss, holdout_split, run_training, target_to_draft_map
 
 
 @dataclass

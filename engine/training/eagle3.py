@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
-from treeserve.engine.training.batches import SequenceBatches
-from treeserve.engine.training.loop import LoopSettings, StepLoss, growing_corpus_holdout, run_training
+from ..drafters.models.eagle3 import Eagle3Drafter
+from .batches import SequenceBatches
+from .loop import LoopSettings, StepLoss, growing_corpus_holdout, run_training
 
 
 @dataclass

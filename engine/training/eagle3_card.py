@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from treeserve.engine.drafters.models.eagle3 import feature_layers_from_config
+from ..dev_prompts import REPO_ROOT
+from ..drafters.models.eagle3 import feature_layers_from_config
+from ..drafters.registry import SHIPPED
 
 
 def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
@@ -113,7 +115,5 @@ def run_line(training: dict) -> str:
 def shipped_directory() -> str:
     """What a continued run's --init-from reads when the card is replayed: the directory the run before wrote
     (train-eagle3's default --out), whatever scratch directory the original run used."""
-    from treeserve.engine.dev_prompts import REPO_ROOT
-    from treeserve.engine.drafters.registry import SHIPPED
 
     return str(SHIPPED["eagle3"].directory.relative_to(REPO_ROOT))

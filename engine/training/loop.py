@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from treeserve.engine.training.batches import SequenceBatches, cosine_lr
+from .batches import SequenceBatches, cosine_lr
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from ..models.loading import portable_path
+from .eagle3_card import write_eagle3_card
 
 # Card fields that hold paths: written as names relative to the cache or the checkout (portable_path), never
 # as absolute paths of the machine a drafter was trained on.
@@ -14,8 +16,6 @@ CARD_PATH_KEYS = frozenset({"target", "data_path", "init_from", "init", "path"})
 
 def portable_card(card):
     """`card` with every CARD_PATH_KEYS string value made portable, at any depth."""
-    from treeserve.engine.models.loading import portable_path
-
     if isinstance(card, dict):
         return {k: portable_path(v) if k in CARD_PATH_KEYS and isinstance(v, str) else portable_card(v)
                 for k, v in card.items()}
@@ -52,8 +52,6 @@ def _reproduce(training: dict, eagle: bool) -> str:
 def write_drafter_card(directory: Path, agreement: dict, args, name: str = "distilled") -> Path:
     """README.md for the drafter in `directory` (`name`: how `--drafter` names it)."""
     if json.loads((directory / "config.json").read_text()).get("treeserve_drafter", {}).get("kind") == "eagle3":
-        from treeserve.engine.training.eagle3_card import write_eagle3_card
-
         return write_eagle3_card(directory, agreement, name)
     training = json.loads((directory / "training.json").read_text()) if (directory / "training.json").is_file() else {}
     config = json.loads((directory / "config.json").read_text())

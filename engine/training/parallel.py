@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from treeserve.engine.models.loading import chat_ids
-from treeserve.engine.drafters.models.parallel import ParallelDrafterModel
-from treeserve.engine.training.batches import SequenceBatches
-from treeserve.engine.training.drafter import _sequences, choose_vocab, label_positions, soft_targets
-from treeserve.engine.training.loop import (LoopSettings, StepLoss, holdout_split, run_training,
-                                            target_to_draft_map)
+from ..drafters.models.distilled import RestrictedVocabDrafter
+from ..drafters.models.parallel import ParallelDrafterModel
+from ..models.loading import chat_ids
+from .batches import SequenceBatches
+from .drafter import _sequences, choose_vocab, label_positions, soft_targets
+from .loop import LoopSettings, StepLoss, holdout_split, run_training, target_to_draft_map
 
 
 @dataclass
@@ -200,8 +200,6 @@ def train_parallel_drafter(target, data: dict[str, torch.Tensor], config: Parall
     k = config.num_masks
     if config.init_from:
         from pathlib import Path as _Path
-
-        from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 
         base = RestrictedVocabDrafter.load(_Path(config.init_from), target.get_input_embeddings().weight)
         model = ParallelDrafterModel.from_autoregressive(base, k, config.seed).train()

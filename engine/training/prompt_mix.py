@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from treeserve.engine.training import prompts as prompt_sources
+from . import prompts as prompt_sources
 
 SELF_INSTRUCT = "self_instruct"
 

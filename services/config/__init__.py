@@ -12,13 +12,12 @@ Serve config file around them), `serve_models` (the sections Ray Serve owns, as 
 `builder` and `fields` (mapping -> typed config, with field paths in every error).
 """
 
-from treeserve.services.config.models import DEFAULT_TARGET_FACTS, DTYPE_BYTES, DrafterConfig, ModelConfig, ModelFacts
-from treeserve.services.config.api import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, ApiConfig, SecurityConfig
-from treeserve.services.config.args import (AUTO_BUDGET_MAX_NODES, METHODS, AppConfig, InternalGrpcConfig, LimitsConfig,
-                                            SpeculationConfig)
-from treeserve.services.config.serve_models import TREESERVE_SERVICER
-from treeserve.services.config.serve_file import (DEPLOYMENT_NAMES, ApplicationConfig, DeploymentConfig, RuntimeEnv,
-                                                  ServeConfigFile, load_serve_config)
+from .api import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, ApiConfig, SecurityConfig
+from .args import AUTO_BUDGET_MAX_NODES, METHODS, AppConfig, InternalGrpcConfig, LimitsConfig, SpeculationConfig
+from .models import DEFAULT_TARGET_FACTS, DTYPE_BYTES, DrafterConfig, ModelConfig, ModelFacts
+from .serve_file import (DEPLOYMENT_NAMES, ApplicationConfig, DeploymentConfig, RuntimeEnv, ServeConfigFile,
+                         load_serve_config)
+from .serve_models import TREESERVE_SERVICER
 
 __all__ = ["AUTO_BUDGET_MAX_NODES", "ApiConfig", "AppConfig", "ApplicationConfig", "DEFAULT_MAX_REQUEST_BYTES",
            "DEFAULT_TARGET_FACTS", "DEPLOYMENT_NAMES", "DTYPE_BYTES", "DeploymentConfig", "DrafterConfig",

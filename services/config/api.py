@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from treeserve.services.config.fields import check_port, described
+from .fields import check_port, described
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024

@@ -9,12 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
+from treeserve.engine.chat_templates import missing_template_message, model_has_template
+from treeserve.engine.drafters.models.compatibility import check_drafter
+from treeserve.engine.drafters.registry import drafter_dir, is_shipped, kind_of
 from treeserve.engine.lookup import LookupSettings  # torch-free
 from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
-from treeserve.services.config.api import ApiConfig, SecurityConfig
-from treeserve.services.config.builder import build
-from treeserve.services.config.fields import check_positive, described
-from treeserve.services.config.models import DrafterConfig, ModelConfig
+from .api import ApiConfig, SecurityConfig
+from .builder import build
+from .fields import check_positive, described
+from .models import DrafterConfig, ModelConfig
 
 # Tree methods a request or config may name (engine/methods.py: builders, "lookup", "<builder>+lookup").
 METHODS = SERVED_METHODS
@@ -133,16 +136,12 @@ class AppConfig:
         model = Path(self.target.path).expanduser()
         if self.target.chat_template is None and self.target.path != "default" \
                 and (model / "tokenizer_config.json").is_file():
-            from treeserve.engine.chat_templates import missing_template_message, model_has_template
-
             if not model_has_template(model):
                 raise ValueError(f"{path}.target.chat_template: {missing_template_message(self.target.path)}")
 
     def _check_pair(self, path: str, base_dir: Optional[Path]) -> None:
         """The drafter must fit the target (vocabulary, hidden size, tokenizer, feature layers, weights): checked
         from the files where they are readable, else from both models' model_facts, before anything serves."""
-        from treeserve.engine.drafters.registry import drafter_dir, is_shipped, kind_of
-
         drafter = self.drafter
         try:  # drafter.kind picks the drafter class: the weights at drafter.path must be of that kind
             kind_of(drafter.path, drafter.kind)
@@ -164,7 +163,6 @@ class AppConfig:
             except (OSError, json.JSONDecodeError):
                 return  # ModelConfig._check reports an unreadable model_facts file
             where = None
-        from treeserve.engine.drafters.models.compatibility import check_drafter
 
         target_dir = Path(self.target.path).expanduser()
         facts = {**dataclasses.asdict(target), "_path": str(target_dir) if target_dir.is_dir() else None}

@@ -15,8 +15,8 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 import pydantic
 
-from treeserve.services.config.fields import join
-from treeserve.services.config.serve_models import build_serve_model
+from .fields import join
+from .serve_models import build_serve_model
 
 
 def build(cls: type, data: Any, path: str, base_dir: Optional[Path]) -> Any:

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from treeserve.services.config.fields import check_positive, check_positive_opt, described
+from treeserve.engine.chat_templates import check_setting, is_builtin_name
+from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, detect_layout
+from treeserve.engine.drafters.registry import default_drafter
+from .fields import check_positive, check_positive_opt, described
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -118,8 +121,6 @@ class ModelConfig:
         if self.model_facts and base_dir is not None and not Path(self.model_facts).is_absolute():
             self.model_facts = str(base_dir / self.model_facts)
         if self.chat_template is not None:
-            from treeserve.engine.chat_templates import check_setting, is_builtin_name
-
             try:
                 check_setting(self.chat_template)
             except ValueError as exc:
@@ -191,8 +192,6 @@ class DrafterConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         if self.path is None:
-            from treeserve.engine.drafters.registry import default_drafter
-
             self.path = default_drafter(self.kind)
 
     def _positions_unbounded(self) -> bool:
@@ -212,6 +211,5 @@ class DrafterConfig(ModelConfig):
         path = Path(self.path).expanduser()
         if not (path / "config.json").is_file():
             return False
-        from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, detect_layout
 
         return detect_layout(path) in FEATURE_LAYOUTS

@@ -14,11 +14,11 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 import yaml
 
-from treeserve.services.config.args import AppConfig
-from treeserve.services.config.builder import build
-from treeserve.services.config.fields import check_positive, described
-from treeserve.services.config.serve_models import (AutoscalingConfig, HTTPOptionsSchema, LoggingConfig, ProxyLocation,
-                                                    RayActorOptionsSchema, gRPCOptionsSchema, serve_default)
+from .args import AppConfig
+from .builder import build
+from .fields import check_positive, described
+from .serve_models import (AutoscalingConfig, HTTPOptionsSchema, LoggingConfig, ProxyLocation, RayActorOptionsSchema,
+                           gRPCOptionsSchema, serve_default)
 
 DEPLOYMENT_NAMES = ("Router", "Drafter", "Target")
 

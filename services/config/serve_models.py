@@ -17,7 +17,7 @@ import pydantic
 from ray.serve.config import AutoscalingConfig, ProxyLocation
 from ray.serve.schema import HTTPOptionsSchema, LoggingConfig, RayActorOptionsSchema, gRPCOptionsSchema
 
-from treeserve.services.config.fields import check_port, join
+from .fields import check_port, join
 
 __all__ = ["AutoscalingConfig", "HTTPOptionsSchema", "LoggingConfig", "ProxyLocation", "RayActorOptionsSchema",
            "TREESERVE_SERVICER", "build_serve_model", "gRPCOptionsSchema", "serve_default"]

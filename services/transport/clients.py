@@ -17,10 +17,10 @@ from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists
-from treeserve.services import wire
-from treeserve.services.features import FeatureDeltas
-from treeserve.services.transport.pool import GroupedCaller, LiveReplica, NoReplicaError, ReplicaPool, Retry
 from treeserve.v1 import internal_pb2 as pb
+from .. import wire
+from ..features import FeatureDeltas
+from .pool import GroupedCaller, LiveReplica, NoReplicaError, ReplicaPool, Retry
 
 log = logging.getLogger("treeserve.grpc")
 

@@ -28,11 +28,11 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-from treeserve.services.internal_auth import client_interceptors
-from treeserve.services.transport.bridge import LoopBridge
-from treeserve.services.transport.discovery import Discovery, Endpoint
-from treeserve.services.transport.replica_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from treeserve.v1 import internal_pb2 as pb
+from ..internal_auth import client_interceptors
+from .bridge import LoopBridge
+from .discovery import Discovery, Endpoint
+from .replica_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 log = logging.getLogger("treeserve.grpc")
 

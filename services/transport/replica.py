@@ -13,8 +13,9 @@ import logging
 import time
 from typing import Any, Callable, Iterable
 
-from treeserve.services.transport.discovery import Heartbeat, Registry, replica_identity
-from treeserve.services.transport.replica_server import ReplicaServer
+from ..internal_auth import registry_scope
+from .discovery import Heartbeat, Registry, replica_identity
+from .replica_server import ReplicaServer
 
 log = logging.getLogger("treeserve.replica")
 
@@ -70,8 +71,6 @@ class GrpcReplica:
     def _start_server(self, add_servicer, max_message_bytes: int, internal_secret: str | None) -> None:
         """Start the replica's gRPC server on this node's own address. Inside Serve the application secret is
         required: every internal rpc is authenticated with it (services/internal_auth.py)."""
-        from treeserve.services.internal_auth import registry_scope
-
         app, deployment, replica_id = replica_identity()
         if not internal_secret and Registry.available():
             raise ValueError(f"{deployment} replica started without the application's internal secret; build the "

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import grpc
+from ..internal_auth import InternalAuthInterceptor
 
 # Trees and distributions exceed grpcio's 4 MB default (args.grpc.max_message_bytes overrides it).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -94,8 +95,6 @@ class ReplicaServer:
         self._credentials = credentials
         self._interceptors = list(interceptors)
         if internal_secret:
-            from treeserve.services.internal_auth import InternalAuthInterceptor
-
             self._interceptors.insert(0, InternalAuthInterceptor(internal_secret, lambda: self.address))
         self._max_rpcs = maximum_concurrent_rpcs
         self.port = 0

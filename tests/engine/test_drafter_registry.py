@@ -4,17 +4,17 @@ import logging
 
 import pytest
 
+from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.drafters.loading import DRAFTER_CLASSES
+from treeserve.engine.drafters.parallel import ParallelTreeDrafter
 from treeserve.engine.drafters.registry import (DEFAULT_DRAFTER, KINDS, SHIPPED, canonical_name, default_drafter,
                                                 drafter_dir, kind_of)
 
 
 def test_every_kind_names_its_drafter_class():
-    from treeserve.engine.drafters.autoregressive import LocalDrafter
-    from treeserve.engine.drafters.parallel import ParallelTreeDrafter
-
-    assert KINDS["autoregressive"].load_class() is LocalDrafter
-    assert KINDS["parallel"].load_class() is ParallelTreeDrafter
-    assert {k.name for k in KINDS.values()} == {LocalDrafter.kind, ParallelTreeDrafter.kind}
+    assert DRAFTER_CLASSES["autoregressive"] is LocalDrafter
+    assert DRAFTER_CLASSES["parallel"] is ParallelTreeDrafter
+    assert set(DRAFTER_CLASSES) == set(KINDS) == {LocalDrafter.kind, ParallelTreeDrafter.kind}
 
 
 def test_shipped_names_and_their_kinds():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treeserve.engine.drafters.base import root_only
-from treeserve.engine.runners.cached_lm import KVPoolExhausted
+from treeserve.engine.runners.kv_pool import KVPoolExhausted
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.requests import SamplingParams
 from treeserve.engine.verify import TargetDists

@@ -27,8 +27,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from treeserve.engine.runners.cached_lm import DrafterForward
-from treeserve.engine.runners.lean_decoder import LeanEnds
+from ...models.loading import portable_path
+from ...runners.cached_lm import DrafterForward
+from ...runners.lean_decoder import LeanEnds
 
 DRAFTER_KEY = "treeserve_drafter"  # config.json card of the distilled, EAGLE and EAGLE-3 drafters
 _EMBED_KEY = "model.embed_tokens.weight"
@@ -167,8 +168,6 @@ class DrafterModelFacts:
 
 def save_without_embeddings(module: nn.Module, out_dir: Path, config: dict) -> None:
     """Write config.json and float16 weights, leaving out the target's shared input embeddings."""
-    from treeserve.engine.models.loading import portable_path
-
     out_dir.mkdir(parents=True, exist_ok=True)
     if "_name_or_path" in config:  # the target's directory: relative to the cache, not this machine's path
         config = {**config, "_name_or_path": portable_path(config["_name_or_path"])}

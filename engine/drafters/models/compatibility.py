@@ -101,7 +101,7 @@ def detect_layout(model_dir: Path, raw: Mapping[str, Any] | None = None) -> str:
         return "restricted"
     if kind == "eagle3":
         return "eagle3"
-    from treeserve.engine.drafters.models.published_eagle import is_published_eagle
+    from .published_eagle import is_published_eagle
 
     return "eagle" if is_published_eagle(model_dir) else "causal_lm"
 
@@ -179,7 +179,7 @@ def _layer_params(raw, q_in: int) -> int:
 
 
 def _eagle3(raw, vocab, hidden, layers) -> DrafterFacts:
-    from treeserve.engine.drafters.models.eagle3 import feature_layers_from_config, fit_problem
+    from .eagle3 import feature_layers_from_config, fit_problem
 
     problem = fit_problem(raw, vocab, hidden)  # the head's width, or another one naming the target's
     if problem:
@@ -307,7 +307,7 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
     config.layer_types = None
     with torch.device("meta"):
         if layout == "eagle3":
-            from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter, feature_layers_from_config
+            from .eagle3 import Eagle3Drafter, feature_layers_from_config
 
             config.bias = bool(raw.get("bias", False))
             draft = raw.get("draft_vocab_size") or vocab
@@ -316,7 +316,7 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
             # a head narrower than its target must hold embeddings of its own; one of its width may
             return {k: tuple(v.shape) for k, v in module.state_dict().items()
                     if k != "embed_tokens.weight" or module.own_embeddings}
-        from treeserve.engine.drafters.models.published_eagle import PublishedEagleDrafter, _published_name
+        from .published_eagle import PublishedEagleDrafter, _published_name
 
         module = PublishedEagleDrafter(config, vocab, bool(raw.get("bias", True)))
         return {_published_name(k): tuple(v.shape) for k, v in module.state_dict().items()
@@ -326,7 +326,7 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
 def _check_weights(model_dir: Path, raw, layout: str, vocab: int, hidden: int, layers: int) -> None:
     import torch
 
-    from treeserve.engine.drafters.models.published_eagle import weight_files
+    from .published_eagle import weight_files
 
     files = weight_files(model_dir)
     if not files:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treeserve.engine.drafters.models.base import DrafterModel, DrafterOutput
-from treeserve.engine.models.hf_cache import cache_argument, returned_cache
-from treeserve.engine.runners.lean_decoder import LeanEnds
+from ...models.hf_cache import cache_argument, returned_cache
+from ...runners.lean_decoder import LeanEnds
+from .base import DrafterModel, DrafterOutput
 
 RESTRICTED_KIND = "restricted_vocab"
 

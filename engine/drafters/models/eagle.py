@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treeserve.engine.drafters.models.base import DRAFTER_KEY, DrafterModel
-from treeserve.engine.models.hf_cache import cache_argument, returned_cache
+from ...models.hf_cache import cache_argument, returned_cache
+from .base import DRAFTER_KEY, DrafterModel
 
 EAGLE_KIND = "eagle"
 

@@ -50,9 +50,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from treeserve.engine.drafters.models.base import DRAFTER_KEY, DrafterModel
-from treeserve.engine.drafters.models.eagle import EagleOutput
-from treeserve.engine.models.attention import grouped_attention
+from ...models.attention import grouped_attention
+from .base import DRAFTER_KEY, DrafterModel
+from .eagle import EagleOutput
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 

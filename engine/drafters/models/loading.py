@@ -13,7 +13,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treeserve.engine.drafters.registry import PARALLEL_KIND, SHIPPED, canonical_name, drafter_dir
+from ...models.loading import load_model, resolve_model_dir
+from ..registry import PARALLEL_KIND, SHIPPED, canonical_name, drafter_dir
+from .compatibility import check_drafter, detect_layout
+from .distilled import RestrictedVocabDrafter
+from .eagle import EagleDrafter
+from .eagle3 import Eagle3Drafter, EAGLE3_ARCHITECTURE, feature_layers_from_config
+from .parallel import PARALLEL_KEY, ParallelDrafterModel, is_parallel_drafter
+from .published_eagle import PublishedEagleDrafter
 
 
 def _existing_dir(path: str, kind: str | None = None) -> Path:
@@ -40,11 +47,6 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
     layers, missing / unexpected / misshapen weights) is refused with a one-line ValueError naming both models,
     never loaded with random weights.
     """
-    from treeserve.engine.drafters.models.compatibility import check_drafter, detect_layout
-    from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
-    from treeserve.engine.drafters.models.eagle import EagleDrafter
-    from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
-    from treeserve.engine.models.loading import load_model, resolve_model_dir
 
     model_dir = resolve_model_dir(_existing_dir(path))
     target_dir = target.config._name_or_path or ""
@@ -60,8 +62,6 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
     if layout == "restricted":
         return RestrictedVocabDrafter.load(model_dir, embeddings, device, dtype)
     if layout == "eagle":
-        from treeserve.engine.drafters.models.published_eagle import PublishedEagleDrafter
-
         return PublishedEagleDrafter.load(model_dir, target, device, dtype, target_name=target_name)
     if layout == "parallel":
         raise ValueError(f"drafter {path} is a parallel drafter: set the drafter kind to parallel")
@@ -70,8 +70,6 @@ def load_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch
 
 def load_parallel_drafter(path: str, target: nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """Load a parallel drafter for `target`: "parallel" (the shipped one) or a directory."""
-    from treeserve.engine.drafters.models.parallel import PARALLEL_KEY, ParallelDrafterModel, is_parallel_drafter
-
     model_dir = _existing_dir(path, PARALLEL_KIND)
     if not is_parallel_drafter(model_dir):
         raise ValueError(f"{model_dir} is not a parallel drafter (no {PARALLEL_KEY} in config.json)")
@@ -83,8 +81,6 @@ def target_feature_layers(path: str, target_layers: int | None = None) -> tuple[
     EAGLE-1/2, which reads the final state). Read from config.json alone, so a Target replica knows what to
     return without loading the drafter; a head whose config names no layers reads EAGLE-3's default for a
     `target_layers`-layer target."""
-    from treeserve.engine.drafters.models.eagle3 import EAGLE3_ARCHITECTURE, feature_layers_from_config
-
     config = drafter_dir(path) / "config.json"
     if not config.is_file():
         return None

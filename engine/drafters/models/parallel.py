@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treeserve.engine.drafters.models.base import DrafterModel, DrafterOutput
-from treeserve.engine.models.hf_cache import cache_argument, returned_cache
-from treeserve.engine.runners.lean_decoder import LeanEnds
+from ...models.hf_cache import cache_argument, returned_cache
+from ...runners.lean_decoder import LeanEnds
+from .base import DrafterModel, DrafterOutput
 
 PARALLEL_KEY = "treeserve_parallel_drafter"
 DEFAULT_NUM_MASKS = 4

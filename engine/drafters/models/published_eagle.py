@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from treeserve.engine.drafters.models.eagle import EagleDrafter
+from .base import DRAFTER_KEY
+from .eagle import EagleDrafter
+from .eagle3 import EAGLE3_ARCHITECTURE
 
 # Keys every published EAGLE-1 head holds (layer 0); detection reads only the names.
 _SIGNATURE = ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")
@@ -74,8 +76,6 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def is_published_eagle(model_dir: Path) -> bool:
     """A directory in the published EAGLE-1/2 layout: a config.json that is not one of TreeServe's own drafters
     nor an EAGLE-3 head, beside weights named like cnets1's `Model` (`fc.*`, `layers.0.*`, no `model.` prefix)."""
-    from treeserve.engine.drafters.models.base import DRAFTER_KEY
-    from treeserve.engine.drafters.models.eagle3 import EAGLE3_ARCHITECTURE
 
     config = Path(model_dir) / "config.json"
     if not config.is_file():
