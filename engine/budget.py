@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 
 from .hardware.profile import HardwareProfile
 from .requests import StepRecord
+from .tree_config import CANDIDATE_BUDGETS
 
 # 0 = no drafting this step: when even one draft token does not pay for itself, plain decoding wins.
-CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 # A batched chooser abandons exploring a budget measured, over this many steps, below this share of plain decoding.

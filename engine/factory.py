@@ -7,8 +7,6 @@ chosen the same way everywhere.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from .drafters.base import AUTOREGRESSIVE
@@ -24,7 +22,7 @@ from .models.loading import LoadedModel, load_causal_lm
 from .runners.step_settings import default_static_step
 from .runners.target import TargetRunner
 from .speculative_engine import SpeculativeEngine
-from .tree_config import TreeConfig
+from .tree_config import tree_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,25 +40,6 @@ def parse_drafter_dtype(name: str) -> torch.dtype | str:
     if name not in DTYPES:
         raise ValueError(f"drafter dtype must be {AUTO_DTYPE!r} or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
-
-
-# C2T's own defaults (paper section 5.1: K = 15, up to 10 layers). The confidence threshold beta is the
-# classifier's own (C2TClassifier.beta, chosen per drafter; see c2t.json next to each shipped classifier).
-C2T_DEFAULTS = {"depth": 10, "top_k": 15}
-
-
-def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
-    """TreeConfig for `method`; an integer budget is fixed (for a chain: its length), "auto" leaves it
-    to the drafter's hardware-aware chooser."""
-    base = split_method(method)[0]  # "c2t+lookup" shapes its tree as "c2t" does
-    if base == "c2t":
-        overrides = {**C2T_DEFAULTS, **overrides}
-    config = TreeConfig(method=method, **overrides)
-    if isinstance(budget, int):
-        config = replace(config, budget=budget, depth=budget if base == "chain" else config.depth)
-    else:
-        config = replace(config, budget_auto=True)
-    return config
 
 
 def build_engine(target_path: str = "default", drafter_path: str | None = None, method: str = DEFAULT_METHOD,

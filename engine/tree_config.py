@@ -3,9 +3,9 @@ format read it; engine/builders' `make_builder` validates it into a builder)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .methods import DEFAULT_METHOD, METHODS
+from .methods import DEFAULT_METHOD, METHODS, split_method
 
 
 @dataclass
@@ -28,3 +28,25 @@ class TreeConfig:
     static_paths: tuple[tuple[int, ...], ...] | None = field(default=None, metadata={"help": "static: explicit rank paths; overrides static_tree"})
     acceptance_by_rank: tuple[float, ...] | None = field(default=None, metadata={"help": "static_tree='sequoia': measured acceptance probability of the r-th ranked child"})
     c2t_classifier_path: str | None = field(default=None, metadata={"help": "c2t / c2t_chain: safetensors weights; None uses the drafter's own classifier (make_builder's `classifier`), else a joint-probability prior"})
+
+
+# Every budget a hardware-aware chooser may pick for a step (engine/budget.py); 0 = a plain decoding step. The
+# largest bounds an auto budget's tree (KV slots a session must keep free for it: the Serve config's check).
+CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# C2T's own defaults (paper section 5.1: K = 15, up to 10 layers). The confidence threshold beta is the
+# classifier's own (C2TClassifier.beta, chosen per drafter; see c2t.json next to each shipped classifier).
+C2T_DEFAULTS = {"depth": 10, "top_k": 15}
+
+
+def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
+    """TreeConfig for `method`; an integer budget is fixed (for a chain: its length), "auto" leaves it
+    to the drafter's hardware-aware chooser."""
+    base = split_method(method)[0]  # "c2t+lookup" shapes its tree as "c2t" does
+    if base == "c2t":
+        overrides = {**C2T_DEFAULTS, **overrides}
+    config = TreeConfig(method=method, **overrides)
+    if isinstance(budget, int):
+        config = replace(config, budget=budget, depth=budget if base == "chain" else config.depth)
+    else:
+        config = replace(config, budget_auto=True)
+    return config

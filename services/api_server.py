@@ -31,46 +31,25 @@ max_ongoing_requests, so overload could not be refused at once. The Router repli
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
-import re
-import threading
-import time
-import uuid
-from pathlib import Path
 from typing import Any, Callable
 
 import grpc
 
 from treeserve.v1 import generation_pb2 as gen
+from .api_common import REQUEST_ID_KEY, FileWatch, TokenFile, log_rejection, read_secret, request_id
 from .config import ApiConfig, SecurityConfig
 from .internal_auth import deny_handler, metadata_value
+from .openai_api import start_http_api
 from .transport.replica_server import ReplicaServer
 from .validation import RequestError, decode_generate_request
 
 log = logging.getLogger("treeserve.api")
 
 SERVICE_NAME = "treeserve.v1.TreeServe"
-REQUEST_ID_KEY = "x-request-id"
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 # gRPC's own concurrent-rpc cap sits this far above limits.max_concurrent_requests: the router's check answers
 # first; this only bounds the work a flood of calls can cause.
 RPC_HEADROOM = 64
-
-
-def request_id(metadata: Any) -> str:
-    presented = metadata_value(metadata, REQUEST_ID_KEY)
-    if presented and _REQUEST_ID.fullmatch(presented):
-        return presented
-    return uuid.uuid4().hex[:16]
-
-
-def log_rejection(request_id_: str, code: grpc.StatusCode, reason: str, peer: str = "") -> None:
-    """The one log line of a rejected or failed request (no traceback: the client's error is not ours)."""
-    level = logging.ERROR if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else logging.WARNING
-    reason = reason if len(reason) <= 300 else reason[:300] + "..."
-    log.log(level, "request %s rejected: %s: %s%s", request_id_, code.name, reason, f" (peer {peer})" if peer else "")
 
 
 # ============================================================================================ the servicer
@@ -174,40 +153,6 @@ def add_public_api(servicer: RouterServicer, server) -> None:
 
 
 # ============================================================================================ credentials
-def _read(path: str, what: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"security.{what}: cannot read {path}: {exc.strerror or exc}") from None
-    if not data.strip():
-        raise ValueError(f"security.{what}: {path} is empty")
-    return data
-
-
-class _FileWatch:
-    """(mtime, size) of files, to notice a rotated secret."""
-
-    def __init__(self, *paths: str | None):
-        self.paths = [p for p in paths if p]
-        self.stamp = self._stamp()
-
-    def _stamp(self):
-        out = []
-        for p in self.paths:
-            try:
-                st = os.stat(p)
-                out.append((st.st_mtime_ns, st.st_size))
-            except OSError:
-                out.append(None)
-        return tuple(out)
-
-    def changed(self) -> bool:
-        stamp = self._stamp()
-        if stamp != self.stamp:
-            self.stamp = stamp
-            return True
-        return False
-
 
 def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
     """TLS server credentials from the configured files (None without TLS). Raises ValueError naming the field
@@ -218,9 +163,9 @@ def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | Non
     ca = security.tls_client_ca_file
 
     def load() -> grpc.ServerCertificateConfiguration:
-        key = _read(security.tls_key_file, "tls_key_file")
-        chain = _read(security.tls_cert_file, "tls_cert_file")
-        roots = _read(ca, "tls_client_ca_file") if ca else None
+        key = read_secret(security.tls_key_file, "tls_key_file")
+        chain = read_secret(security.tls_cert_file, "tls_cert_file")
+        roots = read_secret(ca, "tls_client_ca_file") if ca else None
         for data, what, marker in ((chain, "tls_cert_file", b"-----BEGIN CERTIFICATE-----"),
                                    (key, "tls_key_file", b"PRIVATE KEY-----")):
             if marker not in data:
@@ -228,7 +173,7 @@ def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | Non
         return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=roots)
 
     initial = load()
-    watch = _FileWatch(security.tls_cert_file, security.tls_key_file, ca)
+    watch = FileWatch(security.tls_cert_file, security.tls_key_file, ca)
 
     def fetch() -> grpc.ServerCertificateConfiguration | None:
         try:
@@ -241,56 +186,6 @@ def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | Non
         return None
 
     return grpc.dynamic_ssl_server_credentials(initial, fetch, require_client_authentication=bool(ca))
-
-
-class TokenFile:
-    """Accepted bearer tokens from a file (one per line, '#' comments and blank lines ignored), re-read when
-    the file changes (checked at most every `recheck_s`). An unreadable or empty file at start is an error; a
-    later bad rewrite keeps the previous tokens."""
-
-    def __init__(self, path: str, recheck_s: float = 1.0):
-        self.path = path
-        self.recheck_s = recheck_s
-        self._tokens = self._load()
-        self._watch = _FileWatch(path)
-        self._checked = time.monotonic()
-        self._lock = threading.Lock()
-
-    def _load(self) -> tuple[bytes, ...]:
-        text = _read(self.path, "auth_token_file").decode("utf-8", errors="strict")
-        tokens = []
-        for line in text.splitlines():
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            if any(c.isspace() for c in line) or not line.isprintable():
-                raise ValueError(f"security.auth_token_file: {self.path}: a token must be one word of printable "
-                                 "characters")
-            tokens.append(line.encode())
-        if not tokens:
-            raise ValueError(f"security.auth_token_file: {self.path} holds no token")
-        return tuple(tokens)
-
-    def tokens(self) -> tuple[bytes, ...]:
-        now = time.monotonic()
-        if now - self._checked >= self.recheck_s:
-            with self._lock:
-                self._checked = now
-                if self._watch.changed():
-                    try:
-                        self._tokens = self._load()
-                        log.info("bearer token file changed: %d token(s) accepted", len(self._tokens))
-                    except Exception as exc:
-                        log.error("bearer token file changed but cannot be used (%s); keeping the previous "
-                                  "tokens", exc)
-        return self._tokens
-
-    def accepts(self, presented: str) -> bool:
-        candidate = presented.encode()
-        ok = False
-        for token in self.tokens():  # compare with every token: the time taken says nothing about which matched
-            ok |= hmac.compare_digest(candidate, token)
-        return ok
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -355,9 +250,6 @@ def start_api_server(router: Any, api: ApiConfig, security: SecurityConfig, port
     server.http = None
     if api.http_port is not None or http_port is not None:
         # The OpenAI-compatible HTTP API on the same loop, router, TLS files and tokens (services/openai_api.py).
-        # Imported here: openai_api reads this module's request ids, token file and rejection log.
-        from .openai_api import start_http_api
-
 
         try:
             server.http = start_http_api(router, api, security, server.loop, port=http_port)

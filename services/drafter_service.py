@@ -21,13 +21,13 @@ from treeserve.engine.drafters.base import Drafter, DraftRequest
 from treeserve.engine.drafters.loading import build_local_drafter
 from treeserve.engine.drafters.models.compatibility import detect_layout
 from treeserve.engine.drafters.registry import drafter_dir
-from treeserve.engine.factory import parse_drafter_dtype, parse_dtype, tree_config
+from treeserve.engine.factory import parse_drafter_dtype, parse_dtype
 from treeserve.engine.methods import DEFAULT_METHOD
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.models.target_parts import load_target_parts
 from treeserve.engine.runners.kv_pool import KVPoolExhausted, limit_gpu_memory
 from treeserve.engine.runners.step_settings import default_static_step
-from treeserve.engine.tree_config import TreeConfig
+from treeserve.engine.tree_config import tree_config, TreeConfig
 from treeserve.v1 import internal_pb2 as pb, internal_pb2_grpc as pb_grpc
 from . import wire
 from .features import FeatureStore, read_delta

@@ -29,12 +29,12 @@ from pathlib import Path
 from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, check_drafter, layout_from_config
 from treeserve.engine.drafters.registry import drafter_dir
 from treeserve.engine.runners.step_settings import default_static_step, static_step_bytes
+from treeserve.engine.tree_config import CANDIDATE_BUDGETS
 from .config import DTYPE_BYTES, AppConfig, ModelConfig, ModelFacts, ServeConfigFile, load_serve_config
 
 GIB = 1024**3
-# Tree nodes per step assumed for activations when the budget is "auto" (the GPU cost curve is flat
-# up to about this many tokens, so "auto" rarely goes beyond it).
-AUTO_BUDGET_NODES = 64
+# Tree nodes per step assumed for activations when the budget is "auto": the largest budget the chooser tries.
+AUTO_BUDGET_NODES = max(CANDIDATE_BUDGETS)
 
 
 @dataclass

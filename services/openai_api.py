@@ -52,7 +52,7 @@ import grpc
 from aiohttp import web
 
 from treeserve.v1 import generation_pb2 as gen
-from .api_server import REQUEST_ID_KEY, TokenFile, _FileWatch, log_rejection, request_id
+from .api_common import REQUEST_ID_KEY, FileWatch, TokenFile, log_rejection, request_id
 from .config import ApiConfig, SecurityConfig
 from .openai_request import INVALID, STATUS, TOO_LARGE, ApiError, Fields, error_body, param_of
 from .validation import RequestError
@@ -346,7 +346,7 @@ def start_http_api(router: Any, api: ApiConfig, security: SecurityConfig, loop: 
 
 async def _reload_tls(context: ssl.SSLContext, security: SecurityConfig) -> None:
     """Rotated certificate files apply to new connections (a half-written rotation keeps the previous pair)."""
-    watch = _FileWatch(security.tls_cert_file, security.tls_key_file)
+    watch = FileWatch(security.tls_cert_file, security.tls_key_file)
     while True:
         await asyncio.sleep(1.0)
         if watch.changed():

@@ -15,10 +15,10 @@ from typing import Any
 
 from treeserve.engine import chat_templates
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
-from treeserve.engine.factory import tree_config
 from treeserve.engine.models.loading import model_eos_ids, read_generation_config, resolve_model_dir
 from treeserve.engine.speculative_engine import SpeculativeEngine
-from treeserve.v1 import generation_pb2 as gen
+from treeserve.engine.tree_config import tree_config
+from treeserve.v1 import generation_pb2 as gen, internal_pb2_grpc as pb_grpc
 from .api_server import start_api_server
 from .config import AppConfig
 from .internal_auth import registry_scope
@@ -45,8 +45,6 @@ class RouterReplica(Router):
 
     def __init__(self, args: dict | None, drafter_handle: Any = None, target_handle: Any = None,
                  internal_secret: str | None = None, serve_api: bool = True):
-        from treeserve.v1 import internal_pb2_grpc as pb_grpc
-
         limit_threads()
         config = AppConfig.from_args(args)
         if not internal_secret and Registry.available():

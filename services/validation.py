@@ -25,7 +25,8 @@ from treeserve.engine.chat_templates import chat_prompt_ids, special_token_strin
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.methods import LOOKUP, split_method, with_lookup
 from treeserve.engine.requests import GenerationRequest, SamplingParams
-from treeserve.engine.tree_config import TreeConfig
+from treeserve.engine.tree_config import TreeConfig, tree_config
+from treeserve.v1 import generation_pb2 as gen
 from .config import METHODS, LimitsConfig
 
 MAX_BUDGET_TOKENS = 1024
@@ -69,8 +70,6 @@ def decode_generate_request(payload: bytes):
     """The request message from its wire bytes; INVALID_ARGUMENT (never a parser class name) when the bytes are
     not a GenerateRequest: garbage, a truncated message, invalid UTF-8 in a string field."""
     from google.protobuf.message import DecodeError
-
-    from treeserve.v1 import generation_pb2 as gen
 
     try:
         return gen.GenerateRequest.FromString(payload)
@@ -160,8 +159,6 @@ class RequestValidator:
 
     def tree(self, method: str | None, budget_tokens: int = 0):
         """(per-request TreeConfig or None for the server default, method name)."""
-        from treeserve.engine.factory import tree_config
-
         if method is not None and method not in METHODS:
             raise RequestError(INVALID, f"speculation.method: unknown tree method {method!r} (known: "
                                         f"{', '.join(METHODS)})")
@@ -215,8 +212,6 @@ class RequestValidator:
     # -------------------------------------------------------------- gRPC adapter
     def from_proto(self, message) -> tuple[GenerationRequest, str]:
         """treeserve.v1.GenerateRequest -> (engine request, method name)."""
-        from treeserve.v1 import generation_pb2 as gen
-
         which = message.WhichOneof("prompt")
         if which is None:
             raise RequestError(INVALID, "prompt: set one of text, chat or token_ids")
@@ -237,8 +232,6 @@ class RequestValidator:
 
 
 def _method_names() -> dict[int, str]:
-    from treeserve.v1 import generation_pb2 as gen
-
     return {gen.TREE_METHOD_AUTOREGRESSIVE: "autoregressive", gen.TREE_METHOD_CHAIN: "chain",
             gen.TREE_METHOD_STATIC: "static", gen.TREE_METHOD_EAGLE2: "eagle2", gen.TREE_METHOD_DYSPEC: "dyspec",
             gen.TREE_METHOD_DYSPEC_THRESHOLD: "dyspec_threshold", gen.TREE_METHOD_OPT_TREE: "opt_tree",

@@ -5,9 +5,11 @@ inside functions included, relative ones resolved), parsed with ast:
   command layer cli/; only cli/ parses command lines (argparse).
 - Inside engine/, floors that import only downward (a floor may import its own floor and those below), and no
   import cycle among its packages and top-level modules.
-- Inside engine/, imports of TreeServe's own modules sit at module level, except in the modules that must import
-  without torch (config validation and the CLI's options read them): those may reach a torch module inside the
-  function that needs it. Those modules really import without torch.
+- TreeServe's own modules are imported at module level (in engine/, only its torch-free modules may import one
+  inside a function), except where the imported module brings one of the
+  optional heavy dependencies (HEAVY) that the importing module does without: the CLI's commands load torch or
+  Ray only when they run, config validation reads drafters and lookup settings without torch. The engine's
+  torch-free modules (TORCH_FREE) really import without torch.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # 6. tools over the engine: the bench and the training loops
     ("bench", "training"),
 )
+# The optional heavy dependencies: a module may import one of TreeServe's modules inside a function only when that
+# module brings one of these (at import, through its own module-level imports) and the importing one does not.
+# The generated gRPC stubs (treeserve.v1) count as grpc.
+HEAVY = ("torch", "transformers", "ray", "grpc", "numpy", "safetensors")
 # Modules that import without torch although parts of them use it (a function-local import of a torch module of
 # TreeServe's, where the function needs it): the Serve config validates drafters and lookup settings with them,
 # and the CLI builds its options from them, in processes that never load a model.
@@ -182,7 +188,74 @@ def test_no_import_cycle_among_engine_packages():
     assert cycles(engine_import_edges()) == []
 
 
+def all_modules() -> dict[str, Path]:
+    """Every module of engine/, services/ and cli/ by its dotted name."""
+    return {module_name(p): p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))}
+
+
+def heavy_closure(modules: dict[str, Path]) -> dict[str, frozenset[str]]:
+    """The HEAVY dependencies each module loads at import: its module-level imports, its packages' and those of
+    the TreeServe modules it imports, transitively."""
+    direct: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = {".".join(name.split(".")[:i]) for i in range(2, name.count(".") + 1)} - {name}
+        for _, imported, inside in imports(path):
+            top = imported.split(".")[0]
+            if inside:
+                continue
+            if imported.startswith("treeserve.v1"):
+                deps.add("!grpc")
+            elif top in HEAVY:
+                deps.add("!" + top)
+            elif imported.startswith("treeserve."):
+                while imported and imported not in modules:
+                    imported = imported.rpartition(".")[0]
+                if imported and imported != name:
+                    deps.add(imported)
+        direct[name] = deps
+    closure: dict[str, frozenset[str]] = {}
+
+    def visit(name: str, seen: frozenset[str]) -> frozenset[str]:
+        if name in closure:
+            return closure[name]
+        found = set()
+        for dep in direct.get(name, ()):
+            if dep.startswith("!"):
+                found.add(dep[1:])
+            elif dep not in seen:
+                found |= visit(dep, seen | {name})
+        if not seen:  # a partial result inside a cycle is not cached
+            closure[name] = frozenset(found)
+        return frozenset(found)
+
+    for name in modules:
+        visit(name, frozenset())
+    return closure
+
+
+def test_own_modules_are_imported_at_module_level():
+    """Unless the import is of an optional heavy dependency (HEAVY) the importing module does without."""
+    modules = all_modules()
+    heavy = heavy_closure(modules)
+    lazy = []
+    for name, path in modules.items():
+        for line, imported, inside in imports(path):
+            if not inside or not imported.startswith("treeserve."):
+                continue
+            brings = {"grpc"} if imported.startswith("treeserve.v1") else set()
+            target = imported
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target:
+                brings |= heavy[target]
+            if not brings - heavy[name]:
+                lazy.append(f"{path.relative_to(ROOT)}:{line} imports {imported} inside a function (it brings "
+                            f"nothing heavier than the module has: {sorted(heavy[name])})")
+    assert not lazy, "\n".join(sorted(set(lazy)))
+
+
 def test_engine_imports_its_own_modules_at_module_level():
+    """Stricter inside engine/: only the torch-free modules may import a module of the engine in a function."""
     lazy = [f"{path.relative_to(ROOT)}:{line} imports {name} inside a function"
             for name_, path in engine_modules().items() if name_ not in TORCH_FREE
             for line, name, inside in imports(path) if inside and name.startswith("treeserve.")]

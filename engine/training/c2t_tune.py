@@ -27,8 +27,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from ..factory import tree_config
 from ..requests import GenerationRequest, SamplingParams
+from ..tree_config import tree_config
 
 TUNING_PROMPTS = (
     "Explain speculative decoding in simple terms.", "Write a short poem about the sea.",

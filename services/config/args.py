@@ -14,6 +14,7 @@ from treeserve.engine.drafters.models.compatibility import check_drafter
 from treeserve.engine.drafters.registry import drafter_dir, is_shipped, kind_of
 from treeserve.engine.lookup import LookupSettings  # torch-free
 from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
+from treeserve.engine.tree_config import CANDIDATE_BUDGETS  # torch-free
 from .api import ApiConfig, SecurityConfig
 from .builder import build
 from .fields import check_positive, described
@@ -21,9 +22,9 @@ from .models import DrafterConfig, ModelConfig
 
 # Tree methods a request or config may name (engine/methods.py: builders, "lookup", "<builder>+lookup").
 METHODS = SERVED_METHODS
-# Tree nodes a step feeds at most when the budget is "auto" (the largest budget engine/budget.py's chooser
-# tries, plus the root): what a session's KV row needs beyond its prompt and answer.
-AUTO_BUDGET_MAX_NODES = 65
+# Tree nodes a step feeds at most when the budget is "auto" (the largest budget the chooser tries, plus the
+# root): what a session's KV row needs beyond its prompt and answer.
+AUTO_BUDGET_MAX_NODES = max(CANDIDATE_BUDGETS) + 1
 
 
 @dataclass

@@ -129,7 +129,7 @@ def test_write(tmp_path, capsys):
 
 def test_tree_room_matches_the_budget_chooser():
     """The config reserves room in every KV row for the largest tree budget "auto" can choose (plus the root)."""
-    from treeserve.engine.budget import CANDIDATE_BUDGETS
+    from treeserve.engine.tree_config import CANDIDATE_BUDGETS
     from treeserve.services.config import AUTO_BUDGET_MAX_NODES
 
     assert AUTO_BUDGET_MAX_NODES == max(CANDIDATE_BUDGETS) + 1

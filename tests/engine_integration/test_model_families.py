@@ -25,7 +25,8 @@ import torch
 from families import (FAMILIES, LLAMA3, LONG, QWEN25, QWEN_SYSTEM, STORY, drafted_trees, make_family_drafter,
                       make_family_model, pit_pvalue)
 from test_published_heads import HEADS, INTER, KV_HEADS, write_eagle3
-from treeserve.engine.factory import build_engine, tree_config
+from treeserve.engine.factory import build_engine
+from treeserve.engine.tree_config import tree_config
 from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
 from treeserve.engine.requests import SamplingParams

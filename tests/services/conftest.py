@@ -32,7 +32,7 @@ class TinyParts:
     def engine(self, method: str = "dyspec", budget: int = 8, max_context_tokens: int = 2048):
         from treeserve.engine.drafters.autoregressive import LocalDrafter
         from treeserve.engine.speculative_engine import SpeculativeEngine
-        from treeserve.engine.factory import tree_config
+        from treeserve.engine.tree_config import tree_config
         from treeserve.engine.drafters.model_runner import DrafterRunner
         from treeserve.engine.runners.target import TargetRunner
 

@@ -167,7 +167,7 @@ def test_drafter_replica_with_a_fixed_budget_loads_only_the_targets_parts(target
     from treeserve.engine.drafters.base import DraftRequest
     from treeserve.engine.models.target_parts import TargetParts, load_target_parts
     from treeserve.engine.drafters.loading import build_local_drafter
-    from treeserve.engine.factory import tree_config
+    from treeserve.engine.tree_config import tree_config
     from treeserve.engine.requests import SamplingParams
     from treeserve.services import drafter_service
     from treeserve.services.config import AppConfig

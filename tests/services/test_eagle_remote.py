@@ -18,7 +18,7 @@ from treeserve.engine.drafters.base import DraftRequest, root_only
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.drafters.models.loading import load_drafter
 from treeserve.engine.drafters.models.eagle import EagleDrafter
-from treeserve.engine.factory import tree_config
+from treeserve.engine.tree_config import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner

@@ -10,7 +10,7 @@ import torch
 
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
-from treeserve.engine.factory import tree_config
+from treeserve.engine.tree_config import tree_config
 from treeserve.engine.requests import GenerationRequest, StepRecord
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.tree import ChildDraw, Source, TokenTree

@@ -13,7 +13,7 @@ import pytest
 
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
-from treeserve.engine.factory import tree_config
+from treeserve.engine.tree_config import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner

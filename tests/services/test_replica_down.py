@@ -23,7 +23,7 @@ import torch
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.base import root_only
 from treeserve.engine.drafters.model_runner import DrafterRunner
-from treeserve.engine.factory import tree_config
+from treeserve.engine.tree_config import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
 from treeserve.engine.requests import SamplingParams

@@ -14,7 +14,7 @@ import pytest
 
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.model_runner import DrafterRunner
-from treeserve.engine.factory import tree_config
+from treeserve.engine.tree_config import tree_config
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.speculative_engine import SpeculativeEngine

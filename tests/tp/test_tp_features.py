@@ -101,7 +101,7 @@ def test_default_tp3_features_equal_tp1_in_float64(default_tp3_float64, default_
 def _engine(target, tokenizer, drafter):
     from treeserve.engine.drafters.autoregressive import LocalDrafter
     from treeserve.engine.speculative_engine import SpeculativeEngine
-    from treeserve.engine.factory import tree_config
+    from treeserve.engine.tree_config import tree_config
     from treeserve.engine.drafters.model_runner import DrafterRunner
 
     local = LocalDrafter(DrafterRunner(drafter, target.vocab_size))
@@ -140,7 +140,7 @@ def test_default_tp3_eagle_through_the_target_replica(default_tp3, default_pair)
 
     from treeserve.engine.drafters.autoregressive import LocalDrafter
     from treeserve.engine.speculative_engine import SpeculativeEngine
-    from treeserve.engine.factory import tree_config
+    from treeserve.engine.tree_config import tree_config
     from treeserve.engine.drafters.model_runner import DrafterRunner
     from treeserve.services.config import LimitsConfig
     from treeserve.services.drafter_service import DrafterServicer
