@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -88,6 +88,7 @@ def _float_host(tensor: Tensor) -> np.ndarray:
 # Largest ChildDraw / Source value (validation compares with them per tree; max() over an enum costs ~1 us).
 _MAX_DRAW = max(ChildDraw)
 _MAX_SOURCE = max(Source)
+_WITHOUT_REPLACEMENT = int(ChildDraw.WITHOUT_REPLACEMENT)
 
 
 def _ancestor_table(parents: np.ndarray) -> np.ndarray:
@@ -389,29 +390,20 @@ class TokenTree:
         return self._reindex(order_t)
 
     def select(self, keep_nodes: Tensor | Sequence[int]) -> "TokenTree":
-        """Sub-tree of the kept nodes (root implied), re-indexed in the old relative order.
+        """Sub-tree of the kept nodes (root implied), re-indexed in the old relative order; the kept set's rules
+        are `select_nodes`'."""
+        keep = _as_long("keep_nodes", keep_nodes).reshape(-1).tolist()
+        order, parents = select_nodes(self.parent_list, keep, self.child_draw_list)
+        return self._reindex(torch.tensor(order, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
-        The kept set must be closed under ancestors. Under a WITHOUT_REPLACEMENT parent it must keep
-        a prefix of the siblings: a later sibling was drawn from a residual that excludes the earlier
-        ones, so dropping an earlier one would make verification lossy.
-        """
-        keep = torch.zeros(self.num_nodes, dtype=torch.bool)
-        keep[_as_long("keep_nodes", keep_nodes)] = True
-        keep[0] = True
-        kept_parent_ok = keep[self.parents.clamp(min=0)] | (self.parents < 0)
-        if bool((keep & ~kept_parent_ok).any()):
-            raise ValueError("keep_nodes must be closed under ancestors")
-        for node in torch.nonzero(keep & (self.child_draw == ChildDraw.WITHOUT_REPLACEMENT)).flatten().tolist():
-            flags = keep[self._children[node]].tolist()
-            if flags and flags != sorted(flags, reverse=True):
-                raise ValueError("keep_nodes must keep a prefix of WITHOUT_REPLACEMENT siblings")
-        return self._reindex(torch.nonzero(keep).flatten())
-
-    def _reindex(self, order: Tensor) -> "TokenTree":
-        new_index = torch.full((self.num_nodes,), -1, dtype=torch.long)
-        new_index[order] = torch.arange(order.shape[0])
-        old_parents = self.parents[order]
-        parents = torch.where(old_parents >= 0, new_index[old_parents.clamp(min=0)], old_parents)
+    def _reindex(self, order: Tensor, parents: Tensor | None = None) -> "TokenTree":
+        """The tree of nodes `order` (a topological order of some nodes, the root first); `parents`: their
+        parents re-indexed, if the caller has them."""
+        if parents is None:
+            new_index = torch.full((self.num_nodes,), -1, dtype=torch.long)
+            new_index[order] = torch.arange(order.shape[0])
+            old_parents = self.parents[order]
+            parents = torch.where(old_parents >= 0, new_index[old_parents.clamp(min=0)], old_parents)
         probs, rows = self.__dict__["_draft_probs"], self.draft_rows
         if probs is not None and rows is not None:
             # Keep only the rows the kept nodes refer to, so the payload shrinks with the tree.
@@ -427,6 +419,39 @@ class TokenTree:
         sources = None if self.sources is None else self.sources[order]
         return TokenTree._trusted(self.tokens[order], parents, self.child_draw[order], self.log_joint[order], probs, rows,
                                   sources)
+
+
+def select_nodes(parents: Sequence[int], keep: Iterable[int],
+                 child_draw: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Which nodes a sub-tree keeps, the one statement of it (`TokenTree.select`, and builders'
+    `PartialTree.finish` on their own lists): the kept nodes `keep` plus the root, as (their old ids in ascending
+    order, their parents re-indexed to positions in that order), for a tree given by `parents` and `child_draw`
+    (ChildDraw values).
+
+    The kept set must be closed under ancestors, so the order is topological and keeps siblings in draw order.
+    Under a WITHOUT_REPLACEMENT parent it must keep a prefix of the siblings: a later sibling was drawn from a
+    residual that excludes the earlier ones, so dropping an earlier one would make verification lossy.
+
+    On Python lists: for builder-sized trees (tens to hundreds of nodes) a few comprehensions beat the ~15
+    tensor ops of a mask-based selection, and builders hold lists anyway."""
+    num = len(parents)
+    order = sorted({int(k) for k in keep} | {0})
+    if order[-1] >= num or order[0] < 0:
+        raise ValueError(f"keep_nodes must lie in [0, {num})")
+    new_index = {old: new for new, old in enumerate(order)}
+    kept_parents = [-1] + [new_index.get(parents[old], -2) for old in order[1:]]
+    if -2 in kept_parents:
+        raise ValueError("keep_nodes must be closed under ancestors")
+    if _WITHOUT_REPLACEMENT in child_draw:
+        cut: set[int] = set()  # WITHOUT_REPLACEMENT parents with a dropped child
+        for node in range(1, num):
+            parent = parents[node]
+            if child_draw[parent] == _WITHOUT_REPLACEMENT:
+                if node not in new_index:
+                    cut.add(parent)
+                elif parent in cut:
+                    raise ValueError("keep_nodes must keep a prefix of WITHOUT_REPLACEMENT siblings")
+    return order, kept_parents
 
 
 def ancestor_mask(parents: Sequence[int] | Tensor, first: int = 0) -> Tensor:

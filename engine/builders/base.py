@@ -1,16 +1,16 @@
 """Protocols shared by the tree builders, and the append-only partial tree they grow.
 
 A model-backed `DraftOracle` caches the drafter's KV for nodes it has already seen, so builders
-only ever append nodes while they query it (re-indexing happens once, at the end, through
-`TokenTree.select`), and ask for all frontier nodes of a layer in one call where the algorithm
-allows it.
+only ever append nodes while they query it (re-indexing happens once, at the end, in
+`PartialTree.finish`, by the rule of `TokenTree.select`), and ask for all frontier nodes of a layer in
+one call where the algorithm allows it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -19,7 +19,11 @@ from torch import Tensor
 from ..c2t_classifier import top_entropy
 from ..requests import SamplingParams
 from ..sampling import sample_row, topk_rows
-from ..tree import ChildDraw, TokenTree
+from ..tree import ChildDraw, TokenTree, select_nodes
+
+if TYPE_CHECKING:
+    from ..lookup.suffix_index import LookupRow
+    from ..lookup.trees import LookupPlan
 
 
 @dataclass
@@ -34,11 +38,40 @@ class RowSummary:
     entropy: Tensor | None = None  # [n] entropy of each row's top-1000 probabilities (C2T eq. 2-3)
 
 
-# The optional capabilities' signatures (see `DraftOracle`); each takes the partial tree as `probs` does.
+# The optional fast paths' signatures (see `DraftOracle`); each takes the partial tree as `probs` does.
 Summarize = Callable[[Sequence[int], Sequence[int], Sequence[int], int, bool], RowSummary]
 Sample = Callable[[Sequence[int], Sequence[int], int, float], "tuple[Tensor, int | None, float, float]"]
-NodeQuery = Callable[[Sequence[int], Sequence[int], int], Any]
-RowsQuery = Callable[[Sequence[int], Sequence[int], Sequence[int]], Tensor]
+
+
+@runtime_checkable
+class LookupSource(Protocol):
+    """Copy-from-context candidates next to a model drafter's rows (a hybrid oracle: engine/lookup/ HybridOracle),
+    as one capability: an oracle has all of it (`DraftOracle.lookup`) or none. Each node query takes the partial
+    tree's own lists as `DraftOracle.probs` does. Builders consult it the same way: greedy and top-k ones read the
+    oracle's merged rows and never touch it; sampled ones make a node's candidates deterministic children (their
+    Source from `source_of`, verified by the point-mass rule) and sample the model's children from
+    `model_probs` without those tokens, only where `model_backed`."""
+
+    def candidates(self, tokens: Sequence[int], parents: Sequence[int], node: int) -> LookupRow | None:
+        """The node's candidates (tokens, calibrated probabilities, descending), None where it has none."""
+        ...
+
+    def model_backed(self, tokens: Sequence[int], parents: Sequence[int], node: int) -> bool:
+        """Whether the model drafter gives the node a row (not below confident lookup nodes, nor on lookup-only
+        steps)."""
+        ...
+
+    def model_probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
+        """[k, V] the model drafter's own rows of model-backed nodes, no lookup mass mixed in."""
+        ...
+
+    def source_of(self, parent: int, token: int) -> int:
+        """The tree.Source of a child `token` of `parent` (a node the source has seen)."""
+        ...
+
+    def plan(self, root_token: int, max_nodes: int, min_value: float) -> LookupPlan:
+        """The lookup-only tree of the step (method "lookup")."""
+        ...
 
 
 class DraftOracle(Protocol):
@@ -46,7 +79,7 @@ class DraftOracle(Protocol):
 
     `probs` is required. The optional capabilities are declared attributes, None where an oracle has
     none: an oracle subclasses DraftOracle to inherit those None defaults, and overrides the ones it
-    offers with methods (builders read them as attributes, never probe for them).
+    offers (builders read them as attributes, never probe for them).
 
     Fast paths (a model oracle: engine/drafters/model_runner.py SessionOracle):
       summarize(tokens, parents, node_ids, k, entropy) -> RowSummary: must equal summarising the rows
@@ -55,22 +88,15 @@ class DraftOracle(Protocol):
       sample(tokens, parents, node, uniform) -> (row, token, q[token], row sum): the row `probs` returns
         for `node` [V] and `sample_row(row, uniform)`, a draw by inversion, made on the drafter's own head
         right after the softmax, while the row is hot (on a GPU: on the device).
-    Copy-from-context candidates (a hybrid oracle: engine/lookup/ HybridOracle; all five or none):
-      lookup(tokens, parents, node) -> LookupRow | None: the node's candidates.
-      model_backed(tokens, parents, node) -> bool: whether the model drafter gives the node a row.
-      model_probs(tokens, parents, node_ids) -> [k, V]: the model drafter's own rows, no lookup mass.
-      source_of(parent, token) -> int: the tree.Source of a child `token` of `parent`.
-      plan(root_token, max_nodes, min_value) -> LookupPlan: the lookup-only tree (method "lookup").
+    Copy-from-context candidates (a hybrid oracle: engine/lookup/ HybridOracle):
+      lookup -> LookupSource: its `probs` and `summarize` then give the merged rows, and sampled builders
+        draw from `lookup.model_probs` instead of `sample`.
     """
 
     vocab_size: int
     summarize: Summarize | None = None
     sample: Sample | None = None
-    lookup: NodeQuery | None = None
-    model_backed: NodeQuery | None = None
-    model_probs: RowsQuery | None = None
-    source_of: Callable[[int, int], int] | None = None
-    plan: Callable[[int, int, float], Any] | None = None
+    lookup: LookupSource | None = None
 
     def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
         """tokens/parents: [n_so_far], the append-only partial tree (node 0 = root);
@@ -128,14 +154,15 @@ class PartialTree:
             raise ValueError(f"root_token must lie in [0, {oracle.vocab_size}), got {root_token!r}")
         self.oracle = oracle
         self._summarize = oracle.summarize
-        self._sample = oracle.sample
-        # A hybrid oracle (engine/lookup/, HybridOracle) also proposes tokens copied from the context.
-        self._lookup = oracle.lookup
+        # Copy-from-context candidates (engine/lookup/ HybridOracle), None for a model-only oracle. Sampled
+        # children then come from the model's own rows (`query_model`), never from the merged rows' `sample`.
+        self.lookup: LookupSource | None = oracle.lookup
+        self._sample = oracle.sample if self.lookup is None else None
         self.tokens: list[int] = [root_token]
         self.parents: list[int] = [-1]
         self.log_joint: list[float] = [0.0]
         self.draw: list[int] = [_TOP_K]
-        self.sources: list[int] = [0]  # Source set by the builder (sampled hybrid builders); see `finish`
+        self.sources: list[int] = [0]  # Source set by the builder (`add_copy`); see `finish`
         self.rows: dict[int, Tensor] = {}  # node -> draft row kept for verification
         self._unchecked: list[int] = []  # nodes whose kept row has not been checked to sum to 1
 
@@ -153,31 +180,30 @@ class PartialTree:
         self.sources.append(source)
         return len(self.tokens) - 1
 
-    # ------------------------------------------------------------------ hybrid oracles (engine/lookup/)
-    @property
-    def hybrid(self) -> bool:
-        """The oracle also proposes tokens copied from the context (a LookupOracle)."""
-        return self._lookup is not None
-
-    def lookup(self, node: int):  # type: ignore[no-untyped-def]
-        """`node`'s copy-from-context candidates (engine.lookup LookupRow: tokens, calibrated probabilities,
-        descending), or None for an oracle without them."""
-        return None if self._lookup is None else self._lookup(self.tokens, self.parents, node)
+    # ------------------------------------------------------------------ copy-from-context (`self.lookup` set)
+    def candidates(self, node: int) -> LookupRow | None:
+        """`node`'s copy-from-context candidates (`LookupSource.candidates`); only with a lookup source."""
+        return self.lookup.candidates(self.tokens, self.parents, node)
 
     def model_backed(self, node: int) -> bool:
-        """Whether the model drafter gives `node` a draft row (always, without a hybrid oracle; a hybrid oracle
-        skips the model below confident lookup nodes and on lookup-only steps)."""
-        return self._lookup is None or self.oracle.model_backed(self.tokens, self.parents, node)
+        """Whether the model drafter gives `node` a draft row (always, without a lookup source)."""
+        return self.lookup is None or self.lookup.model_backed(self.tokens, self.parents, node)
 
     def query_model(self, node_ids: Sequence[int]) -> Tensor:
-        """The model drafter's own rows [k, V] (no lookup mass mixed in): what sampled hybrid builders draw
-        from; `query` without a hybrid oracle."""
-        if self._lookup is None:
+        """The model drafter's own rows [k, V] (no lookup mass mixed in): what sampled builders draw from;
+        `query` without a lookup source."""
+        if self.lookup is None:
             return self.query(node_ids)
-        out = self.oracle.model_probs(self.tokens, self.parents, node_ids)
+        out = self.lookup.model_probs(self.tokens, self.parents, node_ids)
         if out.shape != (len(node_ids), self.oracle.vocab_size):
             raise ValueError(f"oracle model_probs must have shape [{len(node_ids)}, {self.oracle.vocab_size}]")
         return out
+
+    def add_copy(self, parent: int, token: int, prob: float) -> int:
+        """Append a lookup candidate (`token`, calibrated probability `prob`) of `parent` as a deterministic
+        child labelled by `LookupSource.source_of`: sampled builders add these before sampling `parent`'s
+        model children, and the verifier tests them by the point-mass rule first; returns its index."""
+        return self.add(parent, token, safe_log(prob), source=self.lookup.source_of(parent, token))
 
     def add_many(self, parent: int, tokens: Sequence[int], log_qs: Sequence[float]) -> int:
         """Append children of `parent` in order (same as `add` for each); returns the first new
@@ -207,12 +233,13 @@ class PartialTree:
 
     def add_sampled_child(self, node: int, uniform: float) -> int | None:
         """Draw one child of `node` by inversion of its draft row with `uniform` (the oracle's own `sample`
-        where it has one, else `sample_row` on the row), record how it was drawn (WITHOUT_REPLACEMENT,
-        the row kept for verification) and append it; returns the child's index, or None (nothing added)
-        if the row holds no mass. One call per token of a sampled chain, which runs right after a drafter
-        forward, when every Python call costs several microseconds: the steps are written out here."""
+        where it has one, else `sample_row` on the row: the model's own row, with a lookup source), record how
+        it was drawn (WITHOUT_REPLACEMENT, the row kept for verification) and append it; returns the child's
+        index, or None (nothing added) if the row holds no mass. One call per token of a sampled chain, which
+        runs right after a drafter forward, when every Python call costs several microseconds: the steps are
+        written out here."""
         if self._sample is None:
-            row = self.query([node])[0]
+            row = self.query_model([node])[0]
             token, prob, total = sample_row(row, uniform)
         else:
             out = self._sample(self.tokens, self.parents, node, uniform)
@@ -265,7 +292,8 @@ class PartialTree:
                 raise ValueError("oracle probs: a draft row used for verification is NaN or does not sum to 1")
 
     def finish(self, keep: Sequence[int] | Tensor | None = None) -> TokenTree:
-        """Validate into a TokenTree; `keep` (optional) selects a sub-tree, re-indexed.
+        """Validate into a TokenTree; `keep` (optional) selects a sub-tree, re-indexed (`tree.select_nodes`,
+        on the builder's lists: no full tree is built first).
 
         Kept draft rows are handed to the tree as a list of references, stacked only if someone
         reads `TokenTree.draft_probs` (verification reads single rows), so finishing costs no
@@ -286,16 +314,8 @@ class PartialTree:
                 row_of[node] = index
         tokens, parents, draw, log_joint = self.tokens, self.parents, self.draw, self.log_joint
         sources = self._final_sources()
-        if keep is not None and not (probs and _WITHOUT_REPLACEMENT in draw):
-            # Select in Python: for builder-sized trees a few list comprehensions beat the ~15
-            # tensor ops of TokenTree.select. Same contract: ancestor-closed, old relative order.
-            order = sorted({int(k) for k in (keep.tolist() if isinstance(keep, Tensor) else keep)} | {0})
-            if order[-1] >= num or order[0] < 0:
-                raise ValueError(f"keep_nodes must lie in [0, {num})")
-            new_index = {old: new for new, old in enumerate(order)}
-            parents = [-1] + [new_index.get(parents[old], -2) for old in order[1:]]
-            if -2 in parents:
-                raise ValueError("keep_nodes must be closed under ancestors")
+        if keep is not None:
+            order, parents = select_nodes(parents, keep.tolist() if isinstance(keep, Tensor) else keep, draw)
             tokens, draw = [tokens[old] for old in order], [draw[old] for old in order]
             log_joint, row_of = [log_joint[old] for old in order], [row_of[old] for old in order]
             if sources is not None:
@@ -306,10 +326,9 @@ class PartialTree:
                 probs = [probs[r] for r in used] or None
                 renumber = {r: i for i, r in enumerate(used)}
                 row_of = [renumber.get(r, -1) for r in row_of]
-            keep = None
         # Valid by construction (append-only, parents precede children): skip re-validation.
         # numpy converts the lists several times faster than torch.tensor(list).
-        tree = TokenTree._trusted(
+        return TokenTree._trusted(
             torch.from_numpy(np.array(tokens, dtype=np.int64)),
             torch.from_numpy(np.array(parents, dtype=np.int64)),
             torch.from_numpy(np.array(draw, dtype=np.uint8)),
@@ -318,16 +337,15 @@ class PartialTree:
             torch.from_numpy(np.array(row_of, dtype=np.int64)) if probs is not None else None,
             torch.from_numpy(np.array(sources, dtype=np.uint8)) if sources is not None else None,
         )
-        return tree if keep is None else tree.select(keep)
 
     def _final_sources(self) -> list[int] | None:
-        """Each node's Source, or None if every node is the model's. A hybrid oracle labels the children of
+        """Each node's Source, or None if every node is the model's. A lookup source labels the children of
         deterministic parents (a token among the parent's lookup candidates is LOOKUP or BOTH); children of
         WITHOUT_REPLACEMENT parents keep the builder's labels (`add(..., source)`): there a lookup child was
         proposed before the sampled ones and is verified differently, whatever its token."""
         labels = self.sources
-        source_of = self.oracle.source_of
-        if source_of is not None:
+        if self.lookup is not None:
+            source_of = self.lookup.source_of
             labels = list(labels)
             draw, parents, tokens = self.draw, self.parents, self.tokens
             for node in range(1, len(tokens)):

@@ -10,9 +10,9 @@ The C2T chain is always deterministic top-1: its early exit looks at the chosen 
 probability, and stopping on a *sampled* token's value would bias which samples survive.
 
 Over a hybrid oracle (engine/lookup/) the deterministic chains follow the top-1 of the merged rows. The
-sampled chain follows a node's best lookup candidate (deterministic, point-mass rule) wherever it is at least
-as probable as everything the model could offer there (c >= 1 - w), or the model has no row there, and
-samples from the model's row elsewhere: the choice depends on the root path only.
+sampled chain follows a node's best lookup candidate (its `LookupSource`; deterministic, point-mass rule)
+wherever it is at least as probable as everything the model could offer there (c >= 1 - w), or the model has
+no row there, and samples from the model's row elsewhere: the choice depends on the root path only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch
 
 from ..c2t_classifier import C2TClassifier, c2t_features
 from ..requests import SamplingParams
-from ..sampling import sample_row
 from ..tree import ChildDraw, TokenTree
 from .base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
 
@@ -43,16 +42,10 @@ class ChainBuilder:
 
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
         tree = PartialTree(root_token, oracle)
-        node: int | None = 0
-        if self.sampled and not sampling.is_greedy and tree.hybrid:
-            return self._sampled_hybrid(tree, generator)
         if self.sampled and not sampling.is_greedy:
-            for uniform in torch.rand(self.length, generator=generator, dtype=torch.float64).tolist():
-                node = tree.add_sampled_child(node, uniform)
-                if node is None:
-                    break
-            return tree.finish()
+            return self._sampled(tree, generator)
         draw = ChildDraw.GREEDY if sampling.is_greedy else ChildDraw.TOP_K
+        node = 0
         for _ in range(self.length):
             top = tree.top([node], 1)
             token, prob = int(top.tokens[0, 0]), float(top.values[0, 0])
@@ -62,23 +55,23 @@ class ChainBuilder:
             node = tree.add(node, token, safe_log(prob))
         return tree.finish()
 
-    def _sampled_hybrid(self, tree: PartialTree, generator: torch.Generator) -> TokenTree:
-        node = 0
+    def _sampled(self, tree: PartialTree, generator: torch.Generator) -> TokenTree:
+        """SpS: one token sampled per node. Over a lookup source a node's best candidate is taken instead where
+        the module docstring says (deterministic, point-mass rule), and a node without a model row ends it."""
+        lookup = tree.lookup
+        node: int | None = 0
         for uniform in torch.rand(self.length, generator=generator, dtype=torch.float64).tolist():
-            row = tree.lookup(node)
-            backed = tree.model_backed(node)
-            if row is not None and (not backed or row.values[0] >= 1.0 - row.total):
-                token = row.tokens[0]
-                node = tree.add(node, token, safe_log(row.values[0]), source=tree.oracle.source_of(node, token))
-                continue
-            if not backed:
+            if lookup is not None:
+                row = tree.candidates(node)
+                backed = tree.model_backed(node)
+                if row is not None and (not backed or row.values[0] >= 1.0 - row.total):
+                    node = tree.add_copy(node, row.tokens[0], row.values[0])
+                    continue
+                if not backed:
+                    break
+            node = tree.add_sampled_child(node, uniform)
+            if node is None:
                 break
-            q = tree.query_model([node])[0]
-            token, prob, total = sample_row(q, uniform)
-            if token is None:
-                break
-            tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, q, total)
-            node = tree.add(node, token, safe_log(prob))
         return tree.finish()
 
 

@@ -16,11 +16,12 @@ How children are drawn (and hence the verification rule):
   (Theorem (B)): no tree with the same number of nodes has a larger sum of values.
 
 Over a hybrid oracle (engine/lookup/) the greedy reads merged rows (lookup candidates mixed into q) and
-needs no change. Sampling does: a node's lookup candidates become its first children when its first
-position is popped (deterministic, each of value v * c, verified by the point-mass rule), then its children
-are sampled from q with those tokens removed, the position reached with v * (1 - w) * (mass left), w the
-lookup candidates' calibrated mass. Whether a node gets lookup children depends only on its root path,
-never on what is sampled there, so the verification stays exact (engine/verify.py).
+needs no change. Sampling does (the same growers, over the oracle's `LookupSource`): a node's lookup
+candidates become its first children when its first position is popped (deterministic, each of value v * c,
+verified by the point-mass rule), then its children are sampled from q with those tokens removed, the
+position reached with v * (1 - w) * (mass left), w the lookup candidates' calibrated mass. Whether a node
+gets lookup children depends only on its root path, never on what is sampled there, so the verification
+stays exact (engine/verify.py).
 """
 
 from __future__ import annotations
@@ -28,14 +29,17 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..requests import SamplingParams
 from ..sampling import ResidualRow
 from ..tree import ChildDraw, TokenTree
-from .base import DraftOracle, PartialTree, UniformStream, check_open_unit, check_positive, safe_log
+from .base import DraftOracle, LookupSource, PartialTree, UniformStream, check_open_unit, check_positive, safe_log
+
+if TYPE_CHECKING:
+    from ..lookup.suffix_index import LookupRow
 
 
 @dataclass
@@ -60,101 +64,96 @@ class DySpecBuilder:
         tree = PartialTree(root_token, oracle)
         if sampling.is_greedy:
             return self._grow_greedy(tree)
-        if tree.hybrid:
-            self._grow_sampled_hybrid(tree, UniformStream(generator, chunk=self.budget + 8))
-        else:
-            self._grow_sampled(tree, UniformStream(generator, chunk=self.budget + 8))
+        self._grow_sampled(tree, UniformStream(generator, chunk=self.budget + 8))
         return tree.finish()
 
     def _depth_ok(self, depth: int) -> bool:
         return self.max_depth is None or depth <= self.max_depth
 
-    def _fetch(self, tree: PartialTree, residual: dict[int, ResidualRow], heap: list, node: int) -> None:
+    def _grow_sampled(self, tree: PartialTree, uniforms: UniformStream) -> None:
+        """Algorithm 1 at temperature > 0. Heap items: (-s, seq, node); rows are fetched lazily when a node's
+        first position is popped, so leaves never cost an oracle call. Over a lookup source (module docstring)
+        a node's first pop opens it instead (`_open`); later pops draw from its model row."""
+        lookup = tree.lookup
+        residual: dict[int, ResidualRow] = {}
+        share: dict[int, float] = {}  # lookup: the mass of the node's row left to the model after its candidates
+        opened: set[int] = set()  # lookup: nodes whose first position was popped
+        depth = {0: 0}
+        heap = [(-1.0, 0, 0)]
+        seq = 1
+        while heap and len(tree) - 1 < self.budget:
+            _, _, node = heapq.heappop(heap)
+            if lookup is not None and node not in opened:
+                seq = self._open(tree, heap, residual, share, opened, node, depth, seq)
+                continue
+            if node not in residual:
+                self._fetch(tree, residual, heap, node, opened)
+            seq = self._sample_child(tree, heap, residual[node], node, math.exp(tree.log_joint[node]),
+                                     1.0 if lookup is None else share[node], uniforms, depth, seq)
+
+    def _open(self, tree: PartialTree, heap: list, residual: dict[int, ResidualRow], share: dict[int, float],
+              opened: set[int], node: int, depth: dict[int, int], seq: int) -> int:
+        """A node's first pop over a lookup source: its lookup candidates appended (deterministic, each of value
+        v * c) and pushed, then, where the model backs it, its model row fetched (with up to prefetch - 1 unopened
+        model-backed heap nodes), their tokens removed from it, and its first sampling position pushed, reached
+        with v * (1 - w) * (mass left). Returns the next heap sequence number."""
+        opened.add(node)
+        value = math.exp(tree.log_joint[node])
+        row = tree.candidates(node)
+        added = 0
+        if row is not None:
+            for token, c in zip(row.tokens, row.values):
+                if len(tree) - 1 >= self.budget:
+                    break
+                child = tree.add_copy(node, token, c)
+                added += 1
+                depth[child] = depth[node] + 1
+                if self._depth_ok(depth[child] + 1):
+                    heapq.heappush(heap, (-value * c, seq, child))
+                    seq += 1
+        if not tree.model_backed(node) or len(tree) - 1 >= self.budget:
+            return seq
+        if node not in residual:
+            self._fetch(tree, residual, heap, node, opened)
+        res = residual[node]
+        share[node] = _model_share(res, row, added)
+        reach = value * share[node] * res.remaining
+        if reach > 0.0:
+            heapq.heappush(heap, (-reach, seq, node))
+            seq += 1
+        return seq
+
+    def _fetch(self, tree: PartialTree, residual: dict[int, ResidualRow], heap: list, node: int,
+               opened: set[int]) -> None:
         """Fetch `node`'s row in one oracle call together with the rows of the (prefetch - 1) best
         heap entries whose rows are still missing. Prefetching never changes the tree (rows do not
         depend on when they are fetched); it trades drafter work on rows that may go unused for
         fewer drafter calls, which dominate at budget 64+ (Algorithm 1 otherwise makes one call
-        per node)."""
+        per node). Over a lookup source: the model's own rows, of unopened model-backed nodes only; every
+        unopened node of the window is asked whether the model backs it (which records its lookup prediction)."""
         wanted = [node]
-        if self.prefetch > 1:
-            # The first entries of the heap array are near its top; exact order does not matter here.
-            for item in heap[: 4 * self.prefetch]:
-                other = item[2]
-                if other not in residual and other not in wanted:
-                    wanted.append(other)
-                    if len(wanted) == self.prefetch:
-                        break
-        rows = tree.query(wanted)
+        # The first entries of the heap array are near its top; exact order does not matter here.
+        window = heap[: 4 * self.prefetch] if self.prefetch > 1 or tree.lookup is not None else ()
+        if tree.lookup is not None:
+            window = [item for item in window
+                      if item[2] not in opened and item[2] not in residual and tree.model_backed(item[2])]
+        for item in window:
+            if len(wanted) >= self.prefetch:
+                break
+            other = item[2]
+            if other not in residual and other not in wanted:
+                wanted.append(other)
+        rows = tree.query_model(wanted)
         # No batched pass here: a prefetched row may never be used, so each row computes its
         # block sums (sampling) or its top entries (greedy) on first use, one pass over V.
         residual.update(zip(wanted, ResidualRow.for_rows(rows)))
-
-    def _grow_sampled(self, tree: PartialTree, uniforms: UniformStream) -> None:
-        """Algorithm 1 at temperature > 0. Heap items: (-s, seq, node); rows are fetched lazily when
-        a node's first position is popped, so leaves never cost an oracle call."""
-        residual: dict[int, ResidualRow] = {}
-        depth = {0: 0}
-        heap = [(-1.0, 0, 0)]
-        seq = 1
-        while heap and len(tree) - 1 < self.budget:
-            _, _, node = heapq.heappop(heap)
-            if node not in residual:
-                self._fetch(tree, residual, heap, node)
-            seq = self._sample_child(tree, heap, residual[node], node, math.exp(tree.log_joint[node]), 1.0,
-                                     uniforms, depth, seq)
-
-    def _grow_sampled_hybrid(self, tree: PartialTree, uniforms: UniformStream) -> None:
-        """Algorithm 1 at temperature > 0 over a hybrid oracle (module docstring). A node's first pop opens it:
-        lookup children appended and pushed, its model row fetched (with up to prefetch - 1 unopened
-        model-backed heap nodes) and its sampling position pushed; later pops draw from that row."""
-        residual: dict[int, ResidualRow] = {}
-        share: dict[int, float] = {}  # mass of the node's row left to the model after its lookup candidates
-        opened: set[int] = set()
-        depth = {0: 0}
-        heap = [(-1.0, 0, 0)]
-        seq = 1
-        oracle = tree.oracle
-        while heap and len(tree) - 1 < self.budget:
-            _, _, node = heapq.heappop(heap)
-            value = math.exp(tree.log_joint[node])
-            if node not in opened:
-                opened.add(node)
-                row = tree.lookup(node)
-                added: list[int] = []
-                if row is not None:
-                    for token, c in zip(row.tokens, row.values):
-                        if len(tree) - 1 >= self.budget:
-                            break
-                        child = tree.add(node, token, safe_log(c), source=oracle.source_of(node, token))
-                        added.append(token)
-                        depth[child] = depth[node] + 1
-                        if self._depth_ok(depth[child] + 1):
-                            heapq.heappush(heap, (-value * c, seq, child))
-                            seq += 1
-                if not tree.model_backed(node) or len(tree) - 1 >= self.budget:
-                    continue
-                if node not in residual:
-                    wanted = [node] + [item[2] for item in heap[: 4 * self.prefetch] if item[2] not in opened
-                                       and item[2] not in residual and tree.model_backed(item[2])]
-                    wanted = list(dict.fromkeys(wanted))[: self.prefetch]
-                    residual.update(zip(wanted, ResidualRow.for_rows(tree.query_model(wanted))))
-                res = residual[node]
-                for token in added:  # the model's children are drawn from q without the lookup tokens
-                    res.remove(token, float(res.row[token]))
-                share[node] = 1.0 - (row.total if row is not None else 0.0)
-                reach = value * share[node] * res.remaining
-                if reach > 0.0:
-                    heapq.heappush(heap, (-reach, seq, node))
-                    seq += 1
-                continue
-            seq = self._sample_child(tree, heap, residual[node], node, value, share[node], uniforms, depth, seq)
 
     def _sample_child(self, tree: PartialTree, heap: list, res: ResidualRow, node: int, value: float, share: float,
                       uniforms: UniformStream, depth: dict[int, int], seq: int) -> int:
         """One sampling position of `node` (Algorithm 1 lines 7-9): draw its next child from the residual row and
         push the two positions that opens, the node's next draw v1 = v * (1 - R[y]) and the child's v0 = v * R[y].
-        `share`: the part of the node's row left to the model (1 without lookup candidates; the hybrid grower's
-        model children carry it in their values). Returns the next heap sequence number."""
+        `share`: the part of the node's row left to the model (1 without lookup candidates; over a lookup source
+        the model's children carry it in their values). Returns the next heap sequence number."""
         picked = res.sample(uniforms.next())
         if picked is None:
             return seq
@@ -189,10 +188,11 @@ class DySpecBuilder:
         budget, max_depth = self.budget, self.max_depth
         vocab = tree.oracle.vocab_size
         width = min(32, vocab)  # children listed per fetched row (more only if they could qualify)
-        cand: list[tuple[float, int, int, int, float, int]] = []  # max-heap (-v, seq, parent, token, q, depth)
-        best: list[tuple[float, int, int, int, int, float]] = []  # min-heap of the budget best (v, -seq, seq, parent, token, q)
-        node_of: dict[int, int] = {}  # seq -> appended node
-        partial: list[list] = []  # [node, value, depth, listed tokens, listed count, bound]
+        # Heaps of listed children keyed by value, ties to the earlier listed (seq is unique, so the children
+        # themselves are never compared): every candidate, best first, and the budget best, worst first.
+        cand: list[tuple[float, int, _Child]] = []  # (-v, seq, child)
+        best: list[tuple[float, int, _Child]] = []  # (v, -seq, child); best[0][0] is theta once full
+        cut_rows: list[_CutRow] = []
         theta = 0.0
         seq = 0
 
@@ -205,12 +205,13 @@ class DySpecBuilder:
                 if v <= theta or q <= 0.0:
                     return 0.0
                 seq += 1
-                heapq.heappush(best, (v, -seq, seq, node, tok, q))
+                child = _Child(node, tok, q, depth)
+                heapq.heappush(best, (v, -seq, child))
                 if len(best) > budget:
                     heapq.heappop(best)
                 if len(best) == budget:
                     theta = best[0][0]
-                heapq.heappush(cand, (-v, seq, node, tok, q, depth))
+                heapq.heappush(cand, (-v, seq, child))
             return -1.0  # all offered pairs listed: the caller bounds the rest
 
         fetch = [(0, 1.0, 0)]  # (node, value, depth) appended and due for their rows
@@ -231,33 +232,72 @@ class DySpecBuilder:
                         vals, toks = values[row].tolist(), tokens[row].tolist()
                         listed_all = offer(node, value, depth + 1, zip(vals[head:], toks[head:])) < 0.0
                     if listed_all and width < vocab:
-                        partial.append([node, value, depth + 1, set(toks), width, value * vals[-1]])
+                        cut_rows.append(_CutRow(node, value, depth + 1, set(toks), width, value * vals[-1]))
                 fetch = []
             while cand and len(fetch) < self.prefetch and -cand[0][0] > theta:
-                neg_v, key, parent, tok, q, depth = heapq.heappop(cand)
-                node_of[key] = tree.add(parent, tok, safe_log(q))
-                fetch.append((node_of[key], -neg_v, depth))
+                neg_v, _, child = heapq.heappop(cand)
+                child.node = tree.add(child.parent, child.token, safe_log(child.q))
+                fetch.append((child.node, -neg_v, child.depth))
             if fetch:
                 continue
             # No candidate beats theta; list more children of rows cut at `width` that still could.
-            grow = [entry for entry in partial if entry[5] > theta]
+            grow = [cut for cut in cut_rows if cut.bound > theta]
             if not grow:
                 break
-            for entry in grow:
-                node, value, depth, seen, rank, _ = entry
-                k = min(vocab, 4 * rank)
-                wider = tree.top([node], k)  # summarised oracle-side: no drafter forward (the row is kept)
+            for cut in grow:
+                k = min(vocab, 4 * cut.rank)
+                wider = tree.top([cut.node], k)  # summarised oracle-side: no drafter forward (the row is kept)
                 vals, toks = wider.values[0].tolist(), wider.tokens[0].tolist()
-                fresh = [(q, t) for q, t in zip(vals, toks) if t not in seen]
-                seen.update(t for _, t in fresh)
-                entry[4], entry[5] = k, (value * vals[-1] if k < vocab else 0.0)
-                if offer(node, value, depth, fresh) >= 0.0:
-                    entry[5] = 0.0
+                fresh = [(q, t) for q, t in zip(vals, toks) if t not in cut.seen]
+                cut.seen.update(t for _, t in fresh)
+                cut.rank, cut.bound = k, (cut.value * vals[-1] if k < vocab else 0.0)
+                if offer(cut.node, cut.value, cut.depth, fresh) >= 0.0:
+                    cut.bound = 0.0
         # The selected set: fetched ones are appended; append the others, siblings by descending q.
-        rest = sorted((parent, -q, key, tok, q) for _, _, key, parent, tok, q in best if key not in node_of)
-        for parent, _, key, tok, q in rest:
-            node_of[key] = tree.add(parent, tok, safe_log(q))
-        return tree.finish(keep=sorted(node_of[key] for _, _, key, _, _, _ in best))
+        rest = sorted((child.parent, -child.q, -neg_seq, child) for _, neg_seq, child in best if child.node < 0)
+        for _, _, _, child in rest:
+            child.node = tree.add(child.parent, child.token, safe_log(child.q))
+        return tree.finish(keep=sorted(child.node for _, _, child in best))
+
+
+def _model_share(res: ResidualRow, row: LookupRow | None, added: int) -> float:
+    """Over a lookup source: remove the tokens of a node's first `added` lookup candidates `row` (appended as
+    its children) from the model's residual row `res`, as the model's children are drawn without them; returns
+    1 - w, the part of the node's row left to the model (w: the candidates' calibrated mass)."""
+    if added:
+        for token in row.tokens[:added]:
+            res.remove(token, float(res.row[token]))
+    return 1.0 - (row.total if row is not None else 0.0)
+
+
+class _Child:
+    """A child the greedy listed (`DySpecBuilder._grow_greedy`): a candidate for the tree, appended (`node`) when
+    its row is fetched or when it is among the budget best at the end."""
+
+    __slots__ = ("parent", "token", "q", "depth", "node")
+
+    def __init__(self, parent: int, token: int, q: float, depth: int) -> None:
+        self.parent = parent
+        self.token = token
+        self.q = q
+        self.depth = depth
+        self.node = -1  # its index in the partial tree, once appended
+
+
+class _CutRow:
+    """A fetched row whose children the greedy listed only down to rank `rank` (all of them beat theta then):
+    more of them may qualify while `bound`, the value of the last one listed (0 once none is left), beats
+    theta. `seen`: the tokens listed."""
+
+    __slots__ = ("node", "value", "depth", "seen", "rank", "bound")
+
+    def __init__(self, node: int, value: float, depth: int, seen: set[int], rank: int, bound: float) -> None:
+        self.node = node
+        self.value = value
+        self.depth = depth  # of its children
+        self.seen = seen
+        self.rank = rank
+        self.bound = bound
 
 
 @dataclass
@@ -282,16 +322,30 @@ class DySpecThresholdBuilder:
         tree = PartialTree(root_token, oracle)
         greedy = sampling.is_greedy
         uniforms = UniformStream(generator, chunk=self.budget + 8)
-        if tree.hybrid and not greedy:
-            self._grow_sampled_hybrid(tree, uniforms)
-            return tree.finish()
+        # Lookup candidates become children of their own only where children are sampled (module docstring of
+        # DySpecBuilder); deterministic draws take them from the merged rows.
+        lookup = None if greedy else tree.lookup
         frontier, depth = [0], 0
         while frontier and len(tree) - 1 < self.budget and (self.max_depth is None or depth < self.max_depth):
             frontier.sort(key=lambda n: (-tree.log_joint[n], n))
             nxt: list[int] = []
-            for node, res in zip(frontier, self._residuals(tree, frontier, greedy)):
+            for node, res in zip(frontier, self._residuals(tree, frontier, greedy, lookup)):
                 value = math.exp(tree.log_joint[node])
-                reach = value
+                share, scaled, reach = 1.0, value, value  # scaled = v * (1 - w): the model's part of the value
+                if lookup is not None:
+                    row = tree.candidates(node)
+                    added = 0
+                    if row is not None:  # lookup children first, while their value v * c beats the threshold
+                        for token, c in zip(row.tokens, row.values):
+                            if value * c <= self.threshold or len(tree) - 1 >= self.budget:
+                                break
+                            nxt.append(tree.add_copy(node, token, c))
+                            added += 1
+                    if res is None:  # no model row here
+                        continue
+                    share = _model_share(res, row, added)
+                    scaled = value * share
+                    reach = scaled * res.remaining
                 while reach > self.threshold and len(tree) - 1 < self.budget:
                     picked = res.take_top() if greedy else res.sample(uniforms.next())
                     if picked is None:
@@ -301,59 +355,23 @@ class DySpecThresholdBuilder:
                         tree.set_draw(node, ChildDraw.TOP_K)
                     else:
                         tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
-                    child = tree.add(node, token, safe_log(prob))
-                    if value * prob > self.threshold:  # below it the child would draw nothing
+                    child = tree.add(node, token, safe_log(share * prob))
+                    if scaled * prob > self.threshold:  # below it the child would draw nothing
                         nxt.append(child)
-                    reach = value * res.remaining
+                    reach = scaled * res.remaining
             frontier, depth = nxt, depth + 1
         return tree.finish()
 
-    def _grow_sampled_hybrid(self, tree: PartialTree, uniforms: UniformStream) -> None:
-        """Algorithm 2 at temperature > 0 over a hybrid oracle: at each frontier node its lookup candidates whose
-        value v * c exceeds the threshold become children first (deterministic), then children are sampled
-        from q without them while v * (1 - w) * (mass left) exceeds it (DySpecBuilder's module docstring)."""
-        oracle = tree.oracle
-        frontier, depth = [0], 0
-        while frontier and len(tree) - 1 < self.budget and (self.max_depth is None or depth < self.max_depth):
-            frontier.sort(key=lambda n: (-tree.log_joint[n], n))
+    @staticmethod
+    def _residuals(tree: PartialTree, frontier: list[int], greedy: bool,
+                   lookup: LookupSource | None) -> list[ResidualRow | None]:
+        """One oracle call for the layer. Sampling needs every row's block sums (over a lookup source: the
+        model's own rows, None for a node it does not back); deterministic draws need only each row's first few
+        entries (the full row is fetched, from the oracle's cache, for a node that draws past them)."""
+        if lookup is not None:
             backed = [n for n in frontier if tree.model_backed(n)]
             rows = dict(zip(backed, ResidualRow.for_rows(tree.query_model(backed), block_sums=True))) if backed else {}
-            nxt: list[int] = []
-            for node in frontier:
-                value = math.exp(tree.log_joint[node])
-                row = tree.lookup(node)
-                added: list[int] = []
-                if row is not None:
-                    for token, c in zip(row.tokens, row.values):
-                        if value * c <= self.threshold or len(tree) - 1 >= self.budget:
-                            break
-                        child = tree.add(node, token, safe_log(c), source=oracle.source_of(node, token))
-                        added.append(token)
-                        nxt.append(child)
-                res = rows.get(node)
-                if res is None:
-                    continue
-                for token in added:
-                    res.remove(token, float(res.row[token]))
-                share = 1.0 - (row.total if row is not None else 0.0)
-                reach = value * share * res.remaining
-                while reach > self.threshold and len(tree) - 1 < self.budget:
-                    picked = res.sample(uniforms.next())
-                    if picked is None:
-                        break
-                    token, prob = picked
-                    tree.set_draw(node, ChildDraw.WITHOUT_REPLACEMENT, res.row, res.total)
-                    child = tree.add(node, token, safe_log(share * prob))
-                    if value * share * prob > self.threshold:
-                        nxt.append(child)
-                    reach = value * share * res.remaining
-            frontier, depth = nxt, depth + 1
-
-    @staticmethod
-    def _residuals(tree: PartialTree, frontier: list[int], greedy: bool) -> list[ResidualRow]:
-        """One oracle call for the layer. Sampling needs every row's block sums; deterministic
-        draws need only each row's first few entries (the full row is fetched, from the oracle's
-        cache, for a node that draws past them)."""
+            return [rows.get(n) for n in frontier]
         if not greedy:
             return ResidualRow.for_rows(tree.query(frontier), block_sums=True)
         top = tree.top(frontier, 8)

@@ -16,6 +16,7 @@ from ..lookup.suffix_index import LookupRow, LookupState
 from ..lookup.trees import LookupPlan, plan_lookup
 from ..sampling import topk_rows
 from ..tree import Source
+from .model_runner import SessionOracle
 
 
 class _Node:
@@ -30,8 +31,9 @@ class HybridOracle(DraftOracle):
     """DraftOracle (with `summarize`) over a model oracle and a LookupSession: rows are (1 - w) q + c where the
     node has lookup candidates c (w = sum c), q alone where it has none, c alone where the model gives no row
     (`model_backed` False: the model is off this step, or an ancestor or the node itself has a lookup candidate
-    at least `skip_model_above` probable). Also `lookup`, `model_backed`, `model_probs` (sampled builders),
-    `source_of` (PartialTree labels children) and `plan` (lookup-only trees)."""
+    at least `skip_model_above` probable). It is its own `lookup` (a builders.base.LookupSource): `candidates`,
+    `model_backed`, `model_probs` (sampled builders), `source_of` (PartialTree labels children) and `plan`
+    (lookup-only trees) read the same per-node state as its rows."""
 
     def __init__(self, model, session: LookupSession, vocab_size: int, model_enabled: bool = True,
                  head_index: dict[int, int] | None = None) -> None:
@@ -43,7 +45,13 @@ class HybridOracle(DraftOracle):
         self._head_index = head_index  # target id -> row of the model's head (a SessionOracle with vocab_ids)
         self._nodes: dict[int, _Node] = {}
 
-    # ------------------------------------------------------------------ lookup side
+    @property
+    def lookup(self) -> "HybridOracle":
+        """`DraftOracle.lookup`: this oracle (a property, not an attribute holding itself: no reference cycle
+        keeping a step's rows alive until the garbage collector runs)."""
+        return self
+
+    # ------------------------------------------------------------------ lookup side (LookupSource)
     def _node(self, tokens: Sequence[int], parents: Sequence[int], node: int) -> _Node:
         info = self._nodes.get(node)
         if info is not None:
@@ -70,7 +78,7 @@ class HybridOracle(DraftOracle):
                 model = False
         return _Node(state, row, path, model)
 
-    def lookup(self, tokens: Sequence[int], parents: Sequence[int], node: int) -> LookupRow | None:
+    def candidates(self, tokens: Sequence[int], parents: Sequence[int], node: int) -> LookupRow | None:
         return self._node(tokens, parents, node).row
 
     def model_backed(self, tokens: Sequence[int], parents: Sequence[int], node: int) -> bool:
@@ -151,7 +159,7 @@ class HybridOracle(DraftOracle):
             mixed = self.probs(tokens, parents, nodes)
             vals, toks = topk_rows(mixed, k)
             return RowSummary(vals, toks, top_entropy(mixed) if entropy else None)
-        head, runner = fast
+        head, model = fast
         index = self._head_index
         extras: dict[int, list[tuple[float, int]]] = {}
         for i, info in enumerate(infos):
@@ -165,7 +173,7 @@ class HybridOracle(DraftOracle):
                 else:  # outside the drafter's head: q = 0 there, the mixed value is c
                     extras.setdefault(i, []).append((c, token))
         width = k + max((len(e) for e in extras.values()), default=0)
-        summary = runner.summarize(head, width, entropy)
+        summary = model.summarize_head(head, width, entropy)
         if not extras:
             return summary if width == k else RowSummary(summary.values[:, :k], summary.tokens[:, :k], summary.entropy)
         vals, toks = summary.values[:, :k].clone(), summary.tokens[:, :k].clone()
@@ -180,22 +188,15 @@ class HybridOracle(DraftOracle):
         return RowSummary(vals, toks, ent)
 
     def _head_rows(self, tokens, parents, nodes: list[int]):  # type: ignore[no-untyped-def]
-        """([n, V_draft] copies of the model's head rows, its runner) for a SessionOracle, else None; records
+        """([n, V_draft] copies of the model's head rows, the model) for a SessionOracle, else None; records
         each node's model top-1 (for BOTH labels)."""
-        from .model_runner import SessionOracle
-
         model = self.model
         if not isinstance(model, SessionOracle):
             return None
-        model._feed(tokens, parents, nodes)
-        head = torch.stack([model.rows[n] for n in nodes])
-        top1 = head.argmax(dim=1)
-        ids = model.runner.vocab_ids
-        if ids is not None:
-            top1 = ids[top1.cpu()]
-        for n, t in zip(nodes, top1.tolist()):
+        head = model.head_rows(tokens, parents, nodes)
+        for n, t in zip(nodes, model.target_ids(head.argmax(dim=1)).tolist()):
             self._nodes[n].top1 = t
-        return head, model.runner
+        return head, model
 
 
 def head_index(vocab_ids: Tensor | None) -> dict[int, int] | None:

@@ -183,8 +183,24 @@ class SessionOracle(DraftOracle):
     def summarize(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int], k: int,
                   entropy: bool) -> RowSummary:
         """`DraftOracle.summarize`: top-k and entropy computed on the head rows."""
+        return self.runner.summarize(self.head_rows(tokens, parents, node_ids), k, entropy)
+
+    def head_rows(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
+        """[k, V_draft] the nodes' warped rows over the drafter's own head (fed first), a new tensor the caller
+        may change: what an oracle mixing other candidates into the rows (engine/lookup/ HybridOracle) works
+        on before `summarize_head`, without a full-vocabulary row."""
         self._feed(tokens, parents, node_ids)
-        return self.runner.summarize(torch.stack([self.rows[n] for n in node_ids]), k, entropy)
+        return torch.stack([self.rows[n] for n in node_ids])
+
+    def summarize_head(self, head_rows: Tensor, k: int, entropy: bool) -> RowSummary:
+        """`summarize` of head rows [n, V_draft] (as `head_rows` gives them, possibly changed): top-k as target
+        token ids, and the C2T entropy if asked."""
+        return self.runner.summarize(head_rows, k, entropy)
+
+    def target_ids(self, head_index: Tensor) -> Tensor:
+        """Target token ids of positions `head_index` in the drafter's head rows."""
+        ids = self.runner.vocab_ids
+        return head_index if ids is None else ids[head_index.cpu()]
 
     def sample(self, tokens: Sequence[int], parents: Sequence[int], node: int,
                uniform: float) -> tuple[Tensor, int | None, float, float]:

@@ -99,9 +99,9 @@ class LookupTreeBuilder:
             raise ValueError(f"budget must be an integer >= 1, got {self.budget!r}")
 
     def build(self, root_token: int, oracle, sampling, generator) -> TokenTree:  # type: ignore[no-untyped-def]
-        if oracle.plan is None:
+        if oracle.lookup is None:
             raise ValueError("the lookup method drafts from a HybridOracle (copy-from-context candidates)")
-        return oracle.plan(root_token, self.budget, self.min_value).tree(self.budget, sampling.is_greedy)
+        return oracle.lookup.plan(root_token, self.budget, self.min_value).tree(self.budget, sampling.is_greedy)
 
 
 def lookup_chain(session: LookupSession, max_length: int, min_joint: float) -> tuple[list[int], list[float]]:

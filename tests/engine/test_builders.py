@@ -390,3 +390,14 @@ def test_dyspec_greedy_selects_the_budget_best_nodes(budget, max_depth, prefetch
         kids = tree.children(node)
         joint = tree.log_joint[kids].tolist()
         assert joint == sorted(joint, reverse=True)
+
+
+def test_dyspec_greedy_builds_the_fixed_tree():
+    """A flat draft row (scale 0.5) at V = 64: the root's children are listed past the first 32 (its cut row is
+    widened), with prefetched rows overtaken and dropped. The tree the greedy built with positional tuples
+    before it had named fields (issue #45)."""
+    wide = ToyModels(vocab=64, seed=2, scale=0.5)
+    tree = build(DySpecBuilder(budget=40, prefetch=4), wide, prefix=(1, 2), root=5)
+    assert tree.token_list == [5, 19, 2, 46, 59, 29, 5, 13, 11, 61, 6, 0, 47, 44, 55, 36, 58, 27, 40, 12, 34, 43, 7, 1,
+                               25, 39, 42, 62, 15, 50, 37, 63, 3, 26, 24, 45, 58, 51, 30, 31, 23]
+    assert tree.parent_list == [-1] + [0] * 27 + [1] + [0] * 5 + [7, 4, 1] + [0] * 4

@@ -26,7 +26,7 @@ from treeserve.engine.builders import (
 )
 from treeserve.engine.methods import split_method
 from treeserve.engine.tree_config import TreeConfig
-from treeserve.engine.builders.base import DraftOracle, PartialTree
+from treeserve.engine.builders.base import DraftOracle, LookupSource, PartialTree
 from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.lookup import LookupSettings, LookupSources, SuffixIndex, match_bucket
 from treeserve.engine.lookup.trees import LookupTreeBuilder, lookup_chain, merge_chains, plan_lookup
@@ -129,7 +129,7 @@ def test_hybrid_rows_mix_lookup_candidates_into_the_model_row(models):
     sampling = SamplingParams(temperature=1.0)
     oracle = hybrid(models, PROMPT, sampling, LookupSettings())
     tree = PartialTree(PROMPT[-1], oracle)
-    row = tree.lookup(0)
+    row = tree.candidates(0)
     assert row is not None and row.tokens[0] == 1 and abs(sum(row.values) - row.total) < 1e-9
     q = ToyOracle(models, PROMPT[:-1], sampling).probs([PROMPT[-1]], [-1], [0])[0]
     mixed = tree.query([0])[0]
@@ -140,6 +140,55 @@ def test_hybrid_rows_mix_lookup_candidates_into_the_model_row(models):
     values, tokens = torch.topk(mixed, 5)
     assert torch.allclose(top.values[0], values) and top.tokens[0].tolist() == tokens.tolist()
     assert torch.allclose(tree.query_model([0])[0], q)
+
+
+def test_hybrid_oracle_is_the_lookup_source_builders_consult(models):
+    """Copy-from-context is one capability (`DraftOracle.lookup`): a HybridOracle is its own LookupSource, a
+    model-only oracle has none, and a PartialTree hands the oracle's to its builder."""
+    sampling = SamplingParams(temperature=1.0)
+    oracle = hybrid(models, PROMPT, sampling, LookupSettings())
+    assert oracle.lookup is oracle and isinstance(oracle.lookup, LookupSource)
+    tree = PartialTree(PROMPT[-1], oracle)
+    assert tree.lookup is oracle
+    row = tree.candidates(0)
+    assert row is not None and tree.model_backed(0)
+    child = tree.add_copy(0, row.tokens[0], row.values[0])
+    assert tree.sources[child] == oracle.source_of(0, row.tokens[0]) != Source.MODEL
+    assert oracle.plan(PROMPT[-1], 3, 1e-4).size >= 1
+    model = ToyOracle(models, PROMPT[:-1], sampling)
+    assert model.lookup is None and not isinstance(model, LookupSource)
+    assert PartialTree(PROMPT[-1], model).lookup is None
+
+
+# The trees of the sampled builders at seed 5 (tokens, parents, child_draw, sources), model-only and over a lookup
+# source: what the twin growers built before each builder had one grower (issue #45), unchanged since.
+FIXED_SAMPLED = {
+    ("dyspec", False): ([7, 10, 8, 13, 19, 11, 14, 15, 18], [-1, 0, 0, 0, 3, 3, 3, 3, 3], [1, 0, 0, 1, 0, 0, 0, 0, 0],
+                        None),
+    ("dyspec", True): ([7, 1, 10, 8, 13, 19, 11, 14, 5], [-1, 0, 0, 0, 0, 4, 4, 4, 1], [1, 0, 0, 0, 1, 0, 0, 0, 0],
+                       [0, 1, 0, 0, 0, 0, 0, 0, 1]),
+    ("dyspec_threshold", False): ([7, 10, 8, 13, 9, 5, 15, 18, 19], [-1, 0, 0, 0, 0, 0, 3, 3, 3],
+                                  [1, 0, 0, 1, 0, 0, 0, 0, 0], None),
+    ("dyspec_threshold", True): ([7, 1, 10, 8, 13, 9, 5, 15, 18], [-1, 0, 0, 0, 0, 0, 0, 4, 4],
+                                 [1, 0, 0, 0, 1, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0, 0]),
+    ("chain", False): ([7, 13, 14, 15, 11], [-1, 0, 1, 2, 3], [1, 1, 1, 1, 0], None),
+    ("chain", True): ([7, 1, 5, 9, 3], [-1, 0, 1, 2, 3], [0, 0, 0, 0, 0], [0, 1, 1, 1, 1]),
+}
+SAMPLED_BUILDERS = {"dyspec": lambda: DySpecBuilder(budget=8, prefetch=4),
+                    "dyspec_threshold": lambda: DySpecThresholdBuilder(threshold=0.05, budget=8),
+                    "chain": lambda: ChainBuilder(length=4)}
+
+
+@pytest.mark.parametrize(("name", "copies"), list(FIXED_SAMPLED), ids=[f"{n}-{'lookup' if c else 'plain'}"
+                                                                       for n, c in FIXED_SAMPLED])
+def test_sampled_growers_build_the_fixed_trees(models, name, copies):
+    sampling = SamplingParams(temperature=1.0)
+    if not copies:
+        oracle = ToyOracle(models, PROMPT[:-1], sampling)
+    else:  # the chain copies only where a candidate beats the model's whole mass: calibrated eagerly
+        oracle = hybrid(models, PROMPT, sampling, EAGER if name == "chain" else LookupSettings())
+    tree = SAMPLED_BUILDERS[name]().build(PROMPT[-1], oracle, sampling, torch.Generator().manual_seed(5))
+    assert (tree.token_list, tree.parent_list, tree.child_draw_list, tree.source_list) == FIXED_SAMPLED[name, copies]
 
 
 def test_confident_lookup_nodes_get_no_model_row(models):

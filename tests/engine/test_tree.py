@@ -102,6 +102,43 @@ def test_select_keeps_draft_rows_and_sibling_prefix_rule():
         tree.select([2, 5])  # drops node 1, the first-drawn child of the root
 
 
+def test_finish_selects_as_token_tree_select():
+    """`PartialTree.finish(keep=...)` selects on the builder's lists, `TokenTree.select` on a tree: one rule
+    (`tree.select_nodes`), the same sub-trees, draft rows and errors."""
+    vocab = 8
+    row = torch.full((vocab,), 1.0 / vocab)
+
+    class Oracle(DraftOracle):
+        vocab_size = vocab
+
+        def probs(self, tokens, parents, node_ids):
+            return row.expand(len(node_ids), vocab)
+
+    def partial() -> PartialTree:
+        tree = PartialTree(0, Oracle())
+        for parent, token in [(0, 1), (0, 2), (1, 3), (1, 4), (2, 5), (3, 6)]:
+            tree.add(parent, token, -0.5 * (parent + 1))
+        tree.set_draw(1, ChildDraw.WITHOUT_REPLACEMENT, row, 1.0)
+        return tree
+
+    def rows_by_node(tree: TokenTree) -> list:
+        """Each node's draft row (None where it has none): no rows kept reads None or an empty [0, V] alike."""
+        index = tree.draft_row_list or [-1] * tree.num_nodes
+        return [None if i < 0 else tree.draft_row(n).tolist() for n, i in enumerate(index)]
+
+    full = partial().finish()
+    for keep in ([1, 3, 6], [2, 5], [1, 2, 3, 4], [], [1, 3, 4, 6]):
+        fast, slow = partial().finish(keep=keep), full.select(torch.tensor(keep, dtype=torch.long))
+        assert fast.token_list == slow.token_list and fast.parent_list == slow.parent_list
+        assert fast.child_draw_list == slow.child_draw_list and torch.equal(fast.log_joint, slow.log_joint)
+        assert rows_by_node(fast) == rows_by_node(slow)
+    for keep, match in (([3], "ancestors"), ([1, 4], "prefix"), ([7], "lie in")):
+        with pytest.raises(ValueError, match=match):
+            partial().finish(keep=keep)
+        with pytest.raises(ValueError, match=match):
+            full.select(keep)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
