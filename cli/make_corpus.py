@@ -9,6 +9,7 @@ from pathlib import Path
 
 from treeserve.engine.dev_prompts import DEV_PROMPTS, REPO_ROOT
 from treeserve.engine.devices import check_device
+from treeserve.engine.drafters.models.compatibility import default_feature_layers
 from treeserve.engine.models.loading import cache_root, load_causal_lm
 from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, CorpusConfig, build_corpus, corpus_summary
 from treeserve.engine.training.prompt_mix import evaluation_texts
@@ -54,8 +55,6 @@ def corpus_config(args: argparse.Namespace) -> CorpusConfig:
 def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
-
-    from treeserve.engine.drafters.models.eagle3 import default_feature_layers
 
     if args.summary:
         print(json.dumps(corpus_summary(args.out), indent=2))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from treeserve.engine.dev_prompts import REPO_ROOT
 from treeserve.engine.devices import check_device, device_name
-from treeserve.engine.drafters.models.eagle3 import default_feature_layers, is_eagle3_drafter
+from treeserve.engine.drafters.models.compatibility import default_feature_layers
+from treeserve.engine.drafters.models.eagle3 import is_eagle3_drafter
 from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.engine.models.loading import cache_root, load_causal_lm
 from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, compute_chunk_features, corpus_summary, features_path

@@ -195,9 +195,9 @@ def test_drafter_replica_with_a_fixed_budget_loads_only_the_targets_parts(target
 
 def test_drafter_check_constants_match_the_modules():
     from treeserve.engine.drafters.models import compatibility as drafter_check
-    from treeserve.engine.drafters.models.base import DRAFTER_KEY
-    from treeserve.engine.drafters.models.eagle3 import EAGLE3_ARCHITECTURE
-    from treeserve.engine.drafters.models.parallel import PARALLEL_KEY
+    from treeserve.engine.drafters.models.compatibility import DRAFTER_KEY
+    from treeserve.engine.drafters.models.compatibility import EAGLE3_ARCHITECTURE
+    from treeserve.engine.drafters.models.compatibility import PARALLEL_KEY
 
     assert (drafter_check.DRAFTER_KEY, drafter_check.EAGLE3_ARCHITECTURE, drafter_check.PARALLEL_KEY) == \
         (DRAFTER_KEY, EAGLE3_ARCHITECTURE, PARALLEL_KEY)

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter, default_feature_layers, is_eagle3_drafter
+from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter, is_eagle3_drafter
+from treeserve.engine.drafters.models.compatibility import default_feature_layers
 from treeserve.engine.training.corpus import CorpusConfig, build_corpus, compute_chunk_features
 from treeserve.engine.training.eagle3 import Eagle3TrainConfig, load_corpus, logits, train_eagle3, unroll
 

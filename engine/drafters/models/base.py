@@ -30,8 +30,8 @@ from torch import nn
 from ...models.loading import portable_path
 from ...runners.cached_lm import DrafterForward
 from ...runners.lean_decoder import LeanEnds
+from .compatibility import DRAFTER_KEY
 
-DRAFTER_KEY = "treeserve_drafter"  # config.json card of the distilled, EAGLE and EAGLE-3 drafters
 _EMBED_KEY = "model.embed_tokens.weight"
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-# The names the drafter model modules use (engine/drafters/models/base.py, eagle3.py, parallel.py), repeated
-# here so that config validation reads config.json files without importing torch (tests check they agree).
+# The config.json marks of the drafter layouts, read here by config validation without torch and by the drafter
+# model modules (base.py, eagle3.py, parallel.py) that write them.
 DRAFTER_KEY = "treeserve_drafter"
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 PARALLEL_KEY = "treeserve_parallel_drafter"
@@ -45,6 +45,86 @@ LAYOUT_NAMES = {
 FEATURE_LAYOUTS = ("eagle3", "eagle", "treeserve_eagle")
 # Layouts a config can declare for a drafter whose files are not readable where it is validated.
 DECLARABLE = ("eagle", "eagle3")
+
+
+# Keys every published EAGLE-1 head holds (layer 0); detection reads only the names.
+_SIGNATURE = ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / middle / high layers: hidden_states indices (2, N // 2, N - 3), kept inside 0..N for
+    targets of fewer than 5 layers (test models)."""
+    return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 0))
+
+
+def feature_layers_from_config(raw: dict, target_layers: int | None = None) -> tuple[int, ...] | None:
+    """The `hidden_states` indices an EAGLE-3 config.json fuses: vLLM's top-level
+    `eagle_aux_hidden_state_layer_ids` as they are, else SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids`
+    + 1 (the module docstring), else EAGLE-3's default for a `target_layers`-layer target (None when that
+    is unknown)."""
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        return tuple(int(i) for i in top)
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        return tuple(int(i) + 1 for i in nested)
+    return default_feature_layers(target_layers) if target_layers is not None else None
+
+
+def fit_problem(raw: dict, vocab: int, target_hidden: int) -> str | None:
+    """Why an EAGLE-3 config.json does not fit a target of `vocab` tokens and hidden size `target_hidden` (None:
+    it fits). The head's layer is the target's width, or narrower (or wider) with `target_hidden_size` naming the
+    target's width, which fc reads (the module docstring)."""
+    hidden, fused = raw.get("hidden_size"), raw.get("target_hidden_size")
+    if raw.get("vocab_size") != vocab:
+        return f"its vocabulary has {raw.get('vocab_size')} tokens, the target's {vocab}"
+    if fused is not None and fused != target_hidden:
+        return (f"it fuses features of hidden size {fused} (its target_hidden_size), the target's hidden size is "
+                f"{target_hidden}")
+    if fused is None and hidden != target_hidden:
+        return (f"its hidden size is {hidden}, the target's {target_hidden}, and its config names no "
+                "target_hidden_size (the target width a narrower head's fc reads)")
+    return None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The head's weight files: model.safetensors, else pytorch_model.bin (what the references read)."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (Path(model_dir) / name).is_file():
+            return [Path(model_dir) / name]
+    return []
+
+
+def weight_names(model_dir: Path) -> set[str]:
+    """Tensor names in the head's weight file, read without loading the tensors (safetensors header, or a
+    memory-mapped pytorch_model.bin)."""
+    files = weight_files(model_dir)
+    if not files:
+        return set()
+    if files[0].suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(files[0]), framework="pt") as f:
+            return set(f.keys())
+    import torch  # an optional heavy dependency: only a pytorch_model.bin needs it
+
+    return set(torch.load(files[0], map_location="cpu", weights_only=True, mmap=True))
+
+
+def is_published_eagle(model_dir: Path) -> bool:
+    """A directory in the published EAGLE-1/2 layout: a config.json that is not one of TreeServe's own drafters
+    nor an EAGLE-3 head, beside weights named like cnets1's `Model` (`fc.*`, `layers.0.*`, no `model.` prefix)."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return False
+    raw = json.loads(config.read_text())
+    if DRAFTER_KEY in raw or EAGLE3_ARCHITECTURE in raw.get("architectures", []):
+        return False
+    try:
+        names = weight_names(model_dir)
+    except Exception:  # unreadable weights: not recognised here (loading reports the file's own error)
+        return False
+    return all(k in names for k in _SIGNATURE)
 
 
 @dataclass
@@ -101,8 +181,6 @@ def detect_layout(model_dir: Path, raw: Mapping[str, Any] | None = None) -> str:
         return "restricted"
     if kind == "eagle3":
         return "eagle3"
-    from .published_eagle import is_published_eagle
-
     return "eagle" if is_published_eagle(model_dir) else "causal_lm"
 
 
@@ -179,8 +257,6 @@ def _layer_params(raw, q_in: int) -> int:
 
 
 def _eagle3(raw, vocab, hidden, layers) -> DrafterFacts:
-    from .eagle3 import feature_layers_from_config, fit_problem
-
     problem = fit_problem(raw, vocab, hidden)  # the head's width, or another one naming the target's
     if problem:
         raise ValueError(problem)
@@ -307,7 +383,7 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
     config.layer_types = None
     with torch.device("meta"):
         if layout == "eagle3":
-            from .eagle3 import Eagle3Drafter, feature_layers_from_config
+            from .eagle3 import Eagle3Drafter
 
             config.bias = bool(raw.get("bias", False))
             draft = raw.get("draft_vocab_size") or vocab
@@ -325,8 +401,6 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
 
 def _check_weights(model_dir: Path, raw, layout: str, vocab: int, hidden: int, layers: int) -> None:
     import torch
-
-    from .published_eagle import weight_files
 
     files = weight_files(model_dir)
     if not files:

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ...models.hf_cache import cache_argument, returned_cache
-from .base import DRAFTER_KEY, DrafterModel
+from .base import DrafterModel
+from .compatibility import DRAFTER_KEY
 
 EAGLE_KIND = "eagle"
 

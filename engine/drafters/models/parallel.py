@@ -35,8 +35,8 @@ from torch import nn
 from ...models.hf_cache import cache_argument, returned_cache
 from ...runners.lean_decoder import LeanEnds
 from .base import DrafterModel, DrafterOutput
+from .compatibility import PARALLEL_KEY
 
-PARALLEL_KEY = "treeserve_parallel_drafter"
 DEFAULT_NUM_MASKS = 4
 
 

@@ -31,35 +31,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .base import DRAFTER_KEY
+from .compatibility import weight_files
 from .eagle import EagleDrafter
-from .eagle3 import EAGLE3_ARCHITECTURE
 
-# Keys every published EAGLE-1 head holds (layer 0); detection reads only the names.
-_SIGNATURE = ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")
 _IGNORED = ("embed_tokens.weight",)  # the target's embeddings, stored by EAGLE's trainer
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The head's weight files: model.safetensors, else pytorch_model.bin (what the references read)."""
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (Path(model_dir) / name).is_file():
-            return [Path(model_dir) / name]
-    return []
-
-
-def weight_names(model_dir: Path) -> set[str]:
-    """Tensor names in the head's weight file, read without loading the tensors (safetensors header, or a
-    memory-mapped pytorch_model.bin)."""
-    files = weight_files(model_dir)
-    if not files:
-        return set()
-    if files[0].suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(files[0]), framework="pt") as f:
-            return set(f.keys())
-    return set(torch.load(files[0], map_location="cpu", weights_only=True, mmap=True))
 
 
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -71,23 +46,6 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
         return load_file(str(files[0]))
     return torch.load(files[0], map_location="cpu", weights_only=True)
-
-
-def is_published_eagle(model_dir: Path) -> bool:
-    """A directory in the published EAGLE-1/2 layout: a config.json that is not one of TreeServe's own drafters
-    nor an EAGLE-3 head, beside weights named like cnets1's `Model` (`fc.*`, `layers.0.*`, no `model.` prefix)."""
-
-    config = Path(model_dir) / "config.json"
-    if not config.is_file():
-        return False
-    raw = json.loads(config.read_text())
-    if DRAFTER_KEY in raw or EAGLE3_ARCHITECTURE in raw.get("architectures", []):
-        return False
-    try:
-        names = weight_names(model_dir)
-    except Exception:  # unreadable weights: not recognised here (loading reports the file's own error)
-        return False
-    return all(k in names for k in _SIGNATURE)
 
 
 class PublishedEagleDrafter(EagleDrafter):
