@@ -22,7 +22,7 @@ from .models.loading import LoadedModel, load_causal_lm
 from .runners.step_settings import default_static_step
 from .runners.target import TargetRunner
 from .speculative_engine import SpeculativeEngine
-from .tree_config import tree_config
+from .tree_config import AUTO_BUDGET, TreeBudget, tree_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +43,7 @@ def parse_drafter_dtype(name: str) -> torch.dtype | str:
 
 
 def build_engine(target_path: str = "default", drafter_path: str | None = None, method: str = DEFAULT_METHOD,
-                 budget: int | str = "auto", device: str = "cpu", dtype: str = "float32",
+                 budget: TreeBudget = AUTO_BUDGET, device: str = "cpu", dtype: str = "float32",
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
                  drafter_kind: str | None = None, lookup: LookupSettings | None = None,
                  drafter_dtype: str | None = None, cuda_graphs: bool = True, cost_curve: str | None = None,

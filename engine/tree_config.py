@@ -4,8 +4,28 @@ format read it; engine/builders' `make_builder` validates it into a builder)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal, Union
 
 from .methods import DEFAULT_METHOD, METHODS, split_method
+
+AUTO_BUDGET = "auto"
+# A tree budget as a user or a config states it: a fixed number of draft nodes (a chain's length), or "auto", the
+# drafter's hardware-aware chooser picks each step's (engine/budget.py). `TreeConfig` holds it as `budget` and
+# `budget_auto`; the wire as `budget_tokens`, 0 meaning "auto" (services/wire.py).
+TreeBudget = Union[int, Literal["auto"]]
+
+
+def parse_budget(value: int | str, what: str = "budget", maximum: int | None = None) -> TreeBudget:
+    """`value` ("auto", an integer, or an integer's digits) as a TreeBudget: ValueError naming `what` unless it is
+    "auto" or an integer in 1..maximum (no maximum: >= 1)."""
+    if value == AUTO_BUDGET:
+        return AUTO_BUDGET
+    number = value if isinstance(value, int) and not isinstance(value, bool) else \
+        int(value) if isinstance(value, str) and value.isdigit() else None
+    if number is None or number < 1 or (maximum is not None and number > maximum):
+        allowed = f"an integer in 1..{maximum}" if maximum is not None else "an integer >= 1"
+        raise ValueError(f"{what}: must be '{AUTO_BUDGET}' or {allowed}, got {value!r}")
+    return number
 
 
 @dataclass
@@ -38,9 +58,10 @@ CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 C2T_DEFAULTS = {"depth": 10, "top_k": 15}
 
 
-def tree_config(method: str, budget: int | str, **overrides) -> TreeConfig:
+def tree_config(method: str, budget: TreeBudget, **overrides) -> TreeConfig:
     """TreeConfig for `method`; an integer budget is fixed (for a chain: its length), "auto" leaves it
     to the drafter's hardware-aware chooser."""
+    budget = parse_budget(budget)
     base = split_method(method)[0]  # "c2t+lookup" shapes its tree as "c2t" does
     if base == "c2t":
         overrides = {**C2T_DEFAULTS, **overrides}

@@ -16,7 +16,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
 from treeserve.engine.drafters.registry import SHIPPED, canonical_name, drafter_dir
+from treeserve.engine.tree_config import parse_budget
 from .host_priority import REPLICA_SYSTEM_CONFIG, deprioritise_control_plane
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +60,7 @@ def load_config(path: str | None, method: str | None = None, budget: str | None 
     if method is not None:
         args.speculation.method = method
     if budget is not None:
-        args.speculation.budget = budget if budget == "auto" else _int(budget, "--budget")
+        args.speculation.budget = parse_budget(budget, "--budget")
     if target is not None:
         args.target.path = target
     if drafter is not None:
@@ -73,13 +75,6 @@ def load_config(path: str | None, method: str | None = None, budget: str | None 
         config.app.args = AppConfig.from_args(args)
     _check_models(config.app.args)
     return config
-
-
-def _int(value: str, name: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}: expected 'auto' or an integer, got {value!r}") from None
 
 
 def _check_models(args) -> None:

@@ -8,6 +8,7 @@ import time
 
 from ..methods import AUTOREGRESSIVE, METHODS
 from ..requests import GenerationRequest
+from ..tree_config import AUTO_BUDGET, TreeBudget, parse_budget
 from .peers import Outcome
 
 # Every method the in-process bench runs: plain decoding and every TreeConfig method of the registry
@@ -17,16 +18,14 @@ AR_KEY = "autoregressive:auto"
 HF_KEY = "hf-generate"
 
 
-def parse_method(entry: str) -> tuple[str, int | str]:
-    """`METHOD[:BUDGET]` -> (method, budget): a method of BENCH_METHODS, a positive integer or "auto"."""
+def parse_method(entry: str) -> tuple[str, TreeBudget]:
+    """`METHOD[:BUDGET]` -> (method, budget): a method of BENCH_METHODS and its budget (none given: "auto")."""
     name, _, budget = entry.partition(":")
     if name not in BENCH_METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(BENCH_METHODS)}")
-    if name == AUTOREGRESSIVE or budget in ("", "auto"):
-        return name, "auto"
-    if not budget.isdigit() or int(budget) < 1:
-        raise ValueError(f"budget of {entry!r} must be a positive integer or 'auto'")
-    return name, int(budget)
+    if name == AUTOREGRESSIVE or not budget:
+        return name, AUTO_BUDGET
+    return name, parse_budget(budget, f"the budget of {entry!r}")
 
 
 def parse_entry(entry: str, default_kind: str = "autoregressive") -> list[tuple[str, int | str, str]]:
@@ -41,7 +40,7 @@ def parse_entry(entry: str, default_kind: str = "autoregressive") -> list[tuple[
     return [(name, budget, k) for k in kinds]
 
 
-def entry_key(name: str, budget: int | str, kind: str) -> str:
+def entry_key(name: str, budget: TreeBudget, kind: str) -> str:
     return f"{name}:{budget}" + ("@parallel" if kind == "parallel" else "")
 
 

@@ -16,6 +16,7 @@ from ..c2t_classifier import C2TClassifier
 from ..hardware.profile import measure_profile
 from ..lookup import LookupSettings
 from ..runners.step_settings import StaticStepSettings
+from ..tree_config import AUTO_BUDGET, TreeBudget, parse_budget
 from .autoregressive import LocalDrafter
 from .base import DrafterBase
 from .dtype_choice import AUTO, fastest_dtype
@@ -50,22 +51,20 @@ def load_classifier(path: str | None = "default", drafter_path: str = "distilled
     return C2TClassifier.load(path)
 
 
-def _chooser(budget: int | str, target: torch.nn.Module, model: torch.nn.Module, device: str,
+def _chooser(budget: TreeBudget, target: torch.nn.Module, model: torch.nn.Module, device: str,
              target_dtype: torch.dtype, dtype: torch.dtype, static: StaticStepSettings | None = None,
              cost_curve: str | None = None) -> BudgetChooser | None:
     """Budget "auto": a chooser over the measured cost curve of this pair on the step both run (cached per
     machine; `cost_curve`: the target's from a `treeserve profile` file); an integer: none."""
-    if budget == "auto":
+    if parse_budget(budget) == AUTO_BUDGET:
         return BudgetChooser(measure_profile(target, model, device, target_dtype, drafter_dtype=dtype,
                                              static=static, cost_curve=cost_curve,
                                              drafter_forward=runner_forward(model)))
-    if not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget must be 'auto' or an integer >= 1, got {budget!r}")
     return None
 
 
 def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str = "cpu",
-                        dtype: torch.dtype | str = torch.float32, budget: int | str = "auto",
+                        dtype: torch.dtype | str = torch.float32, budget: TreeBudget = AUTO_BUDGET,
                         classifier_path: str | None = "default", drafter_kind: str | None = None,
                         lookup: LookupSettings | None = None, target_dtype: torch.dtype | None = None,
                         static: StaticStepSettings | None = None, cost_curve: str | None = None) -> DrafterBase:

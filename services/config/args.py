@@ -14,7 +14,7 @@ from treeserve.engine.drafters.models.compatibility import check_drafter
 from treeserve.engine.drafters.registry import drafter_dir, is_shipped, kind_of
 from treeserve.engine.lookup import LookupSettings  # torch-free
 from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
-from treeserve.engine.tree_config import CANDIDATE_BUDGETS  # torch-free
+from treeserve.engine.tree_config import CANDIDATE_BUDGETS, parse_budget  # torch-free
 from .api import ApiConfig, SecurityConfig
 from .builder import build
 from .fields import check_positive, described
@@ -45,8 +45,7 @@ class SpeculationConfig:
         "answered at once. Output is unchanged (engine/drafters/run_ahead.py)", default=True)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
-        if self.budget != "auto" and not 1 <= self.budget <= 1024:
-            raise ValueError(f"{path}.budget: must be 'auto' or an integer in 1..1024, got {self.budget}")
+        parse_budget(self.budget, f"{path}.budget", maximum=1024)
 
 
 @dataclass
