@@ -9,12 +9,13 @@ saw the session (scaled out, restarted) rebuilds it.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Protocol
 
 import grpc
 
-from treeserve.engine.runners.cached_lm import KVPoolExhausted
+from treeserve.engine.runners.cached_lm import CachedLM, KVPoolExhausted
 from treeserve.engine.runners.step_settings import default_static_step
+from treeserve.engine.speculative_engine import Target
 from treeserve.services import wire
 from treeserve.services.features import FeaturesUnavailable, check_target_provides
 from treeserve.services.transport.replica import GrpcReplica, SessionClock
@@ -24,10 +25,15 @@ from treeserve.v1 import internal_pb2_grpc as pb_grpc
 
 
 
+class ServedTarget(Target, Protocol):
+    """What a Target replica serves: the engine's `Target` (a `TargetRunner` or the tensor-parallel target), and
+    the KV cache of its sessions where this process holds it (health reports, idle sweeps)."""
+
+    lm: CachedLM | None  # None where the tensor-parallel ranks hold the cache
+
+
 class TargetServicer(pb_grpc.TargetServicer):
-    def __init__(self, runner: Any, replica_id: str = "local", dense_dtype: str = "float32"):
-        # TargetRunner or TensorParallelTarget: score(list[ScoreRequest]), release(id), vocab_size,
-        # provides_features, lm (the KV cache, None where the ranks hold it)
+    def __init__(self, runner: ServedTarget, replica_id: str = "local", dense_dtype: str = "float32"):
         self.runner = runner
         self.vocab_size = int(runner.vocab_size)
         self.replica_id = replica_id
@@ -90,7 +96,8 @@ class TargetServicer(pb_grpc.TargetServicer):
 class TargetReplica(GrpcReplica):
     """Serve deployment class (wrapped by services/app.py): loads the target from the app `args`."""
 
-    def __init__(self, args: dict | None = None, runner: Any = None, internal_secret: str | None = None):
+    def __init__(self, args: dict | None = None, runner: ServedTarget | None = None,
+                 internal_secret: str | None = None):
         limit_threads()
         from treeserve.services.config import AppConfig
 
@@ -109,7 +116,7 @@ class TargetReplica(GrpcReplica):
             self.runner.health()
 
 
-def load_target_from_config(config) -> Any:
+def load_target_from_config(config) -> ServedTarget:
     """TargetRunner for tensor_parallel_size 1; the tensor-parallel target (services/tp_target.py) above."""
     target = config.target
     # The KV pool is preallocated at start: max_sessions x max_context_tokens (treeserve memory-estimate).

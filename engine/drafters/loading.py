@@ -13,7 +13,7 @@ import torch
 
 from treeserve.engine.budget import BudgetChooser, measure_profile
 from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.drafters.base import DrafterBase
+from treeserve.engine.drafters.base import ModelDrafter
 from treeserve.engine.drafters.dtype_choice import AUTO, fastest_dtype
 from treeserve.engine.drafters.registry import KINDS, PARALLEL_KIND, canonical_name, drafter_dir, kind_of
 from treeserve.engine.lookup import LookupSettings
@@ -59,7 +59,7 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
                         dtype: torch.dtype | str = torch.float32, budget: int | str = "auto",
                         classifier_path: str | None = "default", drafter_kind: str | None = None,
                         lookup: LookupSettings | None = None, target_dtype: torch.dtype | None = None,
-                        static: StaticStepSettings | None = None, cost_curve: str | None = None) -> DrafterBase:
+                        static: StaticStepSettings | None = None, cost_curve: str | None = None) -> ModelDrafter:
     """The drafter of `drafter_kind` over the weights at `drafter_path`, for `target`; budget "auto" measures
     the hardware and chooses per step.
 
