@@ -61,6 +61,25 @@ STEP_TIME_WINDOW = 64  # recent step times per budget whose median is its step c
 LOOKUP_ONLY = -1  # `BudgetChooser.current` of a step drafted by the lookup source alone
 
 
+@dataclass(frozen=True)
+class DraftPlan:
+    """One step's drafting as a budget chooser decides it, as a plain value the drafter acts on (as a scheduler
+    returns a plain decision): how much the model drafts, whether the lookup drafts alone, and how many following
+    steps stay plain decoding by the same decision. The chooser that returned it credits the step's records."""
+
+    budget: int = 0  # the model's draft nodes (a batch-1 tree) or chain depth (a batched step); 0: none
+    # The lookup drafts alone (LOOKUP_ONLY): a batch-1 tree of `lookup_nodes` copied nodes, or a batched step's copy
+    # chains (each row's cut by `allocate_copies`).
+    lookup_only: bool = False
+    lookup_nodes: int = 0  # nodes of a batch-1 lookup-only tree; 0 otherwise
+    held: int = 0  # steps after this one that are plain decoding by this decision: the caller may skip drafting them
+
+    @property
+    def plain(self) -> bool:
+        """Nothing is drafted this step: the root alone (plain decoding)."""
+        return self.budget == 0 and not self.lookup_only
+
+
 @dataclass
 class _Arm:
     """What one budget measured: tokens per step over all its steps, and the wall time of its recent steps.
@@ -214,6 +233,12 @@ class BudgetChooser:
         self.owed = 1.0 + self.held
         return self.current
 
+    def plan(self) -> DraftPlan:
+        """This step's decision (`next_budget`) as a DraftPlan: a budget, copies alone (LOOKUP_ONLY, a batched
+        chooser's arm) or plain decoding, held for `held` more steps."""
+        budget = self.next_budget()
+        return DraftPlan(budget=max(budget, 0), lookup_only=budget == LOOKUP_ONLY, held=self.held)
+
     # ------------------------------------------------------------------ hybrid (model + lookup) steps
     @property
     def cost_scale(self) -> float:
@@ -254,6 +279,12 @@ class BudgetChooser:
         self.current = budget
         return budget, 0
 
+    def plan_hybrid(self, gains: list[float], model: bool = True) -> DraftPlan:
+        """This batch-1 hybrid step's decision (`next_hybrid`) as a DraftPlan: a lookup-only tree, a model budget
+        whose tree merges the lookup's candidates, or plain decoding (never held)."""
+        budget, nodes = self.next_hybrid(gains, model)
+        return DraftPlan(budget=budget, lookup_only=nodes > 0, lookup_nodes=nodes)
+
     def repeat(self) -> None:
         """The next step keeps the current decision (a tree drafted ahead at this budget): credit its records."""
         self.owed = 1.0 + self.held
@@ -266,9 +297,8 @@ class BudgetChooser:
     def builder_for(self, builder):
         """`builder` with this step's budget (a chain's length), or None for no drafting this step;
         builders without a budget are unchanged."""
-        if self.next_budget() == 0:
-            return None
-        return self.resized(builder, self.current)
+        plan = self.plan()
+        return None if plan.plain else self.resized(builder, plan.budget)
 
     @staticmethod
     def resized(builder, budget: int):  # type: ignore[no-untyped-def]

@@ -86,7 +86,7 @@ class SpeculativeEngine:
         self.eos_ids = frozenset(model_eos_ids(tokenizer, None)) | frozenset(eos_token_ids)
         # An EAGLE drafter reads the target's features of the committed context: the target returns them
         # with its scores and each sequence keeps those of its accepted path.
-        self.carries_features = drafter is not None and drafter.reads_target_features
+        self.carries_features = drafter is not None and drafter.feature_needs.reads
         if self.carries_features and not target.provides_features:
             raise ValueError(f"an EAGLE drafter needs the target's features; {type(target).__name__} "
                              "does not return them (use the in-process target runner)")

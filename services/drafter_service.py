@@ -1,5 +1,5 @@
-"""The Drafter: a gRPC servicer over a drafter (engine/drafters/base.py `Drafter`), and the Serve deployment class
-that hosts it.
+"""The Drafter: a gRPC servicer over a local drafter (engine/drafters/base.py `ModelDrafter`), and the Serve deployment
+class that hosts it.
 
 `DrafterServicer` is plain (inject any drafter; tests run it in-process). `DrafterReplica` is what
 services/app.py deploys: it loads the drafter from the app config, starts the servicer on its own grpc.aio
@@ -17,7 +17,7 @@ import time
 import grpc
 import torch
 
-from treeserve.engine.drafters.base import Drafter, DraftRequest
+from treeserve.engine.drafters.base import DraftRequest, ModelDrafter
 from treeserve.engine.drafters.loading import build_local_drafter
 from treeserve.engine.drafters.models.compatibility import detect_layout
 from treeserve.engine.drafters.registry import drafter_dir
@@ -38,7 +38,7 @@ from .transport.replica_server import Worker, limit_threads
 class DrafterServicer(pb_grpc.DrafterServicer):
     """Draft / Release / Health over one drafter; the model work runs on the servicer's worker thread."""
 
-    def __init__(self, drafter: Drafter, vocab_size: int, replica_id: str = "local",
+    def __init__(self, drafter: ModelDrafter, vocab_size: int, replica_id: str = "local",
                  default_method: str = DEFAULT_METHOD, run_ahead: bool = True):
         self.drafter = drafter
         self.vocab_size = vocab_size
@@ -48,7 +48,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.worker = Worker()
         self.clock = SessionClock()  # replicas set clock.idle_s: orphaned sessions are freed
         # Only an EAGLE drafter reads the target's features (the hidden size, or 3x it for EAGLE-3's fused layers).
-        self.features = FeatureStore(drafter.target_feature_size) if drafter.reads_target_features else None
+        needs = drafter.feature_needs
+        self.features = FeatureStore(needs.size) if needs.reads else None
         # Run-ahead: after answering a Draft, the worker drafts the next step's trees while the router has the
         # Target score this one (engine/drafters/run_ahead.py); the next Draft waits for it on the same thread.
         self.run_ahead = run_ahead
@@ -139,7 +140,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 class DrafterReplica(GrpcReplica):
     """Serve deployment class (wrapped by services/app.py): loads the drafter from the app `args`."""
 
-    def __init__(self, args: dict | None = None, drafter: Drafter | None = None, vocab_size: int | None = None,
+    def __init__(self, args: dict | None = None, drafter: ModelDrafter | None = None, vocab_size: int | None = None,
                  internal_secret: str | None = None):
         limit_threads()
         from .config import AppConfig
@@ -154,7 +155,7 @@ class DrafterReplica(GrpcReplica):
         self._start_server(pb_grpc.add_DrafterServicer_to_server, config.grpc.max_message_bytes, internal_secret)
 
 
-def load_drafter_from_config(config) -> tuple[Drafter, int]:
+def load_drafter_from_config(config) -> tuple[ModelDrafter, int]:
     """LocalDrafter as the config says. Budget "auto" times the target's forward once (cached per machine), so
     the whole target is loaded then; with a fixed budget only the parts a drafter borrows are (its config,
     embeddings, final norm and LM head: engine/models/target_parts.py), which is what lets a drafter replica

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 import grpc
 
@@ -36,6 +36,9 @@ from .config import LimitsConfig
 from .metrics import RouterMetrics
 from .transport.pool import NoReplicaError, ReplicasFullError
 from .validation import RequestError, RequestValidator, method_enum
+
+if TYPE_CHECKING:  # type names only: in-process routers never load the gRPC transport
+    from .transport.pool import GroupedCaller
 
 log = logging.getLogger("treeserve.router")
 
@@ -64,8 +67,8 @@ class Router:
     """Plain class: inject the engine. `RouterReplica` builds one over gRPC clients for Serve."""
 
     def __init__(self, engine: SpeculativeEngine, limits: LimitsConfig | None = None,
-                 metrics: RouterMetrics | None = None, clients: list[Any] = (), router_id: str | None = None,
-                 model_name: str = "treeserve"):
+                 metrics: RouterMetrics | None = None, clients: Iterable[GroupedCaller | None] = (),
+                 router_id: str | None = None, model_name: str = "treeserve"):
         self.engine = engine
         self.limits = limits or LimitsConfig()
         self.validator = RequestValidator(engine, self.limits)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from treeserve.engine import chat_templates
-from treeserve.engine.drafters.base import AUTOREGRESSIVE
+from treeserve.engine.drafters.base import AUTOREGRESSIVE, FeatureNeeds
 from treeserve.engine.models.loading import model_eos_ids, read_generation_config, resolve_model_dir
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.tree_config import tree_config
@@ -67,7 +67,7 @@ class RouterReplica(Router):
                                        refresh_period_s=1.0, internal_secret=internal_secret,
                                        on_down=metrics.record_replica_down)
             drafter = RemoteDrafter(drafter_pool, call_timeout_s=timeout,
-                                    reads_target_features=config.drafter.reads_target_features())
+                                    feature_needs=FeatureNeeds(reads=config.drafter.reads_target_features()))
             # Rows the target recomputes (a replica rebuilt the session) must reach the drafter replicas too.
             target.features_listener = drafter.features_rewritten
         engine = SpeculativeEngine(target, drafter, tokenizer,

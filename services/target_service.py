@@ -9,16 +9,18 @@ saw the session (scaled out, restarted) rebuilds it.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Protocol
 
 import grpc
 
 from treeserve.engine.drafters.models.loading import target_feature_layers
 from treeserve.engine.factory import parse_dtype
 from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.runners.cached_lm import CachedLM
 from treeserve.engine.runners.kv_pool import KVPoolExhausted, limit_gpu_memory
 from treeserve.engine.runners.step_settings import default_static_step
 from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.speculative_engine import Target
 from treeserve.v1 import internal_pb2 as pb, internal_pb2_grpc as pb_grpc
 from . import wire
 from .features import FeaturesUnavailable, check_target_provides
@@ -27,10 +29,15 @@ from .transport.replica_server import Worker, limit_threads
 
 
 
+class ServedTarget(Target, Protocol):
+    """What a Target replica serves: the engine's `Target` (a `TargetRunner` or the tensor-parallel target), and
+    the KV cache of its sessions where this process holds it (health reports, idle sweeps)."""
+
+    lm: CachedLM | None  # None where the tensor-parallel ranks hold the cache
+
+
 class TargetServicer(pb_grpc.TargetServicer):
-    def __init__(self, runner: Any, replica_id: str = "local", dense_dtype: str = "float32"):
-        # TargetRunner or TensorParallelTarget: score(list[ScoreRequest]), release(id), vocab_size,
-        # provides_features, lm (the KV cache, None where the ranks hold it)
+    def __init__(self, runner: ServedTarget, replica_id: str = "local", dense_dtype: str = "float32"):
         self.runner = runner
         self.vocab_size = int(runner.vocab_size)
         self.replica_id = replica_id
@@ -93,7 +100,8 @@ class TargetServicer(pb_grpc.TargetServicer):
 class TargetReplica(GrpcReplica):
     """Serve deployment class (wrapped by services/app.py): loads the target from the app `args`."""
 
-    def __init__(self, args: dict | None = None, runner: Any = None, internal_secret: str | None = None):
+    def __init__(self, args: dict | None = None, runner: ServedTarget | None = None,
+                 internal_secret: str | None = None):
         limit_threads()
         from .config import AppConfig
 
@@ -112,7 +120,7 @@ class TargetReplica(GrpcReplica):
             self.runner.health()
 
 
-def load_target_from_config(config) -> Any:
+def load_target_from_config(config) -> ServedTarget:
     """TargetRunner for tensor_parallel_size 1; the tensor-parallel target (services/tp_target.py) above."""
     target = config.target
     # The KV pool is preallocated at start: max_sessions x max_context_tokens (treeserve memory-estimate).

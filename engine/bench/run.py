@@ -77,8 +77,9 @@ def build_runners(options: BenchOptions, methods: list[tuple[str, int | str, str
         # The drafter's name (the kind alone, "autoregressive", reads like a method in this column) and the
         # dtype it runs in ("auto" is resolved by measurement, so the report says what was chosen).
         name = f"parallel:{parallel_path}" if k == "parallel" else str(options.drafter)
-        stats[key] = MethodStats(m, str(b), k, "-" if engine.drafter is None else
-                                 f"{name} ({str(next(engine.drafter.model.parameters()).dtype).removeprefix('torch.')})")
+        local = runners[key].drafter
+        stats[key] = MethodStats(m, str(b), k, "-" if local is None else
+                                 f"{name} ({str(next(local.model.parameters()).dtype).removeprefix('torch.')})")
     peers, skipped = build_peers(list(options.peers), target, options.peer_drafter)
     for reason in skipped:
         print(reason)

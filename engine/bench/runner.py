@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import re
 import time
+from typing import TYPE_CHECKING
 
 from ..methods import AUTOREGRESSIVE, METHODS
 from ..requests import GenerationRequest
 from ..tree_config import AUTO_BUDGET, TreeBudget, parse_budget
 from .peers import Outcome
+
+if TYPE_CHECKING:  # type names only: the bench's runners import the engine on use
+    from ..drafters.base import ModelDrafter
 
 # Every method the in-process bench runs: plain decoding and every TreeConfig method of the registry
 # (engine/methods.py; lookup and <builder>+lookup included).
@@ -84,7 +88,9 @@ class EngineRunner:
         self.key = key
         self.engine = engine
         self.sampling = sampling
-        self.drafter_lm = engine.drafter.lm if engine.drafter is not None else None
+        # Bench engines are built in-process (engine/factory.py): their drafter is a local one, model and choosers.
+        self.drafter: ModelDrafter | None = engine.drafter
+        self.drafter_lm = self.drafter.lm if self.drafter is not None else None
 
     def generate(self, prompt: list[int], max_new_tokens: int):
         request = GenerationRequest(prompt, max_new_tokens=max_new_tokens, sampling=self.sampling, seed=0)
@@ -100,4 +106,4 @@ class EngineRunner:
         """The drafter's batch-1 hardware-aware budget choosers by context ("": every step, or a hybrid's steps
         with nothing to copy; "copying": a hybrid's steps where the lookup expects to copy); empty for plain
         decoding or fixed budgets."""
-        return self.engine.drafter.step_choosers() if self.engine.drafter is not None else {}
+        return self.drafter.step_choosers() if self.drafter is not None else {}

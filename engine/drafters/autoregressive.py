@@ -16,11 +16,11 @@ chain joins its C2T chain in one tree (or replaces it where the lookup is confid
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..budget import BudgetChooser, allocate_copies
+from ..budget import BudgetChooser, DraftPlan, allocate_copies
 from ..builders import make_builder
 from ..builders.base import check_positive
 from ..c2t_classifier import C2TClassifier
@@ -30,7 +30,7 @@ from ..methods import LOOKUP, split_method
 from ..requests import StepRecord
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
-from .base import AUTOREGRESSIVE, DrafterBase, DraftRequest, batch_size_bucket, root_only
+from .base import AUTOREGRESSIVE, DraftRequest, FeatureNeeds, ModelDrafter, batch_size_bucket, root_only
 from .batched_c2t_chains import draft_c2t_chains
 from .hybrid_oracle import HybridOracle, head_index
 from .model_runner import DrafterRunner
@@ -45,7 +45,16 @@ BATCH_EXPLORE_WITHIN = 0.8
 BATCH_EXPLORE_STEPS = 4
 
 
-class LocalDrafter(DrafterBase):
+@dataclass
+class _CopyChain:
+    """A batched step's copy chain for one lookup request: free to draft, cut to what pays at the batch size."""
+
+    tokens: list[int]  # copied tokens, the root's child first
+    joints: list[float]  # their path probabilities (non-increasing)
+    modelled: bool  # the model drafts a chain for the request too (not for method "lookup", nor a confident copy)
+
+
+class LocalDrafter(ModelDrafter):
     """The `Drafter` over an autoregressive drafter model (distilled, EAGLE, EAGLE-3, a published head):
     one drafter forward per tree depth, the tree shaped by the request's builder."""
 
@@ -88,10 +97,6 @@ class LocalDrafter(DrafterBase):
         self._ahead_builder = None  # the builder (at that decision's budget) they were grown with
 
     @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.lm.model
-
-    @property
     def run_ahead_hits(self) -> int:
         return self.run_ahead.hits
 
@@ -108,17 +113,10 @@ class LocalDrafter(DrafterBase):
         return self.runner.vocab_ids
 
     @property
-    def reads_target_features(self) -> bool:
-        """An EAGLE drafter: each DraftRequest must carry the target's features of its context."""
-        return self.runner.reads_target_features
-
-    @property
-    def target_feature_size(self) -> int:
-        return self.runner.target_feature_size if self.runner.reads_target_features else 0
-
-    @property
-    def feature_layers(self) -> tuple[int, ...] | None:
-        return self.runner.feature_layers
+    def feature_needs(self) -> FeatureNeeds:
+        """An EAGLE drafter reads the target's features of each request's context (the runner's model facts)."""
+        reads = self.runner.reads_target_features
+        return FeatureNeeds(reads, self.runner.target_feature_size if reads else 0, self.runner.feature_layers)
 
     def builder(self, config: TreeConfig):
         """The (cached) builder for `config`; raises ValueError for invalid parameters."""
@@ -133,56 +131,69 @@ class LocalDrafter(DrafterBase):
         replica holding one sequence of a router's batch drafts it as a batch does)."""
         runner_seconds, forward_seconds = self.runner.seconds, self.runner.lm.forward_seconds
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
-        trees: dict[int, TokenTree] = {}
         self.hold_steps = 0
         self._step_chooser = self.budget
         self._last_step = None  # set again below only by a batch-1 step that drafted with the model
         batch = batch_size or len(requests)
+        drafted: list[TokenTree | None] = []  # one per speculative request (None: the root alone)
         if speculative and batch > 1:
-            decision = self._batch_depth(batch, speculative)
-            # Copy chains cost no drafter forward: each row keeps the part that pays for its target time at
-            # this batch size (`allocate_copies`) when the step takes copies: with model chains, or alone
-            # (LOOKUP_ONLY, an arm of its own, so that whether copies pay is measured too); a plain step has none.
-            depth = max(decision, 0)
-            lookups = self._lookup_chains(speculative, batch, depth) if decision != 0 else {}
-            modelled = [r for r in speculative if depth > 0 and lookups.get(id(r), (None, True))[1]]
-            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
-                       for r in modelled]
-            if depth > 0 and modelled:
-                chains = draft_c2t_chains(self.runner, oracles, [r.context[-1] for r in modelled],
-                                          self.classifier, self.batch_chain_beta, depth)
-                trees = {id(r): t for r, t in zip(modelled, chains)}
-            for r in speculative:
-                if id(r) in lookups:
-                    (tokens, joints), _ = lookups[id(r)]
-                    chain = trees.get(id(r))
-                    trees[id(r)] = merge_chains(r.context[-1], chain.token_list[1:] if chain else [],
-                                                chain.log_joint.tolist()[1:] if chain else [], tokens, joints,
-                                                r.sampling.is_greedy)
-            if lookups:
-                self.hold_steps = 0  # the lookup is checked every step
+            drafted = self._draft_batch(speculative, batch)
         elif speculative:
             (r,) = speculative
-            ahead = self._ahead_hit(r)
-            if ahead is not None:
-                trees[id(r)] = ahead
-            elif split_method(r.tree.method)[1]:
-                tree = self._draft_hybrid(r)
-                if tree is not None:
-                    trees[id(r)] = tree
-            else:
-                oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
-                builder = self.builder(r.tree)
-                if self.budget is not None and r.tree.budget_auto:
-                    builder = self.budget.builder_for(builder)
-                    self.hold_steps = self.budget.held
-                if builder is not None:  # None: the chooser found that no drafting pays this step
-                    generator = torch.Generator().manual_seed(r.seed)
-                    trees[id(r)] = builder.build(r.context[-1], oracle, r.sampling, generator)
-                    self._last_step = (r, trees[id(r)], builder, self._step_chooser)
+            drafted = [self._draft_single(r)]
         self.last_model_ms = (self.runner.seconds - runner_seconds) * 1e3
         self.last_forward_ms = (self.runner.lm.forward_seconds - forward_seconds) * 1e3
-        return [trees.get(id(r)) or root_only(r.context) for r in requests]
+        trees = iter(drafted)
+        return [(next(trees) if r.tree.method != AUTOREGRESSIVE else None) or root_only(r.context) for r in requests]
+
+    def _draft_batch(self, speculative: list[DraftRequest], batch_size: int) -> list[TokenTree | None]:
+        """A batched step: a C2T chain per request at the step's depth, joined by (or, where the lookup is
+        confident or alone, replaced by) the request's copy chain."""
+        plan = self._batch_plan(batch_size, speculative)
+        # Copy chains cost no drafter forward: each row keeps the part that pays for its target time at this batch
+        # size (`allocate_copies`) when the step takes copies: with model chains, or alone (LOOKUP_ONLY, an arm of
+        # its own, so that whether copies pay is measured too); a plain step has none.
+        depth = plan.budget
+        copies = ([None] * len(speculative) if plan.plain
+                  else self._lookup_chains(speculative, batch_size, depth))
+        modelled = [i for i, copy in enumerate(copies) if depth > 0 and (copy is None or copy.modelled)]
+        trees: list[TokenTree | None] = [None] * len(speculative)
+        if modelled:
+            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
+                       for r in (speculative[i] for i in modelled)]
+            chains = draft_c2t_chains(self.runner, oracles, [speculative[i].context[-1] for i in modelled],
+                                      self.classifier, self.batch_chain_beta, depth)
+            for i, chain in zip(modelled, chains):
+                trees[i] = chain
+        for i, (r, copy) in enumerate(zip(speculative, copies)):
+            if copy is not None:
+                chain = trees[i]
+                trees[i] = merge_chains(r.context[-1], chain.token_list[1:] if chain else [],
+                                        chain.log_joint.tolist()[1:] if chain else [], copy.tokens, copy.joints,
+                                        r.sampling.is_greedy)
+        # The lookup is checked every step: a step that copies holds no plain steps.
+        self.hold_steps = 0 if any(copy is not None for copy in copies) else plan.held
+        return trees
+
+    def _draft_single(self, r: DraftRequest) -> TokenTree | None:
+        """Batch size 1: the tree drafted ahead for this context, else a hybrid method's tree, else the builder's
+        at the chooser's budget (None: plain decoding)."""
+        ahead = self._ahead_hit(r)
+        if ahead is not None:
+            return ahead
+        if split_method(r.tree.method)[1]:
+            return self._draft_hybrid(r)
+        oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
+        builder = self.builder(r.tree)
+        if self.budget is not None and r.tree.budget_auto:
+            plan = self.budget.plan()
+            self.hold_steps = plan.held
+            if plan.plain:  # the chooser found that no drafting pays this step
+                return None
+            builder = self.budget.resized(builder, plan.budget)
+        tree = builder.build(r.context[-1], oracle, r.sampling, torch.Generator().manual_seed(r.seed))
+        self._last_step = (r, tree, builder, self._step_chooser)
+        return tree
 
     def _draft_hybrid(self, r: DraftRequest) -> TokenTree | None:
         """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding)."""
@@ -192,16 +203,17 @@ class LocalDrafter(DrafterBase):
         root, greedy = r.context[-1], r.sampling.is_greedy
         auto = self.budget is not None and r.tree.budget_auto
         builder = self.builder(r.tree)
+        plan = DraftPlan()
         if auto:
-            plan = plan_lookup(session, root, settings.plan_nodes, settings.min_value)
-            gains = plan.gains()
+            lookup = plan_lookup(session, root, settings.plan_nodes, settings.min_value)
+            gains = lookup.gains()
             self._step_chooser = self._hybrid_chooser(gains)
-            budget, nodes = self._step_chooser.next_hybrid(gains, model=base != LOOKUP)
-            if nodes:
-                return plan.tree(nodes, greedy)
-            if budget == 0:
+            plan = self._step_chooser.plan_hybrid(gains, model=base != LOOKUP)
+            if plan.lookup_only:
+                return lookup.tree(plan.lookup_nodes, greedy)
+            if plan.plain:
                 return None
-            builder = self.budget.resized(builder, budget)
+            builder = self.budget.resized(builder, plan.budget)
         generator = torch.Generator().manual_seed(r.seed)
         if base == LOOKUP:
             return builder.build(root, HybridOracle(None, session, self.runner.vocab_size, model_enabled=False),
@@ -211,7 +223,7 @@ class LocalDrafter(DrafterBase):
         tree = builder.build(root, oracle, r.sampling, generator)
         ahead_builder = self.builder(replace(r.tree, method=base))  # run-ahead trees: the model's part alone
         if auto:
-            ahead_builder = self.budget.resized(ahead_builder, budget)
+            ahead_builder = self.budget.resized(ahead_builder, plan.budget)
         self._last_step = (r, tree, ahead_builder, self._step_chooser)
         return tree
 
@@ -276,44 +288,45 @@ class LocalDrafter(DrafterBase):
         return {context: chooser for context, chooser in choosers.items() if chooser is not None}
 
     def _lookup_chains(self, speculative: list[DraftRequest], batch_size: int,
-                       depth: int) -> dict[int, tuple[tuple[list[int], list[float]], bool]]:
-        """Batched steps: each lookup request's copy chain (free to draft), cut to what pays at this batch size
-        when the chooser prices steps (`allocate_copies`), and whether the model drafts a chain for it too (not
-        for method "lookup", nor where the chain's first token is confident)."""
+                       depth: int) -> list[_CopyChain | None]:
+        """Batched steps: each lookup request's copy chain (None for the others), cut to what pays at this batch
+        size when the chooser prices steps (`allocate_copies`)."""
         settings = self.lookups.settings
-        out = {}
+        chains: list[_CopyChain | None] = []
         for r in speculative:
             base, lookup = split_method(r.tree.method)
             if not lookup:
+                chains.append(None)
                 continue
             session = self.lookups.session(r.session_id, r.context)
-            chain = lookup_chain(session, self.batch_chain_depth, settings.chain_min_joint)
-            confident = bool(chain[1]) and chain[1][0] >= settings.skip_model_above
-            out[id(r)] = (chain, base != LOOKUP and not confident)
-        if self._batch_chooser is not None and out:
+            tokens, joints = lookup_chain(session, self.batch_chain_depth, settings.chain_min_joint)
+            confident = bool(joints) and joints[0] >= settings.skip_model_above
+            chains.append(_CopyChain(tokens, joints, base != LOOKUP and not confident))
+        copies = [chain for chain in chains if chain is not None]
+        if self._batch_chooser is not None and copies:
             chooser = self._batch_chooser
             # The step as the chooser expects it: model chains of `depth` (measured rate at that depth).
             arm = chooser.arms.get(depth)
             expected = arm.tokens / arm.steps if arm is not None and arm.steps else float(batch_size)
-            keep = allocate_copies([joints for (_, joints), _ in out.values()], batch_size, 1 + depth, expected,
+            keep = allocate_copies([copy.joints for copy in copies], batch_size, 1 + depth, expected,
                                    chooser.profile)
-            out = {key: ((tokens[:n], joints[:n]), modelled)
-                   for (key, ((tokens, joints), modelled)), n in zip(out.items(), keep)}
-        return out
+            for copy, n in zip(copies, keep):
+                copy.tokens, copy.joints = copy.tokens[:n], copy.joints[:n]
+        return chains
 
     def lookup_session(self, session_id: str) -> LookupSession | None:
         """The lookup state of a session, if it has one (tests, stats)."""
         return self.lookups._sessions.get(session_id)
 
-    def _batch_depth(self, batch_size: int, speculative: list[DraftRequest]) -> int:
-        """Chain depth for a batched step: chosen per batch-size bucket when every request leaves its budget
+    def _batch_plan(self, batch_size: int, speculative: list[DraftRequest]) -> DraftPlan:
+        """A batched step's plan: the chain depth chosen per batch-size bucket when every request leaves its budget
         to the hardware-aware chooser; else `batch_chain_depth`, capped by the smallest explicit budget."""
         explicit = [r.tree.budget for r in speculative if not r.tree.budget_auto]
         for budget in explicit:  # what the batch-1 path's builder checks; a chain cap must be >= 1 too
             check_positive("budget", budget)
         if self.budget is None or explicit:
             self._batch_chooser = None
-            return min([self.batch_chain_depth, *explicit])
+            return DraftPlan(budget=min([self.batch_chain_depth, *explicit]))
         bucket = batch_size_bucket(batch_size)
         if bucket not in self.batch_budgets:
             # Priced at the bucket's rows: at a batch size where drafting cannot pay, plain decoding ranks first
@@ -324,9 +337,7 @@ class LocalDrafter(DrafterBase):
                                                            explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies,
                                                            explore_steps=BATCH_EXPLORE_STEPS)
         self._batch_chooser = self.batch_budgets[bucket]
-        depth = self._batch_chooser.next_budget()
-        self.hold_steps = self._batch_chooser.held
-        return depth
+        return self._batch_chooser.plan()
 
     def observe(self, record: StepRecord) -> None:
         """Feed a finished step's records to the chooser that picked its budget: the batch-1 tree budget,

@@ -1,16 +1,21 @@
-"""The `Drafter` protocol: what the engine and the services may read from a drafter, declared in one place.
+"""The `Drafter` protocol: what the step loop calls on any drafter, declared in one place; and `ModelDrafter`,
+what only a drafter whose model runs in this process has.
 
-A drafter turns DraftRequests into TokenTrees (`draft`), hears how each step went (`observe`) and frees a
-session's state (`release`). Around those calls the engine and the services read a few facts: how long the
-last call spent in the model (step records, the budget chooser's cost curve), how many following steps its
-budget chooser already decided are plain decoding (the engine skips those calls), whether it reads the
-target's features (EAGLE: the target must return them), and the model, KV cache and chooser behind it (hardware
-profile, memory bound, bench). Every drafter declares all of them, with the defaults of `DrafterBase` where a
-fact does not apply (a remote drafter has no local model), so nobody has to probe with getattr.
+A drafter turns DraftRequests into TokenTrees (`draft`), hears how each step went (`observe`), may draft the next
+step while the target scores this one (`draft_ahead`) and frees a session's state (`release`). Around those calls
+the engine, its step records and the services read a few facts of the last call: how long it spent in the model
+(step records, the budget chooser's cost curve), how many following steps its budget chooser already decided are
+plain decoding (the engine skips those calls), and how often run-ahead served a step. What the target must return
+for it is one value (`FeatureNeeds`: an EAGLE drafter reads the target's features). Every drafter declares all of
+them, with the defaults of `DrafterBase` where a fact does not apply, so nobody has to probe with getattr.
 
-Implementations: `LocalDrafter` (an autoregressive drafter model: distilled, EAGLE, EAGLE-3, published heads),
-`ParallelTreeDrafter` (a ParallelSpec drafter model) and the services' `RemoteDrafter` (Drafter replicas over
-gRPC).
+The model, its KV cache, its restricted head and its budget choosers are not part of that interface: a remote
+drafter has none of them. They live on `ModelDrafter`, and the callers that need them (the Drafter replica, bench,
+OPT-Tree's delta, tests) hold one.
+
+Implementations: `LocalDrafter` (an autoregressive drafter model: distilled, EAGLE, EAGLE-3, published heads) and
+`ParallelTreeDrafter` (a ParallelSpec drafter model), both `ModelDrafter`s, and the services' `RemoteDrafter`
+(Drafter replicas over gRPC).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ if TYPE_CHECKING:  # type names only: the runners import torch models this modul
     from ..budget import BudgetChooser
     from ..runners.cached_lm import CachedLM
 
-__all__ = ["AUTOREGRESSIVE", "Drafter", "DrafterBase", "DraftRequest", "batch_size_bucket", "root_only"]
+__all__ = ["AUTOREGRESSIVE", "NO_FEATURES", "Drafter", "DrafterBase", "DraftRequest", "FeatureNeeds", "ModelDrafter",
+           "batch_size_bucket", "root_only"]
 
 
 @dataclass
@@ -56,26 +62,31 @@ def batch_size_bucket(batch_size: int) -> int:
     return 1 << (batch_size - 1).bit_length()
 
 
-class Drafter(Protocol):
-    """Everything the engine and the services use of a drafter (module docstring)."""
+@dataclass(frozen=True)
+class FeatureNeeds:
+    """What a drafter needs of the target's features, as one value: the engine has the target return them with its
+    scores (`Target.provides_features`), and a Drafter replica sizes its feature store by them."""
 
-    kind: str  # the registry's drafter kind ("autoregressive", "parallel"), or "remote" for replicas
+    reads: bool = False  # an EAGLE drafter: each DraftRequest must carry the target's features of its context
+    # Width of one feature row (0: it reads none; also for a remote drafter, whose replicas size their own stores).
+    size: int = 0
+    # Target hidden_states indices it fuses (EAGLE-3); None: the final state, or no features at all.
+    layers: tuple[int, ...] | None = None
+
+
+NO_FEATURES = FeatureNeeds()  # a drafter that reads nothing of the target's
+
+
+class Drafter(Protocol):
+    """What the engine, its step records and the services call on any drafter (module docstring)."""
+
+    feature_needs: FeatureNeeds  # what the target must return for it (EAGLE: its features)
     # Drafter runner time of the last draft() call (forwards, KV upkeep, warping); the rest is tree construction.
     last_model_ms: float
     last_forward_ms: float  # of which model forwards
     # Steps after the last draft() call that its budget chooser already decided are plain decoding: the engine
     # may skip calling draft() for them (same batch-size bucket) and only report their records.
     hold_steps: int
-    # An EAGLE drafter: each DraftRequest must carry the target's features of its context, so the target
-    # must return them (the target's `provides_features`).
-    reads_target_features: bool
-    target_feature_size: int  # width of one feature row the drafter reads (0 when it reads none)
-    # Target hidden_states indices the drafter fuses (EAGLE-3); None: the final state, or no features at all.
-    feature_layers: tuple[int, ...] | None
-    vocab_ids: torch.Tensor | None  # target ids of the drafter's restricted head (None: the full vocabulary)
-    model: torch.nn.Module | None  # the drafter model (None for a remote drafter)
-    lm: CachedLM | None  # the KV cache holding its sessions (None for a remote drafter)
-    budget: BudgetChooser | None  # the batch-1 hardware-aware budget chooser (None: fixed budgets)
     # Steps answered with a tree drafted ahead, and steps whose trees drafted ahead did not match (run-ahead).
     run_ahead_hits: int
     run_ahead_misses: int
@@ -89,11 +100,6 @@ class Drafter(Protocol):
         """A finished step's record, for the budget chooser that decided it."""
         ...
 
-    def step_choosers(self) -> dict[str, BudgetChooser]:
-        """The batch-1 budget choosers by the context they measure ("": every step, or a hybrid's steps with
-        nothing to copy; "copying": a hybrid's steps where the lookup expects to copy); empty without one."""
-        ...
-
     def draft_ahead(self) -> bool:
         """Draft the next step's trees from the expected outcome of the last one, while the target scores it
         (engine/drafters/run_ahead.py); False when there was nothing to draft ahead."""
@@ -103,26 +109,15 @@ class Drafter(Protocol):
         """Free the session's state; True if there was any."""
         ...
 
-    def session_ids(self) -> list[str]:
-        """Sessions holding state here (health checks, idle sweeps)."""
-        ...
-
 
 class DrafterBase:
-    """The protocol's defaults: a drafter without a local model, features or chooser. Subclasses set what
-    applies to them (plain class attributes: immutable defaults that instances shadow)."""
+    """The protocol's defaults: a drafter without features, chooser or run-ahead. Subclasses set what applies to
+    them (plain class attributes: immutable defaults that instances shadow)."""
 
-    kind: str = ""
+    feature_needs: FeatureNeeds = NO_FEATURES
     last_model_ms: float = 0.0
     last_forward_ms: float = 0.0
     hold_steps: int = 0
-    reads_target_features: bool = False
-    target_feature_size: int = 0
-    feature_layers: tuple[int, ...] | None = None
-    vocab_ids: torch.Tensor | None = None
-    model: torch.nn.Module | None = None
-    lm: CachedLM | None = None
-    budget: BudgetChooser | None = None
     run_ahead_hits: int = 0  # steps answered with a tree drafted ahead (engine/drafters/run_ahead.py)
     run_ahead_misses: int = 0  # steps whose trees drafted ahead did not match their context
 
@@ -132,9 +127,6 @@ class DrafterBase:
     def observe(self, record: StepRecord) -> None:
         """Ignored by default: a drafter without a budget chooser learns nothing from step records."""
 
-    def step_choosers(self) -> dict[str, BudgetChooser]:
-        return {"": self.budget} if self.budget is not None else {}
-
     def draft_ahead(self) -> bool:
         """Nothing to draft ahead by default (drafters without run-ahead)."""
         return False
@@ -142,5 +134,27 @@ class DrafterBase:
     def release(self, session_id: str) -> bool:
         raise NotImplementedError
 
+
+class ModelDrafter(DrafterBase):
+    """A drafter whose model runs in this process (`LocalDrafter`, `ParallelTreeDrafter`): besides the protocol,
+    its kind, model, KV cache, restricted head and budget choosers, for the callers that hold one (the Drafter
+    replica, bench, OPT-Tree's delta, memory bounds, tests)."""
+
+    kind: str = ""  # the registry's drafter kind ("autoregressive", "parallel")
+    lm: CachedLM  # the KV cache holding its sessions (set by the subclass)
+    vocab_ids: torch.Tensor | None = None  # target ids of the drafter's restricted head (None: the full vocabulary)
+    budget: BudgetChooser | None = None  # the batch-1 hardware-aware budget chooser (None: fixed budgets)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The drafter model."""
+        return self.lm.model
+
+    def step_choosers(self) -> dict[str, BudgetChooser]:
+        """The batch-1 budget choosers by the context they measure ("": every step, or a hybrid's steps with
+        nothing to copy; "copying": a hybrid's steps where the lookup expects to copy); empty without one."""
+        return {"": self.budget} if self.budget is not None else {}
+
     def session_ids(self) -> list[str]:
-        return list(self.lm.sessions) if self.lm is not None else []
+        """Sessions holding state here (health checks, idle sweeps)."""
+        return list(self.lm.sessions)

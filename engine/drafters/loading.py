@@ -18,7 +18,7 @@ from ..lookup import LookupSettings
 from ..runners.step_settings import StaticStepSettings
 from ..tree_config import AUTO_BUDGET, TreeBudget, parse_budget
 from .autoregressive import LocalDrafter
-from .base import DrafterBase
+from .base import ModelDrafter
 from .dtype_choice import AUTO, fastest_dtype
 from .model_runner import DrafterRunner
 from .models.base import runner_forward
@@ -27,7 +27,7 @@ from .parallel import ParallelTreeDrafter
 from .registry import AUTOREGRESSIVE_KIND, PARALLEL_KIND, canonical_name, drafter_dir, kind_of
 
 # The class that drafts with each kind the registry names.
-DRAFTER_CLASSES: dict[str, type[DrafterBase]] = {AUTOREGRESSIVE_KIND: LocalDrafter, PARALLEL_KIND: ParallelTreeDrafter}
+DRAFTER_CLASSES: dict[str, type[ModelDrafter]] = {AUTOREGRESSIVE_KIND: LocalDrafter, PARALLEL_KIND: ParallelTreeDrafter}
 C2T_CLASSIFIER_FILE = "c2t.safetensors"  # a drafter directory's own C2T classifier (trained on its trees)
 
 
@@ -67,7 +67,7 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
                         dtype: torch.dtype | str = torch.float32, budget: TreeBudget = AUTO_BUDGET,
                         classifier_path: str | None = "default", drafter_kind: str | None = None,
                         lookup: LookupSettings | None = None, target_dtype: torch.dtype | None = None,
-                        static: StaticStepSettings | None = None, cost_curve: str | None = None) -> DrafterBase:
+                        static: StaticStepSettings | None = None, cost_curve: str | None = None) -> ModelDrafter:
     """The drafter of `drafter_kind` over the weights at `drafter_path`, for `target`; budget "auto" measures
     the hardware and chooses per step.
 

@@ -24,25 +24,26 @@ import time
 import torch
 from torch import Tensor
 
+from ..budget import BudgetChooser
 from ..requests import StepRecord
 from ..runners.cached_lm import CachedLM, ExtendRequest
 from ..runners.step_settings import StaticStepSettings
 from ..sampling import warp_probs
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
-from .base import AUTOREGRESSIVE, DrafterBase, DraftRequest, root_only
+from .base import AUTOREGRESSIVE, DraftRequest, ModelDrafter, root_only
 from .models.parallel import mask_ids
 from .parallel_tree_search import ParallelTreeSearch, search_for_config
 from .registry import PARALLEL_KIND
 
 
-class ParallelTreeDrafter(DrafterBase):
+class ParallelTreeDrafter(ModelDrafter):
     """The `Drafter` (engine/drafters/base.py) over a parallel drafter model: draft / observe / release."""
 
     kind = PARALLEL_KIND
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, budget=None, max_sessions: int = 256,
+                 dtype: torch.dtype = torch.float32, budget: BudgetChooser | None = None, max_sessions: int = 256,
                  batch_chain_min_joint: float = 0.1, static: StaticStepSettings | None = None):
         """`static`: run the drafter model's forwards as the static-shape step (engine/runners/static_step.py;
         CUDA graphs on a GPU): its trunk through the lean decoder between the model's `lean_ends()`."""
@@ -51,17 +52,13 @@ class ParallelTreeDrafter(DrafterBase):
         self.num_masks = int(model.num_masks)
         self.masks = mask_ids(self.num_masks)
         self.vocab_ids = model.vocab_ids.cpu()  # [V_draft] target ids of the head's rows
-        self.budget = budget  # optional BudgetChooser (batch-1 trees)
+        self.budget = budget  # the batch-1 trees' chooser (None: fixed budgets)
         self.batch_chain_min_joint = batch_chain_min_joint
         self.hold_steps = 0  # further steps the chooser decided are plain decoding (see LocalDrafter)
         self._searches: dict[str, ParallelTreeSearch] = {}
         self.last_model_ms = 0.0  # drafter runner time of the last draft() call (forward, KV upkeep, warping)
         self.last_forward_ms = 0.0  # of which the model forward
         self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.lm.model
 
     @property
     def positions(self) -> int:
@@ -88,32 +85,34 @@ class ParallelTreeDrafter(DrafterBase):
         """One tree per request from one batched forward: the configured tree at batch size 1, chains that
         stop below `batch_chain_min_joint` above (`batch_size` as `LocalDrafter.draft`), capped by an
         explicit budget."""
-        speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
-        trees: dict[int, TokenTree] = {}
-        plans: list[tuple[DraftRequest, ParallelTreeSearch]] = []
         self.hold_steps = 0
         batched = (batch_size or len(requests)) > 1
-        for r in speculative:
-            if batched:
-                depth = min(r.tree.depth, self.positions)
-                if not r.tree.budget_auto:
-                    depth = min(depth, r.tree.budget)
-                search = ParallelTreeSearch(budget=depth, max_depth=depth, max_width=1,
-                                            min_prob=self.batch_chain_min_joint)
-            else:
-                search = self.search(r.tree)
-                if self.budget is not None and r.tree.budget_auto and search.paths is None and search.max_width > 1:
-                    search = self.budget.builder_for(search)  # None: no drafting pays this step
-                    self.hold_steps = self.budget.held
-            if search is not None:
-                plans.append((r, search))
+        searches = [self._plan_search(r, batched) if r.tree.method != AUTOREGRESSIVE else None for r in requests]
+        drafted = [r for r, search in zip(requests, searches) if search is not None]
         started, forward_seconds = time.perf_counter(), self.lm.forward_seconds
-        self.last_positions = self.position_probs([r for r, _ in plans]) if plans else []
-        self.last_model_ms = (time.perf_counter() - started) * 1e3 if plans else 0.0
+        self.last_positions = self.position_probs(drafted) if drafted else []
+        self.last_model_ms = (time.perf_counter() - started) * 1e3 if drafted else 0.0
         self.last_forward_ms = (self.lm.forward_seconds - forward_seconds) * 1e3
-        for (r, search), rows in zip(plans, self.last_positions):
-            trees[id(r)] = self._search(r.context[-1], rows, search)
-        return [trees.get(id(r)) or root_only(r.context) for r in requests]
+        rows = iter(self.last_positions)
+        return [root_only(r.context) if search is None else self._search(r.context[-1], next(rows), search)
+                for r, search in zip(requests, searches)]
+
+    def _plan_search(self, r: DraftRequest, batched: bool) -> ParallelTreeSearch | None:
+        """The tree search for `r` this step (None: the root alone): a chain capped by the positions and an
+        explicit budget in a batched step; else the configured tree, resized by the chooser's plan."""
+        if batched:
+            depth = min(r.tree.depth, self.positions)
+            if not r.tree.budget_auto:
+                depth = min(depth, r.tree.budget)
+            return ParallelTreeSearch(budget=depth, max_depth=depth, max_width=1, min_prob=self.batch_chain_min_joint)
+        search = self.search(r.tree)
+        if self.budget is not None and r.tree.budget_auto and search.paths is None and search.max_width > 1:
+            plan = self.budget.plan()
+            self.hold_steps = plan.held
+            if plan.plain:  # no drafting pays this step
+                return None
+            search = BudgetChooser.resized(search, plan.budget)
+        return search
 
     def _search(self, root: int, rows: Tensor, search: ParallelTreeSearch) -> TokenTree:
         width = min(search.width, rows.shape[-1])

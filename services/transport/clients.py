@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from treeserve.engine.drafters.base import DrafterBase, DraftRequest, root_only
+from treeserve.engine.drafters.base import NO_FEATURES, DrafterBase, DraftRequest, FeatureNeeds, root_only
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
@@ -69,18 +69,17 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
     """engine Drafter protocol over Drafter replicas. Without a live drafter the step degrades to a root-only
     tree (one autoregressive step): it costs time, never tokens.
 
-    With `reads_target_features` (an EAGLE drafter) each DraftRequest carries the target's features of its
+    With `feature_needs.reads` (an EAGLE drafter) each DraftRequest carries the target's features of its
     context; `feature_deltas` sends each replica only the rows it lacks. A replica that lacks the rows a delta
     builds on lists the session in `features_missing`, and the call is sent again with that session's rows
     from 0 (services/features.py)."""
 
-    kind = "remote"
     wait_for_live = False  # a step without a drafter is still a step: never wait for one
 
     def __init__(self, pool: ReplicaPool, call_timeout_s: float = 60.0, retry_timeout_s: float = 2.0,
-                 reads_target_features: bool = False):
+                 feature_needs: FeatureNeeds = NO_FEATURES):
         super().__init__(pool, call_timeout_s, retry_timeout_s)
-        self.reads_target_features = reads_target_features  # the engine then scores with want_features
+        self.feature_needs = feature_needs  # reads: the engine then scores with want_features
         self.feature_deltas = FeatureDeltas()
         self._observations: list[pb.StepObservation] = []
         self.fallbacks = 0

@@ -3,7 +3,8 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from treeserve.engine.budget import EARLY_STOP_STEPS, LOOKUP_ONLY, MAX_HOLD_DOUBLINGS, BudgetChooser, allocate_copies
+from treeserve.engine.budget import (EARLY_STOP_STEPS, LOOKUP_ONLY, MAX_HOLD_DOUBLINGS, BudgetChooser, DraftPlan,
+                                     allocate_copies)
 from treeserve.engine.hardware.profile import HardwareProfile
 from treeserve.engine.builders import ChainBuilder, DySpecBuilder
 from treeserve.engine.hardware.profile import BATCH_PROFILE_NODES, BATCH_PROFILE_ROWS, measure_profile
@@ -258,3 +259,34 @@ def test_a_batched_chooser_holds_plain_decoding_longer_while_it_keeps_winning():
     single = BudgetChooser(PROFILE, max_budget=4, plain_hold_steps=2, revisit=0.0)  # batch 1: a fixed hold
     single._to_explore, single.arms = [], dict(chooser.arms)
     assert [single.next_budget() == 0 and single.held for _ in range(3)] == [2, 2, 2]
+
+
+
+def test_the_step_decision_is_a_plain_draft_plan():
+    """`plan` is `next_budget`'s decision as one value, step for step: the budget (0 for plain decoding and for
+    copies alone), copies alone (a batched chooser's LOOKUP_ONLY arm: not a plain step) and the plain steps held.
+    `plan_hybrid` is `next_hybrid`'s: a lookup-only tree of so many nodes, or a model budget; never held."""
+    flat = batched_profile(per_token_ms=0.01, fixed_ms=40.0, drafter_ms=2.0)
+    kinds = {"batch 1": {"profile": PROFILE, "max_budget": 8, "plain_hold_steps": 3, "explore_steps": 2},
+             "copying batch": {"profile": flat, "max_budget": 6, "rows": 8, "explore_within": 0.8, "copies_arm": True,
+                               "explore_steps": 2}}
+    for name, settings in kinds.items():
+        planner, decider = BudgetChooser(**settings), BudgetChooser(**settings)
+        plans = []
+        for step in range(30):
+            plan, budget = planner.plan(), decider.next_budget()
+            assert plan == DraftPlan(max(budget, 0), lookup_only=budget == LOOKUP_ONLY, held=decider.held), name
+            assert plan.plain == (budget == 0)
+            plans.append(plan)
+            for chooser in (planner, decider):  # both credited alike: they keep deciding alike
+                for _ in range(chooser.rows):
+                    chooser.observe(batch_record(1 + step % 3, 100.0 + 10 * chooser.current, chooser.rows))
+        assert any(p.plain and p.held == 3 for p in plans) if name == "batch 1" else \
+            any(p.lookup_only and not p.plain for p in plans)
+
+    profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0, 16: 70.0}, drafter_step_ms=4.0, prefix_tokens=128)
+    alone = BudgetChooser(profile, max_budget=8)
+    assert alone.plan_hybrid([0.9, 1.7], model=False) == DraftPlan(0, lookup_only=True, lookup_nodes=2)
+    assert alone.current == LOOKUP_ONLY
+    budget, _ = BudgetChooser(profile, max_budget=8).next_hybrid([])
+    assert BudgetChooser(profile, max_budget=8).plan_hybrid([]) == DraftPlan(budget)  # nothing to copy: the model's

@@ -162,7 +162,7 @@ def test_a_sequence_drafted_alone_for_a_batched_step_is_drafted_as_the_batch(pai
     target, drafter = pair
     profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0}, 5.0, 128)
     single = BudgetChooser(profile, max_budget=8)
-    single.builder_for = lambda builder: pytest.fail("a batched step asked the batch-1 chooser")
+    single.plan = lambda: pytest.fail("a batched step asked the batch-1 chooser")
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=single,
                          batch_chain_depth=4, batch_chain_beta=1e-6)
     auto = TreeConfig(method="dyspec", budget=8, budget_auto=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import make_parallel_drafter
+from treeserve.engine.budget import DraftPlan
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.parallel import ParallelTreeDrafter
 from treeserve.engine.factory import build_engine
@@ -169,14 +170,11 @@ def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
     from treeserve.engine.requests import StepRecord
 
     class Chooser:
-        held = 0  # plain steps kept after choosing budget 0 (BudgetChooser.held)
-
         def __init__(self):
             self.budgets, self.seen = [0, 6], []
 
-        def builder_for(self, builder):
-            budget = self.budgets.pop(0)
-            return None if budget == 0 else __import__("dataclasses").replace(builder, budget=budget)
+        def plan(self):
+            return DraftPlan(budget=self.budgets.pop(0))
 
         def observe(self, record):
             self.seen.append(record.tree_size)
@@ -204,7 +202,7 @@ def test_a_sequence_of_a_batched_step_drafts_a_chain_capped_by_its_budget(tiny_t
         def __init__(self):
             self.seen = []
 
-        def builder_for(self, builder):
+        def plan(self):
             raise AssertionError("a batched step must not ask the batch-1 chooser")
 
         def observe(self, record):

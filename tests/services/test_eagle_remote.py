@@ -14,7 +14,7 @@ import torch
 
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
-from treeserve.engine.drafters.base import DraftRequest, root_only
+from treeserve.engine.drafters.base import DraftRequest, FeatureNeeds, root_only
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.drafters.models.loading import load_drafter
 from treeserve.engine.drafters.models.eagle import EagleDrafter
@@ -100,7 +100,7 @@ class Replicas:
                               vocab, retry_timeout_s=20)
         drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub,
                                             static_discovery([self.drafter_server.address])),
-                                reads_target_features=True)
+                                feature_needs=FeatureNeeds(reads=True))
         target.features_listener = drafter.features_rewritten
         return target, drafter
 
@@ -335,5 +335,5 @@ def test_router_replica_wires_features_for_an_eagle_config(tiny_target_dir, tiny
         args = {"target": {"path": str(tiny_target_dir)}, "drafter": {"path": path}}
         router = RouterReplica(args, handle, handle, internal_secret="0" * 64, serve_api=False)
         engine = router.engine
-        assert engine.carries_features is eagle and engine.drafter.reads_target_features is eagle
+        assert engine.carries_features is eagle and engine.drafter.feature_needs.reads is eagle
         assert engine.target.features_listener == engine.drafter.features_rewritten

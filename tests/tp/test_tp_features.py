@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from treeserve.engine.drafters.base import FeatureNeeds
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.services.tp_target import TensorParallelTarget
@@ -166,7 +167,8 @@ def test_default_tp3_eagle_through_the_target_replica(default_tp3, default_pair)
         remote_target = RemoteTarget(ReplicaPool("Target", pb_grpc.TargetStub, static_discovery([servers[0].address])),
                                      vocab, retry_timeout_s=60)
         remote_drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub,
-                                                   static_discovery([servers[1].address])), reads_target_features=True)
+                                                   static_discovery([servers[1].address])),
+                                       feature_needs=FeatureNeeds(reads=True))
         remote_target.features_listener = remote_drafter.features_rewritten
         engine = SpeculativeEngine(remote_target, remote_drafter, target.tokenizer, tree_config("dyspec", 8), 2048)
         router = Router(engine, LimitsConfig(max_prompt_tokens=512, max_new_tokens=64, request_timeout_s=300),
