@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from treeserve.cli import bench
+from treeserve.engine.bench import peers as peers_module
 from treeserve.engine.bench.greedy import greedy_reference
 from treeserve.engine.bench.peers import ForwardLog, HFPeer, build_peers, hf_assistant, step_counts
 from treeserve.engine.bench.report import MethodStats, summarize
 from treeserve.engine.bench.runner import AR_KEY, HF_KEY
+from treeserve.engine.drafters.models.base import DrafterModel
 from treeserve.engine.models.loading import chat_ids
 
 
@@ -170,13 +172,10 @@ def test_hf_assisted_runs_a_restricted_vocabulary_drafter(tmp_path, tiny):
 def test_eagle_drafter_is_skipped_with_a_reason(tiny, monkeypatch):
     """transformers cannot feed an EAGLE drafter the target's hidden states: hf-assisted is skipped, the reason
     printed, the other peers still run."""
-    from treeserve.engine.drafters.models import loading as drafter_module
-    from treeserve.engine.drafters.models.base import DrafterModel
-
     class FeatureReader(DrafterModel):
         reads_target_features = True
 
-    monkeypatch.setattr(drafter_module, "load_drafter", lambda name, target: FeatureReader())
+    monkeypatch.setattr(peers_module, "load_drafter", lambda name, target: FeatureReader())
     peers, skipped = build_peers(["hf"], tiny, "eagle")
     assert [p.key for p in peers] == ["hf-generate", "hf-pld"]
     assert len(skipped) == 1 and "EAGLE" in skipped[0] and "hidden states" in skipped[0]
