@@ -30,6 +30,7 @@ from treeserve.engine.runners.step_settings import default_static_step
 from treeserve.engine.tree_config import tree_config, TreeConfig
 from treeserve.v1 import internal_pb2 as pb, internal_pb2_grpc as pb_grpc
 from . import wire
+from .config import AppConfig
 from .features import FeatureStore, read_delta
 from .transport.replica import GrpcReplica, SessionClock
 from .transport.replica_server import Worker, limit_threads
@@ -143,7 +144,6 @@ class DrafterReplica(GrpcReplica):
     def __init__(self, args: dict | None = None, drafter: ModelDrafter | None = None, vocab_size: int | None = None,
                  internal_secret: str | None = None):
         limit_threads()
-        from .config import AppConfig
 
         config = AppConfig.from_args(args)
         if drafter is None:

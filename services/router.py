@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 import grpc
 
@@ -34,11 +34,9 @@ from treeserve.engine.speculative_engine import Sequence, SpeculativeEngine
 from treeserve.v1 import generation_pb2 as gen
 from .config import LimitsConfig
 from .metrics import RouterMetrics
-from .transport.pool import NoReplicaError, ReplicasFullError
+from .transport.pool import NoReplicaError, ReplicasFullError, GroupedCaller
 from .validation import RequestError, RequestValidator, method_enum
 
-if TYPE_CHECKING:  # type names only: in-process routers never load the gRPC transport
-    from .transport.pool import GroupedCaller
 
 log = logging.getLogger("treeserve.router")
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import re
 import time
-from typing import TYPE_CHECKING
 
+from ..drafters.base import ModelDrafter
 from ..methods import AUTOREGRESSIVE, METHODS
 from ..requests import GenerationRequest
 from ..tree_config import AUTO_BUDGET, TreeBudget, parse_budget
 from .peers import Outcome
 
-if TYPE_CHECKING:  # type names only: the bench's runners import the engine on use
-    from ..drafters.base import ModelDrafter
 
 # Every method the in-process bench runs: plain decoding and every TreeConfig method of the registry
 # (engine/methods.py; lookup and <builder>+lookup included).

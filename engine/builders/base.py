@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Protocol, Sequence, runtime_checkable
+from typing import Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..c2t_classifier import top_entropy
+from ..lookup.suffix_index import LookupRow
+from ..lookup.trees import LookupPlan
 from ..requests import SamplingParams
 from ..sampling import sample_row, topk_rows
 from ..tree import ChildDraw, TokenTree, select_nodes
-
-if TYPE_CHECKING:
-    from ..lookup.suffix_index import LookupRow
-    from ..lookup.trees import LookupPlan
 
 
 @dataclass

@@ -29,17 +29,15 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
+from ..lookup.suffix_index import LookupRow
 from ..requests import SamplingParams
 from ..sampling import ResidualRow
 from ..tree import ChildDraw, TokenTree
 from .base import DraftOracle, LookupSource, PartialTree, UniformStream, check_open_unit, check_positive, safe_log
-
-if TYPE_CHECKING:
-    from ..lookup.suffix_index import LookupRow
 
 
 @dataclass

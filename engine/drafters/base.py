@@ -21,18 +21,17 @@ Implementations: `LocalDrafter` (an autoregressive drafter model: distilled, EAG
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from ..budget import BudgetChooser
 from ..methods import AUTOREGRESSIVE
 from ..requests import StepRecord, SamplingParams
+from ..runners.cached_lm import CachedLM
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
 
-if TYPE_CHECKING:  # type names only: the runners import torch models this module does not need
-    from ..budget import BudgetChooser
-    from ..runners.cached_lm import CachedLM
 
 __all__ = ["AUTOREGRESSIVE", "NO_FEATURES", "Drafter", "DrafterBase", "DraftRequest", "FeatureNeeds", "ModelDrafter",
            "batch_size_bucket", "root_only"]
