@@ -90,10 +90,11 @@ class SpeculativeEngine:
         if self.carries_features and not target.provides_features:
             raise ValueError(f"an EAGLE drafter needs the target's features; {type(target).__name__} "
                              "does not return them (use the in-process target runner)")
-        # (batch-size bucket, steps): steps the drafter's budget chooser for that bucket already decided are
-        # plain decoding; they skip the drafter call (for a remote drafter, its round trip). Keyed on the
-        # bucket, not the exact size, so requests arriving or finishing one by one keep the hold.
-        self._plain_hold = (0, 0)
+        # lane -> (batch-size bucket, steps): steps the drafter's budget chooser for that bucket already decided
+        # are plain decoding; they skip the drafter call (for a remote drafter, its round trip). Keyed on the
+        # bucket, not the exact size, so requests arriving or finishing one by one keep the hold; per lane, as
+        # the router steps each Target replica's sessions apart (services/router.py).
+        self._plain_hold: dict[str, tuple[int, int]] = {}
         # Run-ahead in-process: the drafter drafts the next step's trees on a thread of its own while the target
         # scores (engine/drafters/run_ahead.py). Worth it where the drafter has a device or cores of its own.
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="treeserve-run-ahead") if run_ahead else None
@@ -137,10 +138,11 @@ class SpeculativeEngine:
                 self.release(s)
         return [self.result(s) for s in batch]
 
-    def step(self, batch: list[Sequence]) -> None:
-        """One speculation step for every sequence of `batch`: draft, score, verify, commit."""
+    def step(self, batch: list[Sequence], lane: str = "") -> None:
+        """One speculation step for every sequence of `batch`: draft, score, verify, commit. `lane`: which of
+        the router's lanes the batch is (steps of different lanes may run at once, on threads of their own)."""
         recorder = StepRecorder(batch, self.drafter)
-        trees, called_drafter = self.draft(batch)
+        trees, called_drafter = self.draft(batch, lane)
         recorder.drafted(called_drafter)
         ahead = self._ahead.submit(self.drafter.draft_ahead) if self._ahead and called_drafter else None
         dists = self.target.score([self.score_request(s, tree) for s, tree in zip(batch, trees)])
@@ -154,7 +156,7 @@ class SpeculativeEngine:
             recorder.verified(s, tree, result)
         recorder.finish()
 
-    def draft(self, batch: list[Sequence]) -> tuple[list[TokenTree], bool]:
+    def draft(self, batch: list[Sequence], lane: str = "") -> tuple[list[TokenTree], bool]:
         """One TokenTree per sequence (the root alone for autoregressive decoding, a held plain step, or a
         sequence's first step), and whether the drafter was called.
 
@@ -169,12 +171,12 @@ class SpeculativeEngine:
                     and not (self.carries_features and s.features is None)]
         if not drafting:
             return roots, False
-        bucket, held = self._plain_hold
+        bucket, held = self._plain_hold.get(lane, (0, 0))
         if held > 0 and bucket == batch_size_bucket(len(batch)):
-            self._plain_hold = (bucket, held - 1)
+            self._plain_hold[lane] = (bucket, held - 1)
             return roots, False
         trees = self.drafter.draft([self.draft_request(batch[i]) for i in drafting], len(batch))
-        self._plain_hold = (batch_size_bucket(len(batch)), self.drafter.hold_steps)
+        self._plain_hold[lane] = (batch_size_bucket(len(batch)), self.drafter.hold_steps)
         for i, tree in zip(drafting, trees):
             roots[i] = tree
         return roots, True

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import grpc
 
@@ -66,7 +66,8 @@ class Router:
 
     def __init__(self, engine: SpeculativeEngine, limits: LimitsConfig | None = None,
                  metrics: RouterMetrics | None = None, clients: Iterable[GroupedCaller | None] = (),
-                 router_id: str | None = None, model_name: str = "treeserve"):
+                 router_id: str | None = None, model_name: str = "treeserve",
+                 lane_of: Callable[[str], str] | None = None):
         self.engine = engine
         self.limits = limits or LimitsConfig()
         self.validator = RequestValidator(engine, self.limits)
@@ -85,6 +86,8 @@ class Router:
         # worker thread) is in a forward, or the last session's release clears the KV pool under it.
         self._engine_lock = threading.Lock()
         self._retries_seen: dict[int, int] = {}
+        # session id -> its lane: the Target replica it is placed on (RemoteTarget.lane_of); in-process, one lane.
+        self.lane_of: Callable[[str], str] = lane_of or (lambda session_id: "")
         self.steps = 0
 
     async def check_health(self) -> None:
@@ -181,9 +184,13 @@ class Router:
     # Back-compatible name.
     _submit = submit
 
-    def _admit_and_prune(self) -> None:
+    def _admit_and_prune(self, busy: set[int] = frozenset()) -> None:
+        """Admit waiting jobs up to limits.max_batch_size; drop cancelled and expired ones, except those of a step
+        in flight (`busy`: their ids), which leave when it is over."""
         now = time.monotonic()
         for job in list(self._active):
+            if id(job) in busy:
+                continue
             if job.cancelled:
                 self._leave(job, "CANCELLED")
             elif now > job.deadline:
@@ -206,46 +213,73 @@ class Router:
 
     # ------------------------------------------------------------------ the step loop
     async def _loop(self) -> None:
-        while True:
-            self._admit_and_prune()
-            if not self._active:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            jobs = list(self._active)
-            batch = [j.seq for j in jobs]
-            prefill = any(not s.steps for s in batch)
-            drafter = self.engine.drafter
-            ahead = (drafter.run_ahead_hits, drafter.run_ahead_misses) if drafter is not None else (0, 0)
-            started = time.monotonic()
-            try:
-                await asyncio.to_thread(self._locked, self.engine.step, batch)
-            except (Exception, asyncio.CancelledError) as exc:  # retried on other replicas already: fail the batch
-                if isinstance(exc, asyncio.CancelledError) and self._task is not None and self._task.cancelling():
-                    raise  # the router is closing
+        """Step every lane that has sequences and no step in flight; admit and prune between steps.
 
-                if isinstance(exc, ReplicasFullError):  # healthy replicas without room: over capacity
-                    log.warning("step refused for %d sequences: %s", len(batch), exc)
-                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                elif isinstance(exc, NoReplicaError):  # an outage, not a bug: one line, no traceback
-                    log.error("step failed for %d sequences: %s", len(batch), exc)
-                    code = grpc.StatusCode.UNAVAILABLE
-                else:
-                    log.exception("step failed for %d sequences", len(batch))
-                    code = grpc.StatusCode.INTERNAL
-                for job in jobs:
-                    self._fail(job, RequestError(code, f"generation step failed: {exc}"))
-                continue
-            self.steps += 1
-            self.metrics.record_step([(j.method, j.seq.steps[-1]) for j in jobs if j.seq.steps], len(batch))
-            if prefill:
-                self.metrics.record_prefill_step((time.monotonic() - started) * 1e3)
-            if drafter is not None:
-                self.metrics.record_run_ahead(drafter.run_ahead_hits - ahead[0], drafter.run_ahead_misses - ahead[1])
-            self._count_retries()
+        A lane is the sessions of one Target replica (`lane_of`): lanes step independently, so one replica's
+        step never waits for another's, and one lane's drafting and verification overlap the others' scoring.
+        A sequence joins a step only at its lane's step boundary, and leaves (cancelled, past its deadline) only
+        when no step of its lane is in flight."""
+        stepping: dict[str, tuple[asyncio.Task, list[_Job]]] = {}  # lane -> its step in flight and its jobs
+        try:
+            while True:
+                busy = {id(job) for _, jobs in stepping.values() for job in jobs}
+                self._admit_and_prune(busy)
+                for lane, jobs in self._lanes(busy).items():
+                    if lane not in stepping:
+                        stepping[lane] = (asyncio.create_task(self._step(jobs, lane)), jobs)
+                self._wake.clear()
+                wake = asyncio.ensure_future(self._wake.wait())
+                done, _ = await asyncio.wait([wake, *(task for task, _ in stepping.values())],
+                                             return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+                for lane in [lane for lane, (task, _) in stepping.items() if task in done]:
+                    stepping.pop(lane)
+        finally:
+            for task, _ in stepping.values():
+                task.cancel()
+
+    def _lanes(self, busy: set[int]) -> dict[str, list[_Job]]:
+        """The active jobs not in a step, by lane (in arrival order)."""
+        lanes: dict[str, list[_Job]] = {}
+        for job in self._active:
+            if id(job) not in busy:
+                lanes.setdefault(self.lane_of(job.seq.session_id), []).append(job)
+        return lanes
+
+    async def _step(self, jobs: list[_Job], lane: str) -> None:
+        """One engine step for a lane's jobs, then their stream messages; a failed step fails its jobs."""
+        batch = [j.seq for j in jobs]
+        prefill = any(not s.steps for s in batch)
+        drafter = self.engine.drafter
+        ahead = (drafter.run_ahead_hits, drafter.run_ahead_misses) if drafter is not None else (0, 0)
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self._locked, self.engine.step, batch, lane)
+        except (Exception, asyncio.CancelledError) as exc:  # retried on other replicas already: fail the batch
+            if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # the router is closing
+            if isinstance(exc, ReplicasFullError):  # healthy replicas without room: over capacity
+                log.warning("step refused for %d sequences: %s", len(batch), exc)
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            elif isinstance(exc, NoReplicaError):  # an outage, not a bug: one line, no traceback
+                log.error("step failed for %d sequences: %s", len(batch), exc)
+                code = grpc.StatusCode.UNAVAILABLE
+            else:
+                log.exception("step failed for %d sequences", len(batch))
+                code = grpc.StatusCode.INTERNAL
             for job in jobs:
-                if job in self._active:
-                    self._publish(job)
+                self._fail(job, RequestError(code, f"generation step failed: {exc}"))
+            return
+        self.steps += 1
+        self.metrics.record_step([(j.method, j.seq.steps[-1]) for j in jobs if j.seq.steps], len(batch))
+        if prefill:
+            self.metrics.record_prefill_step((time.monotonic() - started) * 1e3)
+        if drafter is not None:
+            self.metrics.record_run_ahead(drafter.run_ahead_hits - ahead[0], drafter.run_ahead_misses - ahead[1])
+        self._count_retries()
+        for job in jobs:
+            if job in self._active:
+                self._publish(job)
 
     def _count_retries(self) -> None:
         for client in self.clients:
@@ -333,7 +367,10 @@ class Router:
             task.add_done_callback(self._background.discard)
 
     def _locked(self, call, *args):  # type: ignore[no-untyped-def]
-        """`call(*args)` with the engine to itself (see `_engine_lock`)."""
+        """`call(*args)` with the engine to itself (see `_engine_lock`); replica clients need no lock, and lanes
+        step at once."""
+        if self.clients:
+            return call(*args)
         with self._engine_lock:
             return call(*args)
 

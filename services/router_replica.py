@@ -76,7 +76,8 @@ class RouterReplica(Router):
         # The model's name for the OpenAI API: the target's path as configured, its last component.
         model_name = Path(config.target.path).name or config.target.path
         super().__init__(engine, config.limits, metrics,
-                         clients=[target, drafter], router_id=replica_id, model_name=model_name)
+                         clients=[target, drafter], router_id=replica_id, model_name=model_name,
+                         lane_of=target.lane_of)
         self.config = config
         self.api_server = None
         if serve_api:

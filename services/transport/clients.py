@@ -10,6 +10,8 @@ returns its features with the scores and the drafter client sends each replica o
 from __future__ import annotations
 
 import logging
+import threading
+from dataclasses import dataclass
 from typing import Callable
 
 from treeserve.engine.drafters.base import NO_FEATURES, DrafterBase, DraftRequest, FeatureNeeds, root_only
@@ -64,6 +66,23 @@ class RemoteTarget(GroupedCaller):
     def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
         return self._sync(self.score_async(requests))
 
+    def lane_of(self, session_id: str) -> str:
+        """The router's lane of a session: the Target replica it is placed on ("" while none is live)."""
+        live = self.pool.pick(session_id)
+        return live.endpoint.replica_id if live is not None else ""
+
+
+@dataclass
+class DraftCall:
+    """What one Draft call reported beside its trees."""
+
+    model_ms: float = 0.0  # the replicas' drafter runner time
+    forward_ms: float = 0.0  # of which model forwards
+    hold_steps: int = 0  # further steps the replicas' choosers decided are plain decoding
+
+
+NO_CALL = DraftCall()
+
 
 class RemoteDrafter(GroupedCaller, DrafterBase):
     """engine Drafter protocol over Drafter replicas. Without a live drafter the step degrades to a root-only
@@ -83,19 +102,40 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
         self.feature_deltas = FeatureDeltas()
         self._observations: list[pb.StepObservation] = []
         self.fallbacks = 0
-        self.last_model_ms = 0.0  # drafter runner time of the last draft call (engine StepRecord)
-        self.last_forward_ms = 0.0  # of which model forwards
-        self.hold_steps = 0  # further steps the replica's chooser decided are plain decoding (engine skips them)
+        # The last draft() call's facts, per calling thread: the router steps its lanes (each Target replica's
+        # sessions) on threads of their own, and each step reads the facts of its own call.
+        self._calls = threading.local()
+
+    @property
+    def last_model_ms(self) -> float:
+        """Drafter runner time of this thread's last draft call (engine StepRecord)."""
+        return self._last_call().model_ms
+
+    @property
+    def last_forward_ms(self) -> float:
+        """Of `last_model_ms`, the model forwards."""
+        return self._last_call().forward_ms
+
+    @property
+    def hold_steps(self) -> int:
+        """Further steps the replica's chooser decided are plain decoding (the engine skips them)."""
+        return self._last_call().hold_steps
+
+    def _last_call(self) -> DraftCall:
+        return getattr(self._calls, "last", NO_CALL)
 
     @property
     def feature_resends(self) -> int:
         """Sessions whose rows a replica lacked and were sent again from 0."""
         return self.feature_deltas.resends
 
-    async def draft_async(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+    async def draft_async(self, requests: list[DraftRequest], batch_size: int | None = None,
+                          call: DraftCall | None = None) -> list[TokenTree]:
+        """`call`: filled with the call's facts (draft timings, the plain steps held)."""
         observations, self._observations = self._observations[-64:], []
         holds: list[int] = []
         deltas = self.feature_deltas
+        call = call if call is not None else DraftCall()
 
         async def send(live: LiveReplica, group: list[DraftRequest]) -> list[TokenTree]:
             address = live.endpoint.address
@@ -121,7 +161,7 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
                 raise Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")
             for r in group:
                 deltas.sent(r, address)
-            self.last_model_ms, self.last_forward_ms = reply.draft_model_ms, reply.draft_forward_ms
+            call.model_ms, call.forward_ms = reply.draft_model_ms, reply.draft_forward_ms
             holds.append(reply.plain_steps_held)
             self.run_ahead_hits += reply.run_ahead_hits
             self.run_ahead_misses += reply.run_ahead_misses
@@ -129,17 +169,19 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
 
         try:
             trees = await self._grouped(requests, lambda r: r.session_id, send)
-            self.hold_steps = min(holds, default=0)  # several replicas: skip only what all of them decided
+            call.hold_steps = min(holds, default=0)  # several replicas: skip only what all of them decided
             return trees
         except NoReplicaError as exc:  # none live, or every one full: a plain step costs time, never tokens
             self.fallbacks += 1
-            self.hold_steps = 0
-            self.last_model_ms = self.last_forward_ms = 0.0
+            call.hold_steps, call.model_ms, call.forward_ms = 0, 0.0, 0.0
             log.warning("drafting skipped for this step (%s): root-only trees", exc)
             return [root_only(r.context) for r in requests]
 
     def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
-        return self._sync(self.draft_async(requests, batch_size))
+        call = DraftCall()
+        trees = self._sync(self.draft_async(requests, batch_size, call))
+        self._calls.last = call
+        return trees
 
     def observe(self, record: StepRecord) -> None:
         # Sent with the next Draft call (the budget choosers live in the drafter replica). Steps without

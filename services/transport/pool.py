@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import hashlib
 import logging
 import time
@@ -90,6 +91,7 @@ class ReplicaPool:
     down: dict[str, Down] = field(default_factory=dict)
     marked_down: int = 0  # replicas taken out of the ring after a failed call or a dropped connection
     _ring: list[tuple[int, str]] = field(default_factory=list)
+    _placed: dict[str, str] = field(default_factory=dict)  # session id -> replica id it was placed on
     _last_refresh: float = 0.0
     _lock: asyncio.Lock | None = None
     _watchers: dict[str, asyncio.Task] = field(default_factory=dict)
@@ -97,15 +99,30 @@ class ReplicaPool:
 
     # -------------------------------------------------------------- choice
     def pick(self, session_id: str, exclude: set[str] = frozenset()) -> LiveReplica | None:
-        """The session's replica: first ring point clockwise of hash(session) not excluded."""
+        """The session's replica: the one it was placed on, while that one is live and not excluded; else (a new
+        session, or its replica lost or full) the live replica not excluded holding the fewest of this pool's
+        sessions, ties broken by the consistent-hash ring (first point clockwise of hash(session)), where it is
+        placed from then on. Least-loaded placement gives every replica an equal share of a router's batch (the
+        hash alone gave one of two Target replicas 5-7 of 8 sessions), and the router steps each Target
+        replica's sessions as a lane of their own (services/router.py)."""
+        placed = self._placed.get(session_id)
+        if placed in self.live and placed not in exclude:
+            return self.live[placed]
         if not self._ring:
             return None
         start = bisect.bisect(self._ring, (_hash(session_id), ""))
-        for i in range(len(self._ring)):
-            replica = self._ring[(start + i) % len(self._ring)][1]
-            if replica not in exclude:
-                return self.live[replica]
-        return None
+        order = [self._ring[(start + i) % len(self._ring)][1] for i in range(len(self._ring))]
+        candidates = list(dict.fromkeys(r for r in order if r not in exclude))
+        if not candidates:
+            return None
+        load = collections.Counter(r for r in self._placed.values() if r in self.live)
+        chosen = min(candidates, key=lambda r: load[r])  # min keeps the first of equals: ring order
+        self._placed[session_id] = chosen
+        return self.live[chosen]
+
+    def forget(self, session_id: str) -> None:
+        """The session ended: it no longer counts toward its replica's load."""
+        self._placed.pop(session_id, None)
 
     def _rebuild_ring(self) -> None:
         self._ring = sorted((_hash(f"{rid}#{v}"), rid) for rid in self.live for v in range(self.virtual_nodes))
@@ -388,6 +405,7 @@ class GroupedCaller(LoopBridge):
         """Drop the session on every live replica (a retry may have moved it); returns how many held it. A
         background task: it waits for a busy replica (up to 30 s) rather than leave the session behind, and a
         replica it misses frees the session once idle (SessionClock)."""
+        self.pool.forget(session_id)
         await self.pool.refresh()
         replies = await self.pool.broadcast("Release", pb.ReleaseRequest(session_ids=[session_id]), timeout_s=30.0)
         return sum(r.released for r in replies)

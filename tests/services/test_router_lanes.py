@@ -1,0 +1,160 @@
+"""The Router's lanes: each Target replica's sessions are stepped on their own, so one replica's step never waits
+for another's; sessions are placed on the least-loaded replica and stay there.
+
+Without Ray: the Target / Drafter servicers on their own gRPC servers, the Router over the replica clients on one
+event loop, as the Router replica runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.tree_config import tree_config
+from treeserve.services.config import LimitsConfig
+from treeserve.services.drafter_service import DrafterServicer
+from treeserve.services.router import Router
+from treeserve.services.target_service import TargetServicer
+from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
+from treeserve.services.transport.discovery import Endpoint, static_discovery
+from treeserve.services.transport.pool import LiveReplica, ReplicaPool
+from treeserve.services.transport.replica_server import ReplicaServer
+from treeserve.v1 import generation_pb2 as gen
+from treeserve.v1 import internal_pb2_grpc as pb_grpc
+
+
+def _pool_of(replica_ids: list[str]) -> ReplicaPool:
+    """A pool whose live replicas are the given ids (no channels: `pick` reads only the ring and the load)."""
+    pool = ReplicaPool("Target", pb_grpc.TargetStub, static_discovery([]))
+    for rid in replica_ids:
+        pool.live[rid] = LiveReplica(Endpoint(rid, f"{rid}:1"), channel=None, stub=None)
+    pool._rebuild_ring()
+    return pool
+
+
+def test_sessions_are_placed_on_the_least_loaded_replica_and_stay():
+    pool = _pool_of(["a", "b"])
+    placed = {f"s{i}": pool.pick(f"s{i}").endpoint.replica_id for i in range(8)}
+    assert sorted(placed.values()).count("a") == 4  # an even split, whatever the hashes say
+    assert all(pool.pick(s).endpoint.replica_id == r for s, r in placed.items())  # sticky
+    # Excluded (full for this call): the session goes to the other replica and stays there.
+    moved = next(s for s, r in placed.items() if r == "a")
+    assert pool.pick(moved, exclude={"a"}).endpoint.replica_id == "b"
+    assert pool.pick(moved).endpoint.replica_id == "b"
+    # Ended sessions stop counting: the next new session goes where they were.
+    for s, r in placed.items():
+        if r == "b":
+            pool.forget(s)
+    assert pool.pick("new").endpoint.replica_id == "b"
+    # A replica that left: its sessions are placed again on the live ones.
+    del pool.live["a"]
+    pool._rebuild_ring()
+    assert all(pool.pick(s).endpoint.replica_id == "b" for s in placed)
+    assert pool.pick("x", exclude={"b"}) is None
+
+
+class GatedTarget(TargetRunner):
+    """A TargetRunner whose scores wait for `gate` once `closed` (a replica stuck in a long step)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.gate = threading.Event()
+        self.closed = False
+        self.waiting = threading.Event()
+
+    def score(self, requests):
+        if self.closed:
+            self.waiting.set()
+            assert self.gate.wait(60), "the gate was never opened"
+        return super().score(requests)
+
+
+@pytest.fixture
+def two_replicas(tiny_parts):
+    vocab = tiny_parts.target.model.config.vocab_size
+    runners = [GatedTarget(tiny_parts.target.model) for _ in range(2)]
+    servers = [ReplicaServer(pb_grpc.add_TargetServicer_to_server, TargetServicer(r), host="127.0.0.1").start()
+               for r in runners]
+    drafter = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab)), vocab)
+    drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, drafter, host="127.0.0.1").start()
+    yield runners, servers, drafter_server, vocab
+    for server in servers + [drafter_server]:
+        server.stop(0.2)
+    for runner in runners:
+        runner.gate.set()
+
+
+def _router(tiny_parts, servers, drafter_server, vocab, method="dyspec") -> tuple[Router, RemoteTarget]:
+    target = RemoteTarget(ReplicaPool("Target", pb_grpc.TargetStub, static_discovery([s.address for s in servers])),
+                          vocab, retry_timeout_s=30)
+    drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub, static_discovery([drafter_server.address])))
+    engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config(method, 8), 2048)
+    router = Router(engine, LimitsConfig(max_batch_size=8, max_concurrent_requests=8), clients=[target, drafter],
+                    lane_of=target.lane_of)
+    return router, target
+
+
+PROMPTS = ["Tell me a story about a fox.", "2+2=?", "Why is the sky blue?", "Name three colours."]
+
+
+def test_lanes_give_the_in_process_output(two_replicas, tiny_parts):
+    """Four streams over two Target replicas (two lanes stepping at once): each equals in-process greedy."""
+    _, servers, drafter_server, vocab = two_replicas
+    local = tiny_parts.engine()
+    expected = [local.generate([GenerationRequest(local.encode_chat(p), max_new_tokens=20)])[0].token_ids
+                for p in PROMPTS]
+
+    async def run():
+        router, target = _router(tiny_parts, servers, drafter_server, vocab)
+        try:
+            replies = await asyncio.gather(*(router.generate(gen.GenerateRequest(text=p, max_new_tokens=20))
+                                             for p in PROMPTS))
+            await asyncio.gather(*router._background)  # the sessions' releases
+            return [list(r.token_ids) for r in replies], dict(target.pool._placed)
+        finally:
+            await router.close()
+
+    got, placed = asyncio.run(run())
+    assert got == expected
+    assert placed == {}  # every session stopped counting toward its replica's load when it ended
+
+
+def test_one_lane_is_not_held_by_another(two_replicas, tiny_parts):
+    """While one Target replica is stuck in a step, the sessions of the other keep stepping to the end (with one
+    batch for all sessions they would wait for it); then the stuck ones finish too, equal to greedy."""
+    runners, servers, drafter_server, vocab = two_replicas
+    local = tiny_parts.engine()
+    expected = {p: local.generate([GenerationRequest(local.encode_chat(p), max_new_tokens=12)])[0].token_ids
+                for p in PROMPTS[:2]}
+
+    async def run():
+        router, target = _router(tiny_parts, servers, drafter_server, vocab)
+        await router.start()
+        await target.pool.refresh(force=True)  # both replicas live before the first session is placed
+        try:
+            stuck_address = servers[0].address
+            runners[0].closed = True
+            tasks = {p: asyncio.ensure_future(router.generate(gen.GenerateRequest(text=p, max_new_tokens=12)))
+                     for p in PROMPTS[:2]}
+            # The two sessions are placed one per replica: wait for the stuck replica's step to begin.
+            await asyncio.to_thread(runners[0].waiting.wait, 60)
+            stuck = [p for p, job in zip(PROMPTS[:2], router._active)
+                     if target.pool.pick(job.seq.session_id).endpoint.address == stuck_address]
+            free = [p for p in PROMPTS[:2] if p not in stuck]
+            assert len(stuck) == 1 and len(free) == 1
+            done = await asyncio.wait_for(tasks[free[0]], 60)  # finishes while the other lane is stuck
+            assert not tasks[stuck[0]].done()
+            runners[0].gate.set()
+            other = await asyncio.wait_for(tasks[stuck[0]], 60)
+            return {free[0]: list(done.token_ids), stuck[0]: list(other.token_ids)}
+        finally:
+            runners[0].gate.set()
+            await router.close()
+
+    assert asyncio.run(run()) == expected
