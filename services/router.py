@@ -1,7 +1,8 @@
 """The Router: request admission, continuous batching and streaming over the speculative engine.
 
-One background step loop per router drives `SpeculativeEngine.step` on the batch of active sequences:
-requests join and leave only at step boundaries, so the batch changes continuously; at batch size 1 the
+One background step loop per router drives `SpeculativeEngine.step` on the active sequences, one step in flight
+per lane (the sessions placed on one Target replica; in-process, one lane): requests join and leave only at their
+lane's step boundaries, so each lane's batch changes continuously, and no replica's step waits for another's; at batch size 1 the
 drafter builds the configured dynamic tree, above 1 C2T chains (docs/design.md section 6; the decision is the
 drafter's, per call). The engine is injected: in the Serve deployment (`RouterReplica`,
 services/router_replica.py) its Target and Drafter are gRPC clients of the replicas

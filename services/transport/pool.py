@@ -1,10 +1,10 @@
 """The router's view of one deployment's replicas, and calls that survive losing one.
 
 `ReplicaPool` holds a channel per live replica (found through services/transport/discovery.py and probed with
-Health before use), chooses each session's replica on a consistent-hash ring (so its KV cache is reused), and
-refreshes to see scale-out. A replica is marked down the moment a call to it fails or its connection drops (a
+Health before use), places each new session on the live replica holding the fewest of its sessions (ties
+broken by a consistent-hash ring) and keeps it there, so its KV cache is reused, and refreshes to see scale-out. A replica is marked down the moment a call to it fails or its connection drops (a
 watch on each channel's connectivity sees a killed replica within milliseconds, before any call to it): it leaves
-the ring at once, so new sessions hash onto live replicas only, and discovery does not bring it back while its
+the ring at once, so its sessions and new ones go to live replicas only, and discovery does not bring it back while its
 registry entry is still listed (a killed replica's entry stays until its heartbeats age out). It is probed again,
 and re-admitted only if the probe answers, once its registry heartbeat is newer than the failure (it is running),
 after a cool-down, or when no replica is left and a caller is waiting for one.
@@ -74,7 +74,7 @@ class Down:
 
 @dataclass
 class ReplicaPool:
-    """Live replicas of one deployment, chosen per session by consistent hashing."""
+    """Live replicas of one deployment, and the one each session is placed on (`pick`)."""
 
     name: str  # "Drafter" / "Target"
     stub_class: type
