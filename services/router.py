@@ -234,7 +234,7 @@ class Router:
                                              return_when=asyncio.FIRST_COMPLETED)
                 wake.cancel()
                 for lane in [lane for lane, (task, _) in stepping.items() if task in done]:
-                    stepping.pop(lane)
+                    stepping.pop(lane)[0].result()  # a step's own failures fail its jobs; anything else ends the loop
         finally:
             for task, _ in stepping.values():
                 task.cancel()
