@@ -43,7 +43,6 @@ class RemoteTarget(GroupedCaller):
         super().__init__(pool, call_timeout_s, retry_timeout_s)
         self.vocab_size = vocab_size
         self.features_listener = features_listener
-        self.last_score_ms = 0.0
 
     async def score_async(self, requests: list[ScoreRequest]) -> list[TargetDists]:
         async def send(live: LiveReplica, group: list[ScoreRequest]) -> list[TargetDists]:
@@ -53,7 +52,6 @@ class RemoteTarget(GroupedCaller):
                 raise Retry(f"replica returned {len(reply.dists)} results for {len(group)} trees")
             if any(r.want_features and not d.HasField("features") for r, d in zip(group, reply.dists)):
                 raise Retry("replica returned no features for an item that asked for them")
-            self.last_score_ms = reply.score_ms
             return [wire.decode_dists(d) for d in reply.dists]
 
         dists = await self._grouped(requests, lambda r: r.session_id, send)
