@@ -2,12 +2,12 @@
 
 One background step loop per router drives `SpeculativeEngine.step` on the active sequences, one step in flight
 per lane (the sessions placed on one Target replica; in-process, one lane): requests join and leave only at their
-lane's step boundaries, so each lane's batch changes continuously, and no replica's step waits for another's; at batch size 1 the
-drafter builds the configured dynamic tree, above 1 C2T chains (docs/design.md section 6; the decision is the
-drafter's, per call). The engine is injected: in the Serve deployment (`RouterReplica`,
-services/router_replica.py) its Target and Drafter are gRPC clients of the replicas
-(services/transport/clients.py); in unit tests they are in-process runners. Verification, emission and stop conditions are the engine's own (`start`, `step`, `result`);
-the router only turns what each step emitted into stream messages.
+lane's step boundaries, so each lane's batch changes continuously, and no replica's step waits for another's. At
+batch size 1 the drafter builds the configured dynamic tree, above 1 C2T chains (docs/design.md section 6; the
+decision is the drafter's, per call). The engine is injected: in the Serve deployment (`RouterReplica`,
+services/router_replica.py) its Target and Drafter are gRPC clients of the replicas (services/transport/
+clients.py); in unit tests they are in-process runners. Verification, emission and stop conditions are the
+engine's own (`start`, `step`, `result`); the router only turns what each step emitted into stream messages.
 
 The public gRPC API in front of it (TLS, tokens, payload decoding, status codes, one log line per rejected
 request) is services/api_server.py; what a valid request is, services/validation.py (shared with any other
@@ -87,6 +87,7 @@ class Router:
         # worker thread) is in a forward, or the last session's release clears the KV pool under it.
         self._engine_lock = threading.Lock()
         self._retries_seen: dict[int, int] = {}
+        self._run_ahead_seen = (0, 0)  # the drafter's run-ahead (hits, misses) counted so far
         # session id -> its lane: the Target replica it is placed on (RemoteTarget.lane_of); in-process, one lane.
         self.lane_of: Callable[[str], str] = lane_of or (lambda session_id: "")
         self.steps = 0
@@ -251,8 +252,6 @@ class Router:
         """One engine step for a lane's jobs, then their stream messages; a failed step fails its jobs."""
         batch = [j.seq for j in jobs]
         prefill = any(not s.steps for s in batch)
-        drafter = self.engine.drafter
-        ahead = (drafter.run_ahead_hits, drafter.run_ahead_misses) if drafter is not None else (0, 0)
         started = time.monotonic()
         try:
             await asyncio.to_thread(self._locked, self.engine.step, batch, lane)
@@ -275,12 +274,21 @@ class Router:
         self.metrics.record_step([(j.method, j.seq.steps[-1]) for j in jobs if j.seq.steps], len(batch))
         if prefill:
             self.metrics.record_prefill_step((time.monotonic() - started) * 1e3)
-        if drafter is not None:
-            self.metrics.record_run_ahead(drafter.run_ahead_hits - ahead[0], drafter.run_ahead_misses - ahead[1])
+        self._count_run_ahead()
         self._count_retries()
         for job in jobs:
             if job in self._active:
                 self._publish(job)
+
+    def _count_run_ahead(self) -> None:
+        """The drafter's run-ahead hits and misses since the last count (lanes step at once: a delta taken around
+        one step would count another lane's too)."""
+        drafter = self.engine.drafter
+        if drafter is None:
+            return
+        seen_hits, seen_misses = self._run_ahead_seen
+        self._run_ahead_seen = (drafter.run_ahead_hits, drafter.run_ahead_misses)
+        self.metrics.record_run_ahead(self._run_ahead_seen[0] - seen_hits, self._run_ahead_seen[1] - seen_misses)
 
     def _count_retries(self) -> None:
         for client in self.clients:

@@ -8,9 +8,9 @@ channels because a DeploymentHandle round trip costs ~5x a gRPC call on a small 
   the autoscaling metric).
 - `discovery`: where replicas publish their address (Ray's internal KV, with a heartbeat) and how the router
   lists them.
-- `pool`: the router's view of one deployment's replicas (least-loaded sticky placement; a replica whose call failed or
-  whose connection dropped is marked down at once and re-admitted only when a probe answers; refresh) and the
-  grouped caller that retries a failed group on another replica.
+- `pool`: the router's view of one deployment's replicas (least-loaded sticky placement; a replica whose call
+  failed or whose connection dropped is marked down at once and re-admitted only when a probe answers; refresh)
+  and the grouped caller that retries a failed group on another replica.
 - `bridge`: runs the async client methods from the engine's worker thread on the router's loop.
 - `clients`: `RemoteTarget` / `RemoteDrafter`, the engine's Target / Drafter protocols over a pool.
 

@@ -19,6 +19,7 @@ from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.tree_config import tree_config
 from treeserve.services.config import LimitsConfig
 from treeserve.services.drafter_service import DrafterServicer
+from treeserve.services.metrics import RouterMetrics
 from treeserve.services.router import Router
 from treeserve.services.target_service import TargetServicer
 from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
@@ -158,3 +159,35 @@ def test_one_lane_is_not_held_by_another(two_replicas, tiny_parts):
             await router.close()
 
     assert asyncio.run(run()) == expected
+
+
+class CountingMetrics(RouterMetrics):
+    def __init__(self):
+        super().__init__(enabled=False)
+        self.run_ahead_counted = [0, 0]
+
+    def record_run_ahead(self, hits: int, misses: int) -> None:
+        self.run_ahead_counted[0] += hits
+        self.run_ahead_counted[1] += misses
+
+
+def test_run_ahead_is_counted_once_across_lanes(two_replicas, tiny_parts):
+    """Two batch-1 lanes step at once, both drafted ahead on the one Drafter replica: the metric counts each hit
+    and miss the drafter reported exactly once (a delta taken around each step would count the other lane's)."""
+    _, servers, drafter_server, vocab = two_replicas
+
+    async def run():
+        router, target = _router(tiny_parts, servers, drafter_server, vocab)
+        router.metrics = CountingMetrics()
+        await router.start()
+        await target.pool.refresh(force=True)
+        try:
+            await asyncio.gather(*(router.generate(gen.GenerateRequest(text=p, max_new_tokens=24))
+                                   for p in PROMPTS[:2]))
+            drafter = router.engine.drafter
+            return router.metrics.run_ahead_counted, [drafter.run_ahead_hits, drafter.run_ahead_misses]
+        finally:
+            await router.close()
+
+    counted, reported = asyncio.run(run())
+    assert counted == reported and sum(reported) > 0
