@@ -25,7 +25,7 @@ from typing import Iterable, Protocol
 import torch
 
 from .builders import make_builder
-from .drafters.base import AUTOREGRESSIVE, Drafter, DraftRequest, batch_size_bucket, root_only
+from .drafters.base import AUTOREGRESSIVE, Drafted, Drafter, DraftRequest, batch_size_bucket, root_only
 from .models.loading import chat_ids, model_eos_ids
 from .requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
 from .runners.target import ScoreRequest
@@ -141,10 +141,10 @@ class SpeculativeEngine:
     def step(self, batch: list[Sequence], lane: str = "") -> None:
         """One speculation step for every sequence of `batch`: draft, score, verify, commit. `lane`: which of
         the router's lanes the batch is (steps of different lanes may run at once, on threads of their own)."""
-        recorder = StepRecorder(batch, self.drafter)
-        trees, called_drafter = self.draft(batch, lane)
-        recorder.drafted(called_drafter)
-        ahead = self._ahead.submit(self.drafter.draft_ahead) if self._ahead and called_drafter else None
+        recorder = StepRecorder(batch, self.drafter, lane)
+        trees, call = self.draft(batch, lane)
+        recorder.drafted(call)
+        ahead = self._ahead.submit(self.drafter.draft_ahead, lane) if self._ahead and call else None
         dists = self.target.score([self.score_request(s, tree) for s, tree in zip(batch, trees)])
         if ahead is not None:
             ahead.result()
@@ -156,9 +156,9 @@ class SpeculativeEngine:
             recorder.verified(s, tree, result)
         recorder.finish()
 
-    def draft(self, batch: list[Sequence], lane: str = "") -> tuple[list[TokenTree], bool]:
+    def draft(self, batch: list[Sequence], lane: str = "") -> tuple[list[TokenTree], Drafted | None]:
         """One TokenTree per sequence (the root alone for autoregressive decoding, a held plain step, or a
-        sequence's first step), and whether the drafter was called.
+        sequence's first step), and the drafter's call (None: it was not called).
 
         First token first: a sequence's first step is its prompt's prefill, scored with the root alone, so its
         first token waits for neither the drafter's prefill nor a tree (an EAGLE drafter could not draft it
@@ -166,20 +166,20 @@ class SpeculativeEngine:
         batch keeps drafting: an arrival does not turn the running sequences' step into a plain one."""
         roots = [root_only(s.context) for s in batch]
         if self.drafter is None or all(s.tree.method == AUTOREGRESSIVE for s in batch):
-            return roots, False
+            return roots, None
         drafting = [i for i, s in enumerate(batch) if s.steps and s.tree.method != AUTOREGRESSIVE
                     and not (self.carries_features and s.features is None)]
         if not drafting:
-            return roots, False
+            return roots, None
         bucket, held = self._plain_hold.get(lane, (0, 0))
         if held > 0 and bucket == batch_size_bucket(len(batch)):
             self._plain_hold[lane] = (bucket, held - 1)
-            return roots, False
-        trees = self.drafter.draft([self.draft_request(batch[i]) for i in drafting], len(batch))
-        self._plain_hold[lane] = (batch_size_bucket(len(batch)), self.drafter.hold_steps)
-        for i, tree in zip(drafting, trees):
+            return roots, None
+        call = self.drafter.draft([self.draft_request(batch[i]) for i in drafting], len(batch), lane)
+        self._plain_hold[lane] = (batch_size_bucket(len(batch)), call.hold_steps)
+        for i, tree in zip(drafting, call.trees):
             roots[i] = tree
-        return roots, True
+        return roots, call
 
     @staticmethod
     def draft_request(s: Sequence) -> DraftRequest:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from .drafters.base import Drafter
+from .drafters.base import Drafted, Drafter
 from .requests import StepRecord
 from .tree import TokenTree
 from .verify import VerifyResult
@@ -26,47 +26,43 @@ class Sequence(Protocol):
 
 
 class StepRecorder:
-    """Times one step of `batch` from its creation on and appends each sequence's StepRecord.
+    """Times one step of `batch` (of `lane`) from its creation on and appends each sequence's StepRecord.
 
     Call in step order: `drafted`, `scored`, `verified` once per sequence, then `finish`."""
 
-    def __init__(self, batch: list[Sequence], drafter: Drafter | None) -> None:
+    def __init__(self, batch: list[Sequence], drafter: Drafter | None, lane: str = "") -> None:
         self.batch = batch
         self.drafter = drafter
+        self.lane = lane
         self.prefill = any(not s.steps for s in batch)  # some sequence's prompt is fed in this step
         self.started = time.perf_counter()
         self.draft_done = self.score_done = self.started
-        self.called_drafter = self.ahead_hit = False
-        self.draft_model_ms = self.draft_forward_ms = 0.0
-        self.ahead_hits = drafter.run_ahead_hits if drafter is not None else 0
+        self.call: Drafted | None = None
 
-    def drafted(self, called_drafter: bool) -> None:
-        """Drafting is over; `called_drafter`: the drafter ran (not a root-only or held plain step)."""
+    def drafted(self, call: Drafted | None) -> None:
+        """Drafting is over; `call`: what the drafter's call returned (None: a root-only or held plain step)."""
         self.draft_done = time.perf_counter()
-        self.called_drafter = called_drafter
-        # Run-ahead serves batch-1 steps only: a hit during this call was this step's one sequence.
-        self.ahead_hit = called_drafter and self.drafter.run_ahead_hits > self.ahead_hits
+        self.call = call
 
     def scored(self) -> None:
-        """The target's forward is over; reads the drafter runner's share of the drafting time."""
+        """The target's forward is over."""
         self.score_done = time.perf_counter()
-        if self.called_drafter:
-            self.draft_model_ms = self.drafter.last_model_ms
-            self.draft_forward_ms = self.drafter.last_forward_ms
 
     def verified(self, s: Sequence, tree: TokenTree, result: VerifyResult) -> None:
         """Append the record of sequence `s`, whose `tree` verified to `result`."""
         _, size_lookup, size_both = tree.count_sources()
         _, accepted_lookup, accepted_both = tree.count_sources(result.accepted_nodes)
+        call = self.call
         s.steps.append(StepRecord(tree_size=tree.num_nodes - 1, accepted=result.num_accepted,
                                   emitted=len(result.tokens), batch_size=len(self.batch),
                                   draft_ms=(self.draft_done - self.started) * 1e3,
-                                  draft_model_ms=self.draft_model_ms,
+                                  draft_model_ms=call.model_ms if call else 0.0,
                                   score_ms=(self.score_done - self.draft_done) * 1e3, verify_ms=0.0,
-                                  draft_forward_ms=self.draft_forward_ms,
+                                  draft_forward_ms=call.forward_ms if call else 0.0,
                                   tree_size_lookup=size_lookup + size_both, accepted_lookup=accepted_lookup,
                                   accepted_both=accepted_both,
-                                  run_ahead_hit=self.ahead_hit and tree.num_nodes > 1))
+                                  # Run-ahead serves batch-1 steps only: a hit of the call was this sequence's.
+                                  run_ahead_hit=bool(call and call.run_ahead_hits) and tree.num_nodes > 1))
 
     def finish(self) -> None:
         """Share the verification time among the records and report them to the drafter."""
@@ -74,4 +70,4 @@ class StepRecorder:
         for s in self.batch:
             s.steps[-1].verify_ms = verify_ms
             if self.drafter is not None and not self.prefill:
-                self.drafter.observe(s.steps[-1])
+                self.drafter.observe(s.steps[-1], self.lane)

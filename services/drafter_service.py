@@ -79,33 +79,31 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if missing:  # nothing drafted or observed: the router sends this call again with those rows in full
             return pb.DraftResponse(features_missing=missing)
         for observation in message.observations:
-            self.drafter.observe(wire.decode_observation(observation))
+            self.drafter.observe(wire.decode_observation(observation), observation.lane)
         requests = []
         for request, delta in items:
             if delta is not None:
                 rows, start = delta
                 request.features = self.features.write(request.session_id, start, rows)
             requests.append(request)
-        hits, misses = self.drafter.run_ahead_hits, self.drafter.run_ahead_misses
+        misses = self.drafter.run_ahead_misses
         try:
             # The router's whole batch shares one target forward, however many of its sequences hash here.
-            trees = self.drafter.draft(requests, max(message.router_batch_size, len(message.items)))
+            call = self.drafter.draft(requests, max(message.router_batch_size, len(message.items)), message.lane)
         finally:
             if self.features is not None:  # rows of sessions whose KV cache the drafter evicted go with it
                 self.features.retain(set(self.session_ids()))
-        return pb.DraftResponse(trees=[wire.encode_tree(t) for t in trees],
+        return pb.DraftResponse(trees=[wire.encode_tree(t) for t in call.trees],
                                 draft_ms=(time.perf_counter() - started) * 1e3,
-                                draft_model_ms=self.drafter.last_model_ms,
-                                draft_forward_ms=self.drafter.last_forward_ms,
-                                plain_steps_held=self.drafter.hold_steps,
-                                run_ahead_hits=self.drafter.run_ahead_hits - hits,
+                                draft_model_ms=call.model_ms, draft_forward_ms=call.forward_ms,
+                                plain_steps_held=call.hold_steps, run_ahead_hits=call.run_ahead_hits,
                                 run_ahead_misses=self.drafter.run_ahead_misses - misses)
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:
         try:
             response = await self.worker.run(self._draft, request)
             if self.run_ahead and response.trees:
-                self.worker.submit(self.drafter.draft_ahead)
+                self.worker.submit(self.drafter.draft_ahead, request.lane)
             return response
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -178,13 +178,14 @@ def decode_tree_config(message: pb.TreeParams, base: TreeConfig | None = None) -
     return replace(base, **kw)
 
 
-def encode_observation(record: StepRecord) -> pb.StepObservation:
-    return pb.StepObservation(tree_size_tokens=record.tree_size, accepted_tokens=record.accepted,
+def encode_observation(record: StepRecord, lane: str = "") -> pb.StepObservation:
+    return pb.StepObservation(lane=lane, tree_size_tokens=record.tree_size, accepted_tokens=record.accepted,
                               emitted_tokens=record.emitted, batch_size=record.batch_size,
                               draft_ms=record.draft_ms, score_ms=record.score_ms, verify_ms=record.verify_ms,
                               draft_model_ms=record.draft_model_ms, draft_forward_ms=record.draft_forward_ms,
                               tree_size_lookup_tokens=record.tree_size_lookup,
-                              accepted_lookup_tokens=record.accepted_lookup, accepted_both_tokens=record.accepted_both)
+                              accepted_lookup_tokens=record.accepted_lookup,
+                              accepted_both_tokens=record.accepted_both)
 
 
 def decode_observation(message: pb.StepObservation) -> StepRecord:

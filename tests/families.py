@@ -569,7 +569,7 @@ def drafted_trees(engine) -> list:
 
     def recording(requests, *args, **kwargs):
         out = draft(requests, *args, **kwargs)
-        trees.extend(out)
+        trees.extend(out.trees)
         return out
 
     engine.drafter.draft = recording

@@ -16,7 +16,7 @@ chain joins its C2T chain in one tree (or replaces it where the lookup is confid
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,7 +30,8 @@ from ..methods import LOOKUP, split_method
 from ..requests import StepRecord
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
-from .base import AUTOREGRESSIVE, DraftRequest, FeatureNeeds, ModelDrafter, batch_size_bucket, root_only
+from .base import (AUTOREGRESSIVE, Drafted, DraftRequest, FeatureNeeds, Lanes, ModelDrafter, batch_size_bucket,
+                   root_only)
 from .batched_c2t_chains import draft_c2t_chains
 from .hybrid_oracle import HybridOracle, head_index
 from .model_runner import DrafterRunner
@@ -54,6 +55,32 @@ class _CopyChain:
     modelled: bool  # the model drafts a chain for the request too (not for method "lookup", nor a confident copy)
 
 
+@dataclass
+class DraftLane:
+    """One lane's drafting state (engine/drafters/base.py): its budget choosers and what its last step drafted with.
+    A lane's steps come in order, so each chooser is credited with the records of the steps it decided; lanes
+    stepped concurrently by the router would otherwise credit each other's decisions."""
+
+    # The batch-1 chooser. Hybrid steps where the lookup expects to copy something are measured by a chooser of
+    # their own (`copy_budget`, created on first use): a budget's tokens/s there (trees carrying long copies) says
+    # little about stretches with nothing to copy, and one set of measurements over both would size the latter's
+    # trees by the former's (a contextual bandit with two contexts).
+    budget: BudgetChooser | None
+    copy_budget: BudgetChooser | None = None
+    # Batched steps get their own choosers of the chain depth (0 = plain batched decoding; LOOKUP_ONLY = copies
+    # alone), one per batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
+    batch_budgets: dict[int, BudgetChooser] = field(default_factory=dict)
+    step_chooser: BudgetChooser | None = None  # the chooser that decided the last batch-1 step
+    batch_chooser: BudgetChooser | None = None  # the chooser that decided the last batched step
+    # Steps after the current call that its chooser already decided are plain decoding (the call's Drafted).
+    hold_steps: int = 0
+    # Run-ahead (engine/drafters/run_ahead.py): what the last batch-1 step drafted with (request, tree, builder at
+    # its budget, its chooser), and the chooser and builder that the trees drafted ahead from it follow.
+    last_step: tuple[DraftRequest, TokenTree, object, BudgetChooser | None] | None = None
+    ahead_chooser: BudgetChooser | None = None
+    ahead_builder: object = None
+
+
 class LocalDrafter(ModelDrafter):
     """The `Drafter` over an autoregressive drafter model (distilled, EAGLE, EAGLE-3, a published head):
     one drafter forward per tree depth, the tree shaped by the request's builder."""
@@ -72,29 +99,12 @@ class LocalDrafter(ModelDrafter):
         self.batch_chain_depth = batch_chain_depth
         self.batch_chain_beta = batch_chain_beta
         self._builders: dict[str, object] = {}
-        # Drafter runner time of the last draft() call (forwards, KV upkeep, warping, summaries: DrafterRunner.seconds);
-        # the rest of the call is tree construction.
-        self.last_model_ms = 0.0
-        self.last_forward_ms = 0.0  # of which model forwards
-        # Steps after the last draft() call that its budget chooser already decided are plain decoding: the
-        # engine may skip calling draft() for them (same batch-size bucket) and only report their records.
-        self.hold_steps = 0
-        # Batched steps get their own choosers of the chain depth (0 = plain batched decoding; LOOKUP_ONLY = copies
-        # alone), one per batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
-        self.batch_budgets: dict[int, BudgetChooser] = {}
-        self._batch_chooser: BudgetChooser | None = None
-        # Hybrid steps where the lookup expects to copy something are measured by a chooser of their own: a
-        # budget's tokens/s there (trees carrying long copies) says little about stretches with nothing to copy,
-        # and one set of measurements over both would size the latter's trees by the former's (a contextual
-        # bandit with two contexts). Created on first use; `budget` measures every other batch-1 step.
-        self.copy_budget: BudgetChooser | None = None
-        self._step_chooser: BudgetChooser | None = None  # the chooser that decided the last batch-1 step
-        # Run-ahead (engine/drafters/run_ahead.py): trees drafted for the next step while the target scores this
-        # one, and what the last batch-1 step drafted with (request, tree, builder at its budget, its chooser).
+        # Each lane's choosers and last step; the default lane "" (in-process decoding) measures with `budget`
+        # itself, every other lane with a fresh copy of its settings.
+        self.lanes: Lanes[DraftLane] = Lanes(
+            lambda lane: DraftLane(self.budget if not lane or self.budget is None else self.budget.fresh()))
+        # Run-ahead (engine/drafters/run_ahead.py): trees drafted for the next step while the target scores this one.
         self.run_ahead = RunAheadStore()
-        self._last_step: tuple[DraftRequest, TokenTree, object, BudgetChooser | None] | None = None
-        self._ahead_chooser: BudgetChooser | None = None  # the chooser whose decision the ahead trees follow
-        self._ahead_builder = None  # the builder (at that decision's budget) they were grown with
 
     @property
     def run_ahead_hits(self) -> int:
@@ -107,6 +117,16 @@ class LocalDrafter(ModelDrafter):
     @property
     def lm(self):
         return self.runner.lm
+
+    @property
+    def copy_budget(self) -> BudgetChooser | None:
+        """The default lane's chooser of hybrid steps that copy (in-process decoding; tests, bench)."""
+        return self.lanes[""].copy_budget
+
+    @property
+    def batch_budgets(self) -> dict[int, BudgetChooser]:
+        """The default lane's batched choosers by batch-size bucket (in-process decoding; tests, bench)."""
+        return self.lanes[""].batch_budgets
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -125,37 +145,43 @@ class LocalDrafter(ModelDrafter):
             self._builders[key] = make_builder(config, self.classifier)
         return self._builders[key]
 
-    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
         """One tree per request: the configured method alone at batch size 1, C2T chains drafted together
         above (`batch_size`: sequences in the step's target forward, default len(requests); a Drafter
-        replica holding one sequence of a router's batch drafts it as a batch does)."""
+        replica holding one sequence of a router's batch drafts it as a batch does), decided by `lane`'s
+        choosers."""
         runner_seconds, forward_seconds = self.runner.seconds, self.runner.lm.forward_seconds
+        hits = self.run_ahead.hits
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
-        self.hold_steps = 0
-        self._step_chooser = self.budget
-        self._last_step = None  # set again below only by a batch-1 step that drafted with the model
+        state = self.lanes[lane]
+        state.hold_steps = 0
+        state.step_chooser = state.budget
+        state.last_step = None  # set again below only by a batch-1 step that drafted with the model
         batch = batch_size or len(requests)
         drafted: list[TokenTree | None] = []  # one per speculative request (None: the root alone)
         if speculative and batch > 1:
-            drafted = self._draft_batch(speculative, batch)
+            drafted = self._draft_batch(state, speculative, batch)
         elif speculative:
             (r,) = speculative
-            drafted = [self._draft_single(r)]
-        self.last_model_ms = (self.runner.seconds - runner_seconds) * 1e3
-        self.last_forward_ms = (self.runner.lm.forward_seconds - forward_seconds) * 1e3
+            drafted = [self._draft_single(state, r)]
         trees = iter(drafted)
-        return [(next(trees) if r.tree.method != AUTOREGRESSIVE else None) or root_only(r.context) for r in requests]
+        return Drafted([(next(trees) if r.tree.method != AUTOREGRESSIVE else None) or root_only(r.context)
+                        for r in requests],
+                       model_ms=(self.runner.seconds - runner_seconds) * 1e3,
+                       forward_ms=(self.runner.lm.forward_seconds - forward_seconds) * 1e3,
+                       hold_steps=state.hold_steps, run_ahead_hits=self.run_ahead.hits - hits)
 
-    def _draft_batch(self, speculative: list[DraftRequest], batch_size: int) -> list[TokenTree | None]:
+    def _draft_batch(self, state: DraftLane, speculative: list[DraftRequest],
+                     batch_size: int) -> list[TokenTree | None]:
         """A batched step: a C2T chain per request at the step's depth, joined by (or, where the lookup is
         confident or alone, replaced by) the request's copy chain."""
-        plan = self._batch_plan(batch_size, speculative)
+        plan = self._batch_plan(state, batch_size, speculative)
         # Copy chains cost no drafter forward: each row keeps the part that pays for its target time at this batch
         # size (`allocate_copies`) when the step takes copies: with model chains, or alone (LOOKUP_ONLY, an arm of
         # its own, so that whether copies pay is measured too); a plain step has none.
         depth = plan.budget
         copies = ([None] * len(speculative) if plan.plain
-                  else self._lookup_chains(speculative, batch_size, depth))
+                  else self._lookup_chains(state, speculative, batch_size, depth))
         modelled = [i for i, copy in enumerate(copies) if depth > 0 and (copy is None or copy.modelled)]
         trees: list[TokenTree | None] = [None] * len(speculative)
         if modelled:
@@ -172,48 +198,48 @@ class LocalDrafter(ModelDrafter):
                                         chain.log_joint.tolist()[1:] if chain else [], copy.tokens, copy.joints,
                                         r.sampling.is_greedy)
         # The lookup is checked every step: a step that copies holds no plain steps.
-        self.hold_steps = 0 if any(copy is not None for copy in copies) else plan.held
+        state.hold_steps = 0 if any(copy is not None for copy in copies) else plan.held
         return trees
 
-    def _draft_single(self, r: DraftRequest) -> TokenTree | None:
+    def _draft_single(self, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """Batch size 1: the tree drafted ahead for this context, else a hybrid method's tree, else the builder's
         at the chooser's budget (None: plain decoding)."""
-        ahead = self._ahead_hit(r)
+        ahead = self._ahead_hit(state, r)
         if ahead is not None:
             return ahead
         if split_method(r.tree.method)[1]:
-            return self._draft_hybrid(r)
+            return self._draft_hybrid(state, r)
         oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
         builder = self.builder(r.tree)
-        if self.budget is not None and r.tree.budget_auto:
-            plan = self.budget.plan()
-            self.hold_steps = plan.held
+        if state.budget is not None and r.tree.budget_auto:
+            plan = state.budget.plan()
+            state.hold_steps = plan.held
             if plan.plain:  # the chooser found that no drafting pays this step
                 return None
-            builder = self.budget.resized(builder, plan.budget)
+            builder = BudgetChooser.resized(builder, plan.budget)
         tree = builder.build(r.context[-1], oracle, r.sampling, torch.Generator().manual_seed(r.seed))
-        self._last_step = (r, tree, builder, self._step_chooser)
+        state.last_step = (r, tree, builder, state.step_chooser)
         return tree
 
-    def _draft_hybrid(self, r: DraftRequest) -> TokenTree | None:
+    def _draft_hybrid(self, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding)."""
         session = self.lookups.session(r.session_id, r.context)
         settings = self.lookups.settings
         base = split_method(r.tree.method)[0]
         root, greedy = r.context[-1], r.sampling.is_greedy
-        auto = self.budget is not None and r.tree.budget_auto
+        auto = state.budget is not None and r.tree.budget_auto
         builder = self.builder(r.tree)
         plan = DraftPlan()
         if auto:
             lookup = plan_lookup(session, root, settings.plan_nodes, settings.min_value)
             gains = lookup.gains()
-            self._step_chooser = self._hybrid_chooser(gains)
-            plan = self._step_chooser.plan_hybrid(gains, model=base != LOOKUP)
+            state.step_chooser = self._hybrid_chooser(state, gains)
+            plan = state.step_chooser.plan_hybrid(gains, model=base != LOOKUP)
             if plan.lookup_only:
                 return lookup.tree(plan.lookup_nodes, greedy)
             if plan.plain:
                 return None
-            builder = self.budget.resized(builder, plan.budget)
+            builder = BudgetChooser.resized(builder, plan.budget)
         generator = torch.Generator().manual_seed(r.seed)
         if base == LOOKUP:
             return builder.build(root, HybridOracle(None, session, self.runner.vocab_size, model_enabled=False),
@@ -223,23 +249,24 @@ class LocalDrafter(ModelDrafter):
         tree = builder.build(root, oracle, r.sampling, generator)
         ahead_builder = self.builder(replace(r.tree, method=base))  # run-ahead trees: the model's part alone
         if auto:
-            ahead_builder = self.budget.resized(ahead_builder, plan.budget)
-        self._last_step = (r, tree, ahead_builder, self._step_chooser)
+            ahead_builder = BudgetChooser.resized(ahead_builder, plan.budget)
+        state.last_step = (r, tree, ahead_builder, state.step_chooser)
         return tree
 
     # ------------------------------------------------------------------ run-ahead (engine/drafters/run_ahead.py)
-    def draft_ahead(self) -> bool:
-        """Draft the next step's trees for the last batch-1 greedy step, for the outcomes of its verification the
-        drafter expects (engine/drafters/run_ahead.py; call it while the target scores that step). False when
+    def draft_ahead(self, lane: str = "") -> bool:
+        """Draft the next step's trees for the lane's last batch-1 greedy step, for the outcomes of its verification
+        the drafter expects (engine/drafters/run_ahead.py; call it while the target scores that step). False when
         there is nothing to draft ahead: no such step, a sampled one, a tree without draft nodes."""
-        if self._last_step is None:
+        state = self.lanes[lane]
+        if state.last_step is None:
             return False
-        r, tree, builder, chooser = self._last_step
-        self._last_step = None
+        r, tree, builder, chooser = state.last_step
+        state.last_step = None
         path = likely_path(tree)
         if not path or not r.sampling.is_greedy:
             return False
-        self._ahead_chooser, self._ahead_builder = chooser, builder
+        state.ahead_chooser, state.ahead_builder = chooser, builder
         chain = [r.context[-1], *(int(tree.tokens[n]) for n in path)]
         oracle = self.runner.begin(r.session_id, r.context, r.sampling, None, r.features)
         base = len(chain)
@@ -258,7 +285,7 @@ class LocalDrafter(ModelDrafter):
                     self.run_ahead.put(r.session_id, AheadTree(r.context + chain[1:length + 1] + [bonus], ahead))
         return True
 
-    def _ahead_hit(self, r: DraftRequest) -> TokenTree | None:
+    def _ahead_hit(self, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """The tree drafted ahead for this step, if the context is the one it assumed (then the step is credited
         to the budget that drafted it, and the lookup, if any, still indexes the emitted tokens)."""
         if not self.run_ahead.trees or not r.sampling.is_greedy:
@@ -268,26 +295,26 @@ class LocalDrafter(ModelDrafter):
             return None
         if split_method(r.tree.method)[1]:
             self.lookups.session(r.session_id, r.context)
-        if self._ahead_chooser is not None:
-            self._ahead_chooser.repeat()
-            self._step_chooser = self._ahead_chooser
-        self._last_step = (r, tree, self._ahead_builder, self._ahead_chooser)  # a hit drafts ahead again
+        if state.ahead_chooser is not None:
+            state.ahead_chooser.repeat()
+            state.step_chooser = state.ahead_chooser
+        state.last_step = (r, tree, state.ahead_builder, state.ahead_chooser)  # a hit drafts ahead again
         return tree
 
-    def _hybrid_chooser(self, gains: list[float]) -> BudgetChooser:
-        """The chooser measuring this hybrid step's context: `copy_budget` where the lookup-only plan expects
-        at least `copy_context_gain` accepted tokens, else `budget`."""
+    def _hybrid_chooser(self, state: DraftLane, gains: list[float]) -> BudgetChooser:
+        """The lane's chooser measuring this hybrid step's context: `copy_budget` where the lookup-only plan
+        expects at least `copy_context_gain` accepted tokens, else `budget`."""
         if not gains or gains[-1] < self.lookups.settings.copy_context_gain:
-            return self.budget
-        if self.copy_budget is None:
-            self.copy_budget = self.budget.fresh()
-        return self.copy_budget
+            return state.budget
+        if state.copy_budget is None:
+            state.copy_budget = state.budget.fresh()
+        return state.copy_budget
 
     def step_choosers(self) -> dict[str, BudgetChooser]:
         choosers = {"": self.budget, "copying": self.copy_budget}
         return {context: chooser for context, chooser in choosers.items() if chooser is not None}
 
-    def _lookup_chains(self, speculative: list[DraftRequest], batch_size: int,
+    def _lookup_chains(self, state: DraftLane, speculative: list[DraftRequest], batch_size: int,
                        depth: int) -> list[_CopyChain | None]:
         """Batched steps: each lookup request's copy chain (None for the others), cut to what pays at this batch
         size when the chooser prices steps (`allocate_copies`)."""
@@ -303,8 +330,8 @@ class LocalDrafter(ModelDrafter):
             confident = bool(joints) and joints[0] >= settings.skip_model_above
             chains.append(_CopyChain(tokens, joints, base != LOOKUP and not confident))
         copies = [chain for chain in chains if chain is not None]
-        if self._batch_chooser is not None and copies:
-            chooser = self._batch_chooser
+        if state.batch_chooser is not None and copies:
+            chooser = state.batch_chooser
             # The step as the chooser expects it: model chains of `depth` (measured rate at that depth).
             arm = chooser.arms.get(depth)
             expected = arm.tokens / arm.steps if arm is not None and arm.steps else float(batch_size)
@@ -318,32 +345,33 @@ class LocalDrafter(ModelDrafter):
         """The lookup state of a session, if it has one (tests, stats)."""
         return self.lookups._sessions.get(session_id)
 
-    def _batch_plan(self, batch_size: int, speculative: list[DraftRequest]) -> DraftPlan:
+    def _batch_plan(self, state: DraftLane, batch_size: int, speculative: list[DraftRequest]) -> DraftPlan:
         """A batched step's plan: the chain depth chosen per batch-size bucket when every request leaves its budget
         to the hardware-aware chooser; else `batch_chain_depth`, capped by the smallest explicit budget."""
         explicit = [r.tree.budget for r in speculative if not r.tree.budget_auto]
         for budget in explicit:  # what the batch-1 path's builder checks; a chain cap must be >= 1 too
             check_positive("budget", budget)
-        if self.budget is None or explicit:
-            self._batch_chooser = None
+        if state.budget is None or explicit:
+            state.batch_chooser = None
             return DraftPlan(budget=min([self.batch_chain_depth, *explicit]))
         bucket = batch_size_bucket(batch_size)
-        if bucket not in self.batch_budgets:
+        if bucket not in state.batch_budgets:
             # Priced at the bucket's rows: at a batch size where drafting cannot pay, plain decoding ranks first
             # and little time goes to measuring depths that lose. A batch that copies from its context measures
             # copying alone as a budget too (the first batch of the bucket says whether it does).
             copies = any(split_method(r.tree.method)[1] for r in speculative)
-            self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
-                                                           explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies,
-                                                           explore_steps=BATCH_EXPLORE_STEPS)
-        self._batch_chooser = self.batch_budgets[bucket]
-        return self._batch_chooser.plan()
+            state.batch_budgets[bucket] = state.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
+                                                             explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies,
+                                                             explore_steps=BATCH_EXPLORE_STEPS)
+        state.batch_chooser = state.batch_budgets[bucket]
+        return state.batch_chooser.plan()
 
-    def observe(self, record: StepRecord) -> None:
-        """Feed a finished step's records to the chooser that picked its budget: the batch-1 tree budget,
+    def observe(self, record: StepRecord, lane: str = "") -> None:
+        """Feed a finished step's records to the lane's chooser that picked its budget: the batch-1 tree budget,
         or the batched chain depth (one record per sequence of the batch); each ignores steps it did not
         decide."""
-        chooser = self._batch_chooser if record.batch_size > 1 else self._step_chooser or self.budget
+        state = self.lanes[lane]
+        chooser = state.batch_chooser if record.batch_size > 1 else state.step_chooser or state.budget
         if chooser is not None:
             chooser.observe(record)
 

@@ -2,12 +2,15 @@
 what only a drafter whose model runs in this process has.
 
 A drafter turns DraftRequests into TokenTrees (`draft`), hears how each step went (`observe`), may draft the next
-step while the target scores this one (`draft_ahead`) and frees a session's state (`release`). Around those calls
-the engine, its step records and the services read a few facts of the last call: how long it spent in the model
-(step records, the budget chooser's cost curve), how many following steps its budget chooser already decided are
-plain decoding (the engine skips those calls), and how often run-ahead served a step. What the target must return
-for it is one value (`FeatureNeeds`: an EAGLE drafter reads the target's features). Every drafter declares all of
-them, with the defaults of `DrafterBase` where a fact does not apply, so nobody has to probe with getattr.
+step while the target scores this one (`draft_ahead`) and frees a session's state (`release`). A draft call returns
+its trees with the call's own facts (`Drafted`): how long it spent in the model (step records, the budget chooser's
+cost curve), how many following steps its budget chooser already decided are plain decoding (the engine skips those
+calls), and whether run-ahead served it. The three calls name the step's lane: the router steps each Target
+replica's sessions as a lane of their own, concurrently (services/router.py), so a drafter keeps each lane's budget
+choosers and last step apart, and a call's facts travel with its trees rather than as "the last call" on the
+drafter, which would be another lane's. What the target must return for it is one value (`FeatureNeeds`: an EAGLE
+drafter reads the target's features). Every drafter declares all of it, with the defaults of `DrafterBase` where a
+fact does not apply, so nobody has to probe with getattr.
 
 The model, its KV cache, its restricted head and its budget choosers are not part of that interface: a remote
 drafter has none of them. They live on `ModelDrafter`, and the callers that need them (the Drafter replica, bench,
@@ -20,8 +23,9 @@ Implementations: `LocalDrafter` (an autoregressive drafter model: distilled, EAG
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Generic, Protocol, TypeVar
 
 import torch
 
@@ -33,8 +37,8 @@ from ..tree import TokenTree
 from ..tree_config import TreeConfig
 
 
-__all__ = ["AUTOREGRESSIVE", "NO_FEATURES", "Drafter", "DrafterBase", "DraftRequest", "FeatureNeeds", "ModelDrafter",
-           "batch_size_bucket", "root_only"]
+__all__ = ["AUTOREGRESSIVE", "NO_FEATURES", "Drafted", "Drafter", "DrafterBase", "DraftRequest", "FeatureNeeds",
+           "Lanes", "ModelDrafter", "batch_size_bucket", "root_only"]
 
 
 @dataclass
@@ -48,6 +52,49 @@ class DraftRequest:
     seed: int  # seeds this step's sampling without replacement
     accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
     features: torch.Tensor | None = None  # [len(context) - 1, H] target features of context[:-1] (EAGLE)
+
+
+@dataclass
+class Drafted:
+    """What one `Drafter.draft` call returns: its trees and the facts of that call."""
+
+    trees: list[TokenTree]  # one per DraftRequest, in order
+    # Drafter runner time of the call (forwards, KV upkeep, warping, summaries); the rest is tree construction.
+    model_ms: float = 0.0
+    forward_ms: float = 0.0  # of which model forwards
+    # Steps after this one that its budget chooser already decided are plain decoding: the engine may skip calling
+    # draft() for them (same lane, same batch-size bucket) and only report their records.
+    hold_steps: int = 0
+    run_ahead_hits: int = 0  # of these trees, those drafted ahead while the lane's previous step was scored
+
+
+LaneState = TypeVar("LaneState")
+MAX_LANES = 64  # lanes a drafter keeps state for: a router's Target replicas come and go (scale-out, restarts)
+
+
+class Lanes(Generic[LaneState]):
+    """A drafter's state per lane, made on a lane's first step; past `limit` lanes the least recently stepped one
+    is dropped (a lane whose replica left steps no more; one that comes back starts measuring afresh)."""
+
+    def __init__(self, make: Callable[[str], LaneState], limit: int = MAX_LANES):
+        self._make, self._limit = make, limit
+        self._states: OrderedDict[str, LaneState] = OrderedDict()
+
+    def __getitem__(self, lane: str) -> LaneState:
+        state = self._states.get(lane)
+        if state is None:
+            state = self._states[lane] = self._make(lane)
+            while len(self._states) > self._limit:
+                self._states.popitem(last=False)
+        self._states.move_to_end(lane)
+        return state
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __iter__(self):
+        """The lanes held, least recently stepped first."""
+        return iter(list(self._states))
 
 
 def root_only(context: list[int]) -> TokenTree:
@@ -80,27 +127,22 @@ class Drafter(Protocol):
     """What the engine, its step records and the services call on any drafter (module docstring)."""
 
     feature_needs: FeatureNeeds  # what the target must return for it (EAGLE: its features)
-    # Drafter runner time of the last draft() call (forwards, KV upkeep, warping); the rest is tree construction.
-    last_model_ms: float
-    last_forward_ms: float  # of which model forwards
-    # Steps after the last draft() call that its budget chooser already decided are plain decoding: the engine
-    # may skip calling draft() for them (same batch-size bucket) and only report their records.
-    hold_steps: int
     # Steps answered with a tree drafted ahead, and steps whose trees drafted ahead did not match (run-ahead).
     run_ahead_hits: int
     run_ahead_misses: int
 
-    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
         """One tree per request; `batch_size` = sequences in the step's target forward (default: all of
-        `requests`; more when a Drafter replica holds only some of a router's batch)."""
+        `requests`; more when a Drafter replica holds only some of a router's batch); `lane`: the batch whose step
+        this is (its steps come in order; other lanes' may interleave)."""
         ...
 
-    def observe(self, record: StepRecord) -> None:
-        """A finished step's record, for the budget chooser that decided it."""
+    def observe(self, record: StepRecord, lane: str = "") -> None:
+        """A finished step's record, for the budget chooser of `lane` that decided it."""
         ...
 
-    def draft_ahead(self) -> bool:
-        """Draft the next step's trees from the expected outcome of the last one, while the target scores it
+    def draft_ahead(self, lane: str = "") -> bool:
+        """Draft the next step's trees from the expected outcome of the lane's last one, while the target scores it
         (engine/drafters/run_ahead.py); False when there was nothing to draft ahead."""
         ...
 
@@ -114,19 +156,16 @@ class DrafterBase:
     them (plain class attributes: immutable defaults that instances shadow)."""
 
     feature_needs: FeatureNeeds = NO_FEATURES
-    last_model_ms: float = 0.0
-    last_forward_ms: float = 0.0
-    hold_steps: int = 0
     run_ahead_hits: int = 0  # steps answered with a tree drafted ahead (engine/drafters/run_ahead.py)
     run_ahead_misses: int = 0  # steps whose trees drafted ahead did not match their context
 
-    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
         raise NotImplementedError
 
-    def observe(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord, lane: str = "") -> None:
         """Ignored by default: a drafter without a budget chooser learns nothing from step records."""
 
-    def draft_ahead(self) -> bool:
+    def draft_ahead(self, lane: str = "") -> bool:
         """Nothing to draft ahead by default (drafters without run-ahead)."""
         return False
 

@@ -31,7 +31,7 @@ from ..runners.step_settings import StaticStepSettings
 from ..sampling import warp_probs
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
-from .base import AUTOREGRESSIVE, DraftRequest, ModelDrafter, root_only
+from .base import AUTOREGRESSIVE, Drafted, DraftRequest, Lanes, ModelDrafter, root_only
 from .models.parallel import mask_ids
 from .parallel_tree_search import ParallelTreeSearch, search_for_config
 from .registry import PARALLEL_KIND
@@ -52,12 +52,13 @@ class ParallelTreeDrafter(ModelDrafter):
         self.num_masks = int(model.num_masks)
         self.masks = mask_ids(self.num_masks)
         self.vocab_ids = model.vocab_ids.cpu()  # [V_draft] target ids of the head's rows
-        self.budget = budget  # the batch-1 trees' chooser (None: fixed budgets)
+        self.budget = budget  # the batch-1 trees' chooser (None: fixed budgets): the default lane's
+        # Each lane's batch-1 chooser: a lane's steps come in order, so each is credited with the steps it decided
+        # (engine/drafters/base.py); other lanes than the in-process one measure with a fresh copy of `budget`.
+        self.lane_budgets: Lanes[BudgetChooser | None] = Lanes(
+            lambda lane: self.budget if not lane or self.budget is None else self.budget.fresh())
         self.batch_chain_min_joint = batch_chain_min_joint
-        self.hold_steps = 0  # further steps the chooser decided are plain decoding (see LocalDrafter)
         self._searches: dict[str, ParallelTreeSearch] = {}
-        self.last_model_ms = 0.0  # drafter runner time of the last draft() call (forward, KV upkeep, warping)
-        self.last_forward_ms = 0.0  # of which the model forward
         self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
 
     @property
@@ -81,38 +82,43 @@ class ParallelTreeDrafter(ModelDrafter):
         logits = self.lm.extend([ExtendRequest(r.session_id, [r.context[-1], *self.masks], chain) for r in requests])
         return [warp_probs(rows, r.sampling) for r, rows in zip(requests, logits)]
 
-    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
         """One tree per request from one batched forward: the configured tree at batch size 1, chains that
         stop below `batch_chain_min_joint` above (`batch_size` as `LocalDrafter.draft`), capped by an
-        explicit budget."""
-        self.hold_steps = 0
+        explicit budget; a batch-1 tree's budget is decided by `lane`'s chooser."""
         batched = (batch_size or len(requests)) > 1
-        searches = [self._plan_search(r, batched) if r.tree.method != AUTOREGRESSIVE else None for r in requests]
+        chooser = self.lane_budgets[lane]
+        plans = [self._plan_search(r, batched, chooser) if r.tree.method != AUTOREGRESSIVE else (None, 0)
+                 for r in requests]
+        searches = [search for search, _ in plans]
         drafted = [r for r, search in zip(requests, searches) if search is not None]
         started, forward_seconds = time.perf_counter(), self.lm.forward_seconds
         self.last_positions = self.position_probs(drafted) if drafted else []
-        self.last_model_ms = (time.perf_counter() - started) * 1e3 if drafted else 0.0
-        self.last_forward_ms = (self.lm.forward_seconds - forward_seconds) * 1e3
         rows = iter(self.last_positions)
-        return [root_only(r.context) if search is None else self._search(r.context[-1], next(rows), search)
-                for r, search in zip(requests, searches)]
+        trees = [root_only(r.context) if search is None else self._search(r.context[-1], next(rows), search)
+                 for r, search in zip(requests, searches)]
+        return Drafted(trees, model_ms=(time.perf_counter() - started) * 1e3 if drafted else 0.0,
+                       forward_ms=(self.lm.forward_seconds - forward_seconds) * 1e3,
+                       hold_steps=max((held for _, held in plans), default=0))
 
-    def _plan_search(self, r: DraftRequest, batched: bool) -> ParallelTreeSearch | None:
-        """The tree search for `r` this step (None: the root alone): a chain capped by the positions and an
-        explicit budget in a batched step; else the configured tree, resized by the chooser's plan."""
+    def _plan_search(self, r: DraftRequest, batched: bool,
+                     chooser: BudgetChooser | None) -> tuple[ParallelTreeSearch | None, int]:
+        """The tree search for `r` this step (None: the root alone) and the plain steps its plan holds after this
+        one: a chain capped by the positions and an explicit budget in a batched step; else the configured tree,
+        resized by the lane chooser's plan."""
         if batched:
             depth = min(r.tree.depth, self.positions)
             if not r.tree.budget_auto:
                 depth = min(depth, r.tree.budget)
-            return ParallelTreeSearch(budget=depth, max_depth=depth, max_width=1, min_prob=self.batch_chain_min_joint)
+            return ParallelTreeSearch(budget=depth, max_depth=depth, max_width=1,
+                                      min_prob=self.batch_chain_min_joint), 0
         search = self.search(r.tree)
-        if self.budget is not None and r.tree.budget_auto and search.paths is None and search.max_width > 1:
-            plan = self.budget.plan()
-            self.hold_steps = plan.held
+        if chooser is not None and r.tree.budget_auto and search.paths is None and search.max_width > 1:
+            plan = chooser.plan()
             if plan.plain:  # no drafting pays this step
-                return None
-            search = BudgetChooser.resized(search, plan.budget)
-        return search
+                return None, plan.held
+            return BudgetChooser.resized(search, plan.budget), plan.held
+        return search, 0
 
     def _search(self, root: int, rows: Tensor, search: ParallelTreeSearch) -> TokenTree:
         width = min(search.width, rows.shape[-1])
@@ -121,10 +127,11 @@ class ParallelTreeDrafter(ModelDrafter):
         tokens = self.vocab_ids[index]
         return search.search(root, values.tolist(), tokens.tolist())
 
-    def observe(self, record: StepRecord) -> None:
-        """Feed a finished step's timing to the budget chooser (it ignores steps it did not decide)."""
-        if self.budget is not None and record.batch_size == 1:
-            self.budget.observe(record)
+    def observe(self, record: StepRecord, lane: str = "") -> None:
+        """Feed a finished step's timing to the lane's budget chooser (it ignores steps it did not decide)."""
+        chooser = self.lane_budgets[lane]
+        if chooser is not None and record.batch_size == 1:
+            chooser.observe(record)
 
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)

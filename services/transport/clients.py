@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+import uuid
 from typing import Callable
 
-from treeserve.engine.drafters.base import NO_FEATURES, DrafterBase, DraftRequest, FeatureNeeds, root_only
+from treeserve.engine.drafters.base import NO_FEATURES, Drafted, DrafterBase, DraftRequest, FeatureNeeds, root_only
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
@@ -70,18 +70,6 @@ class RemoteTarget(GroupedCaller):
         return live.endpoint.replica_id if live is not None else ""
 
 
-@dataclass
-class DraftCall:
-    """What one Draft call reported beside its trees."""
-
-    model_ms: float = 0.0  # the replicas' drafter runner time
-    forward_ms: float = 0.0  # of which model forwards
-    hold_steps: int = 0  # further steps the replicas' choosers decided are plain decoding
-
-
-NO_CALL = DraftCall()
-
-
 class RemoteDrafter(GroupedCaller, DrafterBase):
     """engine Drafter protocol over Drafter replicas. Without a live drafter the step degrades to a root-only
     tree (one autoregressive step): it costs time, never tokens.
@@ -89,7 +77,11 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
     With `feature_needs.reads` (an EAGLE drafter) each DraftRequest carries the target's features of its
     context; `feature_deltas` sends each replica only the rows it lacks. A replica that lacks the rows a delta
     builds on lists the session in `features_missing`, and the call is sent again with that session's rows
-    from 0 (services/features.py)."""
+    from 0 (services/features.py).
+
+    Lanes: a replica keeps each lane's budget choosers and last step apart (engine/drafters/base.py); this client
+    names its lanes with a key of its own in front, so that two routers' lanes on one Target replica stay apart
+    on the Drafter replica too."""
 
     wait_for_live = False  # a step without a drafter is still a step: never wait for one
 
@@ -99,28 +91,13 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
         self.feature_needs = feature_needs  # reads: the engine then scores with want_features
         self.feature_deltas = FeatureDeltas()
         self._observations: list[pb.StepObservation] = []
+        self._observed = threading.Lock()
         self.fallbacks = 0
-        # The last draft() call's facts, per calling thread: the router steps its lanes (each Target replica's
-        # sessions) on threads of their own, and each step reads the facts of its own call.
-        self._calls = threading.local()
+        self._lane_prefix = f"{uuid.uuid4().hex[:12]}/"  # this router's lanes, on replicas several routers share
 
-    @property
-    def last_model_ms(self) -> float:
-        """Drafter runner time of this thread's last draft call (engine StepRecord)."""
-        return self._last_call().model_ms
-
-    @property
-    def last_forward_ms(self) -> float:
-        """Of `last_model_ms`, the model forwards."""
-        return self._last_call().forward_ms
-
-    @property
-    def hold_steps(self) -> int:
-        """Further steps the replica's chooser decided are plain decoding (the engine skips them)."""
-        return self._last_call().hold_steps
-
-    def _last_call(self) -> DraftCall:
-        return getattr(self._calls, "last", NO_CALL)
+    def lane_key(self, lane: str) -> str:
+        """The name of this router's `lane` on the Drafter replicas."""
+        return self._lane_prefix + lane
 
     @property
     def feature_resends(self) -> int:
@@ -128,12 +105,12 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
         return self.feature_deltas.resends
 
     async def draft_async(self, requests: list[DraftRequest], batch_size: int | None = None,
-                          call: DraftCall | None = None) -> list[TokenTree]:
-        """`call`: filled with the call's facts (draft timings, the plain steps held)."""
-        observations, self._observations = self._observations[-64:], []
+                          lane: str = "") -> Drafted:
+        with self._observed:
+            observations, self._observations = self._observations[-64:], []
         holds: list[int] = []
         deltas = self.feature_deltas
-        call = call if call is not None else DraftCall()
+        call = Drafted([])
 
         async def send(live: LiveReplica, group: list[DraftRequest]) -> list[TokenTree]:
             address = live.endpoint.address
@@ -142,7 +119,7 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
                 items = [wire.encode_draft_item(r, deltas.rows_for(r, address, r.session_id in resend))
                          for r in group]
                 message = pb.DraftRequest(items=items, observations=observations,
-                                          router_batch_size=batch_size or len(requests))
+                                          router_batch_size=batch_size or len(requests), lane=self.lane_key(lane))
                 reply = await live.stub.Draft(message, timeout=self.call_timeout_s)
                 if not reply.features_missing:
                     break
@@ -159,32 +136,33 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
                 raise Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")
             for r in group:
                 deltas.sent(r, address)
-            call.model_ms, call.forward_ms = reply.draft_model_ms, reply.draft_forward_ms
+            # Several replicas draft apart, at once: the step waited for the slowest.
+            call.model_ms = max(call.model_ms, reply.draft_model_ms)
+            call.forward_ms = max(call.forward_ms, reply.draft_forward_ms)
+            call.run_ahead_hits += reply.run_ahead_hits
             holds.append(reply.plain_steps_held)
             self.run_ahead_hits += reply.run_ahead_hits
             self.run_ahead_misses += reply.run_ahead_misses
             return [wire.decode_tree(t) for t in reply.trees]
 
         try:
-            trees = await self._grouped(requests, lambda r: r.session_id, send)
+            call.trees = await self._grouped(requests, lambda r: r.session_id, send)
             call.hold_steps = min(holds, default=0)  # several replicas: skip only what all of them decided
-            return trees
+            return call
         except NoReplicaError as exc:  # none live, or every one full: a plain step costs time, never tokens
             self.fallbacks += 1
-            call.hold_steps, call.model_ms, call.forward_ms = 0, 0.0, 0.0
             log.warning("drafting skipped for this step (%s): root-only trees", exc)
-            return [root_only(r.context) for r in requests]
+            return Drafted([root_only(r.context) for r in requests])
 
-    def draft(self, requests: list[DraftRequest], batch_size: int | None = None) -> list[TokenTree]:
-        call = DraftCall()
-        trees = self._sync(self.draft_async(requests, batch_size, call))
-        self._calls.last = call
-        return trees
+    def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
+        return self._sync(self.draft_async(requests, batch_size, lane))
 
-    def observe(self, record: StepRecord) -> None:
-        # Sent with the next Draft call (the budget choosers live in the drafter replica). Steps without
-        # a draft count too: they measure plain decoding, the budget-0 arm.
-        self._observations.append(wire.encode_observation(record))
+    def observe(self, record: StepRecord, lane: str = "") -> None:
+        # Sent with the next Draft call (the budget choosers live in the drafter replica), to the lane's chooser.
+        # Steps without a draft count too: they measure plain decoding, the budget-0 arm.
+        observation = wire.encode_observation(record, self.lane_key(lane))
+        with self._observed:  # lanes report from threads of their own
+            self._observations.append(observation)
 
     def features_rewritten(self, session_id: str, start: int) -> None:
         """RemoteTarget.features_listener: the router's rows of the session from `start` on were (re)computed."""

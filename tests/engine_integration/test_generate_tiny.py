@@ -142,12 +142,12 @@ def test_an_explicit_budget_caps_batched_chains_without_the_chooser(pair):
                          budget=BudgetChooser(profile, max_budget=8), batch_chain_depth=4,
                          batch_chain_beta=1e-6)  # the C2T prior's early exit never stops these chains
     contexts = [[5, 6, 7, 8], [9, 10, 11]]
-    trees = local.draft([DraftRequest(f"s{i}", c, SamplingParams(), TreeConfig(method="dyspec", budget=2), 0)
-                         for i, c in enumerate(contexts)])
-    assert [t.num_nodes - 1 for t in trees] == [2, 2]
-    assert local.batch_budgets == {} and local.hold_steps == 0
-    wide = local.draft([DraftRequest(f"s{i}", c, SamplingParams(), TreeConfig(method="dyspec", budget=12), 0)
+    call = local.draft([DraftRequest(f"s{i}", c, SamplingParams(), TreeConfig(method="dyspec", budget=2), 0)
                         for i, c in enumerate(contexts)])
+    assert [t.num_nodes - 1 for t in call.trees] == [2, 2]
+    assert local.batch_budgets == {} and call.hold_steps == 0
+    wide = local.draft([DraftRequest(f"s{i}", c, SamplingParams(), TreeConfig(method="dyspec", budget=12), 0)
+                        for i, c in enumerate(contexts)]).trees
     assert [t.num_nodes - 1 for t in wide] == [4, 4]  # batch_chain_depth
 
 
@@ -169,7 +169,7 @@ def test_a_sequence_drafted_alone_for_a_batched_step_is_drafted_as_the_batch(pai
     alone = DraftRequest("s0", [5, 6, 7, 8], SamplingParams(), auto, 0)
     plain = DraftRequest("s1", [9, 10, 11], SamplingParams(), TreeConfig(method="autoregressive"), 0)
     for requests, batch_size in (([alone, plain], None), ([alone], 3)):
-        tree = local.draft(requests, batch_size)[0]
+        tree = local.draft(requests, batch_size).trees[0]
         assert all(len(tree.children(n)) <= 1 for n in range(tree.num_nodes))  # a chain (or the root alone)
         assert tree.num_nodes - 1 <= local.batch_chain_depth
     assert set(local.batch_budgets) == {2, 4}
@@ -190,7 +190,8 @@ def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=chooser)
     calls = []
     draft = local.draft
-    local.draft = lambda requests, batch_size=None: calls.append(len(requests)) or draft(requests, batch_size)
+    local.draft = lambda requests, batch_size=None, lane="": calls.append(len(requests)) or draft(requests, batch_size,
+                                                                                                  lane)
     engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
                                TreeConfig(method="dyspec", budget=4, budget_auto=True), max_context_tokens=2048)
     prompt = engine.encode_chat("Tell me about the weather")
@@ -216,31 +217,30 @@ def test_a_fixed_budget_is_not_overridden_by_the_chooser(pair):
     chooser._to_explore = [0]
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=chooser)
     context = [5, 6, 7, 8]
-    fixed = local.draft([DraftRequest("s", context, SamplingParams(), TreeConfig(method="dyspec", budget=12), 0)])[0]
-    assert fixed.num_nodes - 1 == 12 and local.hold_steps == 0 and chooser.owed == 0
+    fixed = local.draft([DraftRequest("s", context, SamplingParams(), TreeConfig(method="dyspec", budget=12), 0)])
+    assert fixed.trees[0].num_nodes - 1 == 12 and fixed.hold_steps == 0 and chooser.owed == 0
     auto = TreeConfig(method="dyspec", budget=12, budget_auto=True)
-    chosen = local.draft([DraftRequest("s", context, SamplingParams(), auto, 0)])[0]
-    assert chosen.num_nodes == 1 and chooser.current == 0 and local.hold_steps == chooser.plain_hold_steps
+    chosen = local.draft([DraftRequest("s", context, SamplingParams(), auto, 0)])
+    assert chosen.trees[0].num_nodes == 1 and chooser.current == 0 and chosen.hold_steps == chooser.plain_hold_steps
 
 
 def test_a_plain_decoding_hold_survives_requests_leaving_the_batch(pair):
     """The hold is kept per batch-size bucket: a batch of 4 shrinking to 3 stays held (no drafter call),
     shrinking to 1 (another bucket, another chooser) asks the drafter again."""
-    from treeserve.engine.drafters.base import DrafterBase, root_only
+    from treeserve.engine.drafters.base import Drafted, DrafterBase, root_only
 
     target, _ = pair
 
     class HoldingDrafter(DrafterBase):
-        hold_steps = 1000  # as a chooser that picked plain decoding for a long stretch
-
         def __init__(self):
             self.batch_sizes = []
 
-        def draft(self, requests, batch_size=None):
+        def draft(self, requests, batch_size=None, lane=""):
             self.batch_sizes.append(len(requests))
-            return [root_only(r.context) for r in requests]
+            # as a chooser that picked plain decoding for a long stretch
+            return Drafted([root_only(r.context) for r in requests], hold_steps=1000)
 
-        def observe(self, record):
+        def observe(self, record, lane=""):
             pass
 
         def release(self, session_id):

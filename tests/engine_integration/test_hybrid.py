@@ -99,12 +99,15 @@ def test_auto_budget_drafts_lookup_only_steps_and_stays_greedy_equal(pair, refer
         return out
 
     monkeypatch.setattr(BudgetChooser, "next_hybrid", spy)
+    calls = []
+    draft = engine.drafter.draft
+    monkeypatch.setattr(engine.drafter, "draft", lambda *args: calls.append(draft(*args)) or calls[-1])
     check_greedy(engine, references)
     assert any(nodes > 0 for _, nodes in seen), "no lookup-only step"
     assert all(budget == 0 or nodes == 0 for budget, nodes in seen)
     calibrated = chooser.cost_ratios or engine.drafter.copy_budget.cost_ratios
     assert calibrated, "lookup-only steps did not calibrate their cost"
-    assert engine.drafter.hold_steps == 0
+    assert calls and all(call.hold_steps == 0 for call in calls)  # the lookup is checked every step: no holds
 
 
 def test_steps_with_something_to_copy_are_measured_apart(pair, references):
@@ -115,8 +118,8 @@ def test_steps_with_something_to_copy_are_measured_apart(pair, references):
     contexts = []
     original = engine.drafter._hybrid_chooser
 
-    def spy(gains):
-        picked = original(gains)
+    def spy(state, gains):
+        picked = original(state, gains)
         contexts.append((bool(gains) and gains[-1] >= 0.5, picked))
         return picked
 

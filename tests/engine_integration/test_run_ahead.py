@@ -76,8 +76,8 @@ def test_a_miss_drafts_as_usual(pair):
     engine, drafter = engine_for(pair, TreeConfig(method="dyspec", budget=6))
     draft_ahead = drafter.draft_ahead
 
-    def wrong_guesses():
-        draft_ahead()
+    def wrong_guesses(lane=""):
+        draft_ahead(lane)
         for aheads in drafter.run_ahead.trees.values():
             for ahead in aheads:
                 ahead.context = ahead.context[:-1] + [(ahead.context[-1] + 1) % target.model.config.vocab_size]
@@ -136,4 +136,5 @@ def test_the_draft_request_of_a_hit_keeps_the_lookup_in_step(pair):
         session = drafter.lookup_session(seq.session_id)
         assert len(session.index) == len(seq.context) - seq.steps[-1].emitted  # the hit step's whole context
     engine.release(seq)
-    assert drafter.draft([DraftRequest("x", [1, 2, 3], SamplingParams(), TreeConfig(method="dyspec", budget=2), 0)])
+    assert drafter.draft([DraftRequest("x", [1, 2, 3], SamplingParams(), TreeConfig(method="dyspec", budget=2),
+                                       0)]).trees

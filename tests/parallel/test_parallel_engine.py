@@ -182,10 +182,10 @@ def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
     chooser = Chooser()
     drafter = ParallelTreeDrafter(parallel_drafter, tiny_target.model.config.vocab_size, budget=chooser)
     request = DraftRequest("s", [5, 6, 7], SamplingParams(), TreeConfig(method="opt_tree", budget=16, budget_auto=True), seed=0)
-    tree = drafter.draft([request])[0]
-    assert tree.num_nodes == 1 and drafter.last_model_ms == 0.0  # no drafter forward at all
+    call = drafter.draft([request])
+    assert call.trees[0].num_nodes == 1 and call.model_ms == 0.0  # no drafter forward at all
     drafter.observe(StepRecord(0, 0, 1, 1, 0.1, 0.0, 5.0, 0.1))
-    tree = drafter.draft([DraftRequest("s", [5, 6, 7, 8], SamplingParams(), request.tree, seed=0)])[0]
+    tree = drafter.draft([DraftRequest("s", [5, 6, 7, 8], SamplingParams(), request.tree, seed=0)]).trees[0]
     assert tree.num_nodes == 7
     drafter.observe(StepRecord(6, 0, 1, 1, 0.1, 0.0, 5.0, 0.1))
     assert chooser.seen == [0, 6]
@@ -212,11 +212,11 @@ def test_a_sequence_of_a_batched_step_drafts_a_chain_capped_by_its_budget(tiny_t
     drafter = ParallelTreeDrafter(parallel_drafter, tiny_target.model.config.vocab_size, budget=chooser,
                                   batch_chain_min_joint=1e-9)  # only the caps stop these chains
     auto = DraftRequest("s", [5, 6, 7], SamplingParams(), TreeConfig(method="dyspec", budget=16, budget_auto=True), 0)
-    chain = drafter.draft([auto], batch_size=3)[0]
+    chain = drafter.draft([auto], batch_size=3).trees[0]
     assert all(len(chain.children(n)) <= 1 for n in range(chain.num_nodes))
     assert chain.num_nodes == min(auto.tree.depth, drafter.positions) + 1
     fixed = DraftRequest("s", [5, 6, 7, 8], SamplingParams(), TreeConfig(method="dyspec", budget=2), 0)
-    assert drafter.draft([fixed], batch_size=3)[0].num_nodes == 3
+    assert drafter.draft([fixed], batch_size=3).trees[0].num_nodes == 3
     drafter.observe(StepRecord(2, 0, 1, 3, 0.1, 0.0, 5.0, 0.1))
     assert chooser.seen == []
 

@@ -189,7 +189,7 @@ def test_drafter_replica_with_a_fixed_budget_loads_only_the_targets_parts(target
     context = list(range(5, 25))
     features = torch.randn(len(context) - 1, 64, generator=torch.Generator().manual_seed(0))
     request = DraftRequest("s", context, SamplingParams(), tree_config("dyspec", 6), 0, features=features)
-    assert local.draft([request])[0].token_list == full.draft([request])[0].token_list
+    assert local.draft([request]).trees[0].token_list == full.draft([request]).trees[0].token_list
     assert isinstance(local.runner.lm.model, torch.nn.Module) and not isinstance(local.runner.lm.model, TargetParts)
 
 

@@ -252,7 +252,7 @@ def test_feature_store_deltas_missing_rows_and_release(tiny_parts, eagle):
 
     def drafted(reply, ctx):
         ref = reference.draft([DraftRequest("s", ctx, SamplingParams(), tree_config("dyspec", 8), 0,
-                                            features=features[:len(ctx) - 1])])[0]
+                                            features=features[:len(ctx) - 1])]).trees[0]
         (tree,) = [wire.decode_tree(t) for t in reply.trees]
         return tree.token_list == ref.token_list
 

@@ -7,12 +7,15 @@ event loop, as the Router replica runs it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
 
+from treeserve.engine.budget import BudgetChooser
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.hardware.profile import HardwareProfile
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.speculative_engine import SpeculativeEngine
@@ -76,26 +79,36 @@ class GatedTarget(TargetRunner):
         return super().score(requests)
 
 
-@pytest.fixture
-def two_replicas(tiny_parts):
+@contextlib.contextmanager
+def _replicas(tiny_parts, budget: BudgetChooser | None = None):
+    """Two Target replicas (gated) and one Drafter replica (its LocalDrafter deciding with `budget`)."""
     vocab = tiny_parts.target.model.config.vocab_size
     runners = [GatedTarget(tiny_parts.target.model) for _ in range(2)]
     servers = [ReplicaServer(pb_grpc.add_TargetServicer_to_server, TargetServicer(r), host="127.0.0.1").start()
                for r in runners]
-    drafter = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab)), vocab)
-    drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, drafter, host="127.0.0.1").start()
-    yield runners, servers, drafter_server, vocab
-    for server in servers + [drafter_server]:
-        server.stop(0.2)
-    for runner in runners:
-        runner.gate.set()
+    local = LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab), budget=budget)
+    drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, DrafterServicer(local, vocab),
+                                   host="127.0.0.1").start()
+    try:
+        yield runners, servers, drafter_server, vocab, local
+    finally:
+        for server in servers + [drafter_server]:
+            server.stop(0.2)
+        for runner in runners:
+            runner.gate.set()
 
 
-def _router(tiny_parts, servers, drafter_server, vocab, method="dyspec") -> tuple[Router, RemoteTarget]:
+@pytest.fixture
+def two_replicas(tiny_parts):
+    with _replicas(tiny_parts) as (runners, servers, drafter_server, vocab, _):
+        yield runners, servers, drafter_server, vocab
+
+
+def _router(tiny_parts, servers, drafter_server, vocab, method="dyspec", budget=8) -> tuple[Router, RemoteTarget]:
     target = RemoteTarget(ReplicaPool("Target", pb_grpc.TargetStub, static_discovery([s.address for s in servers])),
                           vocab, retry_timeout_s=30)
     drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub, static_discovery([drafter_server.address])))
-    engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config(method, 8), 2048)
+    engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config(method, budget), 2048)
     router = Router(engine, LimitsConfig(max_batch_size=8, max_concurrent_requests=8), clients=[target, drafter],
                     lane_of=target.lane_of)
     return router, target
@@ -191,3 +204,38 @@ def test_run_ahead_is_counted_once_across_lanes(two_replicas, tiny_parts):
 
     counted, reported = asyncio.run(run())
     assert counted == reported and sum(reported) > 0
+
+
+def test_each_lane_is_decided_by_choosers_of_its_own_on_the_drafter_replica(tiny_parts):
+    """Two batch-1 lanes (one session per Target replica) with auto budgets: the Drafter replica keeps a lane per
+    (router, Target replica), decides each lane's steps with a chooser of its own and credits it with that lane's
+    observations (DraftRequest.lane, StepObservation.lane); the configured chooser, the in-process lane's, measures
+    nothing here. Both streams equal in-process greedy."""
+    configured = BudgetChooser(HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0}, 5.0, 128), max_budget=2,
+                               explore_steps=2, plain_hold_steps=3)
+    local_engine = tiny_parts.engine()
+    expected = [local_engine.generate([GenerationRequest(local_engine.encode_chat(p), max_new_tokens=24)])[0].token_ids
+                for p in PROMPTS[:2]]
+    with _replicas(tiny_parts, configured) as (_, servers, drafter_server, vocab, local):
+        async def run():
+            router, target = _router(tiny_parts, servers, drafter_server, vocab, budget="auto")
+            await router.start()
+            await target.pool.refresh(force=True)  # both replicas live: one session placed on each
+            try:
+                replies = await asyncio.gather(*(router.generate(gen.GenerateRequest(text=p, max_new_tokens=24))
+                                                 for p in PROMPTS[:2]))
+                lanes = {router.engine.drafter.lane_key(replica_id) for replica_id in target.pool.live}
+                return [list(r.token_ids) for r in replies], [r.stats.steps for r in replies], lanes
+            finally:
+                await router.close()
+
+        got, steps, lanes = asyncio.run(run())
+        assert got == expected
+        assert set(local.lanes) == lanes and len(lanes) == 2
+        choosers = [local.lanes[lane].budget for lane in lanes]
+        assert choosers[0] is not choosers[1] and configured not in choosers
+        credited = sorted(sum(arm.steps for arm in c.arms.values()) for c in choosers)
+        # Each lane's chooser measured its own stream's steps (those reported before the stream ended), at most all
+        # of them after the prefill; the configured chooser none.
+        assert all(0 < n for n in credited) and sum(credited) <= sum(steps) - 2
+        assert not configured.arms

@@ -1,0 +1,89 @@
+"""Lanes (engine/drafters/base.py): a drafter keeps each lane's budget choosers and last step apart, so lanes
+stepped in turn (as the router steps its Target replicas' sessions) are each credited with their own steps, each
+holds its own plain decoding, and a draft call's facts come back with its trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeserve.engine.budget import BudgetChooser
+from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.drafters.base import Lanes
+from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.hardware.profile import HardwareProfile
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.tree_config import TreeConfig
+
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target_dir, tiny_drafter_dir):
+    return load_causal_lm(tiny_target_dir), load_causal_lm(tiny_drafter_dir).model
+
+
+@torch.inference_mode()
+def reference(model, prompt_ids: list[int], n: int) -> list[int]:
+    out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_lanes_keep_the_least_recently_stepped_within_their_limit():
+    made = []
+    lanes = Lanes(lambda lane: made.append(lane) or {"lane": lane}, limit=2)
+    a = lanes["a"]
+    lanes["b"]
+    assert lanes["a"] is a  # kept: made once
+    lanes["c"]  # "b" is now the least recently stepped: dropped
+    assert len(lanes) == 2 and lanes["a"] is a
+    lanes["b"]  # made afresh, and "c" goes
+    assert made == ["a", "b", "c", "b"] and len(lanes) == 2
+
+
+def test_two_lanes_stepped_in_turn_credit_their_own_choosers(pair):
+    """Two batch-1 sequences, each a lane of its own, stepped alternately (the router's two Target replicas): each
+    lane's chooser decides and is credited with exactly that lane's steps, plain holds included, and both outputs
+    equal the target's greedy decoding. One chooser for both would credit each lane's records to the other lane's
+    latest decision."""
+    target, drafter = pair
+    profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0}, 5.0, 128)
+    # Two budgets to explore for 2 steps each, then plain decoding (explored last at batch size 1), held 3 steps.
+    chooser = BudgetChooser(profile, max_budget=2, explore_steps=2, plain_hold_steps=3)
+    local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=chooser)
+    calls = {"a": [], "b": []}
+    draft = local.draft
+
+    def spy(requests, batch_size=None, lane=""):
+        call = draft(requests, batch_size, lane)
+        calls[lane].append(call)
+        return call
+
+    local.draft = spy
+    engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
+                               TreeConfig(method="dyspec", budget=4, budget_auto=True), max_context_tokens=2048)
+    prompts = {lane: engine.encode_chat(text) for lane, text in
+               (("a", "Tell me about the weather"), ("b", "Name three colours."))}
+    seqs = {lane: engine.start(GenerationRequest(prompt, max_new_tokens=32)) for lane, prompt in prompts.items()}
+    while any(s.finish is None for s in seqs.values()):
+        for lane, s in seqs.items():
+            if s.finish is None:
+                engine.step([s], lane)
+    for lane, s in seqs.items():
+        assert s.emitted == reference(target.model, prompts[lane], 32)[:len(s.emitted)]
+
+    a, b = local.lanes["a"].budget, local.lanes["b"].budget
+    assert a is not b and chooser not in (a, b)  # the in-process lane "" keeps `budget` itself
+    for lane, own in (("a", a), ("b", b)):
+        steps = seqs[lane].steps
+        # Every step after the prefill is credited to the lane's chooser, none of the other lane's.
+        assert sum(arm.steps for arm in own.arms.values()) == pytest.approx(len(steps) - 1)
+        assert own.arms[0].steps >= 4  # it decided plain decoding and held it
+        # Held steps never called the drafter: fewer calls than drafted-or-held steps.
+        assert len(calls[lane]) < len(steps) - 1
+        assert all(call.hold_steps in (0, own.plain_hold_steps) for call in calls[lane])
+    engine.release(seqs["a"])
+    engine.release(seqs["b"])
