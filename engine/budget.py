@@ -18,7 +18,9 @@ bigger tree buys). So:
    prior, tries the promising candidates, then keeps choosing the budget with the best *measured*
    tokens/s (emitted tokens over draft + score + verify time), now and then re-measuring the
    least-measured rival (its neighbours and every budget measured before). Once it picks plain decoding
-   it keeps it for `plain_hold_steps` more steps, which callers may run without calling the drafter.
+   it keeps it for `plain_hold_steps` more steps, which callers may run without calling the drafter. The
+   measurements are shared by every lane the chooser decides for; each lane's decision (what its following
+   records are credited to, its plain hold) is its own (`Decision`, engine/lanes.py).
 3. Acceptance is not stationary: it differs by prompt (code and lists are easier to draft than free prose)
    and runs in stretches within one answer. So each budget's measured rate is rescaled by how the recent
    steps accepted relative to that budget's average (`acceptance_factor`: accepted draft tokens over the
@@ -47,6 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .hardware.profile import HardwareProfile
+from .lanes import Lanes
 from .requests import StepRecord
 from .tree_config import CANDIDATE_BUDGETS
 
@@ -78,6 +81,18 @@ class DraftPlan:
     def plain(self) -> bool:
         """Nothing is drafted this step: the root alone (plain decoding)."""
         return self.budget == 0 and not self.lookup_only
+
+
+@dataclass
+class Decision:
+    """A lane's latest decision by a chooser (engine/lanes.py): what the records that follow it are credited to.
+    The chooser's measurements are shared by every lane it decides for; each lane's decision is its own."""
+
+    current: int = 1  # the budget decided (0: plain decoding; LOOKUP_ONLY: copies alone)
+    held: int = 0  # steps after the current one that are plain decoding by this decision
+    owed: float = 0.0  # steps whose records are still to be credited to `current`
+    plain_streak: int = 0  # consecutive decisions for plain decoding
+    lookup_gain: float = 0.0  # a batch-1 lookup-only step's predicted accepted tokens
 
 
 @dataclass
@@ -140,12 +155,10 @@ class BudgetChooser:
         "help": "accepted tokens of prior evidence that `acceptance_factor` is average (1): one unlucky step "
                 "does not stop drafting, and during plain decoding the factor returns toward 1"})
     seed: int = 0
-    # State, not settings (not constructor arguments): measured throughput per budget, this step's decision.
+    # State, not settings (not constructor arguments): measured throughput per budget, each lane's decision.
     arms: dict[int, _Arm] = field(default_factory=dict, init=False)
-    current: int = field(default=1, init=False)
-    held: int = field(default=0, init=False)  # steps after the current one that are plain decoding by this decision
-    _plain_streak: int = field(default=0, init=False)  # consecutive decisions for plain decoding
-    owed: float = field(default=0.0, init=False)  # steps whose records are still to be credited to `current`
+    decisions: Lanes[Decision] = field(default_factory=lambda: Lanes(lambda lane: Decision()), init=False,
+                                       repr=False, compare=False)
     # Decayed sums over recent records: accepted draft tokens, and what their budgets' arms average.
     recent_accepted: float = field(default=0.0, init=False)
     recent_expected: float = field(default=0.0, init=False)
@@ -154,7 +167,6 @@ class BudgetChooser:
     cost_ratios: deque = field(default_factory=lambda: deque(maxlen=STEP_TIME_WINDOW), init=False)
     lookup_accepted: float = field(default=0.0, init=False)
     lookup_predicted: float = field(default=0.0, init=False)
-    _lookup_gain: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         if self.max_budget < 1:
@@ -221,23 +233,31 @@ class BudgetChooser:
         """Recent accepted draft tokens over what the budgets used average (1 = an average stretch)."""
         return (self.recent_accepted + self.recent_prior) / (self.recent_expected + self.recent_prior)
 
-    def next_budget(self) -> int:
-        """Choose this step's budget; the records of this step (and of the `held` plain steps after it,
-        when the budget is 0) are credited to it. A batched chooser that keeps choosing plain decoding holds it
-        twice as long each time (up to 2 ** MAX_HOLD_DOUBLINGS times): every decision costs the batch a Draft call
-        and the drafter's catch-up over the tokens decoded since."""
-        self.current = self.choose()
-        self._plain_streak = self._plain_streak + 1 if self.current == 0 else 0
-        doublings = min(self._plain_streak - 1, MAX_HOLD_DOUBLINGS) if self.rows > 1 and self._plain_streak else 0
-        self.held = self.plain_hold_steps * 2 ** doublings if self.current == 0 else 0
-        self.owed = 1.0 + self.held
-        return self.current
+    # The default lane's decision (in-process decoding; tests).
+    current = property(lambda self: self.decisions[""].current,
+                       lambda self, value: setattr(self.decisions[""], "current", value))
+    held = property(lambda self: self.decisions[""].held)
+    owed = property(lambda self: self.decisions[""].owed,
+                    lambda self, value: setattr(self.decisions[""], "owed", value))
 
-    def plan(self) -> DraftPlan:
-        """This step's decision (`next_budget`) as a DraftPlan: a budget, copies alone (LOOKUP_ONLY, a batched
-        chooser's arm) or plain decoding, held for `held` more steps."""
-        budget = self.next_budget()
-        return DraftPlan(budget=max(budget, 0), lookup_only=budget == LOOKUP_ONLY, held=self.held)
+    def next_budget(self, lane: str = "") -> int:
+        """Choose this step's budget for `lane`; the lane's records of this step (and of the `held` plain steps
+        after it, when the budget is 0) are credited to it. A batched chooser that keeps choosing plain decoding
+        for a lane holds it twice as long each time (up to 2 ** MAX_HOLD_DOUBLINGS times): every decision costs the
+        batch a Draft call and the drafter's catch-up over the tokens decoded since."""
+        d = self.decisions[lane]
+        d.current = self.choose()
+        d.plain_streak = d.plain_streak + 1 if d.current == 0 else 0
+        doublings = min(d.plain_streak - 1, MAX_HOLD_DOUBLINGS) if self.rows > 1 and d.plain_streak else 0
+        d.held = self.plain_hold_steps * 2 ** doublings if d.current == 0 else 0
+        d.owed = 1.0 + d.held
+        return d.current
+
+    def plan(self, lane: str = "") -> DraftPlan:
+        """This step's decision for `lane` (`next_budget`) as a DraftPlan: a budget, copies alone (LOOKUP_ONLY, a
+        batched chooser's arm) or plain decoding, held for `held` more steps."""
+        budget = self.next_budget(lane)
+        return DraftPlan(budget=max(budget, 0), lookup_only=budget == LOOKUP_ONLY, held=self.decisions[lane].held)
 
     # ------------------------------------------------------------------ hybrid (model + lookup) steps
     @property
@@ -255,7 +275,7 @@ class BudgetChooser:
         ms = self.profile.target_time_ms(nodes + 1) * self.cost_scale
         return 1e3 * (1.0 + gain * self.lookup_factor) / ms
 
-    def next_hybrid(self, gains: list[float], model: bool = True) -> tuple[int, int]:
+    def next_hybrid(self, gains: list[float], model: bool = True, lane: str = "") -> tuple[int, int]:
         """This step's (model budget, lookup-only nodes), at most one of them non-zero (both 0: plain decoding).
         `gains[n - 1]`: expected accepted tokens of the best n-node lookup-only tree (engine.lookup.LookupPlan).
         `model` False: no model drafter to weigh against (method "lookup"). Never holds plain steps. While the
@@ -272,22 +292,25 @@ class BudgetChooser:
         factor = self.acceptance_factor
         measured = [self.arms[b].rate_at(factor) for b in self.arms if self.arms[b].steps and (model or b == 0)]
         reference = max(measured, default=self.lookup_rate(0.0, 0))
-        self.held, self.owed = 0, 1.0
+        d = self.decisions[lane]
+        d.held, d.owed = 0, 1.0
         if nodes and best > reference and not exploring:
-            self.current, self._lookup_gain = LOOKUP_ONLY, gains[nodes - 1]
+            d.current, d.lookup_gain = LOOKUP_ONLY, gains[nodes - 1]
             return 0, nodes
-        self.current = budget
+        d.current = budget
         return budget, 0
 
-    def plan_hybrid(self, gains: list[float], model: bool = True) -> DraftPlan:
-        """This batch-1 hybrid step's decision (`next_hybrid`) as a DraftPlan: a lookup-only tree, a model budget
-        whose tree merges the lookup's candidates, or plain decoding (never held)."""
-        budget, nodes = self.next_hybrid(gains, model)
+    def plan_hybrid(self, gains: list[float], model: bool = True, lane: str = "") -> DraftPlan:
+        """This batch-1 hybrid step's decision for `lane` (`next_hybrid`) as a DraftPlan: a lookup-only tree, a model
+        budget whose tree merges the lookup's candidates, or plain decoding (never held)."""
+        budget, nodes = self.next_hybrid(gains, model, lane)
         return DraftPlan(budget=budget, lookup_only=nodes > 0, lookup_nodes=nodes)
 
-    def repeat(self) -> None:
-        """The next step keeps the current decision (a tree drafted ahead at this budget): credit its records."""
-        self.owed = 1.0 + self.held
+    def repeat(self, lane: str = "") -> None:
+        """The lane's next step keeps its current decision (a tree drafted ahead at this budget): credit its
+        records."""
+        d = self.decisions[lane]
+        d.owed = 1.0 + d.held
 
     def fresh(self, **changes) -> "BudgetChooser":
         """A chooser with these settings (and `changes`) and none of this one's measurements (another context
@@ -308,30 +331,31 @@ class BudgetChooser:
             return builder
         return dataclasses.replace(builder, **{builder.size_field: budget})
 
-    def observe(self, record: StepRecord) -> None:
-        """Credit one sequence's record to the current budget (records of steps it did not decide are
+    def observe(self, record: StepRecord, lane: str = "") -> None:
+        """Credit one sequence's record to the lane's current decision (records of steps it did not decide are
         ignored). A record of a B-sequence step counts 1/B step: the arm's rate is then the step's total
         emitted tokens over its wall time (draft and score times cover the whole step, verify_ms is per
         sequence)."""
         share = 1.0 / max(1, record.batch_size)
-        if self.owed < share / 2:  # not a step this chooser decided
+        d = self.decisions[lane]
+        if d.owed < share / 2:  # not a step this chooser decided
             return
-        self.owed -= share
+        d.owed -= share
         seconds = (record.draft_ms + record.score_ms + record.verify_ms * record.batch_size) / 1e3
-        if self.current <= 0 and record.batch_size == 1:  # no drafter forward: calibrates lookup-only pricing
+        if d.current <= 0 and record.batch_size == 1:  # no drafter forward: calibrates lookup-only pricing
             self.cost_ratios.append(1e3 * seconds / self.profile.target_time_ms(record.tree_size + 1))
-        if self.current == LOOKUP_ONLY and not self.copies_arm:  # batch 1: priced by the plan, not measured
+        if d.current == LOOKUP_ONLY and not self.copies_arm:  # batch 1: priced by the plan, not measured
             decay = self.recent_decay
             self.lookup_accepted = decay * self.lookup_accepted + record.accepted
-            self.lookup_predicted = decay * self.lookup_predicted + self._lookup_gain
+            self.lookup_predicted = decay * self.lookup_predicted + d.lookup_gain
             return
-        arm = self.arms.setdefault(self.current, _Arm())
+        arm = self.arms.setdefault(d.current, _Arm())
         # Recent acceptance against this budget's average so far (a budget's first record has none: skipped).
         # Plain steps only decay the evidence.
         decay = self.recent_decay ** share
         self.recent_accepted *= decay
         self.recent_expected *= decay
-        if self.current > 0 and arm.steps:
+        if d.current > 0 and arm.steps:
             self.recent_accepted += record.accepted
             self.recent_expected += share * arm.accepted / arm.steps
         arm.tokens += record.emitted

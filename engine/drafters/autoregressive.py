@@ -16,7 +16,7 @@ chain joins its C2T chain in one tree (or replaces it where the lookup is confid
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,8 +30,8 @@ from ..methods import LOOKUP, split_method
 from ..requests import StepRecord
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
-from .base import (AUTOREGRESSIVE, Drafted, DraftRequest, FeatureNeeds, Lanes, ModelDrafter, batch_size_bucket,
-                   root_only)
+from ..lanes import Lanes
+from .base import AUTOREGRESSIVE, Drafted, DraftRequest, FeatureNeeds, ModelDrafter, batch_size_bucket, root_only
 from .batched_c2t_chains import draft_c2t_chains
 from .hybrid_oracle import HybridOracle, head_index
 from .model_runner import DrafterRunner
@@ -57,19 +57,9 @@ class _CopyChain:
 
 @dataclass
 class DraftLane:
-    """One lane's drafting state (engine/drafters/base.py): its budget choosers and what its last step drafted with.
-    A lane's steps come in order, so each chooser is credited with the records of the steps it decided; lanes
-    stepped concurrently by the router would otherwise credit each other's decisions."""
+    """One lane's drafting state (engine/lanes.py): which choosers decided its last step (they credit the lane's
+    records to the lane's own decision) and what that step drafted with."""
 
-    # The batch-1 chooser. Hybrid steps where the lookup expects to copy something are measured by a chooser of
-    # their own (`copy_budget`, created on first use): a budget's tokens/s there (trees carrying long copies) says
-    # little about stretches with nothing to copy, and one set of measurements over both would size the latter's
-    # trees by the former's (a contextual bandit with two contexts).
-    budget: BudgetChooser | None
-    copy_budget: BudgetChooser | None = None
-    # Batched steps get their own choosers of the chain depth (0 = plain batched decoding; LOOKUP_ONLY = copies
-    # alone), one per batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
-    batch_budgets: dict[int, BudgetChooser] = field(default_factory=dict)
     step_chooser: BudgetChooser | None = None  # the chooser that decided the last batch-1 step
     batch_chooser: BudgetChooser | None = None  # the chooser that decided the last batched step
     # Steps after the current call that its chooser already decided are plain decoding (the call's Drafted).
@@ -99,10 +89,16 @@ class LocalDrafter(ModelDrafter):
         self.batch_chain_depth = batch_chain_depth
         self.batch_chain_beta = batch_chain_beta
         self._builders: dict[str, object] = {}
-        # Each lane's choosers and last step; the default lane "" (in-process decoding) measures with `budget`
-        # itself, every other lane with a fresh copy of its settings.
-        self.lanes: Lanes[DraftLane] = Lanes(
-            lambda lane: DraftLane(self.budget if not lane or self.budget is None else self.budget.fresh()))
+        # Batched steps get their own choosers of the chain depth (0 = plain batched decoding; LOOKUP_ONLY = copies
+        # alone), one per batch-size bucket: the bigger the batch, the less a target forward has to spare for drafts.
+        self.batch_budgets: dict[int, BudgetChooser] = {}
+        # Hybrid steps where the lookup expects to copy something are measured by a chooser of their own: a
+        # budget's tokens/s there (trees carrying long copies) says little about stretches with nothing to copy,
+        # and one set of measurements over both would size the latter's trees by the former's (a contextual
+        # bandit with two contexts). Created on first use; `budget` measures every other batch-1 step.
+        self.copy_budget: BudgetChooser | None = None
+        # Every lane's steps are measured by the same choosers; what each lane's last step decided is its own.
+        self.lanes: Lanes[DraftLane] = Lanes(lambda lane: DraftLane())
         # Run-ahead (engine/drafters/run_ahead.py): trees drafted for the next step while the target scores this one.
         self.run_ahead = RunAheadStore()
 
@@ -118,15 +114,6 @@ class LocalDrafter(ModelDrafter):
     def lm(self):
         return self.runner.lm
 
-    @property
-    def copy_budget(self) -> BudgetChooser | None:
-        """The default lane's chooser of hybrid steps that copy (in-process decoding; tests, bench)."""
-        return self.lanes[""].copy_budget
-
-    @property
-    def batch_budgets(self) -> dict[int, BudgetChooser]:
-        """The default lane's batched choosers by batch-size bucket (in-process decoding; tests, bench)."""
-        return self.lanes[""].batch_budgets
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -155,15 +142,15 @@ class LocalDrafter(ModelDrafter):
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         state = self.lanes[lane]
         state.hold_steps = 0
-        state.step_chooser = state.budget
+        state.step_chooser = self.budget
         state.last_step = None  # set again below only by a batch-1 step that drafted with the model
         batch = batch_size or len(requests)
         drafted: list[TokenTree | None] = []  # one per speculative request (None: the root alone)
         if speculative and batch > 1:
-            drafted = self._draft_batch(state, speculative, batch)
+            drafted = self._draft_batch(lane, state, speculative, batch)
         elif speculative:
             (r,) = speculative
-            drafted = [self._draft_single(state, r)]
+            drafted = [self._draft_single(lane, state, r)]
         trees = iter(drafted)
         return Drafted([(next(trees) if r.tree.method != AUTOREGRESSIVE else None) or root_only(r.context)
                         for r in requests],
@@ -171,11 +158,11 @@ class LocalDrafter(ModelDrafter):
                        forward_ms=(self.runner.lm.forward_seconds - forward_seconds) * 1e3,
                        hold_steps=state.hold_steps, run_ahead_hits=self.run_ahead.hits - hits)
 
-    def _draft_batch(self, state: DraftLane, speculative: list[DraftRequest],
+    def _draft_batch(self, lane: str, state: DraftLane, speculative: list[DraftRequest],
                      batch_size: int) -> list[TokenTree | None]:
         """A batched step: a C2T chain per request at the step's depth, joined by (or, where the lookup is
         confident or alone, replaced by) the request's copy chain."""
-        plan = self._batch_plan(state, batch_size, speculative)
+        plan = self._batch_plan(lane, state, batch_size, speculative)
         # Copy chains cost no drafter forward: each row keeps the part that pays for its target time at this batch
         # size (`allocate_copies`) when the step takes copies: with model chains, or alone (LOOKUP_ONLY, an arm of
         # its own, so that whether copies pay is measured too); a plain step has none.
@@ -201,18 +188,18 @@ class LocalDrafter(ModelDrafter):
         state.hold_steps = 0 if any(copy is not None for copy in copies) else plan.held
         return trees
 
-    def _draft_single(self, state: DraftLane, r: DraftRequest) -> TokenTree | None:
+    def _draft_single(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """Batch size 1: the tree drafted ahead for this context, else a hybrid method's tree, else the builder's
         at the chooser's budget (None: plain decoding)."""
-        ahead = self._ahead_hit(state, r)
+        ahead = self._ahead_hit(lane, state, r)
         if ahead is not None:
             return ahead
         if split_method(r.tree.method)[1]:
-            return self._draft_hybrid(state, r)
+            return self._draft_hybrid(lane, state, r)
         oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
         builder = self.builder(r.tree)
-        if state.budget is not None and r.tree.budget_auto:
-            plan = state.budget.plan()
+        if self.budget is not None and r.tree.budget_auto:
+            plan = self.budget.plan(lane)
             state.hold_steps = plan.held
             if plan.plain:  # the chooser found that no drafting pays this step
                 return None
@@ -221,20 +208,20 @@ class LocalDrafter(ModelDrafter):
         state.last_step = (r, tree, builder, state.step_chooser)
         return tree
 
-    def _draft_hybrid(self, state: DraftLane, r: DraftRequest) -> TokenTree | None:
+    def _draft_hybrid(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding)."""
         session = self.lookups.session(r.session_id, r.context)
         settings = self.lookups.settings
         base = split_method(r.tree.method)[0]
         root, greedy = r.context[-1], r.sampling.is_greedy
-        auto = state.budget is not None and r.tree.budget_auto
+        auto = self.budget is not None and r.tree.budget_auto
         builder = self.builder(r.tree)
         plan = DraftPlan()
         if auto:
             lookup = plan_lookup(session, root, settings.plan_nodes, settings.min_value)
             gains = lookup.gains()
-            state.step_chooser = self._hybrid_chooser(state, gains)
-            plan = state.step_chooser.plan_hybrid(gains, model=base != LOOKUP)
+            state.step_chooser = self._hybrid_chooser(gains)
+            plan = state.step_chooser.plan_hybrid(gains, model=base != LOOKUP, lane=lane)
             if plan.lookup_only:
                 return lookup.tree(plan.lookup_nodes, greedy)
             if plan.plain:
@@ -285,7 +272,7 @@ class LocalDrafter(ModelDrafter):
                     self.run_ahead.put(r.session_id, AheadTree(r.context + chain[1:length + 1] + [bonus], ahead))
         return True
 
-    def _ahead_hit(self, state: DraftLane, r: DraftRequest) -> TokenTree | None:
+    def _ahead_hit(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """The tree drafted ahead for this step, if the context is the one it assumed (then the step is credited
         to the budget that drafted it, and the lookup, if any, still indexes the emitted tokens)."""
         if not self.run_ahead.trees or not r.sampling.is_greedy:
@@ -296,19 +283,19 @@ class LocalDrafter(ModelDrafter):
         if split_method(r.tree.method)[1]:
             self.lookups.session(r.session_id, r.context)
         if state.ahead_chooser is not None:
-            state.ahead_chooser.repeat()
+            state.ahead_chooser.repeat(lane)
             state.step_chooser = state.ahead_chooser
         state.last_step = (r, tree, state.ahead_builder, state.ahead_chooser)  # a hit drafts ahead again
         return tree
 
-    def _hybrid_chooser(self, state: DraftLane, gains: list[float]) -> BudgetChooser:
-        """The lane's chooser measuring this hybrid step's context: `copy_budget` where the lookup-only plan
-        expects at least `copy_context_gain` accepted tokens, else `budget`."""
+    def _hybrid_chooser(self, gains: list[float]) -> BudgetChooser:
+        """The chooser measuring this hybrid step's context: `copy_budget` where the lookup-only plan expects
+        at least `copy_context_gain` accepted tokens, else `budget`."""
         if not gains or gains[-1] < self.lookups.settings.copy_context_gain:
-            return state.budget
-        if state.copy_budget is None:
-            state.copy_budget = state.budget.fresh()
-        return state.copy_budget
+            return self.budget
+        if self.copy_budget is None:
+            self.copy_budget = self.budget.fresh()
+        return self.copy_budget
 
     def step_choosers(self) -> dict[str, BudgetChooser]:
         choosers = {"": self.budget, "copying": self.copy_budget}
@@ -345,35 +332,35 @@ class LocalDrafter(ModelDrafter):
         """The lookup state of a session, if it has one (tests, stats)."""
         return self.lookups._sessions.get(session_id)
 
-    def _batch_plan(self, state: DraftLane, batch_size: int, speculative: list[DraftRequest]) -> DraftPlan:
+    def _batch_plan(self, lane: str, state: DraftLane, batch_size: int, speculative: list[DraftRequest]) -> DraftPlan:
         """A batched step's plan: the chain depth chosen per batch-size bucket when every request leaves its budget
         to the hardware-aware chooser; else `batch_chain_depth`, capped by the smallest explicit budget."""
         explicit = [r.tree.budget for r in speculative if not r.tree.budget_auto]
         for budget in explicit:  # what the batch-1 path's builder checks; a chain cap must be >= 1 too
             check_positive("budget", budget)
-        if state.budget is None or explicit:
+        if self.budget is None or explicit:
             state.batch_chooser = None
             return DraftPlan(budget=min([self.batch_chain_depth, *explicit]))
         bucket = batch_size_bucket(batch_size)
-        if bucket not in state.batch_budgets:
+        if bucket not in self.batch_budgets:
             # Priced at the bucket's rows: at a batch size where drafting cannot pay, plain decoding ranks first
             # and little time goes to measuring depths that lose. A batch that copies from its context measures
             # copying alone as a budget too (the first batch of the bucket says whether it does).
             copies = any(split_method(r.tree.method)[1] for r in speculative)
-            state.batch_budgets[bucket] = state.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
-                                                             explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies,
-                                                             explore_steps=BATCH_EXPLORE_STEPS)
-        state.batch_chooser = state.batch_budgets[bucket]
-        return state.batch_chooser.plan()
+            self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
+                                                           explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies,
+                                                           explore_steps=BATCH_EXPLORE_STEPS)
+        state.batch_chooser = self.batch_budgets[bucket]
+        return state.batch_chooser.plan(lane)
 
     def observe(self, record: StepRecord, lane: str = "") -> None:
         """Feed a finished step's records to the lane's chooser that picked its budget: the batch-1 tree budget,
         or the batched chain depth (one record per sequence of the batch); each ignores steps it did not
         decide."""
         state = self.lanes[lane]
-        chooser = state.batch_chooser if record.batch_size > 1 else state.step_chooser or state.budget
+        chooser = state.batch_chooser if record.batch_size > 1 else state.step_chooser or self.budget
         if chooser is not None:
-            chooser.observe(record)
+            chooser.observe(record, lane)
 
     def release(self, session_id: str) -> bool:
         self.run_ahead.drop(session_id)

@@ -5,10 +5,10 @@ A drafter turns DraftRequests into TokenTrees (`draft`), hears how each step wen
 step while the target scores this one (`draft_ahead`) and frees a session's state (`release`). A draft call returns
 its trees with the call's own facts (`Drafted`): how long it spent in the model (step records, the budget chooser's
 cost curve), how many following steps its budget chooser already decided are plain decoding (the engine skips those
-calls), and whether run-ahead served it. The three calls name the step's lane: the router steps each Target
-replica's sessions as a lane of their own, concurrently (services/router.py), so a drafter keeps each lane's budget
-choosers and last step apart, and a call's facts travel with its trees rather than as "the last call" on the
-drafter, which would be another lane's. What the target must return for it is one value (`FeatureNeeds`: an EAGLE
+calls), and whether run-ahead served it. The three calls name the step's lane (engine/lanes.py): the router steps
+each Target replica's sessions as a lane of their own, concurrently (services/router.py), so a drafter keeps each
+lane's decisions and last step apart, and a call's facts travel with its trees rather than as "the last call" on
+the drafter, which would be another lane's. What the target must return for it is one value (`FeatureNeeds`: an EAGLE
 drafter reads the target's features). Every drafter declares all of it, with the defaults of `DrafterBase` where a
 fact does not apply, so nobody has to probe with getattr.
 
@@ -23,9 +23,8 @@ Implementations: `LocalDrafter` (an autoregressive drafter model: distilled, EAG
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Generic, Protocol, TypeVar
+from typing import Protocol
 
 import torch
 
@@ -38,7 +37,7 @@ from ..tree_config import TreeConfig
 
 
 __all__ = ["AUTOREGRESSIVE", "NO_FEATURES", "Drafted", "Drafter", "DrafterBase", "DraftRequest", "FeatureNeeds",
-           "Lanes", "ModelDrafter", "batch_size_bucket", "root_only"]
+           "ModelDrafter", "batch_size_bucket", "root_only"]
 
 
 @dataclass
@@ -66,35 +65,6 @@ class Drafted:
     # draft() for them (same lane, same batch-size bucket) and only report their records.
     hold_steps: int = 0
     run_ahead_hits: int = 0  # of these trees, those drafted ahead while the lane's previous step was scored
-
-
-LaneState = TypeVar("LaneState")
-MAX_LANES = 64  # lanes a drafter keeps state for: a router's Target replicas come and go (scale-out, restarts)
-
-
-class Lanes(Generic[LaneState]):
-    """A drafter's state per lane, made on a lane's first step; past `limit` lanes the least recently stepped one
-    is dropped (a lane whose replica left steps no more; one that comes back starts measuring afresh)."""
-
-    def __init__(self, make: Callable[[str], LaneState], limit: int = MAX_LANES):
-        self._make, self._limit = make, limit
-        self._states: OrderedDict[str, LaneState] = OrderedDict()
-
-    def __getitem__(self, lane: str) -> LaneState:
-        state = self._states.get(lane)
-        if state is None:
-            state = self._states[lane] = self._make(lane)
-            while len(self._states) > self._limit:
-                self._states.popitem(last=False)
-        self._states.move_to_end(lane)
-        return state
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def __iter__(self):
-        """The lanes held, least recently stepped first."""
-        return iter(list(self._states))
 
 
 def root_only(context: list[int]) -> TokenTree:

@@ -31,7 +31,7 @@ from ..runners.step_settings import StaticStepSettings
 from ..sampling import warp_probs
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
-from .base import AUTOREGRESSIVE, Drafted, DraftRequest, Lanes, ModelDrafter, root_only
+from .base import AUTOREGRESSIVE, Drafted, DraftRequest, ModelDrafter, root_only
 from .models.parallel import mask_ids
 from .parallel_tree_search import ParallelTreeSearch, search_for_config
 from .registry import PARALLEL_KIND
@@ -52,11 +52,7 @@ class ParallelTreeDrafter(ModelDrafter):
         self.num_masks = int(model.num_masks)
         self.masks = mask_ids(self.num_masks)
         self.vocab_ids = model.vocab_ids.cpu()  # [V_draft] target ids of the head's rows
-        self.budget = budget  # the batch-1 trees' chooser (None: fixed budgets): the default lane's
-        # Each lane's batch-1 chooser: a lane's steps come in order, so each is credited with the steps it decided
-        # (engine/drafters/base.py); other lanes than the in-process one measure with a fresh copy of `budget`.
-        self.lane_budgets: Lanes[BudgetChooser | None] = Lanes(
-            lambda lane: self.budget if not lane or self.budget is None else self.budget.fresh())
+        self.budget = budget  # the batch-1 trees' chooser (None: fixed budgets); it decides each lane apart
         self.batch_chain_min_joint = batch_chain_min_joint
         self._searches: dict[str, ParallelTreeSearch] = {}
         self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
@@ -87,8 +83,7 @@ class ParallelTreeDrafter(ModelDrafter):
         stop below `batch_chain_min_joint` above (`batch_size` as `LocalDrafter.draft`), capped by an
         explicit budget; a batch-1 tree's budget is decided by `lane`'s chooser."""
         batched = (batch_size or len(requests)) > 1
-        chooser = self.lane_budgets[lane]
-        plans = [self._plan_search(r, batched, chooser) if r.tree.method != AUTOREGRESSIVE else (None, 0)
+        plans = [self._plan_search(r, batched, lane) if r.tree.method != AUTOREGRESSIVE else (None, 0)
                  for r in requests]
         searches = [search for search, _ in plans]
         drafted = [r for r, search in zip(requests, searches) if search is not None]
@@ -101,8 +96,7 @@ class ParallelTreeDrafter(ModelDrafter):
                        forward_ms=(self.lm.forward_seconds - forward_seconds) * 1e3,
                        hold_steps=max((held for _, held in plans), default=0))
 
-    def _plan_search(self, r: DraftRequest, batched: bool,
-                     chooser: BudgetChooser | None) -> tuple[ParallelTreeSearch | None, int]:
+    def _plan_search(self, r: DraftRequest, batched: bool, lane: str) -> tuple[ParallelTreeSearch | None, int]:
         """The tree search for `r` this step (None: the root alone) and the plain steps its plan holds after this
         one: a chain capped by the positions and an explicit budget in a batched step; else the configured tree,
         resized by the lane chooser's plan."""
@@ -113,8 +107,8 @@ class ParallelTreeDrafter(ModelDrafter):
             return ParallelTreeSearch(budget=depth, max_depth=depth, max_width=1,
                                       min_prob=self.batch_chain_min_joint), 0
         search = self.search(r.tree)
-        if chooser is not None and r.tree.budget_auto and search.paths is None and search.max_width > 1:
-            plan = chooser.plan()
+        if self.budget is not None and r.tree.budget_auto and search.paths is None and search.max_width > 1:
+            plan = self.budget.plan(lane)
             if plan.plain:  # no drafting pays this step
                 return None, plan.held
             return BudgetChooser.resized(search, plan.budget), plan.held
@@ -129,9 +123,8 @@ class ParallelTreeDrafter(ModelDrafter):
 
     def observe(self, record: StepRecord, lane: str = "") -> None:
         """Feed a finished step's timing to the lane's budget chooser (it ignores steps it did not decide)."""
-        chooser = self.lane_budgets[lane]
-        if chooser is not None and record.batch_size == 1:
-            chooser.observe(record)
+        if self.budget is not None and record.batch_size == 1:
+            self.budget.observe(record, lane)
 
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)

@@ -93,8 +93,8 @@ def test_auto_budget_drafts_lookup_only_steps_and_stays_greedy_equal(pair, refer
     seen = []
     original = BudgetChooser.next_hybrid
 
-    def spy(self, gains, model=True):  # every chooser the drafter asks (both contexts)
-        out = original(self, gains, model)
+    def spy(self, gains, model=True, lane=""):  # every chooser the drafter asks (both contexts)
+        out = original(self, gains, model, lane)
         seen.append(out)
         return out
 
@@ -118,8 +118,8 @@ def test_steps_with_something_to_copy_are_measured_apart(pair, references):
     contexts = []
     original = engine.drafter._hybrid_chooser
 
-    def spy(state, gains):
-        picked = original(state, gains)
+    def spy(gains):
+        picked = original(gains)
         contexts.append((bool(gains) and gains[-1] >= 0.5, picked))
         return picked
 

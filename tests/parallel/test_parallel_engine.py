@@ -173,10 +173,10 @@ def test_budget_chooser_may_skip_drafting(tiny_target, parallel_drafter):
         def __init__(self):
             self.budgets, self.seen = [0, 6], []
 
-        def plan(self):
+        def plan(self, lane=""):
             return DraftPlan(budget=self.budgets.pop(0))
 
-        def observe(self, record):
+        def observe(self, record, lane=""):
             self.seen.append(record.tree_size)
 
     chooser = Chooser()
@@ -202,10 +202,10 @@ def test_a_sequence_of_a_batched_step_drafts_a_chain_capped_by_its_budget(tiny_t
         def __init__(self):
             self.seen = []
 
-        def plan(self):
+        def plan(self, lane=""):
             raise AssertionError("a batched step must not ask the batch-1 chooser")
 
-        def observe(self, record):
+        def observe(self, record, lane=""):
             self.seen.append(record.tree_size)
 
     chooser = Chooser()

@@ -197,10 +197,10 @@ def test_held_plain_decoding_skips_the_draft_rpc(tiny_parts):
     from treeserve.engine.hardware.profile import HardwareProfile
 
     vocab = tiny_parts.target.model.config.vocab_size
-    configured = BudgetChooser(HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0}, 5.0, 128), max_budget=4,
-                               explore_steps=2, plain_hold_steps=3)
-    local = LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab), budget=configured)
-    servicer = DrafterServicer(local, vocab)
+    chooser = BudgetChooser(HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0}, 5.0, 128), max_budget=4,
+                            explore_steps=2, plain_hold_steps=3)
+    chooser._to_explore = [0, 2]
+    servicer = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab), budget=chooser), vocab)
     target_server = ReplicaServer(pb_grpc.add_TargetServicer_to_server,
                                   TargetServicer(TargetRunner(tiny_parts.target.model)), host="127.0.0.1").start()
     drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, servicer, host="127.0.0.1").start()
@@ -212,10 +212,6 @@ def test_held_plain_decoding_skips_the_draft_rpc(tiny_parts):
                                             static_discovery([drafter_server.address])))
         for client in (target, drafter):
             loop.run(_bind(client))
-        # The replica decides this router's lane with a chooser of the configured settings (explore plain first).
-        chooser = local.lanes[drafter.lane_key("")].budget
-        assert chooser is not configured and chooser.plain_hold_steps == 3
-        chooser._to_explore = [0, 2]
         engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", "auto"), 2048)
         prompt = engine.encode_chat("Tell me a story about a fox.")
         result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
