@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
 from torch import Tensor
 
 from ..builders.base import DraftOracle, RowSummary
