@@ -34,7 +34,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # 0. settings and requests, torch-free: what the Serve config, the wire format and the CLI's options read
     ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
      "drafters.models.compatibility", "lookup", "lookup.session", "lookup.suffix_index", "lookup.shared_outputs",
-     "hardware.cost_curve"),
+     "hardware.cost_curve", "lanes"),
     # 1. token trees, sampling, verification and the C2T classifier: pure functions over tensors
     ("tree", "sampling", "verify", "acceptance", "c2t_classifier"),
     # 2. models and the runners that keep their KV caches; what a step costs on this machine
