@@ -5,6 +5,7 @@ import torch
 
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.drafters.base import Drafted, DrafterBase, root_only
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
@@ -227,7 +228,6 @@ def test_a_fixed_budget_is_not_overridden_by_the_chooser(pair):
 def test_a_plain_decoding_hold_survives_requests_leaving_the_batch(pair):
     """The hold is kept per batch-size bucket: a batch of 4 shrinking to 3 stays held (no drafter call),
     shrinking to 1 (another bucket, another chooser) asks the drafter again."""
-    from treeserve.engine.drafters.base import Drafted, DrafterBase, root_only
 
     target, _ = pair
 
