@@ -143,6 +143,11 @@ class BudgetChooser:
     explore_steps: int = field(default=8, metadata={
         "help": "steps to measure each promising budget (acceptance is noisy: a budget accepting 0.3 tokens per "
                 "step accepts none in 3 steps a third of the time)"})
+    plain_margin: float = field(default=1.0, metadata={
+        "help": "a drafting budget is chosen over plain decoding only where its measured rate exceeds plain "
+                "decoding's by this factor: for a batch, what drafting costs beyond its own steps' wall time (the "
+                "drafter's catch-up at each switch, its load on cores or a device that other lanes' targets share) "
+                "is not in its measured rate"})
     revisit: float = field(default=0.05, metadata={"help": "chance of re-measuring a rival budget"})
     revisit_min_steps: int = field(default=10, metadata={
         "help": "a measured budget stays a revisit candidate until it has this many steps ..."})
@@ -175,6 +180,8 @@ class BudgetChooser:
     def __post_init__(self) -> None:
         if self.max_budget < 1:
             raise ValueError(f"max_budget must be >= 1, got {self.max_budget}")
+        if self.plain_margin < 1.0:
+            raise ValueError(f"plain_margin must be >= 1, got {self.plain_margin}")
         if not 0.0 <= self.recent_decay < 1.0 or self.recent_prior <= 0:
             raise ValueError(f"recent_decay must lie in [0, 1) and recent_prior be > 0, got "
                              f"{self.recent_decay}, {self.recent_prior}")
@@ -205,7 +212,7 @@ class BudgetChooser:
                 return budget
         measured = [b for b in self.arms if self.arms[b].steps]
         factor = self.acceptance_factor
-        best = max(measured, key=lambda b: self.arms[b].rate_at(factor))
+        best = max(measured, key=lambda b: self.arms[b].rate_at(factor) * (self.plain_margin if b == 0 else 1.0))
         if self._rng.random() < self.revisit:
             # Re-measure the least-measured rival (the best's neighbours and every measured budget not yet
             # clearly worse): a rival whose few early steps were unlucky is not locked out by the greedy

@@ -44,6 +44,11 @@ from .run_ahead import BONUS_CANDIDATES, GUESSES, TREE_SPAN, AheadTree, OffsetOr
 # exploratory step costs all the rows.
 BATCH_EXPLORE_WITHIN = 0.8
 BATCH_EXPLORE_STEPS = 4
+# A batched step drafts only where that measured at least this many times plain decoding's tokens/s. Served on the
+# 2-core CPU at 8 streams, every depth measured within ~10% of plain decoding per lane (24-28 against 27-30
+# tokens/s), and runs whose chooser settled on drafting there lost 12-18% overall (performance.md section 16):
+# the drafter's load on the cores the other lane's target uses is not in a lane's own step times.
+BATCH_PLAIN_MARGIN = 1.1
 
 
 @dataclass
@@ -349,7 +354,8 @@ class LocalDrafter(ModelDrafter):
             copies = any(split_method(r.tree.method)[1] for r in speculative)
             self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
                                                            explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies,
-                                                           explore_steps=BATCH_EXPLORE_STEPS)
+                                                           explore_steps=BATCH_EXPLORE_STEPS,
+                                                           plain_margin=BATCH_PLAIN_MARGIN)
         state.batch_chooser = self.batch_budgets[bucket]
         return state.batch_chooser.plan(lane)
 

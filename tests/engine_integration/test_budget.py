@@ -1,5 +1,6 @@
 """The hardware-aware budget chooser: cost curve interpolation, exploration, and choosing by measured rate."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -328,3 +329,18 @@ def test_the_step_decision_is_a_plain_draft_plan():
     assert alone.current == LOOKUP_ONLY
     budget, _ = BudgetChooser(profile, max_budget=8).next_hybrid([])
     assert BudgetChooser(profile, max_budget=8).plan_hybrid([]) == DraftPlan(budget)  # nothing to copy: the model's
+
+
+def test_a_batched_chooser_drafts_only_where_drafting_beats_plain_decoding_by_its_margin():
+    """Measured 5% above plain decoding, a depth is not worth what its own step times leave out (switch
+    catch-ups, the drafter's load on hardware other lanes share): with a 1.1 margin the batch stays plain; measured
+    30% above, it drafts."""
+    flat = batched_profile(per_token_ms=0.01, fixed_ms=40.0, drafter_ms=2.0)
+    for gain, expected in ((1.05, 0), (1.3, 2)):
+        chooser = BudgetChooser(flat, max_budget=2, rows=4, explore_within=0.0, plain_hold_steps=0, revisit=0.0,
+                                plain_margin=1.1)
+        chooser._to_explore = []
+        chooser.arms = {0: _arm(400, 10_000.0, steps=100), 2: _arm(round(400 * gain), 10_000.0, steps=100)}
+        assert chooser.next_budget() == expected
+    with pytest.raises(ValueError, match="plain_margin"):
+        BudgetChooser(flat, plain_margin=0.9)
