@@ -93,10 +93,6 @@ class Decision:
     owed: float = 0.0  # steps whose records are still to be credited to `current`
     plain_streak: int = 0  # consecutive decisions for plain decoding
     lookup_gain: float = 0.0  # a batch-1 lookup-only step's predicted accepted tokens
-    drafted: bool = False  # the decision drafts with the model (a depth > 0)
-    # Of `owed`, the steps credited without being measured: a batched lane's first model step after steps without
-    # the model (see `next_budget`).
-    unmeasured: float = 0.0
 
 
 @dataclass
@@ -193,8 +189,8 @@ class BudgetChooser:
         # Always measure plain decoding too: last at batch size 1 (a chooser that gets no feedback keeps the best
         # prediction), first for a batch (the yardstick that stops exploring depths early, `_losing`).
         first = [0, LOOKUP_ONLY] if self.copies_arm else [0]
-        # A batch explores its depths shallow first (the cheapest exploratory steps first); each is dropped as soon as
-        # its own steps lose to plain decoding (`_losing`).
+        # A batch explores its depths shallow first: a depth that loses to plain decoding rules out the deeper ones
+        # (more drafter forwards and more target tokens for every row), `_losing`.
         self._to_explore = list(dict.fromkeys([*first, *sorted(b for b in promising if b > 0)] if self.rows > 1
                                               else [*promising, 0]))
 
@@ -228,17 +224,20 @@ class BudgetChooser:
 
     def _losing(self, budget: int) -> bool:
         """A batched chooser stops exploring a budget early once a few of its steps measured clearly slower than
-        plain decoding: a batch pays for every exploratory step with all its rows. Each depth is judged by its own
-        steps: a shallower depth that lost says little about a deeper one where a forward of rows x (depth + 1)
-        tokens costs about what rows x 2 do (measured on this CPU at 4 rows: depth 1 below plain decoding, depth 2
-        1.3x above it), so no depth rules out another."""
+        plain decoding, or a shallower depth did (successive elimination): a batch pays for every exploratory step
+        with all its rows. The first depth explored after plain decoding also pays the drafter's catch-up over the
+        tokens decoded without it (every row's; a prompt the first time): part of what switching a batch to drafting
+        costs, and charged, it keeps exploration short where drafting does not pay. Tried and reverted: that step
+        left unmeasured and each depth judged apart; served on the 2-core CPU, batches then explored and drafted at
+        8 and 16 streams and lost 3-21% against plain decoding (performance.md section 16)."""
         if self.rows <= 1 or budget == 0:
             return False
         plain = self.arms.get(0)
         if plain is None or plain.steps < EARLY_STOP_STEPS:
             return False
-        arm = self.arms.get(budget)
-        return arm is not None and arm.steps >= EARLY_STOP_STEPS and arm.rate < EARLY_STOP_BELOW * plain.rate
+        below = lambda b: (b in self.arms and self.arms[b].steps >= EARLY_STOP_STEPS  # noqa: E731
+                           and self.arms[b].rate < EARLY_STOP_BELOW * plain.rate)
+        return below(budget) or (budget > 0 and any(below(b) for b in self.arms if 0 < b < budget))
 
     @property
     def acceptance_factor(self) -> float:
@@ -258,19 +257,11 @@ class BudgetChooser:
         for a lane holds it twice as long each time (up to 2 ** MAX_HOLD_DOUBLINGS times): every decision costs the
         batch a Draft call and the drafter's catch-up over the tokens decoded since."""
         d = self.decisions[lane]
-        drafted_before = d.drafted
         d.current = self.choose()
-        d.drafted = d.current > 0
         d.plain_streak = d.plain_streak + 1 if d.current == 0 else 0
         doublings = min(d.plain_streak - 1, MAX_HOLD_DOUBLINGS) if self.rows > 1 and d.plain_streak else 0
         d.held = self.plain_hold_steps * 2 ** doublings if d.current == 0 else 0
         d.owed = 1.0 + d.held
-        # A batched lane's first model step after steps without the model (the lane's first decision, a plain hold,
-        # copies alone) also feeds the drafter every token decoded since, for every row: up to rows x the longest
-        # hold, and each row's whole prompt the first time. That is the cost of switching, the same whichever depth
-        # is switched to; measured, it made the first depth explored after plain decoding look slower than plain
-        # decoding (on this CPU at 4 rows: 31 tokens/s against 59, then ~48 once caught up). Not measured.
-        d.unmeasured = 1.0 if self.rows > 1 and d.drafted and not drafted_before else 0.0
         return d.current
 
     def plan(self, lane: str = "") -> DraftPlan:
@@ -313,11 +304,11 @@ class BudgetChooser:
         measured = [self.arms[b].rate_at(factor) for b in self.arms if self.arms[b].steps and (model or b == 0)]
         reference = max(measured, default=self.lookup_rate(0.0, 0))
         d = self.decisions[lane]
-        d.held, d.owed, d.unmeasured = 0, 1.0, 0.0
+        d.held, d.owed = 0, 1.0
         if nodes and best > reference and not exploring:
-            d.current, d.lookup_gain, d.drafted = LOOKUP_ONLY, gains[nodes - 1], False
+            d.current, d.lookup_gain = LOOKUP_ONLY, gains[nodes - 1]
             return 0, nodes
-        d.current, d.drafted = budget, budget > 0
+        d.current = budget
         return budget, 0
 
     def plan_hybrid(self, gains: list[float], model: bool = True, lane: str = "") -> DraftPlan:
@@ -361,9 +352,6 @@ class BudgetChooser:
         if d.owed < share / 2:  # not a step this chooser decided
             return
         d.owed -= share
-        if d.unmeasured >= share / 2:  # a switch to the model's drafts: the drafter caught up (`next_budget`)
-            d.unmeasured -= share
-            return
         seconds = (record.draft_ms + record.score_ms + record.verify_ms * record.batch_size) / 1e3
         if d.current <= 0 and record.batch_size == 1:  # no drafter forward: calibrates lookup-only pricing
             self.cost_ratios.append(1e3 * seconds / self.profile.target_time_ms(record.tree_size + 1))
