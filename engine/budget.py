@@ -229,7 +229,7 @@ class BudgetChooser:
         tokens decoded without it (every row's; a prompt the first time): part of what switching a batch to drafting
         costs, and charged, it keeps exploration short where drafting does not pay. Tried and reverted: that step
         left unmeasured and each depth judged apart; served on the 2-core CPU, batches then explored and drafted at
-        8 and 16 streams and lost 3-21% against plain decoding (performance.md section 16)."""
+        8 and 16 streams and lost 5-21% against plain decoding (performance.md section 16)."""
         if self.rows <= 1 or budget == 0:
             return False
         plain = self.arms.get(0)
