@@ -164,22 +164,26 @@ class SpeculativeEngine:
         first token waits for neither the drafter's prefill nor a tree (an EAGLE drafter could not draft it
         anyway: it reads the target's features of the prompt, which that prefill computes). The rest of the
         batch keeps drafting: an arrival does not turn the running sequences' step into a plain one."""
-        roots = [root_only(s.context) for s in batch]
-        if self.drafter is None or all(s.tree.method == AUTOREGRESSIVE for s in batch):
-            return roots, None
+        call, drafting = self._call_drafter(batch, lane)
+        drafted = dict(zip(drafting, call.trees)) if call is not None else {}
+        return [drafted[i] if i in drafted else root_only(s.context) for i, s in enumerate(batch)], call
+
+    def _call_drafter(self, batch: list[Sequence], lane: str) -> tuple[Drafted | None, list[int]]:
+        """The drafter's call for the sequences of `batch` that draft this step, and their indices (None, []: no
+        call: nothing drafts, or the lane holds plain decoding)."""
+        if self.drafter is None:
+            return None, []
         drafting = [i for i, s in enumerate(batch) if s.steps and s.tree.method != AUTOREGRESSIVE
                     and not (self.carries_features and s.features is None)]
         if not drafting:
-            return roots, None
+            return None, []
         bucket, held = self._plain_hold.get(lane, (0, 0))
         if held > 0 and bucket == batch_size_bucket(len(batch)):
             self._plain_hold[lane] = (bucket, held - 1)
-            return roots, None
+            return None, []
         call = self.drafter.draft([self.draft_request(batch[i]) for i in drafting], len(batch), lane)
         self._plain_hold[lane] = (batch_size_bucket(len(batch)), call.hold_steps)
-        for i, tree in zip(drafting, call.trees):
-            roots[i] = tree
-        return roots, call
+        return call, drafting
 
     @staticmethod
     def draft_request(s: Sequence) -> DraftRequest:

@@ -86,7 +86,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 rows, start = delta
                 request.features = self.features.write(request.session_id, start, rows)
             requests.append(request)
-        misses = self.drafter.run_ahead_misses
         try:
             # The router's whole batch shares one target forward, however many of its sequences hash here.
             call = self.drafter.draft(requests, max(message.router_batch_size, len(message.items)), message.lane)
@@ -97,7 +96,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 draft_ms=(time.perf_counter() - started) * 1e3,
                                 draft_model_ms=call.model_ms, draft_forward_ms=call.forward_ms,
                                 plain_steps_held=call.hold_steps, run_ahead_hits=call.run_ahead_hits,
-                                run_ahead_misses=self.drafter.run_ahead_misses - misses)
+                                run_ahead_misses=call.run_ahead_misses)
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:
         try:

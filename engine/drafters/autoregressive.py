@@ -70,8 +70,6 @@ class DraftLane:
 
     step_chooser: BudgetChooser | None = None  # the chooser that decided the last batch-1 step
     batch_chooser: BudgetChooser | None = None  # the chooser that decided the last batched step
-    # Steps after the current call that its chooser already decided are plain decoding (the call's Drafted).
-    hold_steps: int = 0
     # Run-ahead (engine/drafters/run_ahead.py): what the last batch-1 step drafted with (request, tree, builder at
     # its budget, its chooser), and the chooser and builder that the trees drafted ahead from it follow.
     last_step: tuple[DraftRequest, TokenTree, object, BudgetChooser | None] | None = None
@@ -146,30 +144,32 @@ class LocalDrafter(ModelDrafter):
         replica holding one sequence of a router's batch drafts it as a batch does), decided by `lane`'s
         choosers."""
         runner_seconds, forward_seconds = self.runner.seconds, self.runner.lm.forward_seconds
-        hits = self.run_ahead.hits
+        hits, misses = self.run_ahead.hits, self.run_ahead.misses
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         state = self.lanes[lane]
-        state.hold_steps = 0
         state.step_chooser = self.budget
         state.last_step = None  # set again below only by a batch-1 step that drafted with the model
         batch = batch_size or len(requests)
         drafted: list[TokenTree | None] = []  # one per speculative request (None: the root alone)
+        held = 0  # steps after this one that the deciding chooser already decided are plain decoding
         if speculative and batch > 1:
-            drafted = self._draft_batch(lane, state, speculative, batch)
+            drafted, held = self._draft_batch(lane, state, speculative, batch)
         elif speculative:
             (r,) = speculative
-            drafted = [self._draft_single(lane, state, r)]
+            tree, held = self._draft_single(lane, state, r)
+            drafted = [tree]
         trees = iter(drafted)
         return Drafted([(next(trees) if r.tree.method != AUTOREGRESSIVE else None) or root_only(r.context)
                         for r in requests],
                        model_ms=(self.runner.seconds - runner_seconds) * 1e3,
                        forward_ms=(self.runner.lm.forward_seconds - forward_seconds) * 1e3,
-                       hold_steps=state.hold_steps, run_ahead_hits=self.run_ahead.hits - hits)
+                       hold_steps=held, run_ahead_hits=self.run_ahead.hits - hits,
+                       run_ahead_misses=self.run_ahead.misses - misses)
 
     def _draft_batch(self, lane: str, state: DraftLane, speculative: list[DraftRequest],
-                     batch_size: int) -> list[TokenTree | None]:
+                     batch_size: int) -> tuple[list[TokenTree | None], int]:
         """A batched step: a C2T chain per request at the step's depth, joined by (or, where the lookup is
-        confident or alone, replaced by) the request's copy chain."""
+        confident or alone, replaced by) the request's copy chain; and the plain steps its plan holds after it."""
         plan = self._batch_plan(lane, state, batch_size, speculative)
         # Copy chains cost no drafter forward: each row keeps the part that pays for its target time at this batch
         # size (`allocate_copies`) when the step takes copies: with model chains, or alone (LOOKUP_ONLY, an arm of
@@ -193,28 +193,29 @@ class LocalDrafter(ModelDrafter):
                                         chain.log_joint.tolist()[1:] if chain else [], copy.tokens, copy.joints,
                                         r.sampling.is_greedy)
         # The lookup is checked every step: a step that copies holds no plain steps.
-        state.hold_steps = 0 if any(copy is not None for copy in copies) else plan.held
-        return trees
+        return trees, 0 if any(copy is not None for copy in copies) else plan.held
 
-    def _draft_single(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
+    def _draft_single(self, lane: str, state: DraftLane, r: DraftRequest) -> tuple[TokenTree | None, int]:
         """Batch size 1: the tree drafted ahead for this context, else a hybrid method's tree, else the builder's
-        at the chooser's budget (None: plain decoding)."""
+        at the chooser's budget (None: plain decoding); and the plain steps its plan holds after it (a hybrid step
+        holds none: the lookup is checked every step)."""
         ahead = self._ahead_hit(lane, state, r)
         if ahead is not None:
-            return ahead
+            return ahead, 0
         if split_method(r.tree.method)[1]:
-            return self._draft_hybrid(lane, state, r)
+            return self._draft_hybrid(lane, state, r), 0
         oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
         builder = self.builder(r.tree)
+        held = 0
         if self.budget is not None and r.tree.budget_auto:
             plan = self.budget.plan(lane)
-            state.hold_steps = plan.held
+            held = plan.held
             if plan.plain:  # the chooser found that no drafting pays this step
-                return None
+                return None, held
             builder = BudgetChooser.resized(builder, plan.budget)
         tree = builder.build(r.context[-1], oracle, r.sampling, torch.Generator().manual_seed(r.seed))
         state.last_step = (r, tree, builder, state.step_chooser)
-        return tree
+        return tree, held
 
     def _draft_hybrid(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding)."""

@@ -65,6 +65,7 @@ class Drafted:
     # draft() for them (same lane, same batch-size bucket) and only report their records.
     hold_steps: int = 0
     run_ahead_hits: int = 0  # of these trees, those drafted ahead while the lane's previous step was scored
+    run_ahead_misses: int = 0  # trees drafted ahead for these requests whose context did not come true
 
 
 def root_only(context: list[int]) -> TokenTree:

@@ -140,6 +140,7 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
             call.model_ms = max(call.model_ms, reply.draft_model_ms)
             call.forward_ms = max(call.forward_ms, reply.draft_forward_ms)
             call.run_ahead_hits += reply.run_ahead_hits
+            call.run_ahead_misses += reply.run_ahead_misses
             holds.append(reply.plain_steps_held)
             self.run_ahead_hits += reply.run_ahead_hits
             self.run_ahead_misses += reply.run_ahead_misses
