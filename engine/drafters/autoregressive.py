@@ -49,8 +49,8 @@ BATCH_EXPLORE_STEPS = 4
 # measured within ~10% of plain decoding per lane at 8 streams (24-28 against 27-30 tokens/s), and at 16 streams
 # drafted steps ran ~15% above plain decoding's per lane (15.8 tokens per 370 ms against 8 per 216 ms) while the
 # level lost 12-21% overall (the drafter's load on cores the other lane's target uses, each request's drafter prefill,
-# arrivals waiting on longer steps; performance.md section 16). On a flat (GPU) curve a depth's gain approaches its
-# mean accepted length (1.6-2.0 in those runs), above the margin.
+# arrivals waiting on longer steps; performance.md section 16). On a flat (GPU) curve a depth's gain should approach
+# its mean accepted length (1.6-2.0 in those runs), above the margin: not yet measured on a GPU.
 BATCH_PLAIN_MARGIN = 1.25
 
 
