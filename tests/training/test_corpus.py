@@ -68,6 +68,25 @@ def test_prompt_mix_is_deterministic_diverse_and_excludes_evaluation_prompts():
     assert not banned & {prompt_mix.normalise(s.first_turn) for s in filtered}
 
 
+def test_stdlib_sources_are_what_inspect_gives():
+    """The passages locate classes with one parse per file: the same text as `inspect.getsource`, and the same
+    refusals (a staticmethod subclass unwraps to a descriptor: TypeError)."""
+    import abc
+    import argparse
+    import inspect
+    import json as json_module
+
+    cache: dict = {}
+    objects = [argparse.ArgumentParser, argparse.Action, json_module.JSONDecoder, json_module.dumps, abc.ABCMeta,
+               dataclasses.FrozenInstanceError, dataclasses.dataclass]
+    for obj in objects:
+        assert prompt_mix._source(obj, cache) == inspect.getsource(obj)
+    with pytest.raises(TypeError):
+        inspect.getsource(abc.abstractstaticmethod)
+    with pytest.raises(TypeError):
+        prompt_mix._source(abc.abstractstaticmethod, cache)
+
+
 def test_corpus_chunks_resume_and_mark_answers(tiny, tmp_path):
     model, tokenizer = tiny
     config = CorpusConfig(num_conversations=6, chunk_size=3, batch_size=4, max_new_tokens=6,
