@@ -109,7 +109,9 @@ def _engine(target, tokenizer, drafter):
     return SpeculativeEngine(target, local, tokenizer, tree_config("dyspec", 8), 2048)
 
 
-PROMPT_COUNT, NEW_TOKENS = 3, 32
+# Two prompts of 32 tokens: every TP=3 step costs ~1 s of gloo all-reduces on two cores; the features tests above
+# compare the ranks' sums row by row.
+PROMPT_COUNT, NEW_TOKENS = 2, 32
 
 
 @pytest.mark.slow
@@ -158,7 +160,7 @@ def test_default_tp3_eagle_through_the_target_replica(default_tp3, default_pair)
 
     target, eagle = default_pair
     vocab = target.model.config.vocab_size
-    texts = ["Write a haiku about rivers.", "What is 12 times 7?", "List three uses of copper."]
+    texts = ["Write a haiku about rivers.", "List three uses of copper."]
     streams, mal = {}, {}
     for name, runner in (("TP=1", TargetRunner(target.model)), ("TP=3", default_tp3)):
         drafter_servicer = DrafterServicer(LocalDrafter(DrafterRunner(eagle, vocab)), vocab)
