@@ -16,7 +16,7 @@ chain joins its C2T chain in one tree (or replaces it where the lookup is confid
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +24,7 @@ from ..budget import BudgetChooser, DraftPlan, allocate_copies
 from ..builders import make_builder
 from ..builders.base import check_positive
 from ..c2t_classifier import C2TClassifier
-from ..lookup import LookupSession, LookupSettings, LookupSources
+from ..lookup import AheadLookup, LookupSession, LookupSettings, LookupSources
 from ..lookup.trees import lookup_chain, merge_chains, plan_lookup
 from ..methods import LOOKUP, split_method
 from ..requests import StepRecord
@@ -243,10 +243,7 @@ class LocalDrafter(ModelDrafter):
         model = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features)
         oracle = HybridOracle(model, session, self.runner.vocab_size, head_index=self._head_index)
         tree = builder.build(root, oracle, r.sampling, generator)
-        ahead_builder = self.builder(replace(r.tree, method=base))  # run-ahead trees: the model's part alone
-        if auto:
-            ahead_builder = BudgetChooser.resized(ahead_builder, plan.budget)
-        state.last_step = (r, tree, ahead_builder, state.step_chooser)
+        state.last_step = (r, tree, builder, state.step_chooser)  # run-ahead trees mix copies in as this one
         return tree
 
     # ------------------------------------------------------------------ run-ahead (engine/drafters/run_ahead.py)
@@ -265,6 +262,8 @@ class LocalDrafter(ModelDrafter):
         state.ahead_chooser, state.ahead_builder = chooser, builder
         chain = [r.context[-1], *(int(tree.tokens[n]) for n in path)]
         oracle = self.runner.begin(r.session_id, r.context, r.sampling, None, r.features)
+        # A hybrid method's trees ahead mix in the copies the lookup finds after the guessed tokens, as its steps do.
+        session = self.lookups.get(r.session_id) if split_method(r.tree.method)[1] else None
         base = len(chain)
         for length in range(len(path), max(-1, len(path) - GUESSES), -1):
             end = path[length - 1] if length else 0
@@ -274,11 +273,15 @@ class LocalDrafter(ModelDrafter):
                                    BONUS_CANDIDATES + len(rejected), False)
             bonuses = [int(t) for t in top.tokens[0].tolist() if int(t) not in rejected][:BONUS_CANDIDATES]
             for bonus in bonuses:
-                ahead = builder.build(bonus, OffsetOracle(oracle, chain[:length + 1], length, base), r.sampling,
-                                      torch.Generator().manual_seed(r.seed + 1))
+                below = OffsetOracle(oracle, chain[:length + 1], length, base)
+                lookup = None if session is None else AheadLookup(session, chain[1:length + 1] + [bonus])
+                if lookup is not None:
+                    below = HybridOracle(below, lookup, self.runner.vocab_size, head_index=self._head_index)
+                ahead = builder.build(bonus, below, r.sampling, torch.Generator().manual_seed(r.seed + 1))
                 base += TREE_SPAN
                 if ahead.num_nodes > 1:
-                    self.run_ahead.put(r.session_id, AheadTree(r.context + chain[1:length + 1] + [bonus], ahead))
+                    self.run_ahead.put(r.session_id, AheadTree(r.context + chain[1:length + 1] + [bonus], ahead,
+                                                               None if lookup is None else lookup.predictions))
         return True
 
     def _ahead_hit(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
@@ -286,11 +289,14 @@ class LocalDrafter(ModelDrafter):
         to the budget that drafted it, and the lookup, if any, still indexes the emitted tokens)."""
         if not self.run_ahead.trees or not r.sampling.is_greedy:
             return None
-        tree = self.run_ahead.take(r.session_id, r.context)
-        if tree is None:
+        ahead = self.run_ahead.take(r.session_id, r.context)
+        if ahead is None:
             return None
+        tree = ahead.tree
         if split_method(r.tree.method)[1]:
-            self.lookups.session(r.session_id, r.context)
+            session = self.lookups.session(r.session_id, r.context)
+            if ahead.predictions is not None:
+                session.adopt(ahead.predictions)
         if state.ahead_chooser is not None:
             state.ahead_chooser.repeat(lane)
             state.step_chooser = state.ahead_chooser

@@ -11,12 +11,13 @@ from torch import Tensor
 
 from ..builders.base import DraftOracle, RowSummary
 from ..c2t_classifier import top_entropy
-from ..lookup.session import LookupSession
+from ..lookup.session import AheadLookup, LookupSession
 from ..lookup.suffix_index import LookupRow, LookupState
 from ..lookup.trees import LookupPlan, plan_lookup
 from ..sampling import topk_rows
 from ..tree import Source
 from .model_runner import SessionOracle
+from .run_ahead import OffsetOracle
 
 
 class _Node:
@@ -35,7 +36,7 @@ class HybridOracle(DraftOracle):
     `model_backed`, `model_probs` (sampled builders), `source_of` (PartialTree labels children) and `plan`
     (lookup-only trees) read the same per-node state as its rows."""
 
-    def __init__(self, model, session: LookupSession, vocab_size: int, model_enabled: bool = True,
+    def __init__(self, model, session: LookupSession | AheadLookup, vocab_size: int, model_enabled: bool = True,
                  head_index: dict[int, int] | None = None) -> None:
         self.model = model  # a DraftOracle, or None for lookup-only drafting
         self.session = session
@@ -188,10 +189,11 @@ class HybridOracle(DraftOracle):
         return RowSummary(vals, toks, ent)
 
     def _head_rows(self, tokens, parents, nodes: list[int]):  # type: ignore[no-untyped-def]
-        """([n, V_draft] copies of the model's head rows, the model) for a SessionOracle, else None; records
+        """([n, V_draft] copies of the model's head rows, the model) for a SessionOracle (or one drafting ahead
+        below a guessed path), else None; records
         each node's model top-1 (for BOTH labels)."""
         model = self.model
-        if not isinstance(model, SessionOracle):
+        if not isinstance(model, (SessionOracle, OffsetOracle)):
             return None
         head = model.head_rows(tokens, parents, nodes)
         for n, t in zip(nodes, model.target_ids(head.argmax(dim=1)).tolist()):

@@ -17,7 +17,9 @@ The ahead trees are grown with the step's own builder at the budget the chooser 
 is credited to that budget) through `OffsetOracle`s over one drafter step rooted at step t's root: the guessed
 path is fed as a chain of tree nodes, each reading its parent's predicted feature as every tree node does (an
 EAGLE drafter has no target features of guessed tokens yet), and each ahead tree hangs below the chain node it
-guesses, on node ids of its own.
+guesses, on node ids of its own. A hybrid method's ahead trees mix in the copies its lookup finds after the
+guessed tokens (`AheadLookup`: the session's matches measured with the guessed tokens appended, its predictions kept
+with the tree and made the session's on a hit), so a hit's tree is drawn from both sources as a drafted step's is.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import Tensor
 
 from ..builders.base import DraftOracle, RowSummary
 from ..tree import TokenTree
+from .model_runner import SessionOracle
 
 
 GUESSES = 2  # accepted lengths guessed per step: the whole likely path, and the path without its last node
@@ -51,12 +54,12 @@ def likely_path(tree: TokenTree) -> list[int]:
 
 class OffsetOracle(DraftOracle):
     """A builder's oracle for a tree hung below a chain of known nodes, in a step whose root is the chain's first
-    token (`inner`, a SessionOracle). The chain is nodes 0..K of the combined tree (each the child of the one
+    token (`inner`). The chain is nodes 0..K of the combined tree (each the child of the one
     before); the builder's root is node `base`, a child of chain node `attach`, and builder node i is node
     base + i. Trees built under one inner oracle take disjoint bases, so their nodes never share an id (the
     inner oracle keeps each node's KV slot and rows by id); the ids between are unused."""
 
-    def __init__(self, inner: DraftOracle, chain_tokens: Sequence[int], attach: int, base: int):
+    def __init__(self, inner: SessionOracle, chain_tokens: Sequence[int], attach: int, base: int):
         if not 0 <= attach < len(chain_tokens) <= base:
             raise ValueError(f"attach {attach} must be a chain node and base {base} past the chain")
         self.inner = inner
@@ -82,6 +85,16 @@ class OffsetOracle(DraftOracle):
         all_tokens, all_parents, (combined,) = self._combined(tokens, parents, [node])
         return self.inner.sample(all_tokens, all_parents, combined, uniform)
 
+    # What a HybridOracle mixing lookup candidates into the rows reads from a SessionOracle (its fast path).
+    def head_rows(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
+        return self.inner.head_rows(*self._combined(tokens, parents, node_ids))
+
+    def summarize_head(self, head_rows: Tensor, k: int, entropy: bool) -> RowSummary:
+        return self.inner.summarize_head(head_rows, k, entropy)
+
+    def target_ids(self, head_index: Tensor) -> Tensor:
+        return self.inner.target_ids(head_index)
+
 
 @dataclass
 class AheadTree:
@@ -89,6 +102,9 @@ class AheadTree:
 
     context: list[int]  # step t's context, the guessed accepted path and the guessed bonus (`tree`'s root)
     tree: TokenTree
+    # A hybrid tree's lookup predictions (AheadLookup.predictions, by path after `tree`'s root): the session's own
+    # when the guess comes true. None: a tree of the model's drafts alone.
+    predictions: dict[tuple[int, ...], tuple[frozenset[int], int]] | None = None
 
 
 @dataclass
@@ -102,18 +118,18 @@ class RunAheadStore:
     def put(self, session_id: str, ahead: AheadTree) -> None:
         self.trees.setdefault(session_id, []).append(ahead)
 
-    def take(self, session_id: str, context: list[int]) -> TokenTree | None:
+    def take(self, session_id: str, context: list[int]) -> AheadTree | None:
         """The tree drafted ahead for exactly this context (step t's, the accepted path and the bonus token), if
         any; forgets the session's ahead trees either way."""
         aheads = self.trees.pop(session_id, None)
         if not aheads:
             return None
-        tree = next((a.tree for a in aheads if a.context == context), None)
-        if tree is None:
+        ahead = next((a for a in aheads if a.context == context), None)
+        if ahead is None:
             self.misses += 1
         else:
             self.hits += 1
-        return tree
+        return ahead
 
     def drop(self, session_id: str) -> None:
         self.trees.pop(session_id, None)

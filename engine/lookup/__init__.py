@@ -41,12 +41,12 @@ torch): import the trees from `lookup.trees`. The mixing oracle drives a drafter
 drafters (engine/drafters/hybrid_oracle.py).
 """
 
-from .session import (MATCH_BUCKETS, PRIOR_HIT, PRIORS, LookupSession, LookupSettings, LookupSources, LookupStats,
-                      match_bucket)
+from .session import (MATCH_BUCKETS, PRIOR_HIT, PRIORS, AheadLookup, LookupSession, LookupSettings, LookupSources,
+                      LookupStats, match_bucket)
 from .shared_outputs import SharedOutputs
 from .suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
 
 __all__ = [
-    "MATCH_BUCKETS", "PRIOR_HIT", "PRIORS", "NO_MATCH", "SEPARATOR", "LookupRow", "LookupSession", "LookupSettings",
+    "MATCH_BUCKETS", "PRIOR_HIT", "PRIORS", "NO_MATCH", "SEPARATOR", "AheadLookup", "LookupRow", "LookupSession", "LookupSettings",
     "LookupSources", "LookupState", "LookupStats", "SharedOutputs", "SuffixIndex", "match_bucket",
 ]

@@ -157,6 +157,12 @@ class LookupSession:
         """Remember a node's candidates, scored at the next `sync` if the node lies on the accepted path."""
         self._predictions[path] = (frozenset(row.tokens), row.bucket)
 
+    def adopt(self, predictions: dict[tuple[int, ...], tuple[frozenset[int], int]]) -> None:
+        """Take a tree drafted ahead as this step's (`AheadLookup.predictions`, paths after the current root), in
+        place of the predictions made for the context since synced: scored at the next `sync` like its own."""
+        self._predictions = dict(predictions)
+        self._predicted_at = len(self.index)
+
     # ------------------------------------------------------------------ matching
     def tail(self, path: Sequence[int] = ()) -> list[int]:
         """The indexed tokens' last max_match + 1, then `path`: enough to measure any match."""
@@ -166,6 +172,10 @@ class LookupSession:
         if self._root_state is None:
             self._root_state = self._match(self.tail())
         return self._root_state
+
+    def state_after(self, path: Sequence[int]) -> LookupState:
+        """The state of a node `path` tokens past the root (the root's own with `path` empty), measured afresh."""
+        return self._match(self.tail(path)) if path else self.root_state()
 
     def _match(self, tail: Sequence[int]) -> LookupState:
         """The longest match of `tail` in this request's tokens or, with shared outputs, the longest there
@@ -210,6 +220,35 @@ class LookupSession:
         return LookupRow(tuple(t for t, _ in ranked), values, sum(values), bucket, state.length)
 
 
+class AheadLookup:
+    """A session's lookup as it would stand after `prefix` (the tokens a guessed accepted path and bonus token add
+    past the synced root) for a tree drafted ahead (engine/drafters/run_ahead.py), without indexing them or
+    touching the session: the prefix's tokens are matched against the indexed ones (a copy of a span the prefix
+    itself starts is missed until the guess comes true). Its nodes' predictions are kept here, keyed by path after
+    the ahead tree's root, for `LookupSession.adopt` when the guess comes true."""
+
+    def __init__(self, session: LookupSession, prefix: Sequence[int]) -> None:
+        self.session = session
+        self.settings = session.settings
+        self.prefix = tuple(prefix)
+        self.predictions: dict[tuple[int, ...], tuple[frozenset[int], int]] = {}
+        self._root_state: LookupState | None = None
+
+    def root_state(self) -> LookupState:
+        if self._root_state is None:
+            self._root_state = self.session.state_after(self.prefix)
+        return self._root_state
+
+    def child_state(self, state: LookupState, token: int, path: Sequence[int]) -> LookupState:
+        return self.session.child_state(state, token, self.prefix + tuple(path))
+
+    def row(self, state: LookupState) -> LookupRow | None:
+        return self.session.row(state)
+
+    def predict(self, path: tuple[int, ...], row: LookupRow) -> None:
+        self.predictions[path] = (frozenset(row.tokens), row.bucket)
+
+
 class LookupSources:
     """A drafter's lookup sessions (LRU-bounded), their pooled calibration and settings."""
 
@@ -230,6 +269,10 @@ class LookupSources:
         self._sessions[session_id] = session
         session.sync(context)
         return session
+
+    def get(self, session_id: str) -> LookupSession | None:
+        """The session as last synced (no sync, no use recorded), if there is one."""
+        return self._sessions.get(session_id)
 
     def release(self, session_id: str) -> bool:
         session = self._sessions.pop(session_id, None)

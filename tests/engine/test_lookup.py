@@ -28,7 +28,7 @@ from treeserve.engine.methods import split_method
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.builders.base import DraftOracle, LookupSource, PartialTree
 from treeserve.engine.c2t_classifier import C2TClassifier
-from treeserve.engine.lookup import LookupSettings, LookupSources, SuffixIndex, match_bucket
+from treeserve.engine.lookup import AheadLookup, LookupSettings, LookupSources, SuffixIndex, match_bucket
 from treeserve.engine.lookup.trees import LookupTreeBuilder, lookup_chain, merge_chains, plan_lookup
 from treeserve.engine.drafters.hybrid_oracle import HybridOracle
 from treeserve.engine.requests import SamplingParams
@@ -107,6 +107,26 @@ def test_session_scores_its_predictions_against_the_emitted_tokens():
     assert sources.pooled.trials[bucket] == 1
     assert len(session.index) == len(context) + 3
     assert sources.release("a") and "a" not in sources
+
+
+def test_a_lookup_ahead_reads_the_guessed_tokens_and_hands_its_predictions_over_on_a_hit():
+    """AheadLookup (run-ahead's hybrid trees): after guessed tokens it proposes what a session synced with them
+    would (here the same copy), leaves the session untouched, and its predictions, adopted when the guess comes
+    true, are scored at the next sync like the session's own."""
+    sources = LookupSources(LookupSettings())
+    context = [5, 6, 7, 8, 9, 1, 5, 6]
+    session = sources.session("a", context)
+    ahead = AheadLookup(session, [7, 8])  # guessed: 7 accepted, 8 the bonus token (the ahead tree's root)
+    plan = plan_lookup(ahead, 8, max_nodes=2, min_value=1e-6)
+    assert plan.tokens[:3] == [8, 9, 1]
+    synced = LookupSources(LookupSettings()).session("b", context + [7, 8])
+    assert plan_lookup(synced, 8, max_nodes=2, min_value=1e-6).tokens[:3] == [8, 9, 1]
+    assert len(session.index) == len(context) and session.observed == 0
+    assert set(ahead.predictions) == {(), (9,), (9, 1)}  # paths after the ahead tree's root 8
+    session = sources.session("a", context + [7, 8])  # the guess came true: the hit step's sync
+    session.adopt(ahead.predictions)
+    session = sources.session("a", context + [7, 8, 9, 2])  # the target emitted 9 (a hit), then 2 (a miss)
+    assert session.observed == 2 and sum(session.hits) == 1
 
 
 def hybrid(models: ToyModels, ctx: tuple[int, ...], sampling: SamplingParams, settings: LookupSettings,

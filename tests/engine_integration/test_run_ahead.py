@@ -53,7 +53,7 @@ def test_an_ahead_tree_serves_only_its_exact_context():
     store.put("s", AheadTree([1, 2, 3, 9], tree))
     assert store.take("s", [1, 2, 3, 8]) is None and store.misses == 1
     store.put("s", AheadTree([1, 2, 3, 9], tree))
-    assert store.take("s", [1, 2, 3, 9]) is tree and store.hits == 1
+    assert store.take("s", [1, 2, 3, 9]).tree is tree and store.hits == 1
     assert store.take("s", [1, 2, 3, 9]) is None and (store.hits, store.misses) == (1, 1)  # forgotten
 
 
@@ -67,6 +67,20 @@ def test_greedy_with_run_ahead_equals_generate(pair, method, budget):
         assert result.token_ids == greedy(target.model, prompt, 24)[:len(result.token_ids)]
     assert drafter.run_ahead.hits > 0
     assert not drafter.run_ahead.trees  # released sessions leave nothing behind
+
+
+def test_a_hybrid_methods_hits_carry_copies(pair):
+    """c2t+lookup: the trees drafted ahead mix in the lookup's copies after the guessed tokens, as drafted steps'
+    trees do (a hit's tree is not the model's part alone), and the output is still the target's greedy output."""
+    target, _ = pair
+    engine, drafter = engine_for(pair, TreeConfig(method="c2t+lookup", budget=8))
+    hits = []
+    for text in ("Repeat: the cat sat on the mat. The cat sat on the mat.", "Count: one two three one two three"):
+        prompt = engine.encode_chat(text)
+        result = engine.generate([GenerationRequest(prompt, max_new_tokens=48)])[0]
+        assert result.token_ids == greedy(target.model, prompt, 48)[:len(result.token_ids)]
+        hits += [s for s in result.steps if s.run_ahead_hit]
+    assert hits and any(s.tree_size_lookup > 0 for s in hits)
 
 
 def test_a_miss_drafts_as_usual(pair):
