@@ -345,7 +345,7 @@ class LocalDrafter(ModelDrafter):
 
     def lookup_session(self, session_id: str) -> LookupSession | None:
         """The lookup state of a session, if it has one (tests, stats)."""
-        return self.lookups._sessions.get(session_id)
+        return self.lookups.get(session_id)
 
     def _batch_plan(self, lane: str, state: DraftLane, batch_size: int, speculative: list[DraftRequest]) -> DraftPlan:
         """A batched step's plan: the chain depth chosen per batch-size bucket when every request leaves its budget
