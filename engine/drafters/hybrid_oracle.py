@@ -189,9 +189,8 @@ class HybridOracle(DraftOracle):
         return RowSummary(vals, toks, ent)
 
     def _head_rows(self, tokens, parents, nodes: list[int]):  # type: ignore[no-untyped-def]
-        """([n, V_draft] copies of the model's head rows, the model) for a SessionOracle (or one drafting ahead
-        below a guessed path), else None; records
-        each node's model top-1 (for BOTH labels)."""
+        """([n, V_draft] copies of the model's head rows, the model) for a SessionOracle (or an OffsetOracle over
+        one, drafting ahead below a guessed path), else None; records each node's model top-1 (for BOTH labels)."""
         model = self.model
         if not isinstance(model, (SessionOracle, OffsetOracle)):
             return None

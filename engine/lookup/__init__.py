@@ -47,6 +47,6 @@ from .shared_outputs import SharedOutputs
 from .suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
 
 __all__ = [
-    "MATCH_BUCKETS", "PRIOR_HIT", "PRIORS", "NO_MATCH", "SEPARATOR", "AheadLookup", "LookupRow", "LookupSession", "LookupSettings",
-    "LookupSources", "LookupState", "LookupStats", "SharedOutputs", "SuffixIndex", "match_bucket",
+    "MATCH_BUCKETS", "PRIOR_HIT", "PRIORS", "NO_MATCH", "SEPARATOR", "AheadLookup", "LookupRow", "LookupSession",
+    "LookupSettings", "LookupSources", "LookupState", "LookupStats", "SharedOutputs", "SuffixIndex", "match_bucket",
 ]

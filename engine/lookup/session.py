@@ -174,8 +174,8 @@ class LookupSession:
         return self._root_state
 
     def state_after(self, path: Sequence[int]) -> LookupState:
-        """The state of a node `path` tokens past the root (the root's own with `path` empty), measured afresh."""
-        return self._match(self.tail(path)) if path else self.root_state()
+        """The state of a node `path` tokens past the root, measured afresh (the tokens are not indexed)."""
+        return self._match(self.tail(path))
 
     def _match(self, tail: Sequence[int]) -> LookupState:
         """The longest match of `tail` in this request's tokens or, with shared outputs, the longest there
