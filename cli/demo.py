@@ -15,6 +15,7 @@ from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
 from treeserve.engine.methods import SERVED_METHODS  # torch-free
 from treeserve.services.launch import DEFAULT_CONFIG, load_config, start_service, stop_service
 from .generate import format_stats, stream_completion
+from .serve import add_console_arguments, dashboard_config, print_dashboard, quiet_console
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -28,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the config's tree method: %s" % ", ".join(SERVED_METHODS))
     parser.add_argument("--grpc-port", type=int, default=None, help="override the config's gRPC port")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
+    add_console_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,9 +47,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting TreeServe from {args.config or 'built-in defaults'} "
           f"(method {config.app.args.speculation.method}) ...", file=sys.stderr)
     started = time.perf_counter()
-    service = start_service(config, quiet=True, ready_timeout_s=args.ready_timeout)
+    quiet_console(args.verbose)
+    service = start_service(config, quiet=not args.verbose, ready_timeout_s=args.ready_timeout,
+                            dashboard=dashboard_config(args))
     try:
-        print(f"ready on {service.address} after {time.perf_counter() - started:.0f} s\n", file=sys.stderr)
+        print(f"ready on {service.address} after {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        print_dashboard(service)
+        print(file=sys.stderr)
         print(f">>> {args.prompt}")
         request = gen.GenerateRequest(text=args.prompt, max_new_tokens=args.max_new_tokens)
         final = stream_completion(service.address, request, service.app_name)
@@ -56,4 +62,5 @@ def run(args: argparse.Namespace) -> int:
             print(format_stats(final.stats, gen.FinishReason.Name(final.finish_reason)), file=sys.stderr)
     finally:
         stop_service(service)
+        print("stopped", file=sys.stderr)
     return 0

@@ -35,10 +35,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait for the service to answer (models load on first start)")
     parser.add_argument("--no-block", action="store_true", help="return once the service answers")
+    add_console_arguments(parser)
     parser.add_argument("--control-plane-nice", type=int, default=DEFAULT_CONTROL_PLANE_NICE,
                         help="niceness given to Ray's control-plane processes when this command starts Ray, "
                              "whose replicas then run at niceness 0 instead of Ray's 15 (the control plane "
                              "yields the cores to them; 0 = leave Ray's niceness alone; Linux only)")
+
+
+def add_console_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Ray dashboard and console options `serve` and `demo` share."""
+    from treeserve.services.config.dashboard import DEFAULT_DASHBOARD_PORT
+
+    parser.add_argument("--no-dashboard", action="store_true",
+                        help="do not start the Ray dashboard (it is started, on loopback, with a local Ray instance)")
+    parser.add_argument("--dashboard-host", default="127.0.0.1",
+                        help="address of the Ray dashboard (default: %(default)s, this machine only; another address "
+                             "needs security.allow_insecure in the config: the dashboard is plain HTTP)")
+    parser.add_argument("--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT,
+                        help="port of the Ray dashboard (default: %(default)s)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show Ray's and the replicas' own log lines on this console (default: TreeServe's only; "
+                             "they are always in /tmp/ray/session_latest/logs)")
+
+
+def quiet_console(verbose: bool) -> None:
+    """Unless --verbose: Ray Serve's logger on this process prints INFO lines about its own steps (started, the
+    running instance that serve.run connects to after serve.start, ready, its handle's long-poll client), which
+    TreeServe's own lines say better; its warnings and errors still show. (The replicas' and Ray's own logs stay
+    off this console through start_service's `quiet`.)"""
+    if not verbose:
+        import logging
+
+        import ray.serve  # noqa: F401  (it sets its logger up when imported: the level is set after)
+
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
+def print_dashboard(service) -> None:
+    if service.dashboard_url is not None:
+        sign_in = " (sign in with the token in ~/.ray/auth_token)" if service.ray_token_auth else ""
+        print(f"Ray dashboard: {service.dashboard_url}/#/serve{sign_in}", file=sys.stderr)
+
+
+def dashboard_config(args: argparse.Namespace):
+    from treeserve.services.config.dashboard import DashboardConfig
+
+    return DashboardConfig(enabled=not args.no_dashboard, host=args.dashboard_host, port=args.dashboard_port)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
                          args.http_port)
     print(f"starting TreeServe ({config.app.args.speculation.method}, target {config.app.args.target.path}) ...",
           file=sys.stderr)
-    service = start_service(config, args.ray_address, ready_timeout_s=args.ready_timeout,
-                            control_plane_nice=args.control_plane_nice)
+    quiet_console(args.verbose)
+    service = start_service(config, args.ray_address, quiet=not args.verbose, ready_timeout_s=args.ready_timeout,
+                            control_plane_nice=args.control_plane_nice, dashboard=dashboard_config(args))
     security = config.app.args.security
     print(f"TreeServe is serving gRPC on {config.app.args.api.host}:{config.app.args.api.port} "
           f"({'TLS' if security.tls else 'plaintext'}{', bearer tokens' if security.auth_token_file else ''}; "
@@ -55,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if config.app.args.api.http_port is not None:  # services/openai_api.py
         print(f"and the OpenAI-compatible HTTP API on {'https' if security.tls else 'http'}://"
               f"{config.app.args.api.host}:{config.app.args.api.http_port}/v1", file=sys.stderr)
+    print_dashboard(service)
     if args.no_block:
         return 0
     stop = threading.Event()
@@ -66,4 +110,5 @@ def run(args: argparse.Namespace) -> int:
         pass
     print("shutting down", file=sys.stderr)
     stop_service(service)
+    print("stopped", file=sys.stderr)
     return 0

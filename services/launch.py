@@ -36,6 +36,8 @@ class Service:
     app_name: str
     config: object  # ServeConfigFile
     started_ray: bool
+    dashboard_url: str | None = None  # the Ray dashboard this process started (None: off, or a joined cluster's)
+    ray_token_auth: bool = False  # Ray's token authentication is on: the dashboard asks for ~/.ray/auth_token
 
     @property
     def tls(self) -> bool:
@@ -97,16 +99,25 @@ def _check_models(args) -> None:
 
 
 def start_service(config, ray_address: str | None = None, quiet: bool = False,
-                  ready_timeout_s: float = 600.0, control_plane_nice: int = DEFAULT_CONTROL_PLANE_NICE) -> Service:
+                  ready_timeout_s: float = 600.0, control_plane_nice: int = DEFAULT_CONTROL_PLANE_NICE,
+                  dashboard=None) -> Service:
     """ray.init (unless already up), serve.start with the config's options, serve.run, wait until answering.
     A Ray instance started here runs its replicas at niceness 0 and gets its control plane re-niced
-    (services/host_priority.py)."""
+    (services/host_priority.py). `dashboard` (DashboardConfig; None: off) is the Ray dashboard of a Ray
+    instance started here; a joined cluster keeps its own."""
     import ray
     from ray import serve
 
     from .app import build_app_from_config, config_to_args
 
     app = config.app
+    joining = ray_address is not None or bool(os.environ.get("RAY_ADDRESS"))
+    with_dashboard = dashboard is not None and dashboard.enabled and not joining
+    if with_dashboard:
+        dashboard.check(app.args.security.allow_insecure)
+        with_dashboard = not ray.is_initialized()  # a Ray instance already up here has its dashboard or none
+    if with_dashboard:
+        _check_port_free(dashboard.host, dashboard.port)
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     if app.runtime_env is not None:
         env.update(app.runtime_env.env_vars)
@@ -115,11 +126,19 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
     started = False
     try:
         if not ray.is_initialized():
-            joining = ray_address is not None or bool(os.environ.get("RAY_ADDRESS"))
             local = not joining and control_plane_nice > 0
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=not quiet,
-                     configure_logging=not quiet, runtime_env={"env_vars": env},
-                     _system_config=REPLICA_SYSTEM_CONFIG if local else None)
+            if not joining:
+                # Ray turns token authentication on for a local instance by default and announces it with a
+                # warning every start; stated explicitly it is the same mode, without the warning. The dashboard
+                # then asks for that token (~/.ray/auth_token).
+                os.environ.setdefault("RAY_AUTH_MODE", "token")
+            # A joined cluster's dashboard is its head's business: ray.init refuses dashboard options there.
+            dashboard_options = {} if joining else {"include_dashboard": with_dashboard}
+            if with_dashboard:
+                dashboard_options.update(dashboard_host=dashboard.host, dashboard_port=dashboard.port)
+            ray.init(address=ray_address, log_to_driver=not quiet, configure_logging=not quiet,
+                     runtime_env={"env_vars": env}, _system_config=REPLICA_SYSTEM_CONFIG if local else None,
+                     **dashboard_options)
             started = True
         options: dict = {}
         if config.grpc_options.grpc_servicer_functions:  # other servicers only: the TreeServe API is refused there
@@ -134,7 +153,9 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
                   route_prefix=app.route_prefix)
         if started:
             deprioritise_control_plane(control_plane_nice)
-        service = Service(api_address(app.args), app.name, config, started)
+        service = Service(api_address(app.args), app.name, config, started,
+                          dashboard.url if with_dashboard else None,
+                          os.environ.get("RAY_AUTH_MODE", "").lower() == "token")
         wait_until_ready(service.address, app.name, ready_timeout_s)
     except (ValueError, FileNotFoundError, ServiceStartError):
         if started:
@@ -147,6 +168,21 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
         first_line = next((line for line in str(exc).splitlines() if line.strip()), "")
         raise ServiceStartError(f"the service did not start ({type(exc).__name__}: {first_line})") from exc
     return service
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """ValueError with the flags to change when the dashboard's port is taken (Ray would fail later, in many
+    lines, after starting half a cluster)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"the Ray dashboard cannot listen on {host}:{port} ({exc.strerror}; another Ray "
+                             "instance's?): pass --dashboard-port N, or --no-dashboard") from None
 
 
 def wait_until_ready(address: str, app_name: str, timeout_s: float = 600.0) -> None:

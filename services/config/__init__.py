@@ -13,13 +13,15 @@ Serve config file around them), `serve_models` (the sections Ray Serve owns, as 
 """
 
 from .api import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, ApiConfig, SecurityConfig
+from .dashboard import DEFAULT_DASHBOARD_PORT, DashboardConfig
 from .args import AUTO_BUDGET_MAX_NODES, METHODS, AppConfig, InternalGrpcConfig, LimitsConfig, SpeculationConfig
 from .models import DEFAULT_TARGET_FACTS, DTYPE_BYTES, DrafterConfig, ModelConfig, ModelFacts
 from .serve_file import (DEPLOYMENT_NAMES, ApplicationConfig, DeploymentConfig, RuntimeEnv, ServeConfigFile,
                          load_serve_config)
 from .serve_models import TREESERVE_SERVICER
 
-__all__ = ["AUTO_BUDGET_MAX_NODES", "ApiConfig", "AppConfig", "ApplicationConfig", "DEFAULT_MAX_REQUEST_BYTES",
+__all__ = ["AUTO_BUDGET_MAX_NODES", "ApiConfig", "AppConfig", "ApplicationConfig", "DEFAULT_DASHBOARD_PORT",
+           "DEFAULT_MAX_REQUEST_BYTES", "DashboardConfig",
            "DEFAULT_TARGET_FACTS", "DEPLOYMENT_NAMES", "DTYPE_BYTES", "DeploymentConfig", "DrafterConfig",
            "InternalGrpcConfig", "LOOPBACK_HOSTS", "LimitsConfig", "METHODS", "ModelConfig", "ModelFacts", "RuntimeEnv",
            "SecurityConfig", "ServeConfigFile", "SpeculationConfig", "TREESERVE_SERVICER", "load_serve_config"]
