@@ -47,7 +47,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                  max_context_tokens: int = 2048, target: LoadedModel | None = None,
                  drafter_kind: str | None = None, lookup: LookupSettings | None = None,
                  drafter_dtype: str | None = None, cuda_graphs: bool = True, cost_curve: str | None = None,
-                 run_ahead: bool = False, fused_ops: bool = True, **tree_overrides) -> SpeculativeEngine:
+                 run_ahead: bool = False, fused_ops: bool = True, prefix_caching: bool = True,
+                 **tree_overrides) -> SpeculativeEngine:
     """An in-process engine over the target (and drafter unless method is autoregressive); drafter_kind
     "parallel" drafts each tree from one parallel-drafter forward (engine/drafters/parallel.py), None takes
     the kind of the drafter's weights (engine/drafters/registry.py); drafter_path None is the kind's default
@@ -59,7 +60,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     rotary embedding and SiLU run as compiled fused kernels (engine/runners/fused_ops.py). `cost_curve`: budget "auto"
     reads the target's cost curve from this `treeserve profile` file (of this target, device and dtype).
     `run_ahead`: the drafter drafts the next step's trees on a thread while the target scores
-    (engine/drafters/run_ahead.py; pays where the drafter has cores or a device of its own)."""
+    (engine/drafters/run_ahead.py; pays where the drafter has cores or a device of its own). `prefix_caching`:
+    the target and the drafter start a request from the longest prefix of it they hold (engine/runners/kv_pages.py)."""
     torch_dtype = parse_dtype(dtype)
     drafter_torch_dtype = parse_drafter_dtype(drafter_dtype or dtype)
     if drafter_path is None:
@@ -87,8 +89,11 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     # An EAGLE-3 head whose config names no layers reads EAGLE-3's default for this target's depth.
     feature_layers = (target_feature_layers(drafter_path, target.model.config.num_hidden_layers)
                       if drafter is not None else None)
-    return SpeculativeEngine(TargetRunner(target.model, device, torch_dtype, feature_layers=feature_layers,
-                                          static=static),
+    runner = TargetRunner(target.model, device, torch_dtype, feature_layers=feature_layers, static=static)
+    runner.lm.use_prefix_caching(prefix_caching)
+    if drafter is not None:
+        drafter.lm.use_prefix_caching(prefix_caching)
+    return SpeculativeEngine(runner,
                              drafter, target.tokenizer,
                              tree_config(method, budget, **tree_overrides), max_context_tokens,
                              eos_token_ids=target.eos_token_ids, run_ahead=run_ahead)

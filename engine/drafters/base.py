@@ -51,6 +51,7 @@ class DraftRequest:
     seed: int  # seeds this step's sampling without replacement
     accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
     features: torch.Tensor | None = None  # [len(context) - 1, H] target features of context[:-1] (EAGLE)
+    cache_scope: str = ""  # the tenant's prefix-cache scope (engine/runners/kv_pages.py)
 
 
 @dataclass

@@ -73,18 +73,19 @@ class DrafterRunner:
 
     @_timed
     def begin(self, session_id: str, context: list[int], sampling: SamplingParams,
-              accepted_nodes: list[int] | None = None, features: Tensor | None = None) -> "SessionOracle":
+              accepted_nodes: list[int] | None = None, features: Tensor | None = None, scope: str = ""
+              ) -> "SessionOracle":
         """Start a session's step; `features` [len(context) - 1, H]: the target's features of context[:-1],
-        required by (and only read by) an EAGLE drafter."""
+        required by (and only read by) an EAGLE drafter; `scope`: the tenant's prefix-cache scope."""
         oracle = SessionOracle(self, session_id, sampling)
         if not self.reads_target_features:
-            self.lm.begin(session_id, context, accepted_nodes)
+            self.lm.begin(session_id, context, accepted_nodes, scope)
             return oracle
         if features is None or features.shape[0] != len(context) - 1:
             got = "none" if features is None else f"{features.shape[0]} rows"
             raise ValueError(f"session {session_id}: an EAGLE drafter needs the target's features of the "
                              f"{len(context) - 1} context tokens before the root, got {got}")
-        self.lm.begin(session_id, context, [])  # keep only the root: accepted nodes are fed again
+        self.lm.begin(session_id, context, [], scope)  # keep only the root: accepted nodes are fed again
         # Feature of the position before each fed context token (extension, then root; zeros before the first
         # token), sliced rather than shifted: the context grows by a few tokens a step.
         first = len(context) - 1 - self.lm.extension_length(session_id)

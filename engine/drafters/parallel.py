@@ -73,7 +73,8 @@ class ParallelTreeDrafter(ModelDrafter):
         for r in requests:
             if not r.context:
                 raise ValueError(f"session {r.session_id}: context must hold at least the root token")
-            self.lm.begin(r.session_id, r.context)  # the tree hint indexes the target's tree, not our chain
+            # the tree hint indexes the target's tree, not our chain
+            self.lm.begin(r.session_id, r.context, scope=r.cache_scope)
         chain = list(range(-1, self.num_masks))
         logits = self.lm.extend([ExtendRequest(r.session_id, [r.context[-1], *self.masks], chain) for r in requests])
         return [warp_probs(rows, r.sampling) for r, rows in zip(requests, logits)]

@@ -51,6 +51,7 @@ from ..models.attention import attention_for, use_attention
 from ..models.hf_cache import cache_argument
 from ..models.packed_linear import use_fast_cpu_linears
 from ..tree import ancestor_mask
+from .kv_pages import PageTable
 from .kv_pool import KVPool, KVPoolExhausted, PoolCache
 from .lean_decoder import LeanEnds, decoder_parts, head_forward, lean_forward, unsupported_reason
 from .row_groups import DEFAULT_FORWARD_OVERHEAD, RowShape, row_groups
@@ -58,12 +59,19 @@ from .static_step import RowInput, StaticStep
 from .step_settings import StaticStepSettings
 
 
+# Slots per KV page: measured on the CPU eager path (docs/performance.md section 19).
+DEFAULT_PAGE_SIZE = 64
+
+
 @dataclass
 class SessionCache:
     """State of one session: token bookkeeping plus where its KV lies in the pool."""
 
-    row: int  # pool row holding this session's KV
-    slots: int = 0  # valid KV slots, [0, slots) of the row: committed context tokens, then pending nodes
+    scope: str = ""  # prefix-cache scope (tenant): blocks are shared only within it
+    pages: list[int] = field(default_factory=list)  # page table: logical slot s lies in pages[s // page_size]
+    blocks: list[int] = field(default_factory=list)  # block ids of the leading full pages of committed context
+    adopted: int = 0  # context tokens taken from cached blocks when the session began here (until its forward)
+    slots: int = 0  # valid KV slots, [0, slots): committed context tokens, then pending nodes
     committed: list[int] = field(default_factory=list)  # context tokens whose KV occupy the first slots
     extension: list[int] = field(default_factory=list)  # context tokens still to feed before the tree
     pending_tokens: list[int] = field(default_factory=list)  # tree nodes fed so far (node 0 = root)
@@ -106,9 +114,13 @@ class CachedLM:
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256, max_context_tokens: int | None = None,
                  attention: str | None = None, static: StaticStepSettings | None = None,
-                 forward_overhead: float = DEFAULT_FORWARD_OVERHEAD, drafter: DrafterForward | None = None):
+                 forward_overhead: float = DEFAULT_FORWARD_OVERHEAD, drafter: DrafterForward | None = None,
+                 page_size: int = DEFAULT_PAGE_SIZE, prefix_caching: bool = True, kv_tokens: int | None = None,
+                 keep_features: bool = False):
         # `drafter`: how the model's forward differs from a causal LM's, declared by a drafter model
         # (`DrafterModel.runner_forward()`); None: a causal LM (a target, or a drafter that is one).
+        # `page_size`, `prefix_caching`, `kv_tokens`: the paged pool (see `bound`); `keep_features`: keep the
+        # features forwards return beside the KV, so a cached prefix returns them too (a target serving EAGLE).
         # Same function, faster on CPU: oneDNN linears on packed weights (a small tree costs about one
         # row), attention without repeat_kv; on a GPU fused SDPA (`attention`: override the per-device choice,
         # engine/models/attention.py). Both read the same additive tree mask.
@@ -136,7 +148,10 @@ class CachedLM:
         self.static_settings = static if static is not None and reason is None else None
         self.static_reason = None if static is None else reason  # why it could not
         self.static_step: StaticStep | None = None  # built by the first forward (the pool allocated in full)
-        self.bound(max_sessions, max_context_tokens)
+        self.page_size = page_size
+        self.prefix_caching = prefix_caching
+        self.keep_features = keep_features
+        self.bound(max_sessions, max_context_tokens, kv_tokens)
 
     def _lean_ends(self) -> LeanEnds | None:
         """The embedding and head the lean decoder runs around a drafter model's trunk (its declared
@@ -150,21 +165,37 @@ class CachedLM:
             return f"{type(self.model).__name__} declares no lean_ends() (its embedding and head)"
         return unsupported_reason(self.model, ends)
 
-    def bound(self, max_sessions: int, max_context_tokens: int | None = None) -> None:
-        """Size the KV pool: `max_sessions` rows; with `max_context_tokens`, a bounded pool of that many slots
-        per row (preallocated by the next forward, see `warm_up`). Drops every session."""
-        scratch_rows = 0
+    def bound(self, max_sessions: int, max_context_tokens: int | None = None, kv_tokens: int | None = None) -> None:
+        """Size the KV pool. At most `max_sessions` sessions hold KV at once; a sequence holds at most
+        `max_context_tokens`. With `max_context_tokens`, the pool is bounded: `kv_tokens` slots in pages of
+        `page_size` (default max_sessions x max_context_tokens), preallocated by the next forward (see
+        `warm_up`); else it grows. A static step keeps one page per session (page_size = max_context_tokens:
+        its rows). Drops every session and cached prefix."""
+        page_size = self.page_size
         if self.static_settings is not None:
-            scratch_rows = 1
             if max_context_tokens is None:  # a growing pool cannot be captured: bound it
                 max_context_tokens = self.static_settings.context_tokens
                 max_sessions = min(max_sessions, self.static_settings.batch_buckets[-1])
+            page_size, kv_tokens = max_context_tokens, None  # its pages are its rows
+        elif max_context_tokens is not None:
+            page_size = min(page_size, max_context_tokens)  # a page no session could fill would waste its rest
         self.max_sessions = max_sessions
         self.max_context_tokens = max_context_tokens
         self.sessions.clear()
         self._step.clear()
         self.static_step = None
-        self.pool = KVPool(max_rows=max_sessions, max_capacity=max_context_tokens, scratch_rows=scratch_rows)
+        max_pages = None
+        if max_context_tokens is not None:
+            max_pages = -(-(kv_tokens or max_sessions * max_context_tokens) // page_size)
+        self.pool = KVPool(page_size, max_pages, keep_features=self.keep_features)
+        self.table = PageTable(page_size, self.prefix_caching)
+        if max_pages is not None:
+            self.pool.reserve(max_pages)
+            self.table.add_pages(max_pages)
+
+    def use_prefix_caching(self, on: bool) -> None:
+        """Reuse cached prefixes (and register new ones) or not; sessions and their pages are kept."""
+        self.prefix_caching = self.table.prefix_caching = on
 
     def warm_up(self) -> int:
         """One 1-token forward: allocates a bounded pool in full now (an out-of-memory error surfaces at start,
@@ -176,8 +207,8 @@ class CachedLM:
             if self.static_step is not None:  # graphs of every bucket now, within their memory budget
                 self.static_step.capture_all(want_hidden=self.feature_layers is not None or self.reads_features)
         except torch.OutOfMemoryError as exc:
-            raise RuntimeError(f"the KV pool ({self.max_sessions} sessions x {self.max_context_tokens} tokens: "
-                               "max_sessions x max_context_tokens) does not fit in this process's share of "
+            raise RuntimeError(f"the KV pool ({self.pool.max_pages} pages x {self.pool.page_size} tokens: "
+                               "kv_cache_tokens) does not fit in this process's share of "
                                f"{self.device} (gpu_memory_fraction): {exc}") from None
         finally:
             self.release(session)
@@ -194,28 +225,30 @@ class CachedLM:
         return self.pool.kv_heads
 
     # ------------------------------------------------------------------ session state
-    def begin(self, session_id: str, context: list[int], accepted_nodes: list[int] | None = None) -> None:
+    def begin(self, session_id: str, context: list[int], accepted_nodes: list[int] | None = None,
+              scope: str = "", features: bool = False) -> None:
         """Start a step whose root is `context[-1]`.
 
         `accepted_nodes` (the previous tree's accepted non-root nodes, in path order) is a hint: the
         accepted path is checked against the tokens `context` adds after the previous root, and found by
         walking the previous tree along those tokens when the hint is absent or disagrees (a drafter whose
-        tree was pruned and re-indexed after it fed the nodes only knows its own node order)."""
+        tree was pruned and re-indexed after it fed the nodes only knows its own node order).
+
+        A session new here starts from the longest cached prefix of its context within `scope` (the tenant;
+        with `features`, only blocks whose features are kept too)."""
         if not context:
             raise ValueError("context must hold at least the root token")
         cache = self.sessions.pop(session_id, None)  # re-inserted last: the dict is in LRU order
         if cache is None:
             if len(self.sessions) >= self.max_sessions:
                 # Evict the least recently used session outside this step: its owner rebuilds it from the
-                # next request's context. Every row in this step's use: nothing can give way.
-                idle = next((s for s in self.sessions if s not in self._step), None)
-                if idle is None:
+                # next request's context. Every session in this step's use: nothing can give way.
+                if not self._preempt_idle():
                     self._step.clear()
-                    raise KVPoolExhausted(f"all {self.max_sessions} KV rows (max_sessions) hold sessions of this "
-                                          f"step; session {session_id} cannot join it")
-                self.sessions.pop(idle)
-            used = {c.row for c in self.sessions.values()}
-            cache = SessionCache(row=min(set(range(len(used) + 1)) - used))
+                    raise KVPoolExhausted(f"all {self.max_sessions} sessions (max_sessions) are in this step; "
+                                          f"session {session_id} cannot join it")
+            cache = SessionCache(scope=scope)
+            self._adopt_prefix(cache, context[:-1], features)
         self.sessions[session_id] = cache
         self._step.add(session_id)
         if cache.pending_tokens:
@@ -223,12 +256,77 @@ class CachedLM:
         self._reconcile(cache, context[:-1])
 
     def release(self, session_id: str) -> bool:
-        """Forget a session; its pool row goes to the next new session (a growing pool is freed with the last)."""
-        released = self.sessions.pop(session_id, None) is not None
+        """Forget a session: its pages go back to the pool, those of full committed pages stay cached (without
+        prefix caching a growing pool is freed with the last session)."""
+        cache = self.sessions.pop(session_id, None)
         self._step.discard(session_id)
-        if not self.sessions:
+        if cache is not None:
+            for page in cache.pages:
+                self.table.drop(page)
+        if not self.sessions and not self.pool.bounded and not self.prefix_caching:
             self.pool.clear()
-        return released
+            self.table.reset()
+        return cache is not None
+
+    def cached_prefix(self, session_id: str) -> int:
+        """Context tokens the session took from cached blocks when it began here (0 after its first forward)."""
+        return self.sessions[session_id].adopted
+
+    def prefix_features(self, session_id: str) -> Tensor | None:
+        """[cached_prefix, F] the kept features of the session's cached prefix (None: none kept)."""
+        cache = self.sessions[session_id]
+        return self.pool.read_features(cache.pages, cache.adopted)
+
+    def _adopt_prefix(self, cache: SessionCache, prefix: list[int], features: bool) -> None:
+        """Start a new session from the longest chain of cached blocks spelling a prefix of `prefix`."""
+        usable = (lambda block: self.pool.features_valid(block.page)) if features else (lambda block: True)
+        chain = self.table.lookup(cache.scope, prefix, usable)
+        for block in chain:
+            self.table.hold(block.page)
+        cache.pages = [block.page for block in chain]
+        cache.blocks = [block.id for block in chain]
+        cache.adopted = cache.slots = len(chain) * self.pool.page_size
+        cache.committed = list(prefix[:cache.slots])
+
+    def _preempt_idle(self) -> bool:
+        """Drop the least recently used session outside this step (its owner rebuilds it from the next request's
+        context, its full pages staying cached); False when every session is in this step."""
+        idle = next((s for s in self.sessions if s not in self._step), None)
+        if idle is None:
+            return False
+        self.release(idle)
+        self.table.stats.preempted_sessions += 1
+        return True
+
+    def _allocate_page(self) -> int:
+        """A page for a session of this step: a free one, a cached one (least recently used), a grown pool's, or
+        an idle session's; else `KVPoolExhausted`."""
+        while True:
+            # A growing pool keeps at most as many cached pages as sessions hold: past that it reuses them.
+            page = self.table.allocate(evict_cached=self.pool.bounded or self.table.cached >= self.table.used)
+            if page is not None:
+                return page
+            if not self.pool.bounded:
+                self.pool.reserve(self.table.pages + 1)
+                self.table.add_pages(self.pool.pages)
+                continue
+            if not self._preempt_idle():
+                raise KVPoolExhausted(f"the KV pool's {self.pool.max_pages} pages of {self.pool.page_size} tokens "
+                                      "(kv_cache_tokens) are held by the sessions of this step")
+
+    def _hold_slots(self, cache: SessionCache, slots: int) -> None:
+        """Give the session pages for logical slots [0, slots)."""
+        while len(cache.pages) * self.pool.page_size < slots:
+            cache.pages.append(self._allocate_page())
+
+    def _register(self, cache: SessionCache) -> None:
+        """Register the session's full pages of committed context as cached blocks."""
+        size = self.pool.page_size
+        while len(cache.blocks) < min(len(cache.committed), cache.slots) // size:
+            i = len(cache.blocks)
+            parent = cache.blocks[-1] if cache.blocks else -1
+            cache.blocks.append(self.table.register(cache.scope, parent, tuple(cache.committed[i * size:(i + 1) * size]),
+                                                    cache.pages[i]))
 
     @staticmethod
     def _accepted_path(cache: SessionCache, context: list[int], hint: list[int] | None) -> list[int]:
@@ -255,17 +353,31 @@ class CachedLM:
         """Keep the root and `path` right after the committed prefix, which stays where it is."""
         fed = len(cache.committed)
         keep = [0] + path
-        self.pool.move(cache.row, [fed + a for a in keep], fed)
+        self.pool.move(cache.pages, [fed + a for a in keep], fed)
         cache.slots = fed + len(keep)
         cache.committed = cache.committed + [cache.pending_tokens[a] for a in keep]
         cache.pending_tokens, cache.pending_parents, cache.pending_depth = [], [], []
+        self._register(cache)
 
-    @staticmethod
-    def _reconcile(cache: SessionCache, prefix: list[int]) -> None:
+    def _reconcile(self, cache: SessionCache, prefix: list[int]) -> None:
+        """Keep the longest common prefix of the cache and `prefix`; the rest becomes the extension. Pages past
+        it are dropped, and a kept page that will be written again but that others read (a shared page, a cached
+        block) is copied first."""
         common = 0
         limit = min(len(cache.committed), len(prefix))
         while common < limit and cache.committed[common] == prefix[common]:
             common += 1
+        size = self.pool.page_size
+        kept = -(-common // size)
+        for page in cache.pages[kept:]:
+            self.table.drop(page)
+        cache.pages = cache.pages[:kept]
+        cache.blocks = cache.blocks[:common // size]
+        if common % size and self.table.shared(cache.pages[-1]) and not self.table.unshare(cache.pages[-1]):
+            page = self._allocate_page()
+            self.pool.copy_page(cache.pages[-1], page, common % size)
+            self.table.drop(cache.pages[-1])
+            cache.pages[-1] = page
         cache.slots = common
         cache.committed = cache.committed[:common]
         cache.extension = list(prefix[common:])
@@ -311,16 +423,17 @@ class CachedLM:
                 raise KVPoolExhausted(f"session {r.session_id} would hold {cache.slots + fed} tokens; a KV row holds "
                                       f"max_context_tokens={cap}")
             shapes.append(RowShape(fed, cache.slots))
+        for r, shape in zip(requests, shapes):  # pages before any state changes: running out changes nothing
+            self._hold_slots(self.sessions[r.session_id], shape.slots + shape.fed)
         if self.static_settings is not None:  # one bucketed forward (each row reads its own pool row)
             return row_groups(shapes, largest_bucket=self.static_settings.token_buckets[-1])
-        return row_groups(shapes, self.forward_overhead, cap)
+        return row_groups(shapes, self.forward_overhead)
 
     @torch.inference_mode()
     def _forward(self, requests: list[ExtendRequest], hidden: bool) -> list[ExtendOutput]:
         """One model forward over `requests` (each session at most once, every row fits the pool)."""
-        # Batch rows follow pool rows, so consecutive sessions read their KV as a view of the pool.
-        order = sorted(range(len(requests)), key=lambda i: self.sessions[requests[i].session_id].row)
-        caches = [self.sessions[requests[i].session_id] for i in order]
+        order = list(range(len(requests)))
+        caches = [self.sessions[r.session_id] for r in requests]
         offsets = [c.slots for c in caches]
         seen = [len(c.committed) for c in caches]  # before the forward commits the extension
         inputs = [self._row_inputs(caches[b], requests[i]) for b, i in enumerate(order)]
@@ -333,7 +446,7 @@ class CachedLM:
         kept_from = min(first_new, width - 1)  # 0 rows kept would mean "all" to the model
         if self.static_settings is not None:
             started = time.perf_counter()
-            rows = [RowInput(tokens, positions, cache.row, offset, committed, attend[:, committed:],
+            rows = [RowInput(tokens, positions, cache.pages[0], offset, committed, attend[:, committed:],
                              requests[i].features)
                     for (tokens, positions, attend), cache, offset, committed, i
                     in zip(inputs, caches, offsets, seen, order)]
@@ -357,8 +470,7 @@ class CachedLM:
             # Padding queries attend to themselves only, so their softmax stays finite.
             pad = torch.arange(n, width)
             mask[b, 0, pad, slots + pad] = 0.0
-        self.pool.reserve(max(c.row for c in caches) + 1, past + width)
-        pkv = PoolCache(self.pool, [c.row for c in caches], offsets, width)
+        pkv = PoolCache(self.pool, [c.pages for c in caches], offsets, [len(t) for t, _, _ in inputs], width)
         extra = {}
         if self.reads_features:
             extra["parent_features"] = self._parent_features([requests[i] for i in order], inputs, width)
@@ -376,16 +488,20 @@ class CachedLM:
         self.forward_seconds += time.perf_counter() - started
         return self._results(requests, order, caches, inputs, logits, states, kept_from)
 
-    @staticmethod
-    def _results(requests: list[ExtendRequest], order: list[int], caches: list[SessionCache], inputs,
+    def _results(self, requests: list[ExtendRequest], order: list[int], caches: list[SessionCache], inputs,
                  logits: Tensor, states: Tensor | None, kept_from: int) -> list[ExtendOutput]:
-        """Commit each row's fed tokens and cut its logits (of rows kept_from..) and features out of the batch."""
+        """Commit each row's fed tokens and cut its logits (of rows kept_from..) and features out of the batch;
+        keep the features beside the KV and register the pages the extension filled."""
         results: list[ExtendOutput | None] = [None] * len(requests)
         for b, (i, cache, (tokens, _, _)) in enumerate(zip(order, caches, inputs)):
             n, m = len(tokens), len(requests[i].tokens)
-            cache.slots += n  # what padding queries wrote past n is masked and overwritten later
+            if not self.reads_features:  # a drafter head's `hidden` are its own predictions, not the target's
+                self.pool.write_features(cache.pages, cache.slots, None if states is None else states[b, :n], n)
+            cache.slots += n
             cache.committed += cache.extension
             cache.extension = []
+            cache.adopted = 0
+            self._register(cache)
             results[i] = ExtendOutput(logits[b, n - m - kept_from:n - kept_from],
                                       None if states is None else states[b, :n])
         return results
@@ -412,7 +528,7 @@ class CachedLM:
             forward = lambda buffers, keep, hidden: lean_forward(parts, keys, values, buffers, keep,  # noqa: E731
                                                                  layers, hidden)
             feature_size = None
-        self.static_step = StaticStep(forward, self.max_context_tokens, self.pool.max_rows, settings, self.device,
+        self.static_step = StaticStep(forward, self.max_context_tokens, self.pool.scratch, settings, self.device,
                                       self.dtype, feature_size)
         return self.static_step
 

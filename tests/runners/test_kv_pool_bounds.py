@@ -29,12 +29,13 @@ def pointers(lm: CachedLM) -> list[int]:
 
 
 def test_warm_up_preallocates_exactly_sessions_x_context(tiny):
+    """3 sessions x 40 tokens in pages of 8: 15 pages and the scratch page."""
     config = tiny.config
-    lm = CachedLM(tiny, max_sessions=3, max_context_tokens=40)
+    lm = CachedLM(tiny, max_sessions=3, max_context_tokens=40, page_size=8)
     held = lm.warm_up()
     head_dim = config.hidden_size // config.num_attention_heads
-    assert held == pool_bytes(3, 40, config.num_hidden_layers, config.num_key_value_heads, head_dim, 4)
-    assert (lm.pool.rows, lm.pool.capacity) == (3, 40) and not lm.sessions
+    assert held == pool_bytes(16, 8, config.num_hidden_layers, config.num_key_value_heads, head_dim, 4)
+    assert lm.pool.pages == 15 and not lm.sessions
     before = pointers(lm)
     for i, length in enumerate((5, 30, 12)):
         step(lm, f"s{i}", list(range(1, length + 1)))
@@ -66,7 +67,7 @@ def test_a_step_needing_more_rows_than_the_pool_is_refused(tiny):
     lm = CachedLM(tiny, max_sessions=2, max_context_tokens=32)
     lm.begin("a", [1, 2])
     lm.begin("b", [3, 4])
-    with pytest.raises(KVPoolExhausted, match="all 2 KV rows"):
+    with pytest.raises(KVPoolExhausted, match="all 2 sessions"):
         lm.begin("c", [5, 6])  # "a" and "b" are in this step: neither may be evicted
     # The refused step leaves the pool usable: the next step evicts an idle session as usual.
     step(lm, "c", [5, 6])
@@ -83,9 +84,10 @@ def test_a_sequence_longer_than_max_context_is_refused_before_any_forward(tiny):
         lm.extend([ExtendRequest("long", [17, 3], [-1, 0])])  # 17 slots + a child
 
 
-def test_rows_too_wide_together_run_as_separate_forwards(tiny):
-    """A deep session batched with a long prefill would span max(slots) + max(fed) > max_context_tokens: the
-    forward is split, each row still fits its own row of the pool, and the logits are the plain ones."""
+def test_rows_wider_together_than_a_sequence_share_one_forward(tiny):
+    """A deep session batched with a long prefill spans max(slots) + max(fed) > max_context_tokens: with pages
+    each row writes only its own pages (the deep row's padding goes to the scratch page), so they share one
+    forward, and the logits are the plain ones."""
     lm = CachedLM(tiny, max_sessions=2, max_context_tokens=24)
     deep = list(range(1, 20))
     step(lm, "deep", deep[:-1])
@@ -99,7 +101,7 @@ def test_rows_too_wide_together_run_as_separate_forwards(tiny):
         out = lm.extend([ExtendRequest("deep", [deep[-1]], [-1]), ExtendRequest("fresh", [fresh[-1]], [-1])])
     finally:
         lm.model.forward = model_forward
-    assert len(forwards) == 2
+    assert len(forwards) == 1
     for logits, context in zip(out, (deep, fresh)):
         assert (logits[0] - sequential_logits(tiny, context)).abs().max().item() < 1e-4
 
@@ -108,4 +110,4 @@ def test_growing_pool_still_caps_rows(tiny):
     lm = CachedLM(tiny, max_sessions=3)  # the in-process engine's pool: grows, bounded in rows only
     for i in range(5):
         step(lm, f"s{i}", [i + 1, i + 2])
-    assert len(lm.sessions) == 3 and lm.pool.rows <= 3
+    assert len(lm.sessions) == 3

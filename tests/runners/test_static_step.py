@@ -116,12 +116,12 @@ def test_padding_never_writes_a_live_slot():
         lm.begin(sid, context)
     lm.extend([ExtendRequest(sid, [c[-1]], [-1]) for sid, c in contexts.items()])
     before = [k.clone() for k in lm.pool.keys]
-    rows = {sid: lm.sessions[sid].row for sid in contexts}
+    rows = {sid: lm.sessions[sid].pages[0] for sid in contexts}  # one page per session: its row
     slots = {sid: lm.sessions[sid].slots for sid in contexts}
     # Only "b" feeds (3 tokens: bucket 4), so one padded token and, in a 2-row bucket, nothing for "a".
     lm.begin("b", contexts["b"] + [5])
     lm.extend([ExtendRequest("b", [5, 6, 7], [-1, 0, 1])])
-    scratch = lm.pool.max_rows
+    scratch = lm.pool.scratch
     for old, new in zip(before, lm.pool.keys):
         changed = (old != new).any(dim=1).any(dim=-1)  # [rows, slots]
         changed[scratch] = False  # the scratch row takes the padding
