@@ -30,6 +30,71 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# Bounds of the penalty fields: OpenAI's for presence / frequency and logit_bias; a repetition penalty is a
+# positive factor (transformers' and vLLM's), bounded so that a typo cannot send every logit to 0 or infinity.
+PENALTY_RANGE = 2.0
+LOGIT_BIAS_RANGE = 100.0
+REPETITION_RANGE = (0.01, 100.0)
+
+
+@dataclass(frozen=True)
+class LogitsProcessors:
+    """Penalties and biases applied to the target's logits at every tree node before the warp, each node from its
+    own path (engine/processors.py; docs/design.md section 5). The first five fields are the request's; the
+    engine fills `prompt_tokens` and `stop_ids` when the sequence starts (`SpeculativeEngine.start`).
+
+    Semantics as vLLM's: presence and frequency (OpenAI's) count the generated tokens only, the repetition penalty
+    (transformers' `RepetitionPenaltyLogitsProcessor`) every token of prompt and output; applied in the order
+    logit_bias, min_tokens, repetition, frequency, presence."""
+
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # tokens of prompt and output: logit / p when > 0, logit * p when < 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids distinct
+    min_tokens: int = 0  # the stop tokens (stop_ids) are held back until this many tokens were generated
+    prompt_tokens: int = 0  # context[:prompt_tokens] is the prompt: presence / frequency count what follows
+    stop_ids: tuple[int, ...] = ()  # what min_tokens holds back: the sequence's stop tokens
+
+    def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE):
+                raise ValueError(f"{name} must lie in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value}")
+        low, high = REPETITION_RANGE
+        if not (math.isfinite(self.repetition_penalty) and low <= self.repetition_penalty <= high):
+            raise ValueError(f"repetition_penalty must lie in [{low:g}, {high:g}] (1 disables it), got "
+                             f"{self.repetition_penalty}")
+        tokens = [t for t, _ in self.logit_bias]
+        if len(set(tokens)) != len(tokens) or any(t < 0 for t in tokens):
+            raise ValueError("logit_bias: token ids must be distinct and >= 0")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE):
+                raise ValueError(f"logit_bias: the bias of token {token} must lie in [-{LOGIT_BIAS_RANGE:g}, "
+                                 f"{LOGIT_BIAS_RANGE:g}], got {bias}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    @property
+    def active(self) -> bool:
+        """Whether any field changes a logit (an inactive set costs the target nothing)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or (self.min_tokens and self.stop_ids))
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's own distribution (raw: before penalties, biases,
+    temperature, top-k and top-p, as vLLM's default `raw_logprobs`), and the `top` most likely tokens' (id,
+    log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"
     EOS = "eos"  # a stop token: one of the model's EOS ids or of the request's stop_token_ids (the last token)
@@ -47,6 +112,14 @@ class GenerationRequest:
     seed: int | None = None  # None: a random seed
     tree: TreeConfig | None = None  # per-request override of the engine's tree method
     stop_token_ids: tuple[int, ...] = ()  # stop tokens beside the model's EOS ids (vLLM's stop_token_ids)
+    processors: LogitsProcessors = LogitsProcessors()  # penalties, biases, min_tokens (engine/processors.py)
+    ignore_eos: bool = False  # the model's EOS ids do not stop it (stop_token_ids still do)
+    # None: no log-probabilities; k in 0..MAX_TOP_LOGPROBS: each emitted token's and its k most likely alternatives'
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
 
 @dataclass
@@ -79,6 +152,7 @@ class GenerationResult:
     steps: list[StepRecord]
     prompt_tokens: int
     wall_time_s: float
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when the request asked for them
 
     @property
     def mean_accepted_length(self) -> float:

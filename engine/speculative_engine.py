@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Protocol
 
 import torch
@@ -27,7 +27,7 @@ import torch
 from .builders import make_builder
 from .drafters.base import AUTOREGRESSIVE, Drafted, Drafter, DraftRequest, batch_size_bucket, root_only
 from .models.loading import chat_ids, model_eos_ids
-from .requests import FinishReason, GenerationRequest, GenerationResult, StepRecord
+from .requests import FinishReason, GenerationRequest, GenerationResult, LogitsProcessors, StepRecord, TokenLogprob
 from .runners.target import ScoreRequest
 from .step_recorder import StepRecorder
 from .tree import TokenTree
@@ -65,6 +65,9 @@ class Sequence:
     features: CommittedFeatures | None = None
     steps: list[StepRecord] = field(default_factory=list)
     finish: FinishReason | None = None
+    # the request's penalties and biases with its prompt length and stop ids filled in; None when it sets none
+    processors: LogitsProcessors | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token when the request asked for them
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -112,6 +115,8 @@ class SpeculativeEngine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if any(t < 0 or t >= vocab for t in request.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
+        if any(t >= vocab for t, _ in request.processors.logit_bias):
+            raise ValueError(f"logit_bias: token ids must lie in [0, {vocab})")
         if request.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {request.max_new_tokens}")
         total = len(request.prompt_ids) + request.max_new_tokens
@@ -197,7 +202,8 @@ class SpeculativeEngine:
         probabilities never leave the process that computed them."""
         seed = None if s.request.sampling.is_greedy else int(torch.randint(2 ** 62, (1,), generator=s.generator))
         return ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
-                            want_features=self.carries_features, verify_seed=seed)
+                            want_features=self.carries_features, verify_seed=seed, processors=s.processors,
+                            logprobs=s.request.logprobs)
 
     def commit(self, s: Sequence, tree: TokenTree, dist: TargetDists, result: VerifyResult) -> None:
         """Take a verified step into `s`: the accepted path (the next step's cache hint), the target's features
@@ -206,7 +212,13 @@ class SpeculativeEngine:
         if self.carries_features:
             s.features = s.features or CommittedFeatures()
             s.features.commit(tree, dist, result.accepted_nodes)
+        before = len(s.emitted)
         self._emit(s, result.tokens)
+        if s.logprobs is not None:
+            if dist.logprobs is None or len(dist.logprobs) != len(result.tokens):
+                raise ValueError(f"session {s.session_id}: the target returned no log-probabilities for the "
+                                 "emitted tokens")
+            s.logprobs.extend(dist.logprobs[:len(s.emitted) - before])  # those of the tokens emitted
 
     def release(self, s: Sequence) -> None:
         self.target.release(s.session_id)
@@ -218,9 +230,14 @@ class SpeculativeEngine:
         """A new decoding state for a validated request (the router adds it to its running batch)."""
         seed = request.seed if request.seed is not None else int(torch.seed() % (2 ** 62))
         generator = torch.Generator().manual_seed(seed)
+        # ignore_eos: the model's EOS ids neither stop the sequence nor are held back by min_tokens (vLLM's).
+        stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self.eos_ids)
+        processors = replace(request.processors, prompt_tokens=len(request.prompt_ids),
+                             stop_ids=tuple(sorted(stop_ids)))
         return Sequence(request=request, session_id=f"local-{next(_session_ids)}", context=list(request.prompt_ids),
-                        generator=generator, tree=request.tree or self.tree, seed=seed,
-                        stop_ids=self.eos_ids | frozenset(request.stop_token_ids))
+                        generator=generator, tree=request.tree or self.tree, seed=seed, stop_ids=stop_ids,
+                        processors=processors if processors.active else None,
+                        logprobs=[] if request.logprobs is not None else None)
 
     def _emit(self, s: Sequence, tokens: list[int]) -> None:
         # A step's tokens after the one that finishes the sequence (a stop token inside an accepted path, the
@@ -257,7 +274,7 @@ class SpeculativeEngine:
             text = text[:cut]
         return GenerationResult(token_ids=s.emitted, text=text, finish_reason=s.finish or FinishReason.LENGTH,
                                 steps=s.steps, prompt_tokens=len(s.request.prompt_ids),
-                                wall_time_s=time.perf_counter() - s.started)
+                                wall_time_s=time.perf_counter() - s.started, logprobs=s.logprobs)
 
 
 class CommittedFeatures:

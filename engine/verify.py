@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .requests import SamplingParams
+from .requests import SamplingParams, TokenLogprob
 from .sampling import ResidualRow
 from .tree import ChildDraw, TokenTree
 
@@ -90,6 +90,9 @@ class TargetDists:
     # place of `probs` (a 128k-152k vocabulary's dense rows are ~0.5 MB per node: scoring and verifying where
     # they are computed keeps them off the wire and out of the router's memory)
     verified: "VerifyResult | None" = None
+    # With `verified`, when the request asked for them (ScoreRequest.logprobs): the raw log-probability of each
+    # emitted token and its top alternatives (engine/processors.py `path_logprobs`)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

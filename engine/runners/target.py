@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..requests import SamplingParams
+from ..processors import apply_processors, path_logprobs
+from ..requests import LogitsProcessors, SamplingParams
 from ..sampling import warp_probs
 from ..tree import TokenTree
 from ..verify import TargetDists, verify_tree
@@ -33,6 +34,11 @@ class ScoreRequest:
     # temperature > 0: verify here with torch.Generator().manual_seed(verify_seed) and return the verified path
     # instead of the probabilities (None: return them)
     verify_seed: int | None = None
+    # Penalties and biases applied at every node from its own path before the argmax / warp (engine/processors.py)
+    processors: LogitsProcessors | None = None
+    # k in 0..20: verify here (greedy too; sampled needs verify_seed) and return the emitted tokens' raw
+    # log-probabilities with their k most likely alternatives beside the path (None: none)
+    logprobs: int | None = None
 
 
 class TargetRunner:
@@ -63,8 +69,9 @@ class TargetRunner:
         outputs = self.lm.extend_outputs([ExtendRequest(r.session_id, r.tree.tokens.tolist(),
                                                         r.tree.parents.tolist()) for r in requests],
                                          hidden=any(r.want_features for r in requests))
-        dists = to_target_dists_batch([out.logits for out in outputs], [r.sampling for r in requests])
-        dists = [verify_here(r, d) for r, d in zip(requests, dists)]
+        dists = to_target_dists_batch([processed(out.logits, r) for out, r in zip(outputs, requests)],
+                                      [r.sampling for r in requests])
+        dists = [verify_here(r, d, out.logits) for r, d, out in zip(requests, dists, outputs)]
         return [replace(d, features=out.hidden, features_start=start) if r.want_features else d
                 for d, out, r, start in zip(dists, outputs, requests, starts)]
 
@@ -90,10 +97,25 @@ def to_target_dists_batch(logits: list[torch.Tensor], sampling: list[SamplingPar
     return out
 
 
-def verify_here(request: ScoreRequest, dists: TargetDists) -> TargetDists:
+def processed(logits: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
+    """A request's node logits with its penalties and biases applied (the logits themselves when it has none)."""
+    if request.processors is None or not request.processors.active:
+        return logits
+    return apply_processors(logits, request.tree, request.context, request.processors)
+
+
+def verify_here(request: ScoreRequest, dists: TargetDists, logits: torch.Tensor | None = None) -> TargetDists:
     """A sampled request with a `verify_seed`: its tree verified against `dists`' probabilities with a generator
-    seeded so (the same `verify_tree` the router runs), returned in their place."""
-    if request.sampling.is_greedy or request.verify_seed is None:
+    seeded so (the same `verify_tree` the router runs), returned in their place. A request that asks for
+    log-probabilities is verified here whatever its temperature (only here are the rows to read them from) and
+    gets them from the raw `logits` along the verified path."""
+    if request.logprobs is None and (request.sampling.is_greedy or request.verify_seed is None):
         return dists
-    generator = torch.Generator().manual_seed(request.verify_seed)
-    return TargetDists(verified=verify_tree(request.tree, dists, request.sampling, generator))
+    if not request.sampling.is_greedy and request.verify_seed is None:
+        raise ValueError(f"session {request.session_id}: logprobs at temperature > 0 need a verify_seed")
+    generator = torch.Generator().manual_seed(request.verify_seed or 0)  # unused by the greedy walk
+    result = verify_tree(request.tree, dists, request.sampling, generator)
+    if request.logprobs is None or logits is None:
+        return TargetDists(verified=result)
+    return TargetDists(verified=result, logprobs=path_logprobs(logits, [0, *result.accepted_nodes], result.tokens,
+                                                                request.logprobs))
