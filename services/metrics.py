@@ -28,6 +28,7 @@ in-process use) is explicitly a no-op.
 from __future__ import annotations
 
 import logging
+import time
 
 log = logging.getLogger("treeserve.metrics")
 
@@ -52,6 +53,52 @@ def check_boundaries(boundaries: list[float], name: str) -> None:
         raise ValueError(f"{name}: histogram boundaries must be positive, got {boundaries}")
     if any(b >= c for b, c in zip(boundaries, boundaries[1:])):
         raise ValueError(f"{name}: histogram boundaries must increase strictly, got {boundaries}")
+
+
+# Ray keeps a gauge's value only for about two metrics-export periods after it was last set
+# (ray/_private/telemetry/open_telemetry_metric_recorder.py): a gauge set on events alone (a request admitted,
+# a step run) vanished from the export whenever the router was idle, rather than reading 0. KeptGauge re-sets
+# its last values this often, well inside the shortest period (the tests' 2 s; Ray's default is 10 s).
+GAUGE_REFRESH_S = 1.0
+
+
+class KeptGauge:
+    """A `ray.util.metrics.Gauge` whose last value per tag set is re-set every GAUGE_REFRESH_S by a daemon
+    thread, so it stays in the export while nothing changes; the thread ends with the object."""
+
+    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...] = ()):
+        import threading
+        import weakref
+
+        from ray.util.metrics import Gauge
+
+        self._gauge = Gauge(name, description, tag_keys=tag_keys)
+        self._last: dict[tuple, tuple[float, dict | None]] = {}
+        self._lock = threading.Lock()
+        ref = weakref.ref(self)
+
+        def keep() -> None:
+            # Holds only a weak reference: a dropped RouterMetrics takes its thread with it.
+            while True:
+                time.sleep(GAUGE_REFRESH_S)
+                gauge = ref()
+                if gauge is None:
+                    return
+                gauge._refresh()
+                del gauge
+
+        threading.Thread(target=keep, name=f"{name}-keeper", daemon=True).start()
+
+    def set(self, value: float, tags: dict | None = None) -> None:
+        with self._lock:
+            self._last[tuple(sorted((tags or {}).items()))] = (value, tags)
+        self._gauge.set(value, tags=tags)
+
+    def _refresh(self) -> None:
+        with self._lock:
+            last = list(self._last.values())
+        for value, tags in last:
+            self._gauge.set(value, tags=tags)
 
 
 class _Noop:
@@ -110,8 +157,8 @@ class RouterMetrics:
         self.itl_ms = Histogram("treeserve_inter_token_latency_ms", "time between streamed tokens (per token)",
                                 boundaries=LATENCY_MS_BOUNDARIES, tag_keys=("method",))
         self.batch_size = Histogram("treeserve_batch_size", "sequences per step", boundaries=BATCH_SIZE_BOUNDARIES)
-        self.queue_depth = Gauge("treeserve_queue_depth", "admitted requests waiting to join the batch")
-        self.active = Gauge("treeserve_active_sessions", "sequences (sessions) in the running batch")
+        self.queue_depth = KeptGauge("treeserve_queue_depth", "admitted requests waiting to join the batch")
+        self.active = KeptGauge("treeserve_active_sessions", "sequences (sessions) in the running batch")
         self.retries = Counter("treeserve_replica_retries_total", "calls re-sent to another replica",
                                tag_keys=("deployment",))
         self.plain_steps = Counter("treeserve_plain_steps_total", "batch steps that sent no draft token (every "

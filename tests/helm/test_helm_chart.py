@@ -231,6 +231,30 @@ def test_host_path_volume():
     assert {"name": "models", "hostPath": {"path": "/data/models", "type": "Directory"}} in pod["spec"]["volumes"]
 
 
+def test_grafana_dashboard_configmap_for_the_sidecar():
+    """The board ships as a ConfigMap with the label Grafana's dashboard sidecar selects by, its JSON the file in
+    deploy/ (what the served test checks against a live scrape); its namespace, labels and off switch follow
+    the values."""
+    import json
+
+    objs = render(preset("cpu-demo"))
+    configmap = objs["ConfigMap/treeserve-grafana-dashboard"]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert "namespace" not in configmap["metadata"]
+    board = json.loads(configmap["data"]["treeserve.json"])
+    assert board == json.loads((DEPLOY / "grafana" / "treeserve.json").read_text())
+    assert board["uid"] == "treeserve" and len([p for p in board["panels"] if p["type"] != "row"]) >= 10
+    objs = render(preset("cpu-demo"), sets=("metrics.grafanaDashboard.namespace=monitoring",
+                                            "metrics.grafanaDashboard.labels.grafana_dashboard=null",
+                                            "metrics.grafanaDashboard.labels.dashboards=treeserve",
+                                            "metrics.grafanaDashboard.annotations.grafana_folder=TreeServe"))
+    metadata = objs["ConfigMap/treeserve-grafana-dashboard"]["metadata"]
+    assert metadata["namespace"] == "monitoring" and metadata["annotations"] == {"grafana_folder": "TreeServe"}
+    assert metadata["labels"]["dashboards"] == "treeserve" and "grafana_dashboard" not in metadata["labels"]
+    assert "ConfigMap/treeserve-grafana-dashboard" not in render(
+        preset("cpu-demo"), sets=("metrics.grafanaDashboard.enabled=false",))
+
+
 # ------------------------------------------------------------------------------------ documentation
 def test_readme_values_table_is_generated_from_values_yaml():
     import values_doc

@@ -169,7 +169,8 @@ METRICS_REPORT_INTERVAL_MS = 2000
 @pytest.fixture(scope="session")
 def ray_session():
     """One light Ray instance for the whole test session (shared with other packages' fixtures); its metrics are
-    exported on `ray_session.metrics_port` every 2 s."""
+    exported on `ray_session.metrics_port` every 2 s, its dashboard (what `treeserve serve` starts too) serves
+    on `ray_session.dashboard_url` (tests/services/test_dashboard_browser.py)."""
     import ray
 
     if ray.is_initialized():
@@ -181,10 +182,12 @@ def ray_session():
     from treeserve.services.host_priority import REPLICA_SYSTEM_CONFIG
 
     metrics_port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": env}, _metrics_export_port=metrics_port,
-             _system_config={**REPLICA_SYSTEM_CONFIG, "metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS})
+    context = ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
+                       log_to_driver=False, configure_logging=False, runtime_env={"env_vars": env},
+                       _metrics_export_port=metrics_port,
+                       _system_config={**REPLICA_SYSTEM_CONFIG, "metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS})
     ray.metrics_port = metrics_port
+    ray.dashboard_url = f"http://{context.dashboard_url}"
     try:
         yield ray
     finally:
