@@ -298,12 +298,12 @@ class CachedLM:
         self.table.stats.preempted_sessions += 1
         return True
 
-    def _allocate_page(self) -> int:
+    def _allocate_page(self, after: int | None = None) -> int:
         """A page for a session of this step: a free one, a cached one (least recently used), a grown pool's, or
         an idle session's; else `KVPoolExhausted`."""
         while True:
             # A growing pool keeps at most as many cached pages as sessions hold: past that it reuses them.
-            page = self.table.allocate(evict_cached=self.pool.bounded or self.table.cached >= self.table.used)
+            page = self.table.allocate(after, evict_cached=self.pool.bounded or self.table.cached >= self.table.used)
             if page is not None:
                 return page
             if not self.pool.bounded:
@@ -317,7 +317,7 @@ class CachedLM:
     def _hold_slots(self, cache: SessionCache, slots: int) -> None:
         """Give the session pages for logical slots [0, slots)."""
         while len(cache.pages) * self.pool.page_size < slots:
-            cache.pages.append(self._allocate_page())
+            cache.pages.append(self._allocate_page(cache.pages[-1] if cache.pages else None))
 
     def _register(self, cache: SessionCache) -> None:
         """Register the session's full pages of committed context as cached blocks."""
@@ -374,7 +374,7 @@ class CachedLM:
         cache.pages = cache.pages[:kept]
         cache.blocks = cache.blocks[:common // size]
         if common % size and self.table.shared(cache.pages[-1]) and not self.table.unshare(cache.pages[-1]):
-            page = self._allocate_page()
+            page = self._allocate_page(cache.pages[-2] if len(cache.pages) > 1 else None)
             self.pool.copy_page(cache.pages[-1], page, common % size)
             self.table.drop(cache.pages[-1])
             cache.pages[-1] = page

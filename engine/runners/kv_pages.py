@@ -49,7 +49,7 @@ class PageTable:
         self.page_size = page_size
         self.prefix_caching = prefix_caching
         self.pages = 0  # page ids [0, pages) exist
-        self.free: list[int] = []
+        self.free: set[int] = set()
         self.refs: dict[int, int] = {}  # page -> sessions holding it (absent: none)
         self.blocks: dict[BlockKey, Block] = {}
         self.block_of_page: dict[int, Block] = {}
@@ -69,18 +69,20 @@ class PageTable:
 
     def add_pages(self, pages: int) -> None:
         """Page ids [self.pages, pages) now exist (a growing pool grew, or a bounded one was sized)."""
-        self.free.extend(range(pages - 1, self.pages - 1, -1))  # popped lowest first
+        self.free.update(range(self.pages, pages))
         self.pages = max(self.pages, pages)
 
     def reset(self) -> None:
         """Forget every page (a growing pool freed its memory)."""
         self.__init__(self.page_size, self.prefix_caching)
 
-    def allocate(self, evict_cached: bool = True) -> int | None:
-        """A free page, held once; else a cached page's (least recently used first) when `evict_cached`; else
-        None."""
+    def allocate(self, after: int | None = None, evict_cached: bool = True) -> int | None:
+        """A free page, held once: the one after page `after` if free (a session on consecutive pages is read
+        in place, engine/runners/kv_pool.py `PoolCache`), else the lowest; else a cached page's (least recently
+        used first) when `evict_cached`; else None."""
         if self.free:
-            page = self.free.pop()
+            page = after + 1 if after is not None and after + 1 in self.free else min(self.free)
+            self.free.remove(page)
         elif evict_cached and self.evictable:
             page, _ = self.evictable.popitem(last=False)
             self._unregister(page)
@@ -104,7 +106,7 @@ class PageTable:
         if page in self.block_of_page:
             self.evictable[page] = None  # most recently used last
         else:
-            self.free.append(page)
+            self.free.add(page)
 
     def shared(self, page: int) -> bool:
         """Whether writing into `page` could change what someone else reads (another holder, or a cached block)."""

@@ -1,9 +1,10 @@
 """The persistent KV store behind CachedLM: fixed-size pages of KV slots, written in place by each forward.
 
-Per layer the pool holds one key and one value tensor [pages, kv_heads, page_size, head_dim]. A session owns a
+Per layer the pool holds one key and one value tensor [kv_heads, pages, page_size, head_dim]. A session owns a
 page table (engine/runners/kv_pages.py): its logical slot s lies in page `table[s // page_size]` at offset
 `s % page_size`, so a session takes memory as it grows, and pages holding a prefix that several sessions share
-are held once (prefix caching). A step writes only its new tokens' KV (`PoolCache.update`) and a compaction only
+are held once (prefix caching). Pages are the second axis so that consecutive pages are one view per head: a
+session on consecutive pages is read in place, others with one gather (`PoolCache`). A step writes only its new tokens' KV (`PoolCache.update`) and a compaction only
 moves the few accepted tree nodes (`move`): the committed context is never copied.
 
 After the sessions' pages come `scratch_pages` pages no session owns: padded tokens of a batched forward write
@@ -55,7 +56,7 @@ class KVPool:
         self.scratch_pages = scratch_pages
         self.keep_features = keep_features
         self.pages = 0  # pages the tensors hold now (before the scratch pages)
-        # Per layer [pages + scratch_pages, kv_heads, P, head_dim]; None until the layer's first forward.
+        # Per layer [kv_heads, pages + scratch_pages, P, head_dim]; None until the layer's first forward.
         self.keys: list[Tensor | None] = []
         self.values: list[Tensor | None] = []
         self.features: Tensor | None = None  # [pages + scratch, P, F] (keep_features, after the first write)
@@ -73,7 +74,7 @@ class KVPool:
     @property
     def kv_heads(self) -> int:
         """KV heads held per layer (0 before the first forward)."""
-        return self.keys[0].shape[1] if self.keys and self.keys[0] is not None else 0
+        return self.keys[0].shape[0] if self.keys and self.keys[0] is not None else 0
 
     @property
     def nbytes(self) -> int:
@@ -91,10 +92,10 @@ class KVPool:
         if pages <= self.pages:
             return
         grown = max(pages, 2 * self.pages)
-        self.keys = [_resized(t, grown + self.scratch_pages, self.pages) for t in self.keys]
-        self.values = [_resized(t, grown + self.scratch_pages, self.pages) for t in self.values]
-        self.features = _resized(self.features, grown + self.scratch_pages, self.pages)
-        self.feature_valid = _resized(self.feature_valid, grown + self.scratch_pages, self.pages)
+        self.keys = [_resized(t, grown + self.scratch_pages, self.pages, 1) for t in self.keys]
+        self.values = [_resized(t, grown + self.scratch_pages, self.pages, 1) for t in self.values]
+        self.features = _resized(self.features, grown + self.scratch_pages, self.pages, 0)
+        self.feature_valid = _resized(self.feature_valid, grown + self.scratch_pages, self.pages, 0)
         self.pages = grown
 
     def clear(self) -> None:
@@ -111,7 +112,7 @@ class KVPool:
             self.keys.append(None)
             self.values.append(None)
         if self.keys[index] is None:
-            shape = (self.pages + self.scratch_pages, like.shape[1], self.page_size, like.shape[3])
+            shape = (like.shape[1], self.pages + self.scratch_pages, self.page_size, like.shape[3])
             self.keys[index] = like.new_zeros(shape)
             self.values[index] = like.new_zeros(shape)
         return self.keys[index], self.values[index]
@@ -142,8 +143,8 @@ class KVPool:
         dst = self.locate(table, list(range(target, target + len(sources))))
         for tensor in self.keys + self.values:
             if tensor is not None:
-                tensor[dst[0].to(tensor.device), :, dst[1].to(tensor.device)] = \
-                    tensor[src[0].to(tensor.device), :, src[1].to(tensor.device)]
+                tensor[:, dst[0].to(tensor.device), dst[1].to(tensor.device)] = \
+                    tensor[:, src[0].to(tensor.device), src[1].to(tensor.device)]
         for tensor in (self.features, self.feature_valid):
             if tensor is not None:
                 tensor[dst[0].to(tensor.device), dst[1].to(tensor.device)] = \
@@ -154,7 +155,7 @@ class KVPool:
         """Copy the first `slots` slots of page `source` into page `target` (copy-on-write of a shared page)."""
         for tensor in self.keys + self.values:
             if tensor is not None:
-                tensor[target, :, :slots] = tensor[source, :, :slots]
+                tensor[:, target, :slots] = tensor[:, source, :slots]
         for tensor in (self.features, self.feature_valid):
             if tensor is not None:
                 tensor[target, :slots] = tensor[source, :slots]
@@ -236,26 +237,34 @@ class PoolCache(Cache):
             write_pages.append([table[s // size] if s < offset + n else pool.scratch for s in slots])
             write_offsets.append([s % size for s in slots])
         self._write = (write_pages, write_offsets)
+        # (first page, pages) when one row's span lies on consecutive pages; else None
+        table = self.tables[0]
+        self.run = (table[0], pages) if len(self.tables) == 1 and table == list(range(table[0], table[0] + pages)) \
+            else None
         self._index: tuple[Tensor, Tensor, Tensor] | None = None
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
         keys, values = self.pool.layer(layer_idx, key_states)
         pages, offsets, gather = self._indices(key_states.device)
-        # Advanced indices around a slice put their dims first: the target is [B, W, kv_heads, head_dim].
-        keys[pages, :, offsets] = key_states.transpose(1, 2)
-        values[pages, :, offsets] = value_states.transpose(1, 2)
-        if len(self.tables) == 1 and len(self.tables[0]) == 1:
-            page = self.tables[0][0]
-            return keys[page:page + 1, :, :self.span], values[page:page + 1, :, :self.span]
+        # Adjacent advanced indices stay in place: the target is [kv_heads, B, W, head_dim].
+        keys[:, pages, offsets] = key_states.transpose(0, 1)
+        values[:, pages, offsets] = value_states.transpose(0, 1)
+        if self.run is not None:  # one row on consecutive pages: a view
+            first, count = self.run
+            return self._view(keys, first, count), self._view(values, first, count)
         return self._gather(keys, gather), self._gather(values, gather)
 
+    def _view(self, tensor: Tensor, first: int, count: int) -> Tensor:
+        heads, _, size, dim = tensor.shape
+        return tensor[:, first:first + count].reshape(heads, count * size, dim)[None, :, :self.span]
+
     def _gather(self, tensor: Tensor, gather: Tensor) -> Tensor:
-        """[B, kv_heads, span, head_dim] of the rows' pages."""
+        """[B, kv_heads, span, head_dim] of the rows' pages: one copy, then views."""
         batch, pages = len(self.tables), len(self.tables[0])
-        _, heads, size, dim = tensor.shape
-        rows = tensor.index_select(0, gather).view(batch, pages, heads, size, dim).transpose(1, 2)
-        return rows.reshape(batch, heads, pages * size, dim)[:, :, :self.span]
+        heads, _, size, dim = tensor.shape
+        rows = tensor.index_select(1, gather).view(heads, batch, pages * size, dim)
+        return rows.transpose(0, 1)[:, :, :self.span]
 
     def _indices(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """Write pages [B, W], write offsets [B, W] and the gathered pages [B * pages], built once per forward."""
@@ -266,10 +275,12 @@ class PoolCache(Cache):
         return self._index
 
 
-def _resized(tensor: Tensor | None, total: int, kept: int) -> Tensor | None:
-    """`tensor` [pages + scratch, ...] grown to `total` pages along dim 0, its first `kept` pages kept."""
+def _resized(tensor: Tensor | None, total: int, kept: int, dim: int) -> Tensor | None:
+    """`tensor` grown to `total` pages along its pages axis `dim`, its first `kept` pages kept."""
     if tensor is None:
         return None
-    out = tensor.new_zeros(total, *tensor.shape[1:])
-    out[:kept] = tensor[:kept]
+    shape = list(tensor.shape)
+    shape[dim] = total
+    out = tensor.new_zeros(shape)
+    out.narrow(dim, 0, kept).copy_(tensor.narrow(dim, 0, kept))
     return out

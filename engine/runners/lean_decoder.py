@@ -143,12 +143,13 @@ class PoolRows:
         """key/value [B, H_kv, W, D] -> keys/values [B, H_kv, C, D] of the batch rows, the new ones included: their
         leading C slots, C = the mask's width (the step's context bucket)."""
         rows, slots = self.inputs.write_rows, self.inputs.write_slots
-        # Advanced indices around a slice put their dims first: the target is [B, W, H_kv, D].
-        self.keys[layer][rows, :, slots] = key.transpose(1, 2)
-        self.values[layer][rows, :, slots] = value.transpose(1, 2)
+        # The pool is [H_kv, rows, C, D] (engine/runners/kv_pool.py: one page per row here); adjacent advanced
+        # indices stay in place, so the target is [H_kv, B, W, D].
+        self.keys[layer][:, rows, slots] = key.transpose(0, 1)
+        self.values[layer][:, rows, slots] = value.transpose(0, 1)
         read, context = self.inputs.read_rows, self.inputs.mask.shape[-1]
-        return (self.keys[layer][:, :, :context].index_select(0, read),
-                self.values[layer][:, :, :context].index_select(0, read))
+        return (self.keys[layer][:, :, :context].index_select(1, read).transpose(0, 1),
+                self.values[layer][:, :, :context].index_select(1, read).transpose(0, 1))
 
 
 def _attention(module: nn.Module, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float

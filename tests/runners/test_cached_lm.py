@@ -197,7 +197,7 @@ def test_compaction_moves_only_the_accepted_nodes(tiny):
 
     def slots(indices):  # [kv_heads, len(indices), head_dim] of the session's logical slots
         pages, offsets = lm.pool.locate(cache.pages, list(indices))
-        return layer_keys[pages, :, offsets].transpose(0, 1)
+        return layer_keys[:, pages, offsets]
 
     prefix = slots(range(fed)).clone()
     nodes = slots([fed + i for i in (0, 1, 3, 4)]).clone()

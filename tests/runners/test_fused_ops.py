@@ -130,7 +130,7 @@ def causal_step(parts, model, batch: int, width: int, slots: int):
     """An empty pool of `batch` rows and a causal prefill of `width` tokens per row: (pool keys, values, inputs)."""
     config = model.config
     kv_heads = config.num_key_value_heads
-    keys = [torch.zeros(batch, kv_heads, slots, parts.head_dim) for _ in parts.layers]
+    keys = [torch.zeros(kv_heads, batch, slots, parts.head_dim) for _ in parts.layers]
     values = [torch.zeros_like(k) for k in keys]
     ids = torch.randint(0, config.vocab_size, (batch, width), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(width).repeat(batch, 1)

@@ -76,11 +76,11 @@ def test_a_session_cut_back_into_a_shared_page_copies_it_first(tiny):
     step(lm, "b", base + [6])
     page = lm.sessions["a"].pages[1]
     assert lm.sessions["b"].pages[1] == page
-    before = lm.pool.keys[0][page].clone()
+    before = lm.pool.keys[0][:, page].clone()
     diverged = base[:6] + tokens(rng, 5)
     out = step(lm, "b", diverged)  # common prefix 6: inside page 1
     assert lm.sessions["b"].pages[1] != page
-    assert torch.equal(lm.pool.keys[0][page], before)
+    assert torch.equal(lm.pool.keys[0][:, page], before)
     assert (out - plain_logits(tiny, diverged)).abs().max().item() < 1e-4
     assert (step(lm, "a", base + [5, 4]) - plain_logits(tiny, base + [5, 4])).abs().max().item() < 1e-4
 

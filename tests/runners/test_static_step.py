@@ -123,7 +123,7 @@ def test_padding_never_writes_a_live_slot():
     lm.extend([ExtendRequest("b", [5, 6, 7], [-1, 0, 1])])
     scratch = lm.pool.scratch
     for old, new in zip(before, lm.pool.keys):
-        changed = (old != new).any(dim=1).any(dim=-1)  # [rows, slots]
+        changed = (old != new).any(dim=0).any(dim=-1)  # [rows, slots] (the pool is [kv_heads, rows, slots, dim])
         changed[scratch] = False  # the scratch row takes the padding
         where = {(int(r), int(s)) for r, s in changed.nonzero()}
         assert where <= {(rows["b"], slots["b"] + i) for i in range(4)}, where
@@ -169,7 +169,8 @@ def test_eagle3_head_on_the_static_step_equals_its_own_forward(width):
             torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
     assert static.static_step is not None
     attn = head.midlayer.self_attn
-    assert static.pool.keys[0].shape[1:] == (attn.num_kv_heads, static.pool.keys[0].shape[2], attn.head_dim)
+    keys = static.pool.keys[0]  # [kv_heads, rows, slots, head_dim]
+    assert (keys.shape[0], keys.shape[3]) == (attn.num_kv_heads, attn.head_dim)
 
 
 def test_a_bucket_wider_than_a_row_pads_into_the_scratch_row():
