@@ -15,7 +15,7 @@ from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
 from treeserve.engine.methods import SERVED_METHODS  # torch-free
 from treeserve.services.launch import DEFAULT_CONFIG, load_config, start_service, stop_service
 from .generate import format_stats, stream_completion
-from .serve import add_console_arguments, dashboard_config, print_dashboard, quiet_console
+from .serve import add_console_arguments, dashboard_config, print_dashboard, quiet_console, state_ray_auth_mode
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    state_ray_auth_mode(None)
     from treeserve.v1 import generation_pb2 as gen
 
     method = args.method

@@ -8,6 +8,7 @@ whose docstring says which ports listen where.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -44,18 +45,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_console_arguments(parser: argparse.ArgumentParser) -> None:
     """The Ray dashboard and console options `serve` and `demo` share."""
-    from treeserve.services.config.dashboard import DEFAULT_DASHBOARD_PORT
-
     parser.add_argument("--no-dashboard", action="store_true",
                         help="do not start the Ray dashboard (it is started, on loopback, with a local Ray instance)")
     parser.add_argument("--dashboard-host", default="127.0.0.1",
                         help="address of the Ray dashboard (default: %(default)s, this machine only; another address "
                              "needs security.allow_insecure in the config: the dashboard is plain HTTP)")
-    parser.add_argument("--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT,
-                        help="port of the Ray dashboard (default: %(default)s)")
+    parser.add_argument("--dashboard-port", type=int, default=None, metavar="N",
+                        help="port of the Ray dashboard (default: 8265, Ray's)")
     parser.add_argument("--verbose", action="store_true",
                         help="show Ray's and the replicas' own log lines on this console (default: TreeServe's only; "
                              "they are always in /tmp/ray/session_latest/logs)")
+
+
+def state_ray_auth_mode(ray_address: str | None) -> None:
+    """Ray turns token authentication on for a Ray instance it starts here unless RAY_AUTH_MODE says otherwise,
+    and announces that with a warning on every start. Stated explicitly it is the same mode, without the
+    warning. Only before Ray is imported: Ray reads the mode once, and a process that already imported it
+    would then start a cluster its own client cannot authenticate to."""
+    if "ray" not in sys.modules and ray_address is None and not os.environ.get("RAY_ADDRESS"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def quiet_console(verbose: bool) -> None:
@@ -78,12 +86,14 @@ def print_dashboard(service) -> None:
 
 
 def dashboard_config(args: argparse.Namespace):
-    from treeserve.services.config.dashboard import DashboardConfig
+    from treeserve.services.config.dashboard import DEFAULT_DASHBOARD_PORT, DashboardConfig
 
-    return DashboardConfig(enabled=not args.no_dashboard, host=args.dashboard_host, port=args.dashboard_port)
+    port = DEFAULT_DASHBOARD_PORT if args.dashboard_port is None else args.dashboard_port
+    return DashboardConfig(enabled=not args.no_dashboard, host=args.dashboard_host, port=port)
 
 
 def run(args: argparse.Namespace) -> int:
+    state_ray_auth_mode(args.ray_address)
     config = load_config(args.config, args.method, args.budget, args.target, args.drafter, args.grpc_port,
                          args.http_port)
     print(f"starting TreeServe ({config.app.args.speculation.method}, target {config.app.args.target.path}) ...",

@@ -127,11 +127,6 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
     try:
         if not ray.is_initialized():
             local = not joining and control_plane_nice > 0
-            if not joining:
-                # Ray turns token authentication on for a local instance by default and announces it with a
-                # warning every start; stated explicitly it is the same mode, without the warning. The dashboard
-                # then asks for that token (~/.ray/auth_token).
-                os.environ.setdefault("RAY_AUTH_MODE", "token")
             # A joined cluster's dashboard is its head's business: ray.init refuses dashboard options there.
             dashboard_options = {} if joining else {"include_dashboard": with_dashboard}
             if with_dashboard:
@@ -153,6 +148,7 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
                   route_prefix=app.route_prefix)
         if started:
             deprioritise_control_plane(control_plane_nice)
+        # Ray sets RAY_AUTH_MODE=token in this process when it turns token authentication on by default.
         service = Service(api_address(app.args), app.name, config, started,
                           dashboard.url if with_dashboard else None,
                           os.environ.get("RAY_AUTH_MODE", "").lower() == "token")
