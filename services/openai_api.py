@@ -33,9 +33,16 @@ loop, in front of the same `Router` object. What that gives:
   (`{"method": "c2t+lookup", "budget": 16}`; `extra_body=` in the openai client);
 - a stop token (one of the model's EOS ids, or of vLLM's extra field `stop_token_ids`) ends with finish_reason
   "stop", as a stop string does; its text is not in the output;
-- `n` must be 1 (or absent); logprobs, tools, response formats, penalties, logit_bias, echo, suffix and best_of > 1
-  are refused by name. `temperature` defaults to OpenAI's 1.0; 0 is greedy decoding, whose output is the gRPC
-  API's token for token.
+- `n` completions (1..16), each decoded as a request of its own in the batch (`seed` + i with a seed, so
+  choice 0 is the n = 1 output); streamed chunks name their choice's `index`;
+- `logprobs` (chat: `logprobs: true` + `top_logprobs` 0..20; completions: `logprobs: <top count>`): the target
+  model's raw log-probabilities (before penalties, biases and the sampling warp, vLLM's default), token strings
+  decoded one token at a time, in OpenAI's chat and completions shapes, streamed too;
+- `presence_penalty`, `frequency_penalty`, `logit_bias` and vLLM's `repetition_penalty`, `min_tokens`,
+  `ignore_eos` (engine/processors.py: applied at every tree node from its own path, so the output is the plain
+  decoder's with them);
+- tools, response formats, echo, suffix, best_of > 1 and prediction are refused by name. `temperature` defaults
+  to OpenAI's 1.0; 0 is greedy decoding, whose output is the gRPC API's token for token.
 """
 
 from __future__ import annotations
@@ -171,14 +178,14 @@ class OpenAIApi:
                 room = validator.engine.max_context_tokens - len(prompt)
                 max_new = max(1, min(validator.limits.max_new_tokens, room))
             return validator.build(prompt, max_new, fields.temperature, fields.top_p, fields.top_k, fields.stop,
-                                   fields.seed, fields.method, fields.budget, fields.stop_token_ids)
+                                   fields.seed, fields.method, fields.budget, fields.stop_token_ids, fields.options)
 
         return parse
 
     async def _submit(self, fields: Fields):
         parsed: list = []
         try:
-            return await self.router.submit(None, self._parser(fields, parsed))
+            return await self.router.submit(None, self._parser(fields, parsed), n=fields.n)
         except RequestError as exc:
             status = None
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and parsed:  # a size limit, not the concurrency one
@@ -202,15 +209,47 @@ class OpenAIApi:
             self.metrics.record_request("CANCELLED", job.method)
             raise
         self.metrics.record_request("OK", job.method)
-        finish = FINISH.get(reply.finish_reason, "stop")
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": reply.text}, "finish_reason": finish,
-                      "logprobs": None}
-        else:
-            choice = {"index": 0, "text": reply.text, "finish_reason": finish, "logprobs": None}
+        wants = fields.options.logprobs is not None
+        choices = []
+        for i, one in enumerate(reply.choices or [reply]):
+            finish = FINISH.get(one.finish_reason, "stop")
+            logprobs = self._logprobs(one.logprobs, chat) if wants else None
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": one.text},
+                                "finish_reason": finish, "logprobs": logprobs})
+            else:
+                choices.append({"index": i, "text": one.text, "finish_reason": finish, "logprobs": logprobs})
+        stats = [one.stats for one in reply.choices] or [reply.stats]
         return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": self.model_id, "choices": [choice],
-                                  "usage": usage(reply.stats, job.method)}, headers={REQUEST_ID_KEY: rid})
+                                  "created": created, "model": self.model_id, "choices": choices,
+                                  "usage": usage(reply.stats, job.method, stats)}, headers={REQUEST_ID_KEY: rid})
+
+    def _logprobs(self, logprobs, chat: bool, offset: int = 0) -> dict:
+        """OpenAI's logprobs object of a choice (or a chunk's part of it): chat's `content` list of {token,
+        logprob, bytes, top_logprobs}, or completions' parallel lists with `text_offset` from `offset`. A token's
+        string is its id decoded alone (vLLM's), so a token holding part of a UTF-8 character reads as U+FFFD."""
+        tokenizer = self.router.validator.engine.tokenizer
+        text = {}
+
+        def piece(token: int) -> str:
+            if token not in text:
+                text[token] = tokenizer.decode([token])
+            return text[token]
+
+        if chat:
+            return {"content": [{"token": piece(lp.token_id), "logprob": lp.logprob,
+                                 "bytes": list(piece(lp.token_id).encode()),
+                                 "top_logprobs": [{"token": piece(t.token_id), "logprob": t.logprob,
+                                                   "bytes": list(piece(t.token_id).encode())}
+                                                  for t in lp.top_logprobs]} for lp in logprobs], "refusal": None}
+        offsets = []
+        for lp in logprobs:
+            offsets.append(offset)
+            offset += len(piece(lp.token_id))
+        return {"tokens": [piece(lp.token_id) for lp in logprobs],
+                "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{piece(t.token_id): t.logprob for t in lp.top_logprobs} for lp in logprobs],
+                "text_offset": offsets}
 
     async def _stream(self, request: web.Request, job, fields: Fields, chat: bool, ident: str,
                       created: int) -> web.StreamResponse:
@@ -218,14 +257,23 @@ class OpenAIApi:
                                                            "Cache-Control": "no-cache", REQUEST_ID_KEY: request["rid"]})
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        wants = fields.options.logprobs is not None
+        offsets = [0] * fields.n  # completions' text_offset: characters of each choice's tokens sent so far
+
+        def chunk(text: str | None, finish: str | None, role: bool = False, index: int = 0,
+                  logprobs=()) -> dict:
+            lps = None
+            if wants and logprobs:
+                lps = self._logprobs(logprobs, chat, offsets[index])
+                if not chat:
+                    offsets[index] += sum(len(t) for t in lps["tokens"])
             if chat:
                 delta: dict = {"role": "assistant", "content": ""} if role else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lps}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lps}
             out = {"id": ident, "object": kind, "created": created, "model": self.model_id, "choices": [choice]}
             if fields.include_usage:
                 out["usage"] = None
@@ -239,14 +287,18 @@ class OpenAIApi:
         try:
             await response.prepare(request)
             if chat:
-                await send(chunk(None, None, role=True))
+                for index in range(fields.n):
+                    await send(chunk(None, None, role=True, index=index))
+            finished = []  # the final stats of each choice
             async for message in messages:
                 finish = FINISH.get(message.finish_reason) if message.finish_reason else None
-                if message.text_delta or finish:
-                    await send(chunk(message.text_delta, finish))
-                if finish and fields.include_usage:
+                if message.text_delta or finish or (wants and message.logprobs):
+                    await send(chunk(message.text_delta, finish, index=message.index, logprobs=message.logprobs))
+                if finish:
+                    finished.append(message.stats)
+                if finish and fields.include_usage and len(finished) == fields.n:
                     await send({"id": ident, "object": kind, "created": created, "model": self.model_id,
-                                "choices": [], "usage": usage(message.stats, job.method)})
+                                "choices": [], "usage": usage(finished[0], job.method, finished)})
             await send("[DONE]")
         except RequestError as exc:  # after the 200 went out: an error event, then the stream ends
             log_rejection(request["rid"], exc.code, f"{request.path}: {exc.message}", request.remote or "")
@@ -267,10 +319,12 @@ class OpenAIApi:
         return response
 
 
-def usage(stats: gen.GenerationStats, method: str) -> dict:
-    """OpenAI's usage, plus TreeServe's speculation statistics."""
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+def usage(stats: gen.GenerationStats, method: str, choices: list[gen.GenerationStats] = ()) -> dict:
+    """OpenAI's usage (completion tokens of every choice: `choices`' stats when n > 1), plus TreeServe's speculation
+    statistics (of `stats`: the first choice's)."""
+    completion = sum(c.completion_tokens for c in choices) if choices else stats.completion_tokens
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": stats.prompt_tokens + completion,
             "speculation": {"method": method, "steps": stats.steps,
                             "mean_accepted_length": round(stats.mean_accepted_length, 4),
                             "mean_tree_size_tokens": round(stats.mean_tree_size_tokens, 4),

@@ -1,9 +1,10 @@
 """OpenAI request bodies checked into TreeServe's request fields, and OpenAI's error shape.
 
 `Fields` reads a /v1/chat/completions or /v1/completions body: every field OpenAI's clients send is either
-mapped (messages / prompt, max_tokens, temperature, top_p, stop, stream, stream_options, vLLM's `top_k` and
-`stop_token_ids`, the extra `treeserve` object) or, when TreeServe does not implement its meaning, refused by name
-unless it has its neutral value.
+mapped (messages / prompt, max_tokens, temperature, top_p, stop, stream, stream_options, n, seed, logprobs /
+top_logprobs, presence_penalty, frequency_penalty, logit_bias, vLLM's `top_k`, `stop_token_ids`,
+`repetition_penalty`, `min_tokens` and `ignore_eos`, the extra `treeserve` object) or, when TreeServe does not
+implement its meaning, refused by name unless it has its neutral value.
 `ApiError` carries the gRPC code (for the log line and the metric) and the HTTP status and OpenAI error type
 it is answered with (services/openai_api.py).
 """
@@ -15,6 +16,9 @@ import math
 from typing import Any
 
 import grpc
+
+from treeserve.engine.requests import MAX_TOP_LOGPROBS
+from .validation import OutputOptions
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 # HTTP status and OpenAI error type per gRPC code. RESOURCE_EXHAUSTED is 429 when the concurrency limit refused the
@@ -29,15 +33,15 @@ STATUS = {
 }
 TOO_LARGE = (413, "invalid_request_error")
 # Fields whose OpenAI meaning TreeServe does not implement: refused when set to anything but their neutral value.
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
-               "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "echo": (None, False),
-               "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
-               "prediction": (None,)}
+UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+               "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
 ROLE_ALIASES = {"developer": "system"}
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
                "sampling.top_k": "top_k", "stop_strings": "stop", "speculation.method": "treeserve.method",
-               "speculation.budget_tokens": "treeserve.budget"}
+               "speculation.budget_tokens": "treeserve.budget", "sampling.presence_penalty": "presence_penalty",
+               "sampling.frequency_penalty": "frequency_penalty", "sampling.repetition_penalty": "repetition_penalty",
+               "sampling.logit_bias": "logit_bias", "sampling.min_tokens": "min_tokens"}
 
 
 class ApiError(Exception):
@@ -121,10 +125,7 @@ class Fields:
             else:
                 raise ApiError(INVALID, "prompt: must be a string or a list of token ids (one prompt per request)",
                                "prompt")
-        n = body.get("n")
-        if n is not None and (isinstance(n, bool) or n != 1):
-            raise ApiError(INVALID, f"n: only n=1 is supported (one completion per request), got {json.dumps(n)}",
-                           "n")
+        self.n = _integer(body, "n", 1)  # its range is the router's check (services/validation.py)
         for name, neutral in UNSUPPORTED.items():
             if name in body and body[name] not in neutral:
                 raise ApiError(INVALID, f"{name}: not supported by this server", name)
@@ -173,3 +174,41 @@ class Fields:
         if self.method is not None and not isinstance(self.method, str):
             raise ApiError(INVALID, "treeserve.method: must be a string", "treeserve.method")
         self.budget = _integer(extra, "budget", 0)
+        self.options = _options(body, chat)
+
+
+def _options(body: dict, chat: bool) -> OutputOptions:
+    """Penalties, biases, ignore_eos and log-probabilities (ranges: RequestValidator.build's checks). Chat asks for
+    log-probabilities with `logprobs: true` (+ `top_logprobs`), completions with `logprobs: <top count>`."""
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise ApiError(INVALID, "logit_bias: must be an object of token id -> bias", "logit_bias")
+    logit_bias: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ApiError(INVALID, f"logit_bias: keys must be token ids, got {str(key)[:40]!r}", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(INVALID, f"logit_bias: values must be numbers, got {json.dumps(value)[:40]}", "logit_bias")
+        logit_bias[token] = float(value)
+    if chat:
+        wants = body.get("logprobs")
+        if wants is not None and not isinstance(wants, bool):
+            raise ApiError(INVALID, "logprobs: must be true or false", "logprobs")
+        top = _integer(body, "top_logprobs", None)
+        if top is not None and not wants:
+            raise ApiError(INVALID, "top_logprobs: needs logprobs set to true", "top_logprobs")
+        logprobs = (top or 0) if wants else None
+    else:
+        logprobs = _integer(body, "logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        name = "top_logprobs" if chat else "logprobs"
+        raise ApiError(INVALID, f"{name}: must lie in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", name)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(INVALID, "ignore_eos: must be true or false", "ignore_eos")
+    return OutputOptions(presence_penalty=_number(body, "presence_penalty", 0.0),
+                         frequency_penalty=_number(body, "frequency_penalty", 0.0),
+                         repetition_penalty=_number(body, "repetition_penalty", 1.0), logit_bias=logit_bias,
+                         min_tokens=_integer(body, "min_tokens", 0), ignore_eos=ignore_eos, logprobs=logprobs)

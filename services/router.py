@@ -25,12 +25,12 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterable
 
 import grpc
 
-from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult
+from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, TokenLogprob
 from treeserve.engine.speculative_engine import Sequence, SpeculativeEngine
 from treeserve.v1 import generation_pb2 as gen
 from .config import LimitsConfig
@@ -60,6 +60,23 @@ class _Job:
     done: bool = False
     result: GenerationResult | None = None
     status: str | None = None  # final status code name once the job left
+
+
+@dataclass
+class _Group:
+    """A request's n > 1 completions: one job each, in index order, stepping in the batch like any requests."""
+
+    jobs: list[_Job]
+
+    @property
+    def method(self) -> str:
+        return self.jobs[0].method
+
+
+def logprobs_message(logprobs: list[TokenLogprob]) -> list[gen.TokenLogprob]:
+    return [gen.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
+                             top_logprobs=[gen.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in logprobs]
 
 
 class Router:
@@ -105,18 +122,36 @@ class Router:
         async for message in self.drain(job):
             yield message
 
-    async def collect(self, job: _Job) -> gen.GenerateResponse:
-        """Drain a submitted job into one unary reply."""
+    async def collect(self, job: _Job | _Group) -> gen.GenerateResponse:
+        """Drain a submitted job into one unary reply (a group: choice 0's fields and every choice)."""
+        if isinstance(job, _Group):
+            try:
+                replies = [await self.collect(one) for one in job.jobs]
+            finally:
+                self._cancel(job.jobs)
+            reply = gen.GenerateResponse()
+            reply.CopyFrom(replies[0])
+            reply.choices.extend(gen.Completion(index=i, text=r.text, token_ids=r.token_ids,
+                                                finish_reason=r.finish_reason, stats=r.stats, logprobs=r.logprobs)
+                                 for i, r in enumerate(replies))
+            return reply
         tokens: list[int] = []
+        logprobs: list[gen.TokenLogprob] = []
         last = None
         async for message in self.drain(job):
             tokens.extend(message.token_ids)
+            logprobs.extend(message.logprobs)
             last = message
         return gen.GenerateResponse(text=job.result.text, token_ids=tokens, finish_reason=last.finish_reason,
-                                    stats=last.stats)
+                                    stats=last.stats, logprobs=logprobs)
 
-    async def drain(self, job: _Job) -> AsyncIterator[gen.GenerateStreamResponse]:
-        """The job's stream messages until the final one; raises its RequestError if it fails."""
+    async def drain(self, job: _Job | _Group) -> AsyncIterator[gen.GenerateStreamResponse]:
+        """The job's stream messages until the final one; raises its RequestError if it fails. A group's
+        messages interleave as its jobs' steps produce them, each naming its choice (`index`)."""
+        if isinstance(job, _Group):
+            async for message in self._drain_group(job.jobs):
+                yield message
+            return
         try:
             while True:
                 kind, payload = await job.queue.get()
@@ -130,6 +165,35 @@ class Router:
                 job.cancelled = True
                 if self._wake is not None:
                     self._wake.set()
+
+    async def _drain_group(self, jobs: list[_Job]) -> AsyncIterator[gen.GenerateStreamResponse]:
+        """The jobs' messages in the order they arrive until every job sent its final one; the first failure
+        raises, and whatever is unfinished when this ends (failure, cancel) leaves at the next step boundary."""
+        pending = {asyncio.ensure_future(job.queue.get()): i for i, job in enumerate(jobs)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in sorted(done, key=pending.__getitem__):
+                    index = pending.pop(future)
+                    kind, payload = future.result()
+                    if kind == "error":
+                        raise payload
+                    payload.index = index
+                    yield payload
+                    if payload.finish_reason == gen.FINISH_REASON_UNSPECIFIED:
+                        pending[asyncio.ensure_future(jobs[index].queue.get())] = index
+        finally:
+            for future in pending:
+                future.cancel()
+            self._cancel(jobs)
+
+    def _cancel(self, jobs: list[_Job]) -> None:
+        """Jobs whose client went away leave at their next step boundary."""
+        for job in jobs:
+            if not job.done:
+                job.cancelled = True
+        if self._wake is not None:
+            self._wake.set()
 
     async def start(self) -> None:
         if self._task is None:
@@ -164,24 +228,34 @@ class Router:
         own API servers, not Serve's proxies, so Serve counts none of them; load is the requests in flight."""
         return {"in_flight_requests": float(self.in_flight)}
 
-    async def submit(self, message: Any, parse: Any = None) -> _Job:
+    async def submit(self, message: Any, parse: Any = None, n: int | None = None) -> _Job | _Group:
         """Admit a request or refuse it at once: RESOURCE_EXHAUSTED when limits.max_concurrent_requests requests
         are already in flight (checked before any tokenising, so an overloaded router spends nothing on the
         requests it refuses), else the validator's verdict. `parse(message) -> (GenerationRequest, method)`
         replaces `self.parse` for another front end's request form (the OpenAI HTTP API, services/openai_api.py),
-        which validates with the same RequestValidator."""
+        which validates with the same RequestValidator.
+
+        `n` completions (None: the GenerateRequest's own `n`): n > 1 admits n jobs, each counted against the limit,
+        completion i seeded seed + i when the request has a seed (completion 0 is then the n = 1 output), and
+        returns them as one _Group, which `collect` and `drain` take like a job."""
+        if n is None:
+            n = (message.n or 1) if isinstance(message, gen.GenerateRequest) else 1
+        n = RequestValidator.choices(n)
         await self.start()
         limit = self.limits.max_concurrent_requests
-        if self.in_flight >= limit:
+        if self.in_flight + n > limit:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"too many concurrent requests: {self.in_flight} in flight, the limit is {limit}; "
-                               "retry later")
+                               f"too many concurrent requests: {self.in_flight} in flight, the limit is {limit}"
+                               f"{f' ({n} completions asked)' if n > 1 else ''}; retry later")
         request, method = (parse or self.parse)(message)  # synchronous: nothing else is admitted meanwhile
-        job = _Job(request, method, deadline=time.monotonic() + self.limits.request_timeout_s)
-        self._waiting.append(job)
+        jobs = []
+        for i in range(n):
+            one = request if i == 0 or request.seed is None else replace(request, seed=request.seed + i)
+            jobs.append(_Job(one, method, deadline=time.monotonic() + self.limits.request_timeout_s))
+        self._waiting.extend(jobs)
         self.metrics.queue_depth.set(len(self._waiting))
         self._wake.set()
-        return job
+        return jobs[0] if n == 1 else _Group(jobs)
 
     # Back-compatible name.
     _submit = submit
@@ -313,6 +387,7 @@ class Router:
     def _publish(self, job: _Job) -> None:
         s = job.seq
         tokens = s.emitted[job.sent_tokens:]
+        logprobs = logprobs_message(s.logprobs[job.sent_tokens:]) if s.logprobs is not None else []
         job.sent_tokens = len(s.emitted)
         self._emitted(job, len(tokens))
         if s.finish is None:
@@ -320,14 +395,15 @@ class Router:
             delta = visible[len(job.sent_text):] if visible.startswith(job.sent_text) else ""
             job.sent_text += delta
             if tokens or delta:
-                job.queue.put_nowait(("message", gen.GenerateStreamResponse(text_delta=delta, token_ids=tokens)))
+                job.queue.put_nowait(("message", gen.GenerateStreamResponse(text_delta=delta, token_ids=tokens,
+                                                                            logprobs=logprobs)))
             return
         job.result = self.engine.result(s)
         text = job.result.text
         delta = text[len(job.sent_text):] if text.startswith(job.sent_text) else ""
         final = gen.GenerateStreamResponse(text_delta=delta, token_ids=tokens,
                                            finish_reason=FINISH[job.result.finish_reason],
-                                           stats=self._stats(job))
+                                           stats=self._stats(job), logprobs=logprobs)
         job.queue.put_nowait(("message", final))
         self.metrics.mal.observe(job.result.mean_accepted_length, tags={"method": job.method})
         self._leave(job, "OK")

@@ -17,6 +17,7 @@ and what its message says, and how a prompt becomes token ids.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import grpc
@@ -24,7 +25,8 @@ import grpc
 from treeserve.engine.chat_templates import chat_prompt_ids, special_token_strings  # noqa: F401 (re-exported)
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.methods import LOOKUP, split_method, with_lookup
-from treeserve.engine.requests import GenerationRequest, SamplingParams
+from treeserve.engine.requests import (LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE, REPETITION_RANGE,
+                                       GenerationRequest, LogitsProcessors, SamplingParams)
 from treeserve.engine.tree_config import TreeConfig, tree_config
 from treeserve.v1 import generation_pb2 as gen
 from .config import METHODS, LimitsConfig
@@ -33,6 +35,8 @@ MAX_BUDGET_TOKENS = 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_CHOICES = 16  # n: completions of one request, each a request of its own in the batch
 ROLES = ("system", "user", "assistant")
 # Characters per token far above any tokenizer's: text longer than this many characters per allowed token is
 # refused before it is tokenised (tokenising megabytes costs the router seconds).
@@ -80,6 +84,20 @@ def decode_generate_request(payload: bytes):
 
 
 # ------------------------------------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class OutputOptions:
+    """What a request asks beyond prompt, length, warp, stops and tree, as plain values both front ends produce:
+    penalties and biases (engine LogitsProcessors), ignore_eos, log-probabilities. Checked by `build`."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's and its k most likely alternatives'
+
+
 class RequestValidator:
     """Turns a request (plain values) into the engine's GenerationRequest, or raises RequestError.
 
@@ -157,6 +175,49 @@ class RequestValidator:
                 raise RequestError(INVALID, f"stop_token_ids: each must lie in [0, {vocab}), got {t}")
         return tuple(dict.fromkeys(ids))
 
+    def processors(self, options: OutputOptions, max_new_tokens: int) -> LogitsProcessors:
+        """The request's penalties and biases; field names as the gRPC API's (the OpenAI API maps them back)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(options, name)
+            if not math.isfinite(value) or abs(value) > PENALTY_RANGE:
+                raise RequestError(INVALID, f"sampling.{name}: must lie in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], "
+                                            f"got {value}")
+        low, high = REPETITION_RANGE
+        if not math.isfinite(options.repetition_penalty) or not low <= options.repetition_penalty <= high:
+            raise RequestError(INVALID, f"sampling.repetition_penalty: must lie in [{low:g}, {high:g}] (1 = none), "
+                                        f"got {options.repetition_penalty}")
+        bias = options.logit_bias
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(INVALID, f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        vocab = self.engine.target.vocab_size
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise RequestError(INVALID, f"sampling.logit_bias: token ids must lie in [0, {vocab}), got "
+                                            f"{str(token)[:40]!r}")
+            if not math.isfinite(value) or abs(value) > LOGIT_BIAS_RANGE:
+                raise RequestError(INVALID, f"sampling.logit_bias: each bias must lie in [-{LOGIT_BIAS_RANGE:g}, "
+                                            f"{LOGIT_BIAS_RANGE:g}], got {value} for token {token}")
+        if not 0 <= options.min_tokens <= max_new_tokens:
+            raise RequestError(INVALID, f"sampling.min_tokens: must lie in [0, max_new_tokens = {max_new_tokens}], "
+                                        f"got {options.min_tokens}")
+        return LogitsProcessors(presence_penalty=float(options.presence_penalty),
+                                frequency_penalty=float(options.frequency_penalty),
+                                repetition_penalty=float(options.repetition_penalty),
+                                logit_bias=tuple(sorted((int(t), float(b)) for t, b in bias.items())),
+                                min_tokens=int(options.min_tokens))
+
+    @staticmethod
+    def logprobs(value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise RequestError(INVALID, f"top_logprobs: must lie in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        return value
+
+    @staticmethod
+    def choices(n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise RequestError(INVALID, f"n: must lie in [1, {MAX_CHOICES}], got {n}")
+        return n
+
     def tree(self, method: str | None, budget_tokens: int = 0):
         """(per-request TreeConfig or None for the server default, method name)."""
         if method is not None and method not in METHODS:
@@ -179,10 +240,11 @@ class RequestValidator:
 
     def build(self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 0.0,
               top_k: int = 0, stop_strings: Sequence[str] = (), seed: int | None = None, method: str | None = None,
-              budget_tokens: int = 0, stop_token_ids: Sequence[int] = ()) -> tuple[GenerationRequest, str]:
+              budget_tokens: int = 0, stop_token_ids: Sequence[int] = (),
+              options: OutputOptions = OutputOptions()) -> tuple[GenerationRequest, str]:
         """The engine request and its method name; `prompt` comes from one of the prompt_from_* methods. Checks
-        run in a fixed order (sizes, sampling, stop strings, stop token ids, tree), so a request with several
-        faults always gets the same answer."""
+        run in a fixed order (sizes, sampling, penalties, log-probabilities, stop strings, stop token ids, tree),
+        so a request with several faults always gets the same answer."""
         limits = self.limits
         if len(prompt) > limits.max_prompt_tokens:
             raise RequestError(TOO_BIG, f"prompt: {len(prompt)} tokens exceed the limit of {limits.max_prompt_tokens}")
@@ -194,6 +256,8 @@ class RequestValidator:
             raise RequestError(TOO_BIG, f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                                         f"the context window of {self.engine.max_context_tokens}")
         sampling = self.sampling(temperature, top_p, top_k)
+        processors = self.processors(options, max_new_tokens)
+        logprobs = self.logprobs(options.logprobs)
         stops = list(stop_strings)
         if len(stops) > MAX_STOP_STRINGS:
             raise RequestError(INVALID, f"stop_strings: at most {MAX_STOP_STRINGS}, got {len(stops)}")
@@ -202,7 +266,8 @@ class RequestValidator:
         stop_ids = self.stop_token_ids(stop_token_ids)
         tree, name = self.tree(method, budget_tokens)
         request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    stop_strings=tuple(stops), seed=seed or None, tree=tree, stop_token_ids=stop_ids)
+                                    stop_strings=tuple(stops), seed=seed or None, tree=tree, stop_token_ids=stop_ids,
+                                    processors=processors, ignore_eos=bool(options.ignore_eos), logprobs=logprobs)
         try:
             self.engine.validate(request)
         except ValueError as exc:
@@ -227,8 +292,14 @@ class RequestValidator:
             method = METHOD_NAMES.get(spec.method, str(spec.method))
         if spec.lookup:  # hybrid drafting: "<method>+lookup" (the server default's when no method is named)
             method = with_lookup(method or self.engine.tree.method, True)
+        options = OutputOptions(presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                                repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias),
+                                min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
+                                logprobs=message.top_logprobs if message.logprobs else None)
+        if message.top_logprobs and not message.logprobs:
+            raise RequestError(INVALID, "top_logprobs: needs logprobs set")
         return self.build(prompt, message.max_new_tokens, s.temperature, s.top_p, s.top_k, list(message.stop_strings),
-                          s.seed or None, method, spec.budget_tokens, list(message.stop_token_ids))
+                          s.seed or None, method, spec.budget_tokens, list(message.stop_token_ids), options)
 
 
 def _method_names() -> dict[int, str]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from treeserve.engine.drafters.base import DraftRequest
-from treeserve.engine.requests import StepRecord, SamplingParams
+from treeserve.engine.requests import LogitsProcessors, StepRecord, SamplingParams, TokenLogprob
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.tree_config import TreeConfig
@@ -126,6 +126,9 @@ def encode_dists(dists: TargetDists, dense_dtype: str = "float32") -> pb.TargetD
         out.probs.CopyFrom(encode_probs(dists.probs, dense_dtype))
     if dists.features is not None:
         out.features.CopyFrom(encode_features(dists.features, dists.features_start))
+    if dists.logprobs is not None:
+        out.logprobs.extend(pb.PathLogprob(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
+                                           top_logprobs=[v for _, v in lp.top]) for lp in dists.logprobs)
     return out
 
 
@@ -135,7 +138,11 @@ def decode_dists(message: pb.TargetDists) -> TargetDists:
     verified = (VerifyResult(list(message.verified.accepted_nodes), list(message.verified.tokens))
                 if message.HasField("verified") else None)  # checked against the tree by the engine
     features, start = decode_features(message.features) if message.HasField("features") else (None, 0)
-    return TargetDists(argmax=argmax, probs=probs, features=features, features_start=start, verified=verified)
+    # Checked against the emitted tokens by the engine (SpeculativeEngine.commit).
+    logprobs = [TokenLogprob(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs)))
+                for lp in message.logprobs] if verified is not None and len(message.logprobs) else None
+    return TargetDists(argmax=argmax, probs=probs, features=features, features_start=start, verified=verified,
+                       logprobs=logprobs)
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -150,6 +157,25 @@ def decode_sampling(message: pb.WarpParams) -> SamplingParams:
 
 
 _TREE_FIELDS = ("depth", "top_k", "threshold", "delta", "beta")
+
+
+def encode_processors(p: LogitsProcessors) -> pb.LogitsProcessors:
+    return pb.LogitsProcessors(presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                               repetition_penalty=p.repetition_penalty,
+                               logit_bias_tokens=[t for t, _ in p.logit_bias],
+                               logit_bias_values=[b for _, b in p.logit_bias], min_tokens=p.min_tokens,
+                               prompt_tokens=p.prompt_tokens, stop_ids=list(p.stop_ids))
+
+
+def decode_processors(message: pb.LogitsProcessors) -> LogitsProcessors:
+    """ValueError (from LogitsProcessors) for out-of-range values or unpaired bias lists."""
+    if len(message.logit_bias_tokens) != len(message.logit_bias_values):
+        raise ValueError("processors: logit_bias_tokens and logit_bias_values differ in length")
+    return LogitsProcessors(presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
+                            repetition_penalty=message.repetition_penalty or 1.0,
+                            logit_bias=tuple(zip(message.logit_bias_tokens, message.logit_bias_values)),
+                            min_tokens=message.min_tokens, prompt_tokens=message.prompt_tokens,
+                            stop_ids=tuple(message.stop_ids))
 
 
 def encode_tree_config(config: TreeConfig) -> pb.TreeParams:
@@ -208,6 +234,10 @@ def encode_score_item(r: ScoreRequest) -> pb.ScoreItem:
         item.accepted_nodes.extend(r.accepted_nodes)
     if r.verify_seed is not None:
         item.verify_seed = r.verify_seed % (1 << 64)
+    if r.processors is not None:
+        item.processors.CopyFrom(encode_processors(r.processors))
+    if r.logprobs is not None:
+        item.logprobs = r.logprobs
     return item
 
 
@@ -217,7 +247,9 @@ def decode_score_item(item: pb.ScoreItem) -> ScoreRequest:
         raise ValueError(f"session {item.session_id}: empty context")
     return ScoreRequest(item.session_id, list(item.context), decode_tree(item.tree), decode_sampling(item.sampling),
                         hint(item), want_features=item.want_features,
-                        verify_seed=item.verify_seed if item.HasField("verify_seed") else None)
+                        verify_seed=item.verify_seed if item.HasField("verify_seed") else None,
+                        processors=decode_processors(item.processors) if item.HasField("processors") else None,
+                        logprobs=item.logprobs if item.HasField("logprobs") else None)
 
 
 def encode_draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -> pb.DraftItem:

@@ -35,7 +35,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
      "drafters.models.compatibility", "lookup", "lookup.session", "lookup.suffix_index", "lookup.shared_outputs",
      "hardware.cost_curve", "lanes"),
-    # 1. token trees, sampling, verification and the C2T classifier: pure functions over tensors
+    # 1. token trees, sampling, penalties, verification and the C2T classifier: pure functions over tensors
     ("tree", "sampling", "processors", "verify", "acceptance", "c2t_classifier"),
     # 2. models and the runners that keep their KV caches; what a step costs on this machine
     ("tp", "models", "runners", "hardware"),

@@ -135,12 +135,12 @@ def test_models_and_health(http_service, client):
 
 
 @pytest.mark.parametrize("kw, param, words", [
-    (dict(n=2), "n", "only n=1"),
+    (dict(n=17), "n", "must lie in [1, 16]"),
     (dict(temperature=-1), "temperature", "must be >= 0"),
     (dict(top_p=1.5), "top_p", "(0, 1]"),
     (dict(extra_body={"treeserve": {"method": "nope"}}), "treeserve.method", "unknown tree method"),
     (dict(extra_body={"treeserve": {"budget": 5000}}), "treeserve.budget", "budget_tokens"),
-    (dict(logprobs=True), "logprobs", "not supported"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "not supported"),
     (dict(messages=[{"role": "tool", "content": "x"}]), "prompt", "role must be one of"),
     (dict(messages=[{"role": "user", "content": "  "}]), "prompt", "non-empty message"),
     (dict(stop=["x"] * 17), "stop", "at most 16"),
