@@ -18,6 +18,7 @@ import time
 import torch
 
 from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.kv_settings import KVSettings
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 
 
@@ -61,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_causal_lm("default").model
-    lms = {size: CachedLM(model, page_size=size, prefix_caching=False) for size in args.pages}
+    lms = {size: CachedLM(model, kv=KVSettings(page_size=size, prefix_caching=False)) for size in args.pages}
     print(f"plain decoding step, ms (median of {args.steps} steps, then of {args.repeats} repeats)")
     print("context | " + " | ".join(f"page {size}" for size in args.pages))
     for length in args.contexts:

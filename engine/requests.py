@@ -120,6 +120,17 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+    processors: LogitsProcessors = LogitsProcessors()  # penalties, biases, min_tokens (engine/processors.py)
+    ignore_eos: bool = False  # the model's EOS ids do not stop it (stop_token_ids still do)
+    # None: no log-probabilities; k in 0..MAX_TOP_LOGPROBS: each emitted token's and its k most likely alternatives'
+    logprobs: int | None = None
+    # Prefix-cache scope: KV of a prefix is shared only between requests of one scope (the services derive it
+    # from the API token and the request's cache_salt; engine/runners/kv_pages.py)
+    cache_scope: str = ""
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
 
 @dataclass
@@ -153,6 +164,7 @@ class GenerationResult:
     prompt_tokens: int
     wall_time_s: float
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when the request asked for them
+    cached_tokens: int = 0  # prompt tokens whose KV the target took from its prefix cache (OpenAI's usage field)
 
     @property
     def mean_accepted_length(self) -> float:

@@ -68,6 +68,7 @@ class Sequence:
     # the request's penalties and biases with its prompt length and stop ids filled in; None when it sets none
     processors: LogitsProcessors | None = None
     logprobs: list[TokenLogprob] | None = None  # one per emitted token when the request asked for them
+    cached_tokens: int = 0  # context tokens the target took from its prefix cache (each time it began the session)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -193,7 +194,7 @@ class SpeculativeEngine:
     @staticmethod
     def draft_request(s: Sequence) -> DraftRequest:
         return DraftRequest(s.session_id, s.context, s.request.sampling, s.tree, s.seed + len(s.steps),
-                            s.accepted_hint, s.features.rows if s.features else None)
+                            s.accepted_hint, s.features.rows if s.features else None, s.request.cache_scope)
 
     def score_request(self, s: Sequence, tree: TokenTree) -> ScoreRequest:
         """What the target scores for `s` this step: its context and tree, and the previous step's accepted
@@ -203,12 +204,13 @@ class SpeculativeEngine:
         seed = None if s.request.sampling.is_greedy else int(torch.randint(2 ** 62, (1,), generator=s.generator))
         return ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
                             want_features=self.carries_features, verify_seed=seed, processors=s.processors,
-                            logprobs=s.request.logprobs)
+                            logprobs=s.request.logprobs, cache_scope=s.request.cache_scope)
 
     def commit(self, s: Sequence, tree: TokenTree, dist: TargetDists, result: VerifyResult) -> None:
         """Take a verified step into `s`: the accepted path (the next step's cache hint), the target's features
         of it for an EAGLE drafter, and the emitted tokens (which may finish the sequence)."""
         s.accepted_hint = result.accepted_nodes
+        s.cached_tokens += dist.cached_tokens
         if self.carries_features:
             s.features = s.features or CommittedFeatures()
             s.features.commit(tree, dist, result.accepted_nodes)
@@ -274,7 +276,8 @@ class SpeculativeEngine:
             text = text[:cut]
         return GenerationResult(token_ids=s.emitted, text=text, finish_reason=s.finish or FinishReason.LENGTH,
                                 steps=s.steps, prompt_tokens=len(s.request.prompt_ids),
-                                wall_time_s=time.perf_counter() - s.started, logprobs=s.logprobs)
+                                wall_time_s=time.perf_counter() - s.started, logprobs=s.logprobs,
+                                cached_tokens=min(s.cached_tokens, len(s.request.prompt_ids)))
 
 
 class CommittedFeatures:

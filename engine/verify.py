@@ -86,6 +86,8 @@ class TargetDists:
     # nodes), asked for by EAGLE drafters; row 0 is context position `features_start`
     features: Tensor | None = None
     features_start: int = 0
+    # Context tokens whose KV the scorer took from its prefix cache on this session's first step there (stats)
+    cached_tokens: int = 0
     # At temperature > 0 when the scorer verified the tree itself (ScoreRequest.verify_seed): its result, in
     # place of `probs` (a 128k-152k vocabulary's dense rows are ~0.5 MB per node: scoring and verifying where
     # they are computed keeps them off the wire and out of the router's memory)

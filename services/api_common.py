@@ -31,6 +31,13 @@ def request_id(metadata: Any) -> str:
     return uuid.uuid4().hex[:16]
 
 
+def bearer_token(metadata: Any) -> str:
+    """The bearer token of a call's `authorization` metadata or header ("" without one): its tenant, for the
+    prefix cache's scope (services/validation.py `cache_scope`); already checked when the server requires tokens."""
+    scheme, _, token = (metadata_value(metadata, "authorization") or "").strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
 def log_rejection(request_id_: str, code: grpc.StatusCode, reason: str, peer: str = "") -> None:
     """The one log line of a rejected or failed request (no traceback: the client's error is not ours)."""
     level = logging.ERROR if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else logging.WARNING

@@ -37,7 +37,8 @@ from typing import Any, Callable
 import grpc
 
 from treeserve.v1 import generation_pb2 as gen
-from .api_common import REQUEST_ID_KEY, FileWatch, TokenFile, log_rejection, read_secret, request_id
+from .api_common import (REQUEST_ID_KEY, FileWatch, TokenFile, bearer_token, log_rejection, read_secret,
+                         request_id)
 from .config import ApiConfig, SecurityConfig
 from .internal_auth import deny_handler, metadata_value
 from .openai_api import start_http_api
@@ -69,7 +70,7 @@ class RouterServicer:
         """Decode and submit; once the router admitted the request, send the initial metadata (the request id):
         a client that sees initial metadata knows its request holds one of the router's slots."""
         message = decode_generate_request(request) if isinstance(request, (bytes, bytearray)) else request
-        job = await self.router.submit(message)
+        job = await self.router.submit(message, tenant=bearer_token(context.invocation_metadata()))
         try:
             await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
         except Exception:  # pragma: no cover - the call already ended

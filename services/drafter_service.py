@@ -32,6 +32,7 @@ from treeserve.v1 import internal_pb2 as pb, internal_pb2_grpc as pb_grpc
 from . import wire
 from .config import AppConfig
 from .features import FeatureStore, read_delta
+from .metrics import KVMetrics
 from .transport.replica import GrpcReplica, SessionClock
 from .transport.replica_server import Worker, limit_threads
 
@@ -48,6 +49,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.default_method = default_method
         self.worker = Worker()
         self.clock = SessionClock()  # replicas set clock.idle_s: orphaned sessions are freed
+        self.kv_metrics = KVMetrics("Drafter", replica_id)
         # Only an EAGLE drafter reads the target's features (the hidden size, or 3x it for EAGLE-3's fused layers).
         needs = drafter.feature_needs
         self.features = FeatureStore(needs.size) if needs.reads else None
@@ -64,7 +66,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             base = tree_config(method, "auto") if method != "autoregressive" else TreeConfig(method=method)
             config = wire.decode_tree_config(item.tree, base)
             request = DraftRequest(item.session_id, list(item.context), wire.decode_sampling(item.sampling),
-                                   config, int(item.seed), wire.hint(item))
+                                   config, int(item.seed), wire.hint(item), cache_scope=item.cache_scope)
             out.append((request, read_delta(item, self.features) if item.HasField("features") else None))
         return out
 
@@ -92,6 +94,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         finally:
             if self.features is not None:  # rows of sessions whose KV cache the drafter evicted go with it
                 self.features.retain(set(self.session_ids()))
+        self.kv_metrics.record(self.drafter.lm)
         return pb.DraftResponse(trees=[wire.encode_tree(t) for t in call.trees],
                                 draft_ms=(time.perf_counter() - started) * 1e3,
                                 draft_model_ms=call.model_ms, draft_forward_ms=call.forward_ms,
@@ -177,8 +180,8 @@ def load_drafter_from_config(config) -> tuple[ModelDrafter, int]:
                                                              config.drafter.graph_memory_mib,
                                                              max_rows=config.kv_sessions("drafter"),
                                                              fused_ops=config.drafter.fused_ops))
-    # The KV pool is preallocated now: max_sessions x max_context_tokens (treeserve memory-estimate).
-    drafter.lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens)
+    # The KV pool is preallocated now: kv_cache_tokens in pages (treeserve memory-estimate).
+    drafter.lm.bound(config.kv_sessions("drafter"), config.drafter.max_context_tokens, config.drafter.kv())
     drafter.lm.warm_up()
     return drafter, int(target.config.vocab_size)
 

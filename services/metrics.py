@@ -221,3 +221,51 @@ class RouterMetrics:
 
     def record_first_token(self, method: str, ttft_ms: float) -> None:
         self.ttft_ms.observe(ttft_ms, tags={"method": method})
+
+
+class KVMetrics:
+    """A Drafter or Target replica's KV pages and prefix cache (engine/runners/kv_pages.py), exported after each
+    call: prefix-cache queries and hits in tokens (vLLM's `prefix_cache_queries` / `prefix_cache_hits`), pages
+    used by sessions, kept as cached prefixes and free, and idle sessions preempted for pages. `enabled=None`:
+    on inside a Ray worker, off elsewhere; a replica whose runner keeps no CachedLM here (the tensor-parallel
+    target's ranks hold theirs) records nothing."""
+
+    def __init__(self, deployment: str, replica_id: str, enabled: bool | None = None):
+        if enabled is None:
+            try:
+                import ray
+
+                enabled = ray.is_initialized()
+            except Exception:
+                enabled = False
+        self.tags = {"deployment": deployment, "replica": replica_id}
+        self._last = (0, 0, 0)  # the stats' query, hit and preemption counts already exported
+        self.enabled = bool(enabled)
+        if not self.enabled:
+            return
+        from ray.util.metrics import Counter
+
+        keys = ("deployment", "replica")
+        self.queries = Counter("treeserve_prefix_cache_queries_total", "context tokens looked up in the prefix "
+                               "cache when a session began on a replica", tag_keys=keys)
+        self.hits = Counter("treeserve_prefix_cache_hits_total", "of those, tokens whose KV was found cached",
+                            tag_keys=keys)
+        self.preemptions = Counter("treeserve_kv_preemptions_total", "idle sessions dropped to free KV pages "
+                                   "(rebuilt from context if they come back)", tag_keys=keys)
+        self.pages = KeptGauge("treeserve_kv_pages", "KV pages by state: used (held by sessions), cached "
+                               "(prefixes nobody holds) and free", tag_keys=keys + ("state",))
+
+    def record(self, lm) -> None:
+        """Export `lm`'s (a CachedLM, or None) counters since the last call and its pages now."""
+        if not self.enabled or lm is None:
+            return
+        table, stats = lm.table, lm.table.stats
+        now = (stats.query_tokens, stats.hit_tokens, stats.preempted_sessions)
+        for counter, new, old in zip((self.queries, self.hits, self.preemptions), now, self._last):
+            if new > old:
+                counter.inc(new - old, tags=self.tags)
+        self._last = now
+        total = lm.pool.max_pages if lm.pool.bounded else table.pages
+        for state, value in (("used", table.used), ("cached", table.cached),
+                             ("free", max(0, total - table.used - table.cached))):
+            self.pages.set(value, tags={**self.tags, "state": state})

@@ -59,10 +59,10 @@ import grpc
 from aiohttp import web
 
 from treeserve.v1 import generation_pb2 as gen
-from .api_common import REQUEST_ID_KEY, FileWatch, TokenFile, log_rejection, request_id
+from .api_common import REQUEST_ID_KEY, FileWatch, TokenFile, bearer_token, log_rejection, request_id
 from .config import ApiConfig, SecurityConfig
 from .openai_request import INVALID, STATUS, TOO_LARGE, ApiError, Fields, error_body, param_of
-from .validation import RequestError
+from .validation import RequestError, cache_scope
 
 log = logging.getLogger("treeserve.api")
 
@@ -159,9 +159,10 @@ class OpenAIApi:
                                                       f"serves {self.model_id!r})", "model")
         return body
 
-    def _parser(self, fields: Fields, parsed: list):
+    def _parser(self, fields: Fields, parsed: list, tenant: str):
         """The router's `parse` for this request: runs once the request holds a slot (after the concurrency
-        check), so tokenising happens only for admitted requests, through the shared validator."""
+        check), so tokenising happens only for admitted requests, through the shared validator. `tenant`: the
+        caller's bearer token (the prefix cache's scope, with the body's cache_salt)."""
 
         def parse(_message):
             parsed.append(True)
@@ -178,14 +179,15 @@ class OpenAIApi:
                 room = validator.engine.max_context_tokens - len(prompt)
                 max_new = max(1, min(validator.limits.max_new_tokens, room))
             return validator.build(prompt, max_new, fields.temperature, fields.top_p, fields.top_k, fields.stop,
-                                   fields.seed, fields.method, fields.budget, fields.stop_token_ids, fields.options)
+                                   fields.seed, fields.method, fields.budget, fields.stop_token_ids, fields.options,
+                                   cache_scope(tenant, fields.cache_salt))
 
         return parse
 
-    async def _submit(self, fields: Fields):
+    async def _submit(self, fields: Fields, tenant: str):
         parsed: list = []
         try:
-            return await self.router.submit(None, self._parser(fields, parsed), n=fields.n)
+            return await self.router.submit(None, self._parser(fields, parsed, tenant), n=fields.n)
         except RequestError as exc:
             status = None
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and parsed:  # a size limit, not the concurrency one
@@ -195,7 +197,7 @@ class OpenAIApi:
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
         fields = Fields(body, chat)
-        job = await self._submit(fields)
+        job = await self._submit(fields, bearer_token([(k.lower(), v) for k, v in request.headers.items()]))
         rid = request["rid"]
         created = int(time.time())
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
@@ -325,6 +327,7 @@ def usage(stats: gen.GenerationStats, method: str, choices: list[gen.GenerationS
     completion = sum(c.completion_tokens for c in choices) if choices else stats.completion_tokens
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
             "total_tokens": stats.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
             "speculation": {"method": method, "steps": stats.steps,
                             "mean_accepted_length": round(stats.mean_accepted_length, 4),
                             "mean_tree_size_tokens": round(stats.mean_tree_size_tokens, 4),

@@ -139,6 +139,11 @@ class Fields:
         self.top_p = _number(body, "top_p", 1.0)
         self.top_k = _integer(body, "top_k", 0)  # vLLM's extra sampling field
         self.seed = _integer(body, "seed", None, minimum=0)
+        # vLLM's extra field: requests share cached KV only with the same API token and salt (its length is
+        # checked with the gRPC field's rule, services/validation.py cache_scope)
+        self.cache_salt = body.get("cache_salt") or ""
+        if not isinstance(self.cache_salt, str):
+            raise ApiError(INVALID, "cache_salt: must be a string", "cache_salt")
         stop = body.get("stop")
         if stop is None:
             self.stop: list[str] = []

@@ -213,10 +213,10 @@ class Router:
             self._fail(job, RequestError(grpc.StatusCode.UNAVAILABLE, "router shutting down"))
 
     # ------------------------------------------------------------------ validation
-    def parse(self, message: gen.GenerateRequest) -> tuple[GenerationRequest, str]:
+    def parse(self, message: gen.GenerateRequest, tenant: str = "") -> tuple[GenerationRequest, str]:
         """GenerateRequest -> (engine request, method name); RequestError for bad or oversized input
-        (services/validation.py)."""
-        return self.validator.from_proto(message)
+        (services/validation.py). `tenant`: the caller's bearer token (its prefix-cache scope)."""
+        return self.validator.from_proto(message, tenant)
 
     # ------------------------------------------------------------------ admission
     @property
@@ -228,7 +228,7 @@ class Router:
         own API servers, not Serve's proxies, so Serve counts none of them; load is the requests in flight."""
         return {"in_flight_requests": float(self.in_flight)}
 
-    async def submit(self, message: Any, parse: Any = None, n: int | None = None) -> _Job | _Group:
+    async def submit(self, message: Any, parse: Any = None, n: int | None = None, tenant: str = "") -> _Job | _Group:
         """Admit a request or refuse it at once: RESOURCE_EXHAUSTED when limits.max_concurrent_requests requests
         are already in flight (checked before any tokenising, so an overloaded router spends nothing on the
         requests it refuses), else the validator's verdict. `parse(message) -> (GenerationRequest, method)`
@@ -237,7 +237,8 @@ class Router:
 
         `n` completions (None: the GenerateRequest's own `n`): n > 1 admits n jobs, each counted against the limit,
         completion i seeded seed + i when the request has a seed (completion 0 is then the n = 1 output), and
-        returns them as one _Group, which `collect` and `drain` take like a job."""
+        returns them as one _Group, which `collect` and `drain` take like a job. `tenant`: the caller's bearer token,
+        which scopes the prefix cache of a GenerateRequest (another front end's `parse` scopes its own)."""
         if n is None:
             n = (message.n or 1) if isinstance(message, gen.GenerateRequest) else 1
         n = RequestValidator.choices(n)
@@ -247,7 +248,8 @@ class Router:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"too many concurrent requests: {self.in_flight} in flight, the limit is {limit}"
                                f"{f' ({n} completions asked)' if n > 1 else ''}; retry later")
-        request, method = (parse or self.parse)(message)  # synchronous: nothing else is admitted meanwhile
+        # synchronous: nothing else is admitted meanwhile
+        request, method = parse(message) if parse is not None else self.parse(message, tenant)
         jobs = []
         for i in range(n):
             one = request if i == 0 or request.seed is None else replace(request, seed=request.seed + i)
@@ -431,7 +433,8 @@ class Router:
                                    accepted_tokens_both=by_source["both"],
                                    mean_tree_size_lookup_tokens=r.mean_tree_size_lookup,
                                    run_ahead_hits=sum(s.run_ahead_hit for s in r.steps),
-                                   drafted_steps=sum(s.tree_size > 0 for s in r.steps))
+                                   drafted_steps=sum(s.tree_size > 0 for s in r.steps),
+                                   cached_tokens=r.cached_tokens)
 
     # ------------------------------------------------------------------ leaving
     def _fail(self, job: _Job, error: RequestError) -> None:

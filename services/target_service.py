@@ -24,6 +24,7 @@ from treeserve.engine.speculative_engine import Target
 from treeserve.v1 import internal_pb2 as pb, internal_pb2_grpc as pb_grpc
 from . import wire
 from .features import FeaturesUnavailable, check_target_provides
+from .metrics import KVMetrics
 from .transport.replica import GrpcReplica, SessionClock
 from .transport.replica_server import Worker, limit_threads
 
@@ -46,6 +47,7 @@ class TargetServicer(pb_grpc.TargetServicer):
         self.worker = Worker()
         self.clock = SessionClock()  # replicas set clock.idle_s: orphaned sessions are freed
         self._seen: set[str] = set()  # for runners that do not expose their sessions (TP)
+        self.kv_metrics = KVMetrics("Target", replica_id)
 
     def _score(self, message: pb.ScoreRequest) -> pb.ScoreResponse:
         started = time.perf_counter()
@@ -58,6 +60,7 @@ class TargetServicer(pb_grpc.TargetServicer):
             requests.append(wire.decode_score_item(item))
         dists = self.runner.score(requests)
         self._seen.update(r.session_id for r in requests)
+        self.kv_metrics.record(self.runner.lm)
         return pb.ScoreResponse(dists=[wire.encode_dists(d, self.dense_dtype) for d in dists],
                                 score_ms=(time.perf_counter() - started) * 1e3)
 
@@ -123,7 +126,7 @@ class TargetReplica(GrpcReplica):
 def load_target_from_config(config) -> ServedTarget:
     """TargetRunner for tensor_parallel_size 1; the tensor-parallel target (services/tp_target.py) above."""
     target = config.target
-    # The KV pool is preallocated at start: max_sessions x max_context_tokens (treeserve memory-estimate).
+    # The KV pool is preallocated at start: kv_cache_tokens in pages (treeserve memory-estimate).
     sessions = config.kv_sessions("target")
 
     # An EAGLE-3 drafter fuses several target layers: the Target returns exactly those with its scores (read
@@ -137,7 +140,7 @@ def load_target_from_config(config) -> ServedTarget:
 
         return TensorParallelTarget(target.path, target.tensor_parallel_size, target.device, target.dtype,
                                     max_sessions=sessions, max_context_tokens=target.max_context_tokens,
-                                    static=static,
+                                    static=static, kv=target.kv(),
                                     gpu_memory_fraction=target.gpu_memory_fraction, feature_layers=feature_layers)
 
     dtype = parse_dtype(target.dtype)
@@ -145,6 +148,6 @@ def load_target_from_config(config) -> ServedTarget:
     loaded = load_causal_lm(target.path, target.device, dtype)
     runner = TargetRunner(loaded.model, target.device, dtype, max_sessions=sessions, feature_layers=feature_layers,
                           static=static)
-    runner.lm.bound(sessions, target.max_context_tokens)
+    runner.lm.bound(sessions, target.max_context_tokens, target.kv())
     runner.lm.warm_up()
     return runner

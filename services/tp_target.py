@@ -48,6 +48,7 @@ from typing import Any
 import ray
 import torch
 
+from treeserve.engine.kv_settings import KVSettings
 from treeserve.engine.models.loading import resolve_model_dir
 from treeserve.engine.models.tp_loading import load_tp_shard
 from treeserve.engine.runners.step_settings import StaticStepSettings
@@ -124,7 +125,7 @@ class _Rank:
               max_sessions: int, timeout_s: float, from_slices: bool = True, max_context_tokens: int | None = None,
               gpu_memory_fraction: float | None = None,
               feature_layers: tuple[int, ...] | None = None,
-              static: StaticStepSettings | None = None) -> dict[str, Any]:
+              static: StaticStepSettings | None = None, kv: KVSettings | None = None) -> dict[str, Any]:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -147,7 +148,7 @@ class _Rank:
         # Each rank replays its own graphs, the all-reduces inside them (as vLLM captures NCCL collectives).
         self.runner = TargetRunner(model, dev, dtype, max_sessions, feature_layers=feature_layers, static=static)
         if max_context_tokens is not None:  # the bounded KV pool, allocated now (every rank at once: collectives)
-            self.runner.lm.bound(max_sessions, max_context_tokens)
+            self.runner.lm.bound(max_sessions, max_context_tokens, kv)
             self.runner.lm.warm_up()
         return {"rank": self.rank, "init_s": init_s, "load_s": info.load_s, "mode": info.mode,
                 "local_param_bytes": info.local_param_bytes, "full_param_bytes": info.full_param_bytes,
@@ -213,7 +214,7 @@ class TensorParallelTarget:
                  feature_layers: tuple[int, ...] | None = None,
                  max_sessions: int = 256, max_context_tokens: int | None = None,
                  gpu_memory_fraction: float | None = None, static: StaticStepSettings | None = None,
-                 num_threads: int = 1, placement_strategy: str = "STRICT_PACK",
+                 kv: KVSettings | None = None, num_threads: int = 1, placement_strategy: str = "STRICT_PACK",
                  start_timeout_s: float = 600.0, step_timeout_s: float = 600.0,
                  health_timeout_s: float = 30.0, load_from_slices: bool = True):
         from transformers import AutoConfig
@@ -227,6 +228,7 @@ class TensorParallelTarget:
         self.max_context_tokens = max_context_tokens
         self.gpu_memory_fraction = gpu_memory_fraction
         self.static = static  # each rank's static-shape step (CUDA graphs); None: eager forwards
+        self.kv = kv  # each rank's KV pages and prefix caching (the same decisions on every rank: same inputs)
         self.actors: list = []
         self.load_info: list[dict[str, Any]] = []
         self._own_pg = None
@@ -286,7 +288,8 @@ class TensorParallelTarget:
         backend = backend_for(self.device)
         refs = [a.setup.remote(init_method, backend, str(model_dir), self.device, self.dtype, max_sessions,
                                self.step_timeout_s, self.load_from_slices, self.max_context_tokens,
-                               self.gpu_memory_fraction, self.feature_layers, self.static) for a in self.actors]
+                               self.gpu_memory_fraction, self.feature_layers, self.static, self.kv)
+                for a in self.actors]
         self.load_info = self._gather(refs, timeout_s)
         self.init_method, self.backend = init_method, backend
 

@@ -16,6 +16,7 @@ and what its message says, and how a prompt becomes token ids.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -37,6 +38,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_CHOICES = 16  # n: completions of one request, each a request of its own in the batch
+MAX_CACHE_SALT_CHARS = 256
 ROLES = ("system", "user", "assistant")
 # Characters per token far above any tokenizer's: text longer than this many characters per allowed token is
 # refused before it is tokenised (tokenising megabytes costs the router seconds).
@@ -68,6 +70,17 @@ class RequestError(Exception):
     @property
     def http_status(self) -> int:
         return HTTP_STATUS.get(self.code, 500)
+
+
+def cache_scope(tenant: str, salt: str = "") -> str:
+    """The prefix-cache scope of a request: its tenant (the bearer token it was admitted with; "" without tokens)
+    and its cache salt (vLLM's cache_salt), hashed so the token itself never travels to the replicas. Requests
+    share cached KV, and so can time each other's prefixes, only within one scope (docs/design.md section 10)."""
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise RequestError(INVALID, f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+    if not tenant and not salt:
+        return ""
+    return hashlib.sha256(f"{tenant}\0{salt}".encode()).hexdigest()[:32]
 
 
 def decode_generate_request(payload: bytes):
@@ -241,7 +254,7 @@ class RequestValidator:
     def build(self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 0.0,
               top_k: int = 0, stop_strings: Sequence[str] = (), seed: int | None = None, method: str | None = None,
               budget_tokens: int = 0, stop_token_ids: Sequence[int] = (),
-              options: OutputOptions = OutputOptions()) -> tuple[GenerationRequest, str]:
+              options: OutputOptions = OutputOptions(), scope: str = "") -> tuple[GenerationRequest, str]:
         """The engine request and its method name; `prompt` comes from one of the prompt_from_* methods. Checks
         run in a fixed order (sizes, sampling, penalties, log-probabilities, stop strings, stop token ids, tree),
         so a request with several faults always gets the same answer."""
@@ -267,7 +280,8 @@ class RequestValidator:
         tree, name = self.tree(method, budget_tokens)
         request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                                     stop_strings=tuple(stops), seed=seed or None, tree=tree, stop_token_ids=stop_ids,
-                                    processors=processors, ignore_eos=bool(options.ignore_eos), logprobs=logprobs)
+                                    processors=processors, ignore_eos=bool(options.ignore_eos), logprobs=logprobs,
+                                    cache_scope=scope)
         try:
             self.engine.validate(request)
         except ValueError as exc:
@@ -275,8 +289,8 @@ class RequestValidator:
         return request, name
 
     # -------------------------------------------------------------- gRPC adapter
-    def from_proto(self, message) -> tuple[GenerationRequest, str]:
-        """treeserve.v1.GenerateRequest -> (engine request, method name)."""
+    def from_proto(self, message, tenant: str = "") -> tuple[GenerationRequest, str]:
+        """treeserve.v1.GenerateRequest -> (engine request, method name); `tenant`: the caller's bearer token."""
         which = message.WhichOneof("prompt")
         if which is None:
             raise RequestError(INVALID, "prompt: set one of text, chat or token_ids")
@@ -298,8 +312,9 @@ class RequestValidator:
                                 logprobs=message.top_logprobs if message.logprobs else None)
         if message.top_logprobs and not message.logprobs:
             raise RequestError(INVALID, "top_logprobs: needs logprobs set")
+        scope = cache_scope(tenant, message.cache_salt)
         return self.build(prompt, message.max_new_tokens, s.temperature, s.top_p, s.top_k, list(message.stop_strings),
-                          s.seed or None, method, spec.budget_tokens, list(message.stop_token_ids), options)
+                          s.seed or None, method, spec.budget_tokens, list(message.stop_token_ids), options, scope)
 
 
 def _method_names() -> dict[int, str]:

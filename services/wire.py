@@ -126,6 +126,7 @@ def encode_dists(dists: TargetDists, dense_dtype: str = "float32") -> pb.TargetD
         out.probs.CopyFrom(encode_probs(dists.probs, dense_dtype))
     if dists.features is not None:
         out.features.CopyFrom(encode_features(dists.features, dists.features_start))
+    out.cached_tokens = dists.cached_tokens
     if dists.logprobs is not None:
         out.logprobs.extend(pb.PathLogprob(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
                                            top_logprobs=[v for _, v in lp.top]) for lp in dists.logprobs)
@@ -142,7 +143,7 @@ def decode_dists(message: pb.TargetDists) -> TargetDists:
     logprobs = [TokenLogprob(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs)))
                 for lp in message.logprobs] if verified is not None and len(message.logprobs) else None
     return TargetDists(argmax=argmax, probs=probs, features=features, features_start=start, verified=verified,
-                       logprobs=logprobs)
+                       logprobs=logprobs, cached_tokens=message.cached_tokens)
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -228,7 +229,8 @@ def encode_score_item(r: ScoreRequest) -> pb.ScoreItem:
     # The draft rows are for verification: a greedy tree goes without them where its shape allows.
     with_rows = not r.sampling.is_greedy or r.tree.needs_draft_rows
     item = pb.ScoreItem(session_id=r.session_id, context=r.context, tree=encode_tree(r.tree, with_rows=with_rows),
-                        sampling=encode_sampling(r.sampling), want_features=r.want_features)
+                        sampling=encode_sampling(r.sampling), want_features=r.want_features,
+                        cache_scope=r.cache_scope)
     if r.accepted_nodes is not None:
         item.has_accepted_nodes = True
         item.accepted_nodes.extend(r.accepted_nodes)
@@ -249,13 +251,13 @@ def decode_score_item(item: pb.ScoreItem) -> ScoreRequest:
                         hint(item), want_features=item.want_features,
                         verify_seed=item.verify_seed if item.HasField("verify_seed") else None,
                         processors=decode_processors(item.processors) if item.HasField("processors") else None,
-                        logprobs=item.logprobs if item.HasField("logprobs") else None)
+                        logprobs=item.logprobs if item.HasField("logprobs") else None, cache_scope=item.cache_scope)
 
 
 def encode_draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -> pb.DraftItem:
     """A DraftItem; `features`: the rows the receiving replica lacks (services/features.py)."""
     item = pb.DraftItem(session_id=r.session_id, context=r.context, sampling=encode_sampling(r.sampling),
-                        tree=encode_tree_config(r.tree), seed=r.seed % (1 << 64))
+                        tree=encode_tree_config(r.tree), seed=r.seed % (1 << 64), cache_scope=r.cache_scope)
     if r.accepted_nodes is not None:
         item.has_accepted_nodes = True
         item.accepted_nodes.extend(r.accepted_nodes)

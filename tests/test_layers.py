@@ -34,7 +34,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # 0. settings and requests, torch-free: what the Serve config, the wire format and the CLI's options read
     ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
      "drafters.models.compatibility", "lookup", "lookup.session", "lookup.suffix_index", "lookup.shared_outputs",
-     "hardware.cost_curve", "lanes"),
+     "hardware.cost_curve", "lanes", "kv_settings"),
     # 1. token trees, sampling, penalties, verification and the C2T classifier: pure functions over tensors
     ("tree", "sampling", "processors", "verify", "acceptance", "c2t_classifier"),
     # 2. models and the runners that keep their KV caches; what a step costs on this machine
@@ -56,7 +56,8 @@ HEAVY = ("torch", "transformers", "ray", "grpc", "numpy", "safetensors")
 # TreeServe's, where the function needs it): the Serve config validates drafters and lookup settings with them,
 # and the CLI builds its options from them, in processes that never load a model.
 TORCH_FREE = ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
-              "drafters.models.compatibility", "lookup", "lookup.session", "hardware.cost_curve", "bench.options")
+              "drafters.models.compatibility", "lookup", "lookup.session", "hardware.cost_curve", "bench.options",
+              "kv_settings")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -51,16 +51,13 @@ from ..models.attention import attention_for, use_attention
 from ..models.hf_cache import cache_argument
 from ..models.packed_linear import use_fast_cpu_linears
 from ..tree import ancestor_mask
+from ..kv_settings import KVSettings
 from .kv_pages import PageTable
 from .kv_pool import KVPool, KVPoolExhausted, PoolCache
 from .lean_decoder import LeanEnds, decoder_parts, head_forward, lean_forward, unsupported_reason
 from .row_groups import DEFAULT_FORWARD_OVERHEAD, RowShape, row_groups
 from .static_step import RowInput, StaticStep
 from .step_settings import StaticStepSettings
-
-
-# Slots per KV page: measured on the CPU eager path (docs/performance.md section 19).
-DEFAULT_PAGE_SIZE = 64
 
 
 @dataclass
@@ -115,11 +112,10 @@ class CachedLM:
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256, max_context_tokens: int | None = None,
                  attention: str | None = None, static: StaticStepSettings | None = None,
                  forward_overhead: float = DEFAULT_FORWARD_OVERHEAD, drafter: DrafterForward | None = None,
-                 page_size: int = DEFAULT_PAGE_SIZE, prefix_caching: bool = True, kv_tokens: int | None = None,
-                 keep_features: bool = False):
+                 kv: KVSettings = KVSettings(), keep_features: bool = False):
         # `drafter`: how the model's forward differs from a causal LM's, declared by a drafter model
         # (`DrafterModel.runner_forward()`); None: a causal LM (a target, or a drafter that is one).
-        # `page_size`, `prefix_caching`, `kv_tokens`: the paged pool (see `bound`); `keep_features`: keep the
+        # `kv`: pages and prefix caching (see `bound`); `keep_features`: keep the
         # features forwards return beside the KV, so a cached prefix returns them too (a target serving EAGLE).
         # Same function, faster on CPU: oneDNN linears on packed weights (a small tree costs about one
         # row), attention without repeat_kv; on a GPU fused SDPA (`attention`: override the per-device choice,
@@ -148,10 +144,8 @@ class CachedLM:
         self.static_settings = static if static is not None and reason is None else None
         self.static_reason = None if static is None else reason  # why it could not
         self.static_step: StaticStep | None = None  # built by the first forward (the pool allocated in full)
-        self.page_size = page_size
-        self.prefix_caching = prefix_caching
         self.keep_features = keep_features
-        self.bound(max_sessions, max_context_tokens, kv_tokens)
+        self.bound(max_sessions, max_context_tokens, kv)
 
     def _lean_ends(self) -> LeanEnds | None:
         """The embedding and head the lean decoder runs around a drafter model's trunk (its declared
@@ -165,13 +159,15 @@ class CachedLM:
             return f"{type(self.model).__name__} declares no lean_ends() (its embedding and head)"
         return unsupported_reason(self.model, ends)
 
-    def bound(self, max_sessions: int, max_context_tokens: int | None = None, kv_tokens: int | None = None) -> None:
+    def bound(self, max_sessions: int, max_context_tokens: int | None = None, kv: KVSettings | None = None) -> None:
         """Size the KV pool. At most `max_sessions` sessions hold KV at once; a sequence holds at most
-        `max_context_tokens`. With `max_context_tokens`, the pool is bounded: `kv_tokens` slots in pages of
-        `page_size` (default max_sessions x max_context_tokens), preallocated by the next forward (see
+        `max_context_tokens`. With `max_context_tokens`, the pool is bounded: `kv.kv_tokens` slots in pages of
+        `kv.page_size` (default max_sessions x max_context_tokens), preallocated by the next forward (see
         `warm_up`); else it grows. A static step keeps one page per session (page_size = max_context_tokens:
-        its rows). Drops every session and cached prefix."""
-        page_size = self.page_size
+        its rows). `kv` None keeps the current settings. Drops every session and cached prefix."""
+        self.kv = kv = kv or self.kv
+        self.prefix_caching = kv.prefix_caching
+        page_size, kv_tokens = kv.page_size, kv.kv_tokens
         if self.static_settings is not None:
             if max_context_tokens is None:  # a growing pool cannot be captured: bound it
                 max_context_tokens = self.static_settings.context_tokens

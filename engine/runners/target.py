@@ -31,6 +31,7 @@ class ScoreRequest:
     sampling: SamplingParams
     accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
     want_features: bool = False  # also return the target's features of the fed rows (for an EAGLE drafter)
+    cache_scope: str = ""  # the tenant's prefix-cache scope (engine/runners/kv_pages.py)
     # temperature > 0: verify here with torch.Generator().manual_seed(verify_seed) and return the verified path
     # instead of the probabilities (None: return them)
     verify_seed: int | None = None
@@ -49,7 +50,7 @@ class TargetRunner:
                  static: StaticStepSettings | None = None):
         """`feature_layers`: the hidden_states an EAGLE-3 drafter fuses (None: the final state, EAGLE-1/2);
         `static`: run the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py)."""
-        self.lm = CachedLM(model, device, dtype, max_sessions, static=static)
+        self.lm = CachedLM(model, device, dtype, max_sessions, static=static, keep_features=True)
         if feature_layers is not None:
             n = model.config.num_hidden_layers
             if any(not 0 <= i <= n for i in feature_layers):
@@ -63,20 +64,31 @@ class TargetRunner:
             if int(r.tree.tokens[0]) != r.context[-1]:
                 raise ValueError(f"session {r.session_id}: tree root {int(r.tree.tokens[0])} is not the last "
                                  f"context token {r.context[-1]}")
-            self.lm.begin(r.session_id, r.context, r.accepted_nodes)
+            self.lm.begin(r.session_id, r.context, r.accepted_nodes, r.cache_scope, r.want_features)
         # Context position of each request's first fed row: the extension starts after the kept cache.
         starts = [len(r.context) - 1 - self.lm.extension_length(r.session_id) for r in requests]
+        cached = [self.lm.cached_prefix(r.session_id) for r in requests]
+        # A session that began from a cached prefix gets the prefix's kept features too: its router holds none.
+        prefixes = [self.lm.prefix_features(r.session_id) if r.want_features and n else None
+                    for r, n in zip(requests, cached)]
         outputs = self.lm.extend_outputs([ExtendRequest(r.session_id, r.tree.tokens.tolist(),
                                                         r.tree.parents.tolist()) for r in requests],
                                          hidden=any(r.want_features for r in requests))
         dists = to_target_dists_batch([processed(out.logits, r) for out, r in zip(outputs, requests)],
                                       [r.sampling for r in requests])
         dists = [verify_here(r, d, out.logits) for r, d, out in zip(requests, dists, outputs)]
-        return [replace(d, features=out.hidden, features_start=start) if r.want_features else d
-                for d, out, r, start in zip(dists, outputs, requests, starts)]
+        return [replace(d, cached_tokens=n, **_features(out.hidden, start, prefix) if r.want_features else {})
+                for d, out, r, start, n, prefix in zip(dists, outputs, requests, starts, cached, prefixes)]
 
     def release(self, session_id: str) -> bool:
         return self.lm.release(session_id)
+
+
+def _features(fed: torch.Tensor, start: int, prefix: torch.Tensor | None) -> dict:
+    """TargetDists' feature fields: the fed rows from context position `start`, after the cached prefix's."""
+    if prefix is None:
+        return {"features": fed, "features_start": start}
+    return {"features": torch.cat([prefix.to(fed.dtype), fed]), "features_start": start - prefix.shape[0]}
 
 
 def to_target_dists_batch(logits: list[torch.Tensor], sampling: list[SamplingParams]) -> list[TargetDists]:

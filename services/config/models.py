@@ -12,6 +12,7 @@ from typing import Any, Literal, Mapping, Optional
 from treeserve.engine.chat_templates import check_setting, is_builtin_name
 from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, detect_layout
 from treeserve.engine.drafters.registry import default_drafter
+from treeserve.engine.kv_settings import DEFAULT_PAGE_SIZE, KVSettings
 from .fields import check_positive, check_positive_opt, described
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -79,12 +80,25 @@ class ModelConfig:
                                            "memory estimates when `path` is not readable (relative to the "
                                            "Serve config file)", default=None)
     max_sessions: Optional[int] = described(
-        "sessions whose KV cache one replica (each TP rank) holds at once: the KV pool, preallocated at start as "
-        "max_sessions x max_context_tokens slots, never grown. A new session beyond it takes the row of the least "
-        "recently used session not in the current step (rebuilt from context if it comes back); a step that "
-        "needs more rows, or a sequence longer than max_context_tokens, is refused with RESOURCE_EXHAUSTED. "
-        "Default limits.max_batch_size; at least that (one router's batch), more when several routers share "
-        "a replica", default=None)
+        "sessions whose KV cache one replica (each TP rank) holds at once. A new session beyond it takes the "
+        "place of the least recently used session not in the current step (rebuilt from context if it comes "
+        "back). Default limits.max_batch_size; at least that (one router's batch), more when several routers "
+        "share a replica", default=None)
+    kv_cache_tokens: Optional[int] = described(
+        "KV slots one replica (each TP rank) preallocates at start, never grown: kv_cache_tokens / kv_page_tokens "
+        "pages that sessions take as they grow and share where their prefixes are equal. When a step needs a "
+        "page and none is free, cached prefixes nobody uses go first (least recently used), then idle sessions "
+        "(rebuilt from context if they come back); a step whose own sessions need more is refused with "
+        "RESOURCE_EXHAUSTED. Default max_sessions x max_context_tokens (every session at full length)",
+        default=None)
+    kv_page_tokens: int = described(
+        "slots per KV page (the unit of allocation and of prefix sharing). With cuda_graphs on a CUDA device "
+        "the static step keeps one page of max_context_tokens per session (prefix caching still shares "
+        "nothing smaller than a session there)", default=DEFAULT_PAGE_SIZE)
+    prefix_caching: bool = described(
+        "a new session starts from the KV of the longest prefix of its context this replica holds (finished "
+        "or running requests of the same tenant: API token and cache_salt) and prefills only the rest; the "
+        "output is the same either way", default=True)
     chat_template: Optional[str] = described(
         "target only: the chat template prompts are rendered with, replacing the tokenizer's own: a built-in "
         "(vicuna_v1.1, llama-2-chat) or a Jinja template file (relative to the Serve config file). Needed for "
@@ -110,9 +124,15 @@ class ModelConfig:
         "if it does not fit. Required, and at most the Ray GPU share, when the model has a fractional GPU "
         "(sharing a GPU with another model); null = no cap (the whole GPU)", default=None)
 
+    def kv(self) -> KVSettings:
+        """The engine's KV settings of this model's replicas."""
+        return KVSettings(self.kv_page_tokens, self.kv_cache_tokens, self.prefix_caching)
+
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
-        check_positive(self, path, "tensor_parallel_size", "max_context_tokens", "graph_memory_mib")
-        check_positive_opt(self, path, "num_attention_heads", "num_key_value_heads", "max_sessions")
+        check_positive(self, path, "tensor_parallel_size", "max_context_tokens", "graph_memory_mib",
+                       "kv_page_tokens")
+        check_positive_opt(self, path, "num_attention_heads", "num_key_value_heads", "max_sessions",
+                           "kv_cache_tokens")
         if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"{path}.gpu_memory_fraction: must lie in (0, 1], got {self.gpu_memory_fraction}")
         if self.path != "default" and "://" in self.path:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.kv_settings import KVSettings
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 
 
@@ -116,7 +117,7 @@ def test_batch_over_scattered_pool_pages_matches_each_session_alone(tiny):
     score like each session alone, step after step with compaction; a new session takes freed pages."""
     rng = random.Random(3)
     vocab = tiny.config.vocab_size
-    lm = CachedLM(tiny, page_size=4, prefix_caching=False)
+    lm = CachedLM(tiny, kv=KVSettings(page_size=4, prefix_caching=False))
     contexts = {f"s{i}": [rng.randrange(vocab) for _ in range(n)] for i, n in enumerate([6, 14, 3, 9, 20])}
     for sid, context in contexts.items():
         lm.begin(sid, context)
@@ -153,7 +154,7 @@ def test_pool_growth_mid_session_keeps_logits(tiny):
     """Pages double while sessions are live; their KV survives the copy."""
     rng = random.Random(4)
     vocab = tiny.config.vocab_size
-    lm = CachedLM(tiny, page_size=4)
+    lm = CachedLM(tiny, kv=KVSettings(page_size=4))
     contexts = {"a": [rng.randrange(vocab) for _ in range(5)]}
     accepted: dict[str, list[int] | None] = {"a": None}
     grown = set()
@@ -184,7 +185,7 @@ def test_compaction_moves_only_the_accepted_nodes(tiny):
     untouched and moves the accepted nodes' KV right behind it."""
     rng = random.Random(5)
     vocab = tiny.config.vocab_size
-    lm = CachedLM(tiny, page_size=8)
+    lm = CachedLM(tiny, kv=KVSettings(page_size=8))
     context = [rng.randrange(vocab) for _ in range(30)]
     lm.begin("a", context)
     lm.begin("b", context[:10])
@@ -214,7 +215,7 @@ def test_compaction_moves_only_the_accepted_nodes(tiny):
 
 def test_release_frees_the_pages_and_the_last_release_the_pool(tiny):
     """Without prefix caching a growing pool is freed with its last session (with it, full pages stay cached)."""
-    lm = CachedLM(tiny, max_sessions=2, prefix_caching=False)
+    lm = CachedLM(tiny, max_sessions=2, kv=KVSettings(prefix_caching=False))
     for sid in ("a", "b"):
         lm.begin(sid, [1, 2, 3])
         lm.extend([ExtendRequest(sid, [3], [-1])])

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.kv_settings import KVSettings
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.runners.kv_pool import KVPoolExhausted, pool_bytes
 
@@ -31,7 +32,7 @@ def pointers(lm: CachedLM) -> list[int]:
 def test_warm_up_preallocates_exactly_sessions_x_context(tiny):
     """3 sessions x 40 tokens in pages of 8: 15 pages and the scratch page."""
     config = tiny.config
-    lm = CachedLM(tiny, max_sessions=3, max_context_tokens=40, page_size=8)
+    lm = CachedLM(tiny, max_sessions=3, max_context_tokens=40, kv=KVSettings(page_size=8))
     held = lm.warm_up()
     head_dim = config.hidden_size // config.num_attention_heads
     assert held == pool_bytes(16, 8, config.num_hidden_layers, config.num_key_value_heads, head_dim, 4)

@@ -9,6 +9,7 @@ import torch
 
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import SamplingParams
+from treeserve.engine.kv_settings import KVSettings
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
 from treeserve.engine.runners.kv_pool import KVPoolExhausted
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
@@ -38,7 +39,7 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 def test_a_finished_sessions_full_pages_serve_the_next_turn(tiny):
     rng = random.Random(1)
-    lm = CachedLM(tiny, page_size=PAGE)
+    lm = CachedLM(tiny, kv=KVSettings(page_size=PAGE))
     turn1 = tokens(rng, 11)
     step(lm, "t1", turn1)
     lm.release("t1")
@@ -55,7 +56,7 @@ def test_a_finished_sessions_full_pages_serve_the_next_turn(tiny):
 
 def test_running_sessions_share_their_prefix_pages_without_copies(tiny):
     rng = random.Random(2)
-    lm = CachedLM(tiny, page_size=PAGE)
+    lm = CachedLM(tiny, kv=KVSettings(page_size=PAGE))
     system = tokens(rng, 13)
     step(lm, "a", system + [7])
     lm.begin("b", system + [9, 8])
@@ -70,7 +71,7 @@ def test_running_sessions_share_their_prefix_pages_without_copies(tiny):
 def test_a_session_cut_back_into_a_shared_page_copies_it_first(tiny):
     """Session b rewinds into the middle of a page it shares with a: b gets a copy, a's KV stays as it was."""
     rng = random.Random(3)
-    lm = CachedLM(tiny, page_size=PAGE)
+    lm = CachedLM(tiny, kv=KVSettings(page_size=PAGE))
     base = tokens(rng, 12)
     step(lm, "a", base + [5])
     step(lm, "b", base + [6])
@@ -87,7 +88,7 @@ def test_a_session_cut_back_into_a_shared_page_copies_it_first(tiny):
 
 def test_scopes_never_share(tiny):
     rng = random.Random(4)
-    lm = CachedLM(tiny, page_size=PAGE)
+    lm = CachedLM(tiny, kv=KVSettings(page_size=PAGE))
     prompt = tokens(rng, 17)
     step(lm, "tenant-a", prompt, scope="a")
     lm.begin("tenant-b", prompt, scope="b")
@@ -100,7 +101,7 @@ def test_cached_pages_give_way_least_recently_used_and_running_sessions_stay_exa
     """A bounded pool of 10 pages: finished sessions' pages stay cached until new sessions need them, oldest
     first; the sessions running meanwhile keep their logits."""
     rng = random.Random(5)
-    lm = CachedLM(tiny, max_sessions=4, max_context_tokens=16, page_size=PAGE, kv_tokens=40)
+    lm = CachedLM(tiny, max_sessions=4, max_context_tokens=16, kv=KVSettings(PAGE, kv_tokens=40))
     lm.warm_up()
     runner = tokens(rng, 9)
     step(lm, "runner", runner)
@@ -121,7 +122,7 @@ def test_cached_pages_give_way_least_recently_used_and_running_sessions_stay_exa
 
 
 def test_running_out_of_pages_preempts_idle_sessions_then_refuses(tiny):
-    lm = CachedLM(tiny, max_sessions=4, max_context_tokens=16, page_size=PAGE, kv_tokens=20)  # 5 pages
+    lm = CachedLM(tiny, max_sessions=4, max_context_tokens=16, kv=KVSettings(PAGE, kv_tokens=20))  # 5 pages
     step(lm, "idle", list(range(10, 20)))
     lm.begin("a", list(range(30, 42)))
     lm.begin("b", list(range(50, 55)))
@@ -138,7 +139,7 @@ def test_running_out_of_pages_preempts_idle_sessions_then_refuses(tiny):
 
 def test_a_session_released_before_its_forward_leaves_nothing_to_find(tiny):
     """A request cancelled mid-prefill: its pages were never registered, so no one can hit unwritten KV."""
-    lm = CachedLM(tiny, page_size=PAGE)
+    lm = CachedLM(tiny, kv=KVSettings(page_size=PAGE))
     prompt = list(range(100, 120))
     lm.begin("cancelled", prompt)
     lm.release("cancelled")
@@ -158,8 +159,7 @@ def test_target_features_of_a_cached_prefix_come_back_with_it(tiny):
         return runner.score([ScoreRequest(session, prompt, tree, greedy, want_features=True)])[0]
 
     cached = TargetRunner(tiny, feature_layers=(1, 2))
-    cached.lm.page_size = PAGE
-    cached.lm.bound(256)
+    cached.lm.bound(256, kv=KVSettings(page_size=PAGE))
     score(cached, "first")
     cached.release("first")
     hit = score(cached, "second")
