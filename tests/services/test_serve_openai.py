@@ -57,6 +57,32 @@ def test_openai_client_equals_grpc_through_the_router_replica(serve_service):
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
+def test_logprobs_and_penalties_cross_the_replicas(serve_service, tiny_parts):
+    """Served, the penalties and the log-probability request travel to the Target replica with each Score call and
+    the path's log-probabilities come back (services/wire.py): the output is the in-process engine's with the same
+    penalties, and each token's log-probability a plain forward's within 1e-4."""
+    import torch
+
+    from treeserve.engine.requests import GenerationRequest, LogitsProcessors
+
+    engine = tiny_parts.engine()
+    prompt = engine.encode_chat(CHAT)
+    processors = LogitsProcessors(presence_penalty=1.5, repetition_penalty=2.0, logit_bias=((300, 4.0),))
+    expected = engine.generate([GenerationRequest(prompt, 16, processors=processors)])[0]
+    sampling = gen.SamplingParams(presence_penalty=1.5, repetition_penalty=2.0, logit_bias={300: 4.0})
+    with serve_service.channel() as channel:
+        reply = gen_grpc.TreeServeStub(channel).Generate(gen.GenerateRequest(
+            token_ids=gen.TokenIds(ids=prompt), max_new_tokens=16, sampling=sampling, logprobs=True, top_logprobs=2),
+            timeout=120)
+    assert list(reply.token_ids) == expected.token_ids
+    with torch.inference_mode():
+        logits = tiny_parts.target.model(torch.tensor([prompt + expected.token_ids])).logits[0, len(prompt) - 1:-1]
+    plain = torch.log_softmax(logits.float(), dim=-1)
+    assert [lp.token_id for lp in reply.logprobs] == expected.token_ids
+    assert max(abs(lp.logprob - float(plain[t, lp.token_id])) for t, lp in enumerate(reply.logprobs)) < 1e-4
+    assert [[x.token_id for x in lp.top_logprobs] for lp in reply.logprobs] == plain.topk(2).indices.tolist()
+
+
 def test_http_disconnect_frees_sessions_everywhere(serve_service):
     client = _client(serve_service)
     model = client.models.list().data[0].id
