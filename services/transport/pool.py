@@ -33,6 +33,7 @@ from treeserve.v1 import internal_pb2 as pb
 from ..internal_auth import client_interceptors
 from .bridge import LoopBridge
 from .discovery import Discovery, Endpoint
+from .prefix_affinity import PrefixIndex, block_hashes
 from .replica_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 log = logging.getLogger("treeserve.grpc")
@@ -49,6 +50,10 @@ _State = grpc.ChannelConnectivity
 # cancels them (asyncio.CancelledError in the caller), where on a dead connection they fail by themselves
 # (UNAVAILABLE) and on a live replica they may still finish.
 CLOSE_GRACE_S = 30.0
+# A new session goes to the replica holding the longest prefix of its context unless that replica holds more than
+# this many sessions beyond the least-loaded one (SGLang's cache-aware router balances with such an absolute
+# threshold): a lane that far ahead costs its streams more than the prefill the prefix saves.
+PREFIX_LOAD_MARGIN = 2
 
 
 def _hash(text: str) -> int:
@@ -92,19 +97,23 @@ class ReplicaPool:
     marked_down: int = 0  # replicas taken out of the ring after a failed call or a dropped connection
     _ring: list[tuple[int, str]] = field(default_factory=list)
     _placed: dict[str, str] = field(default_factory=dict)  # session id -> replica id it was placed on
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # what prompts went where (prefix placement)
     _last_refresh: float = 0.0
     _lock: asyncio.Lock | None = None
     _watchers: dict[str, asyncio.Task] = field(default_factory=dict)
     _refresh_task: asyncio.Task | None = None
 
     # -------------------------------------------------------------- choice
-    def pick(self, session_id: str, exclude: set[str] = frozenset()) -> LiveReplica | None:
+    def pick(self, session_id: str, exclude: set[str] = frozenset(),
+             prefix: tuple[str, list[int]] | None = None) -> LiveReplica | None:
         """The session's replica: the one it was placed on, while that one is live and not excluded; else (a new
-        session, or its replica lost or full) the live replica not excluded holding the fewest of this pool's
-        sessions, ties broken by the consistent-hash ring (first point clockwise of hash(session)), where it is
-        placed from then on. Least-loaded placement gives every replica an equal share of a router's batch (the
-        hash alone gave one of two Target replicas 5-7 of 8 sessions), and the router steps each Target
-        replica's sessions as a lane of their own (services/router.py)."""
+        session, or its replica lost or full) a live replica not excluded, where it is placed from then on: the
+        one holding the longest prefix of its `prefix` ((cache scope, context): services/transport/
+        prefix_affinity.py) unless it holds more than PREFIX_LOAD_MARGIN sessions beyond the least-loaded one;
+        else the one holding the fewest of this pool's sessions, ties broken by the consistent-hash ring (first
+        point clockwise of hash(session)). Least-loaded placement gives every replica an equal share of a
+        router's batch (the hash alone gave one of two Target replicas 5-7 of 8 sessions), and the router steps
+        each Target replica's sessions as a lane of their own (services/router.py)."""
         placed = self._placed.get(session_id)
         if placed in self.live and placed not in exclude:
             return self.live[placed]
@@ -117,6 +126,13 @@ class ReplicaPool:
             return None
         load = collections.Counter(r for r in self._placed.values() if r in self.live)
         chosen = min(candidates, key=lambda r: load[r])  # min keeps the first of equals: ring order
+        if prefix is not None:
+            hashes = block_hashes(prefix[0], prefix[1][:-1], self.prefixes.block_tokens)
+            within = [r for r in candidates if load[r] <= load[chosen] + PREFIX_LOAD_MARGIN]
+            held = max(within, key=lambda r: (self.prefixes.matched(r, hashes), -load[r]))
+            if self.prefixes.matched(held, hashes):
+                chosen = held
+            self.prefixes.insert(chosen, hashes)
         self._placed[session_id] = chosen
         return self.live[chosen]
 
@@ -135,6 +151,7 @@ class ReplicaPool:
         if current is None or (live is not None and current is not live):
             return None
         del self.live[replica_id]
+        self.prefixes.drop(replica_id)
         watcher = self._watchers.pop(replica_id, None)
         if watcher is not None and watcher is not _current_task():
             watcher.cancel()
@@ -349,7 +366,8 @@ class GroupedCaller(LoopBridge):
     async def _grouped(self, items: list[Any], session_of: Callable[[Any], str],
                        send: Callable[[LiveReplica, list[Any]], Awaitable[list[Any]]],
                        deadline: float | None = None, full: dict[str, str] | None = None) -> list[Any]:
-        """`full`: replica id -> its refusal, for the replicas that said RESOURCE_EXHAUSTED during this call."""
+        """`items`: engine DraftRequests or ScoreRequests (a new session is placed by its cache scope and context);
+        `full`: replica id -> its refusal, for the replicas that said RESOURCE_EXHAUSTED during this call."""
         deadline = deadline or time.monotonic() + self.retry_timeout_s
         full = {} if full is None else full
         await self.pool.refresh()
@@ -357,7 +375,7 @@ class GroupedCaller(LoopBridge):
             raise NoReplicaError(f"no live {self.pool.name} replica")
         groups: dict[str, list[int]] = {}
         for i, item in enumerate(items):
-            live = self.pool.pick(session_of(item), exclude=set(full))
+            live = self.pool.pick(session_of(item), exclude=set(full), prefix=(item.cache_scope, item.context))
             if live is None:
                 raise ReplicasFullError(
                     f"every {self.pool.name} replica is full ({len(full)} refused: "

@@ -27,7 +27,8 @@ from treeserve.services.router import Router
 from treeserve.services.target_service import TargetServicer
 from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
 from treeserve.services.transport.discovery import Endpoint, static_discovery
-from treeserve.services.transport.pool import LiveReplica, ReplicaPool
+from treeserve.services.transport.pool import PREFIX_LOAD_MARGIN, LiveReplica, ReplicaPool
+from treeserve.services.transport.prefix_affinity import BLOCK_TOKENS
 from treeserve.services.transport.replica_server import ReplicaServer
 from treeserve.v1 import generation_pb2 as gen
 from treeserve.v1 import internal_pb2_grpc as pb_grpc
@@ -61,6 +62,27 @@ def test_sessions_are_placed_on_the_least_loaded_replica_and_stay():
     pool._rebuild_ring()
     assert all(pool.pick(s).endpoint.replica_id == "b" for s in placed)
     assert pool.pick("x", exclude={"b"}) is None
+
+
+def test_a_new_session_goes_where_its_prefix_is_unless_that_replica_is_loaded_past_the_margin():
+    """Placement by prefix (services/transport/prefix_affinity.py): sessions sharing a system prompt follow the
+    replica that was sent it, until it holds PREFIX_LOAD_MARGIN sessions more than the least-loaded; another
+    tenant's identical prompt, or one shorter than a block, is placed by load alone."""
+    pool = _pool_of(["a", "b"])
+    system = list(range(1000, 1000 + 2 * BLOCK_TOKENS))
+    first = pool.pick("s0", prefix=("tenant", system + [1, 2])).endpoint.replica_id
+    other = "b" if first == "a" else "a"
+    placed = [pool.pick(f"s{i}", prefix=("tenant", system + [i, 7])).endpoint.replica_id for i in range(1, 4)]
+    assert placed == [first, first, other]  # 3 vs 0 is past the margin of 2
+    assert pool.pick("s4", prefix=("tenant", system + [9])).endpoint.replica_id in (first, other)
+    # Both hold it now: the least loaded of them.
+    assert pool.pick("s5", prefix=("tenant", system + [10])).endpoint.replica_id == other
+    fresh = _pool_of(["a", "b"])
+    home = fresh.pick("t0", prefix=("tenant", system + [1])).endpoint.replica_id
+    away = fresh.pick("t1", prefix=("another tenant", system + [1])).endpoint.replica_id
+    assert away != home  # no shared prefix across scopes: least loaded
+    assert fresh.pick("t2", prefix=("tenant", system[:10])).endpoint.replica_id == home  # load 1 / 1: ring order
+    assert PREFIX_LOAD_MARGIN == 2
 
 
 class GatedTarget(TargetRunner):
