@@ -3,7 +3,9 @@
 At temperature 0 only the argmax of each node is returned. At temperature > 0 the tree is verified here when the
 request carries a `verify_seed` (the engine's requests do: the [nodes, vocab] rows stay where they were
 computed), otherwise the warped (temperature, top-k, top-p) probabilities are returned; the router never sees
-raw logits.
+raw logits. A request's penalties and biases are applied to every node's logits from its own path first
+(engine/processors.py, docs/design.md section 5); a request that asks for log-probabilities is verified here at
+any temperature and gets its emitted tokens' raw log-probabilities with the path.
 """
 
 from __future__ import annotations
