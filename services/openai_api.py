@@ -184,10 +184,33 @@ class OpenAIApi:
 
         return parse
 
+    def _checker(self, fields: Fields, parsed: list):
+        """The router's `check` for this request: what the validator refuses without tokenising (the prompt's
+        form, every other field's range), run before the concurrency limit."""
+
+        def check():
+            validator = self.router.validator
+            try:
+                kind, value = fields.prompt
+                if kind == "chat":
+                    validator.check_chat(value)
+                elif kind == "text" and not value.strip():
+                    raise RequestError(INVALID, "prompt: text must not be empty")
+                elif kind == "ids":
+                    validator.prompt_from_ids(value)
+                validator.fields(fields.max_tokens, fields.temperature, fields.top_p, fields.top_k, fields.stop,
+                                 fields.method, fields.budget, fields.stop_token_ids, fields.options)
+            except RequestError:
+                parsed.append(True)  # a refusal of the request itself (a size: 413), not the concurrency limit's
+                raise
+
+        return check
+
     async def _submit(self, fields: Fields, tenant: str):
         parsed: list = []
         try:
-            return await self.router.submit(None, self._parser(fields, parsed, tenant), n=fields.n)
+            return await self.router.submit(None, self._parser(fields, parsed, tenant), n=fields.n,
+                                            check=self._checker(fields, parsed))
         except RequestError as exc:
             status = None
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and parsed:  # a size limit, not the concurrency one

@@ -228,20 +228,28 @@ class Router:
         own API servers, not Serve's proxies, so Serve counts none of them; load is the requests in flight."""
         return {"in_flight_requests": float(self.in_flight)}
 
-    async def submit(self, message: Any, parse: Any = None, n: int | None = None, tenant: str = "") -> _Job | _Group:
+    async def submit(self, message: Any, parse: Any = None, n: int | None = None, tenant: str = "",
+                     check: Callable[[], None] | None = None) -> _Job | _Group:
         """Admit a request or refuse it at once: RESOURCE_EXHAUSTED when limits.max_concurrent_requests requests
         are already in flight (checked before any tokenising, so an overloaded router spends nothing on the
         requests it refuses), else the validator's verdict. `parse(message) -> (GenerationRequest, method)`
         replaces `self.parse` for another front end's request form (the OpenAI HTTP API, services/openai_api.py),
         which validates with the same RequestValidator.
 
+        Malformed requests are refused before the limit (INVALID_ARGUMENT even when the router is full): `check()`
+        runs another front end's checks that need no tokenizer, a GenerateRequest gets `precheck_proto`'s.
+
         `n` completions (None: the GenerateRequest's own `n`): n > 1 admits n jobs, each counted against the limit,
-        completion i seeded seed + i when the request has a seed (completion 0 is then the n = 1 output), and
+        completion i seeded seed + i when the request has a seed (completion 0 seeded as the n = 1 request), and
         returns them as one _Group, which `collect` and `drain` take like a job. `tenant`: the caller's bearer token,
         which scopes the prefix cache of a GenerateRequest (another front end's `parse` scopes its own)."""
         if n is None:
             n = (message.n or 1) if isinstance(message, gen.GenerateRequest) else 1
         n = RequestValidator.choices(n)
+        if check is not None:
+            check()
+        elif parse is None:  # the gRPC form: what can be refused without tokenising is, before the limit
+            self.validator.precheck_proto(message)
         await self.start()
         limit = self.limits.max_concurrent_requests
         if self.in_flight + n > limit:

@@ -137,14 +137,18 @@ class RequestValidator:
     def prompt_from_chat(self, turns: Iterable[tuple[str, str]]) -> list[int]:
         """Chat turns (role, content) under the chat template."""
         turns = list(turns)
+        self.check_chat(turns)
+        self._text_guard(sum(len(c) for _, c in turns), "chat")
+        return chat_prompt_ids(self.engine.tokenizer, [{"role": r, "content": c} for r, c in turns])
+
+    @staticmethod
+    def check_chat(turns: list[tuple[str, str]]) -> None:
         if not turns or not any(content.strip() for _, content in turns):
             raise RequestError(INVALID, "prompt: chat must hold at least one non-empty message")
         for i, (role, _) in enumerate(turns):
             if role not in ROLES:
                 raise RequestError(INVALID, f"prompt: chat.messages[{i}].role must be one of {', '.join(ROLES)}, "
                                             f"got {role[:32]!r}")
-        self._text_guard(sum(len(c) for _, c in turns), "chat")
-        return chat_prompt_ids(self.engine.tokenizer, [{"role": r, "content": c} for r, c in turns])
 
     def prompt_from_raw_text(self, text: str) -> list[int]:
         """Text continued as it is, no chat template (the OpenAI completions API's `prompt`): the tokenizer's
@@ -261,23 +265,11 @@ class RequestValidator:
         limits = self.limits
         if len(prompt) > limits.max_prompt_tokens:
             raise RequestError(TOO_BIG, f"prompt: {len(prompt)} tokens exceed the limit of {limits.max_prompt_tokens}")
-        if max_new_tokens <= 0:
-            raise RequestError(INVALID, f"max_new_tokens: must be > 0, got {max_new_tokens}")
-        if max_new_tokens > limits.max_new_tokens:
-            raise RequestError(TOO_BIG, f"max_new_tokens: {max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
+        sampling, processors, logprobs, stops, stop_ids, tree, name = self.fields(
+            max_new_tokens, temperature, top_p, top_k, stop_strings, method, budget_tokens, stop_token_ids, options)
         if len(prompt) + max_new_tokens > self.engine.max_context_tokens:
             raise RequestError(TOO_BIG, f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                                         f"the context window of {self.engine.max_context_tokens}")
-        sampling = self.sampling(temperature, top_p, top_k)
-        processors = self.processors(options, max_new_tokens)
-        logprobs = self.logprobs(options.logprobs)
-        stops = list(stop_strings)
-        if len(stops) > MAX_STOP_STRINGS:
-            raise RequestError(INVALID, f"stop_strings: at most {MAX_STOP_STRINGS}, got {len(stops)}")
-        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
-            raise RequestError(INVALID, f"stop_strings: each must hold 1..{MAX_STOP_STRING_CHARS} characters")
-        stop_ids = self.stop_token_ids(stop_token_ids)
-        tree, name = self.tree(method, budget_tokens)
         request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                                     stop_strings=tuple(stops), seed=seed or None, tree=tree, stop_token_ids=stop_ids,
                                     processors=processors, ignore_eos=bool(options.ignore_eos), logprobs=logprobs,
@@ -288,7 +280,65 @@ class RequestValidator:
             raise RequestError(INVALID, str(exc)) from None
         return request, name
 
+    def fields(self, max_new_tokens: int | None, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
+               stop_strings: Sequence[str] = (), method: str | None = None, budget_tokens: int = 0,
+               stop_token_ids: Sequence[int] = (), options: OutputOptions = OutputOptions()):
+        """The checks of `build` that need neither the prompt nor the tokenizer, in its order; (sampling,
+        processors, logprobs, stop strings, stop ids, tree, method name). `max_new_tokens` None (the OpenAI API's
+        default, known once the prompt is): its own checks and min_tokens' upper bound are left to `build`.
+        Cheap, so the front ends run it before the concurrency limit too (`precheck_proto`, the OpenAI API): a
+        malformed request is INVALID_ARGUMENT even when the router is full."""
+        limits = self.limits
+        if max_new_tokens is not None:
+            if max_new_tokens <= 0:
+                raise RequestError(INVALID, f"max_new_tokens: must be > 0, got {max_new_tokens}")
+            if max_new_tokens > limits.max_new_tokens:
+                raise RequestError(TOO_BIG, f"max_new_tokens: {max_new_tokens} exceeds the limit of "
+                                            f"{limits.max_new_tokens}")
+        sampling = self.sampling(temperature, top_p, top_k)
+        processors = self.processors(options, limits.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        logprobs = self.logprobs(options.logprobs)
+        stops = list(stop_strings)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise RequestError(INVALID, f"stop_strings: at most {MAX_STOP_STRINGS}, got {len(stops)}")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise RequestError(INVALID, f"stop_strings: each must hold 1..{MAX_STOP_STRING_CHARS} characters")
+        stop_ids = self.stop_token_ids(stop_token_ids)
+        tree, name = self.tree(method, budget_tokens)
+        return sampling, processors, logprobs, stops, stop_ids, tree, name
+
     # -------------------------------------------------------------- gRPC adapter
+    def precheck_proto(self, message) -> None:
+        """What `from_proto` refuses without tokenising, for the Router to run before its concurrency limit: the
+        prompt's form (set, non-empty, chat roles, token ids in the vocabulary) and every other field."""
+        which = message.WhichOneof("prompt")
+        if which is None:
+            raise RequestError(INVALID, "prompt: set one of text, chat or token_ids")
+        if which == "text" and not message.text.strip():
+            raise RequestError(INVALID, "prompt: text must not be empty")
+        if which == "chat":
+            self.check_chat([(t.role, t.content) for t in message.chat.messages])
+        if which == "token_ids":
+            self.prompt_from_ids(message.token_ids.ids)
+        self.fields(message.max_new_tokens, *self._proto_fields(message))
+
+    def _proto_fields(self, message) -> tuple:
+        """A GenerateRequest's fields as `fields`' arguments after max_new_tokens."""
+        s, spec = message.sampling, message.speculation
+        method = None
+        if spec.method != gen.TREE_METHOD_UNSPECIFIED:  # an enum value this server does not know stays a number
+            method = METHOD_NAMES.get(spec.method, str(spec.method))
+        if spec.lookup:  # hybrid drafting: "<method>+lookup" (the server default's when no method is named)
+            method = with_lookup(method or self.engine.tree.method, True)
+        if message.top_logprobs and not message.logprobs:
+            raise RequestError(INVALID, "top_logprobs: needs logprobs set")
+        options = OutputOptions(presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                                repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias),
+                                min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
+                                logprobs=message.top_logprobs if message.logprobs else None)
+        return (s.temperature, s.top_p, s.top_k, list(message.stop_strings), method, spec.budget_tokens,
+                list(message.stop_token_ids), options)
+
     def from_proto(self, message, tenant: str = "") -> tuple[GenerationRequest, str]:
         """treeserve.v1.GenerateRequest -> (engine request, method name); `tenant`: the caller's bearer token."""
         which = message.WhichOneof("prompt")
@@ -300,21 +350,9 @@ class RequestValidator:
             prompt = self.prompt_from_chat((t.role, t.content) for t in message.chat.messages)
         else:
             prompt = self.prompt_from_ids(message.token_ids.ids)
-        s, spec = message.sampling, message.speculation
-        method = None
-        if spec.method != gen.TREE_METHOD_UNSPECIFIED:  # an enum value this server does not know stays a number
-            method = METHOD_NAMES.get(spec.method, str(spec.method))
-        if spec.lookup:  # hybrid drafting: "<method>+lookup" (the server default's when no method is named)
-            method = with_lookup(method or self.engine.tree.method, True)
-        options = OutputOptions(presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                                repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias),
-                                min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
-                                logprobs=message.top_logprobs if message.logprobs else None)
-        if message.top_logprobs and not message.logprobs:
-            raise RequestError(INVALID, "top_logprobs: needs logprobs set")
-        scope = cache_scope(tenant, message.cache_salt)
-        return self.build(prompt, message.max_new_tokens, s.temperature, s.top_p, s.top_k, list(message.stop_strings),
-                          s.seed or None, method, spec.budget_tokens, list(message.stop_token_ids), options, scope)
+        temperature, top_p, top_k, stops, method, budget, stop_ids, options = self._proto_fields(message)
+        return self.build(prompt, message.max_new_tokens, temperature, top_p, top_k, stops, message.sampling.seed or None,
+                          method, budget, stop_ids, options, cache_scope(tenant, message.cache_salt))
 
 
 def _method_names() -> dict[int, str]:

@@ -219,3 +219,43 @@ def test_sampled_logprobs_over_grpc_equal_a_plain_forward(service, tiny_parts):
                                                sampling=SamplingParams(temperature=0.9, top_p=float(
                                                    gen.SamplingParams(top_p=0.9).top_p)))])[0]
     assert local.token_ids == list(reply.token_ids)  # and is the in-process engine's with that seed
+
+
+def test_malformed_requests_are_refused_as_such_when_the_router_is_full(service, client):
+    """Checks that need no tokenizer run before the concurrency limit: with every slot held (one stream of n = 4),
+    a malformed request is still a 400 / INVALID_ARGUMENT naming its field, a valid one a 429 /
+    RESOURCE_EXHAUSTED, and max_tokens over the limit a 413."""
+    import time
+
+    router, server = service
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=1.0, n=4,
+                                            stream=True, extra_body={"ignore_eos": True})
+    try:
+        deadline = time.monotonic() + 30
+        while router.in_flight < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert router.in_flight == 4
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, presence_penalty=3)
+        assert info.value.body["param"] == "presence_penalty"
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}], max_tokens=4)
+        assert info.value.body["param"] == "prompt"
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=LIMITS.max_new_tokens + 1)
+        assert info.value.status_code == 413
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+        for bad in (gen.GenerateRequest(text="hi", max_new_tokens=4, sampling=gen.SamplingParams(temperature=-1)),
+                    gen.GenerateRequest(text="  ", max_new_tokens=4),
+                    gen.GenerateRequest(token_ids=gen.TokenIds(ids=[10 ** 8]), max_new_tokens=4),
+                    gen.GenerateRequest(text="hi", max_new_tokens=4,
+                                        speculation=gen.SpeculationParams(method=99))):
+            with pytest.raises(grpc.RpcError) as info:
+                _stub(server).Generate(bad, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        with pytest.raises(grpc.RpcError) as info:
+            _stub(server).Generate(gen.GenerateRequest(text="hi", max_new_tokens=4), timeout=60)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        stream.close()
