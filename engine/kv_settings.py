@@ -11,6 +11,9 @@ from dataclasses import dataclass
 # at 1,000 tokens for SmolLM2-135M), none on consecutive ones; smaller pages share prefixes more finely
 # (docs/performance.md section 19).
 DEFAULT_PAGE_SIZE = 64
+# Prompt tokens a served step feeds at most while other sequences of its lane decode (chunked prefill): each step
+# with a chunk costs the decoding streams one forward of this many tokens more (docs/performance.md section 19).
+DEFAULT_PREFILL_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)

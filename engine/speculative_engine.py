@@ -79,7 +79,8 @@ class SpeculativeEngine:
     beside the tokenizer's EOS, as `generate` stops); the tokenizer's EOS always stops, with or without them."""
 
     def __init__(self, target: Target, drafter: Drafter | None, tokenizer, tree: TreeConfig,
-                 max_context_tokens: int, eos_token_ids: Iterable[int] = (), run_ahead: bool = False):
+                 max_context_tokens: int, eos_token_ids: Iterable[int] = (), run_ahead: bool = False,
+                 prefill_chunk_tokens: int | None = None):
         if drafter is None and tree.method != AUTOREGRESSIVE:
             raise ValueError(f"tree method {tree.method!r} needs a drafter")
         self.target = target
@@ -87,6 +88,11 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.tree = tree
         self.max_context_tokens = max_context_tokens
+        # Chunked prefill: while other sequences of its batch decode, a prompt is fed at most this many tokens a
+        # step (its prefix cached at the target not counted), so their steps never wait for a whole long prompt.
+        if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1 (or None: off), got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.eos_ids = frozenset(model_eos_ids(tokenizer, None)) | frozenset(eos_token_ids)
         # An EAGLE drafter reads the target's features of the committed context: the target returns them
         # with its scores and each sequence keeps those of its accepted path.
@@ -151,11 +157,19 @@ class SpeculativeEngine:
         trees, call = self.draft(batch, lane)
         recorder.drafted(call)
         ahead = self._ahead.submit(self.drafter.draft_ahead, lane) if self._ahead and call else None
-        dists = self.target.score([self.score_request(s, tree) for s, tree in zip(batch, trees)])
+        chunk = self.prefill_chunk_tokens if any(s.steps for s in batch) else None  # others decode: chunk
+        # A chunk step verifies nothing: its sequence's generator goes back to where it was, so a seed gives the
+        # same output however the prompt was fed.
+        states = [s.generator.get_state() if chunk and not s.steps else None for s in batch]
+        dists = self.target.score([self.score_request(s, tree, chunk) for s, tree in zip(batch, trees)])
         if ahead is not None:
             ahead.result()
         recorder.scored()
-        for s, tree, dist in zip(batch, trees, dists):
+        for s, tree, dist, state in zip(batch, trees, dists, states):
+            if dist.prefill_remaining:  # a chunk of its prompt was fed: nothing to verify yet
+                s.generator.set_state(state)
+                self.keep_chunk_features(s, dist)
+                continue
             result = (verify_tree(tree, dist, s.request.sampling, s.generator) if dist.verified is None
                       else check_verified(tree, dist.verified))
             self.commit(s, tree, dist, result)
@@ -196,15 +210,24 @@ class SpeculativeEngine:
         return DraftRequest(s.session_id, s.context, s.request.sampling, s.tree, s.seed + len(s.steps),
                             s.accepted_hint, s.features.rows if s.features else None, s.request.cache_scope)
 
-    def score_request(self, s: Sequence, tree: TokenTree) -> ScoreRequest:
+    def score_request(self, s: Sequence, tree: TokenTree, chunk: int | None = None) -> ScoreRequest:
         """What the target scores for `s` this step: its context and tree, and the previous step's accepted
         nodes as a hint for its KV cache. A sampled sequence's tree is verified by the target, with a seed drawn
         from the sequence's generator (so a request's seed still fixes its output): the [nodes, vocab]
-        probabilities never leave the process that computed them."""
+        probabilities never leave the process that computed them. `chunk`: the prefill chunk of a sequence not
+        yet prefilled (see `prefill_chunk_tokens`)."""
         seed = None if s.request.sampling.is_greedy else int(torch.randint(2 ** 62, (1,), generator=s.generator))
         return ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
                             want_features=self.carries_features, verify_seed=seed, processors=s.processors,
-                            logprobs=s.request.logprobs, cache_scope=s.request.cache_scope)
+                            logprobs=s.request.logprobs, cache_scope=s.request.cache_scope,
+                            prefill_chunk=chunk if not s.steps else None)
+
+    def keep_chunk_features(self, s: Sequence, dist: TargetDists) -> None:
+        """A step that fed a chunk of `s`'s prompt: the target's features of the rows it fed (an EAGLE drafter's)."""
+        s.cached_tokens += dist.cached_tokens
+        if self.carries_features and dist.features is not None:
+            s.features = s.features or CommittedFeatures()
+            s.features.write(min(dist.features_start, len(s.features)), dist.features)
 
     def commit(self, s: Sequence, tree: TokenTree, dist: TargetDists, result: VerifyResult) -> None:
         """Take a verified step into `s`: the accepted path (the next step's cache hint), the target's features

@@ -37,6 +37,7 @@ class StepRecorder:
         self.prefill = any(not s.steps for s in batch)  # some sequence's prompt is fed in this step
         self.started = time.perf_counter()
         self.draft_done = self.score_done = self.started
+        self.recorded: list[Sequence] = []  # the sequences verified (one still prefilling in chunks is not)
         self.call: Drafted | None = None
 
     def drafted(self, call: Drafted | None) -> None:
@@ -53,6 +54,7 @@ class StepRecorder:
         _, size_lookup, size_both = tree.count_sources()
         _, accepted_lookup, accepted_both = tree.count_sources(result.accepted_nodes)
         call = self.call
+        self.recorded.append(s)
         s.steps.append(StepRecord(tree_size=tree.num_nodes - 1, accepted=result.num_accepted,
                                   emitted=len(result.tokens), batch_size=len(self.batch),
                                   draft_ms=(self.draft_done - self.started) * 1e3,
@@ -66,8 +68,8 @@ class StepRecorder:
 
     def finish(self) -> None:
         """Share the verification time among the records and report them to the drafter."""
-        verify_ms = (time.perf_counter() - self.score_done) * 1e3 / len(self.batch)
-        for s in self.batch:
+        verify_ms = (time.perf_counter() - self.score_done) * 1e3 / max(1, len(self.recorded))
+        for s in self.recorded:
             s.steps[-1].verify_ms = verify_ms
             if self.drafter is not None and not self.prefill:
                 self.drafter.observe(s.steps[-1], self.lane)

@@ -88,6 +88,9 @@ class TargetDists:
     features_start: int = 0
     # Context tokens whose KV the scorer took from its prefix cache on this session's first step there (stats)
     cached_tokens: int = 0
+    # Chunked prefill (ScoreRequest.prefill_chunk): context tokens the scorer has still to feed; > 0: it fed a
+    # chunk of the context and scored no tree (no argmax, probabilities or path; features of the fed rows only)
+    prefill_remaining: int = 0
     # At temperature > 0 when the scorer verified the tree itself (ScoreRequest.verify_seed): its result, in
     # place of `probs` (a 128k-152k vocabulary's dense rows are ~0.5 MB per node: scoring and verifying where
     # they are computed keeps them off the wire and out of the router's memory)

@@ -72,7 +72,8 @@ class RouterReplica(Router):
             target.features_listener = drafter.features_rewritten
         engine = SpeculativeEngine(target, drafter, tokenizer,
                                    tree_config(config.speculation.method, config.speculation.budget),
-                                   config.target.max_context_tokens, eos_token_ids=eos_ids)
+                                   config.target.max_context_tokens, eos_token_ids=eos_ids,
+                                   prefill_chunk_tokens=config.limits.prefill_chunk_tokens)
         # The model's name for the OpenAI API: the target's path as configured, its last component.
         model_name = Path(config.target.path).name or config.target.path
         super().__init__(engine, config.limits, metrics,

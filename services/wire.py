@@ -127,6 +127,7 @@ def encode_dists(dists: TargetDists, dense_dtype: str = "float32") -> pb.TargetD
     if dists.features is not None:
         out.features.CopyFrom(encode_features(dists.features, dists.features_start))
     out.cached_tokens = dists.cached_tokens
+    out.prefill_remaining = dists.prefill_remaining
     if dists.logprobs is not None:
         out.logprobs.extend(pb.PathLogprob(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
                                            top_logprobs=[v for _, v in lp.top]) for lp in dists.logprobs)
@@ -143,7 +144,8 @@ def decode_dists(message: pb.TargetDists) -> TargetDists:
     logprobs = [TokenLogprob(lp.token, lp.logprob, tuple(zip(lp.top_tokens, lp.top_logprobs)))
                 for lp in message.logprobs] if verified is not None and len(message.logprobs) else None
     return TargetDists(argmax=argmax, probs=probs, features=features, features_start=start, verified=verified,
-                       logprobs=logprobs, cached_tokens=message.cached_tokens)
+                       logprobs=logprobs, cached_tokens=message.cached_tokens,
+                       prefill_remaining=message.prefill_remaining)
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -240,6 +242,8 @@ def encode_score_item(r: ScoreRequest) -> pb.ScoreItem:
         item.processors.CopyFrom(encode_processors(r.processors))
     if r.logprobs is not None:
         item.logprobs = r.logprobs
+    if r.prefill_chunk is not None:
+        item.prefill_chunk = r.prefill_chunk
     return item
 
 
@@ -251,7 +255,8 @@ def decode_score_item(item: pb.ScoreItem) -> ScoreRequest:
                         hint(item), want_features=item.want_features,
                         verify_seed=item.verify_seed if item.HasField("verify_seed") else None,
                         processors=decode_processors(item.processors) if item.HasField("processors") else None,
-                        logprobs=item.logprobs if item.HasField("logprobs") else None, cache_scope=item.cache_scope)
+                        logprobs=item.logprobs if item.HasField("logprobs") else None, cache_scope=item.cache_scope,
+                        prefill_chunk=item.prefill_chunk if item.HasField("prefill_chunk") else None)
 
 
 def encode_draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -> pb.DraftItem:

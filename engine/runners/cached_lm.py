@@ -86,6 +86,13 @@ class ExtendRequest:
     # [n_ext + M, H] for a model that reads target features (EAGLE): the feature of the position before
     # each fed token, the session's pending extension first; None feeds zeros (profiling)
     features: Tensor | None = None
+    # Chunked prefill: feed at most this many of the pending extension's tokens (and no nodes: `tokens` empty);
+    # the rest stays pending for the next forwards. None: the whole extension.
+    chunk: int | None = None
+
+    def fed_extension(self, extension: list[int]) -> list[int]:
+        """The part of a session's pending `extension` this request feeds."""
+        return extension if self.chunk is None else extension[:self.chunk]
 
 
 @dataclass
@@ -414,7 +421,7 @@ class CachedLM:
         shapes = []
         for r in requests:
             cache = self.sessions[r.session_id]
-            fed = len(cache.extension) + len(r.tokens)
+            fed = len(r.fed_extension(cache.extension)) + len(r.tokens)
             if cap is not None and cache.slots + fed > cap:
                 raise KVPoolExhausted(f"session {r.session_id} would hold {cache.slots + fed} tokens; a KV row holds "
                                       f"max_context_tokens={cap}")
@@ -494,8 +501,9 @@ class CachedLM:
             if not self.reads_features:  # a drafter head's `hidden` are its own predictions, not the target's
                 self.pool.write_features(cache.pages, cache.slots, None if states is None else states[b, :n], n)
             cache.slots += n
-            cache.committed += cache.extension
-            cache.extension = []
+            n_ext = n - m
+            cache.committed += cache.extension[:n_ext]
+            cache.extension = cache.extension[n_ext:]
             cache.adopted = 0
             self._register(cache)
             results[i] = ExtendOutput(logits[b, n - m - kept_from:n - kept_from],
@@ -567,10 +575,13 @@ class CachedLM:
     def _row_inputs(self, cache: SessionCache, request: ExtendRequest) -> tuple[list[int], Tensor, Tensor]:
         """Tokens to feed, their position ids, and bool attention [n, slots + n] over (cache slots, new)."""
         start = len(cache.pending_tokens)
+        if request.chunk is not None and (request.chunk < 1 or request.tokens):
+            raise ValueError(f"session {request.session_id}: a prefill chunk feeds >= 1 context tokens and no "
+                             f"nodes, got chunk {request.chunk} with {len(request.tokens)} nodes")
         for i, p in enumerate(request.parents):
             if (p == -1) != (start + i == 0) or p >= start + i:
                 raise ValueError(f"session {request.session_id}: node {start + i} has invalid parent {p}")
-        ext = cache.extension
+        ext = request.fed_extension(cache.extension)
         base = len(cache.committed) + len(ext)  # position of the root
         depth = list(cache.pending_depth)
         for p in request.parents:

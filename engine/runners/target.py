@@ -34,6 +34,9 @@ class ScoreRequest:
     accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
     want_features: bool = False  # also return the target's features of the fed rows (for an EAGLE drafter)
     cache_scope: str = ""  # the tenant's prefix-cache scope (engine/runners/kv_pages.py)
+    # Chunked prefill: when more context tokens than this are still to be fed, feed only this many and score no
+    # tree (TargetDists.prefill_remaining says how many are left). None: feed them all and score the tree.
+    prefill_chunk: int | None = None
     # temperature > 0: verify here with torch.Generator().manual_seed(verify_seed) and return the verified path
     # instead of the probabilities (None: return them)
     verify_seed: int | None = None
@@ -73,12 +76,18 @@ class TargetRunner:
         # A session that began from a cached prefix gets the prefix's kept features too: its router holds none.
         prefixes = [self.lm.prefix_features(r.session_id) if r.want_features and n else None
                     for r, n in zip(requests, cached)]
-        outputs = self.lm.extend_outputs([ExtendRequest(r.session_id, r.tree.tokens.tolist(),
-                                                        r.tree.parents.tolist()) for r in requests],
+        # Context tokens each request leaves unfed this step (chunked prefill): > 0 scores no tree.
+        remaining = [max(0, self.lm.extension_length(r.session_id) - r.prefill_chunk)
+                     if r.prefill_chunk is not None else 0 for r in requests]
+        outputs = self.lm.extend_outputs([ExtendRequest(r.session_id, [], [], chunk=r.prefill_chunk) if left else
+                                          ExtendRequest(r.session_id, r.tree.tokens.tolist(), r.tree.parents.tolist())
+                                          for r, left in zip(requests, remaining)],
                                          hidden=any(r.want_features for r in requests))
-        dists = to_target_dists_batch([processed(out.logits, r) for out, r in zip(outputs, requests)],
-                                      [r.sampling for r in requests])
-        dists = [verify_here(r, d, out.logits) for r, d, out in zip(requests, dists, outputs)]
+        scored = [i for i, left in enumerate(remaining) if not left]
+        dists: list[TargetDists] = [TargetDists(prefill_remaining=left) for left in remaining]
+        for i, d in zip(scored, to_target_dists_batch([processed(outputs[i].logits, requests[i]) for i in scored],
+                                                      [requests[i].sampling for i in scored])):
+            dists[i] = verify_here(requests[i], d, outputs[i].logits)
         return [replace(d, cached_tokens=n, **_features(out.hidden, start, prefix) if r.want_features else {})
                 for d, out, r, start, n, prefix in zip(dists, outputs, requests, starts, cached, prefixes)]
 

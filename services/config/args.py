@@ -12,12 +12,13 @@ from typing import Any, Literal, Mapping, Optional, Union
 from treeserve.engine.chat_templates import missing_template_message, model_has_template
 from treeserve.engine.drafters.models.compatibility import check_drafter
 from treeserve.engine.drafters.registry import drafter_dir, is_shipped, kind_of
+from treeserve.engine.kv_settings import DEFAULT_PREFILL_CHUNK_TOKENS  # torch-free
 from treeserve.engine.lookup import LookupSettings  # torch-free
 from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
 from treeserve.engine.tree_config import CANDIDATE_BUDGETS, parse_budget  # torch-free
 from .api import ApiConfig, SecurityConfig
 from .builder import build
-from .fields import check_positive, described
+from .fields import check_positive, check_positive_opt, described
 from .models import DrafterConfig, ModelConfig
 
 # Tree methods a request or config may name (engine/methods.py: builders, "lookup", "<builder>+lookup").
@@ -56,10 +57,15 @@ class LimitsConfig:
                                              default=64)
     max_batch_size: int = described("sequences per target forward", default=8)
     request_timeout_s: float = described("deadline per request when the client sets none", default=120.0)
+    prefill_chunk_tokens: Optional[int] = described(
+        "chunked prefill: while other sequences of its lane decode, a new prompt is fed at most this many tokens "
+        "per step (tokens its Target replica holds cached not counted), so the running streams keep decoding "
+        "while it arrives; null = a prompt is fed in one step", default=DEFAULT_PREFILL_CHUNK_TOKENS)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         check_positive(self, path, "max_prompt_tokens", "max_new_tokens", "max_concurrent_requests",
                        "max_batch_size", "request_timeout_s")
+        check_positive_opt(self, path, "prefill_chunk_tokens")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from treeserve.engine.drafters.models.eagle import EagleDrafter
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.kv_settings import KVSettings
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.requests import SamplingParams
 
@@ -198,3 +199,36 @@ def test_feature_rows_must_match_the_fed_rows(target, eagle_dir):
     lm.begin("s", [1, 2, 3, 4])  # three context tokens to feed before the root
     with pytest.raises(ValueError, match=r"session s: 4 fed rows need features \[4, 64\], got \[2, 64\]"):
         lm.extend([ExtendRequest("s", [4], [-1], torch.zeros(2, 64))])
+
+
+def test_prefix_cache_and_chunked_prefill_keep_the_features_exact(target, eagle_dir):
+    """The target features an EAGLE drafter reads survive both KV shortcuts: a request starting from a cached
+    prefix gets the prefix's kept features back, and a prompt fed in chunks beside a decoding sequence gets each
+    chunk's; the output stays the target's greedy output, and the trees still draft (features were complete)."""
+    engine = make_engine(target, eagle_dir, TreeConfig(method="dyspec", budget=12))
+    engine.prefill_chunk_tokens = 8
+    engine.target.lm.bound(256, kv=KVSettings(page_size=8))  # short prompts span several pages
+    system = "You are a careful assistant. Answer about foxes, rivers and the weather in full sentences."
+    first = engine.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "A fox?"}])
+    again = engine.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "A river?"}])
+    result = engine.generate([GenerationRequest(first, max_new_tokens=12)])[0]
+    assert result.token_ids == reference(target.model, first, 12)
+    hit = engine.generate([GenerationRequest(again, max_new_tokens=12)])[0]
+    assert hit.cached_tokens >= 16 and hit.token_ids == reference(target.model, again, 12)
+    running = engine.start(GenerationRequest(first, max_new_tokens=40))
+    arriving = engine.start(GenerationRequest(list(reversed(again)), max_new_tokens=12))  # nothing cached
+    engine.step([running])
+    chunks = 0
+    while not arriving.steps and running.finish is None:
+        before = len(running.emitted)
+        engine.step([running, arriving])
+        chunks += not arriving.steps
+        assert len(running.emitted) > before  # the running sequence decodes on every chunk step
+    assert chunks >= len(again) // 8 - 1
+    while running.finish is None or arriving.finish is None:
+        engine.step([s for s in (running, arriving) if s.finish is None])
+    for s, prompt, n in ((running, first, 40), (arriving, list(reversed(again)), 12)):
+        tokens = engine.result(s).token_ids
+        assert tokens == reference(target.model, prompt, n)[:len(tokens)]
+    assert any(s.tree_size > 0 for s in arriving.steps)
+    engine.release(running), engine.release(arriving)

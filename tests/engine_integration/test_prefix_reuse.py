@@ -99,3 +99,31 @@ def test_sampled_output_with_a_cached_prefix_follows_the_target(pair):
     pvalue, tokens = pit_pvalue(pair[0].model, prompt, outputs, sampling)
     assert tokens == 6 * 24
     assert pvalue > 1e-3
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95)],
+                         ids=["greedy", "sampled"])
+def test_a_prompt_fed_in_chunks_beside_a_decoding_sequence_changes_no_output(pair, sampling):
+    """Chunked prefill: while another sequence decodes, a long prompt is fed 16 tokens a step; both outputs are
+    those of each request decoded alone (a seed gives the same sample however the prompt was fed)."""
+    engine = make_engine(pair, tree_config("c2t+lookup", 8), prefix_caching=False)
+    engine.prefill_chunk_tokens = 16
+    short = GenerationRequest(turns(engine), max_new_tokens=48, sampling=sampling, seed=5)
+    long_prompt = turns(engine) + follow_up(engine, "Tell me more about the fox and the river, in detail.") * 3
+    long = GenerationRequest(long_prompt, max_new_tokens=10, sampling=sampling, seed=6)
+    alone = [engine.generate([r])[0].token_ids for r in (short, long)]
+    running, arriving = engine.start(short), engine.start(long)
+    engine.step([running])
+    chunks = 0
+    while not arriving.steps and running.finish is None:
+        before = len(running.emitted)
+        engine.step([running, arriving])
+        chunks += not arriving.steps
+        assert len(running.emitted) > before
+    assert chunks >= len(long_prompt) // 16 - 1
+    while running.finish is None or arriving.finish is None:
+        engine.step([s for s in (running, arriving) if s.finish is None])
+    assert [engine.result(running).token_ids, engine.result(arriving).token_ids] == alone
+    if sampling.is_greedy:
+        assert alone[1] == reference(pair[0].model, long_prompt, len(alone[1]))
+    engine.release(running), engine.release(arriving)
