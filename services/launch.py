@@ -205,11 +205,19 @@ def wait_until_ready(address: str, app_name: str, timeout_s: float = 600.0) -> N
 
 
 def stop_service(service: Service) -> None:
+    """Stop the application; a Ray instance started here goes with it. That one is not stopped through
+    serve.shutdown(): Serve's controller ends by killing itself, and Ray then reports the calls this process had
+    in flight to it (the shutdown call itself, a handle's long poll) as failed tasks on the console although
+    nothing failed. Deleting the application drains and stops its replicas through the controller just the same;
+    ray.shutdown() then ends the rest."""
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        if service.started_ray:
+            serve.delete(service.app_name)
+        else:
+            serve.shutdown()
     finally:
         if service.started_ray:
             ray.shutdown()
