@@ -15,7 +15,8 @@ from treeserve.engine.drafters.registry import SHIPPED_NAMES, drafter_dir
 from treeserve.engine.methods import SERVED_METHODS  # torch-free
 from treeserve.services.launch import DEFAULT_CONFIG, load_config, start_service, stop_service
 from .generate import format_stats, stream_completion
-from .serve import add_console_arguments, dashboard_config, print_dashboard, quiet_console, state_ray_auth_mode
+from .serve import (add_console_arguments, dashboard_config, print_dashboard, quiet_console, start_progress,
+                    state_ray_auth_mode)
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     state_ray_auth_mode(None)
+    quiet_console(args.verbose)
     from treeserve.v1 import generation_pb2 as gen
 
     method = args.method
@@ -48,9 +50,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting TreeServe from {args.config or 'built-in defaults'} "
           f"(method {config.app.args.speculation.method}) ...", file=sys.stderr)
     started = time.perf_counter()
-    quiet_console(args.verbose)
     service = start_service(config, quiet=not args.verbose, ready_timeout_s=args.ready_timeout,
-                            dashboard=dashboard_config(args))
+                            dashboard=dashboard_config(args), progress=start_progress())
     try:
         print(f"ready on {service.address} after {time.perf_counter() - started:.0f} s", file=sys.stderr)
         print_dashboard(service)

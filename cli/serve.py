@@ -75,8 +75,20 @@ def quiet_console(verbose: bool) -> None:
         import logging
 
         import ray.serve  # noqa: F401  (it sets its logger up when imported: the level is set after)
+        from transformers.utils import logging as transformers_logging
 
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        # The first start converts the embedded GGUF target (transformers draws two progress bars for it);
+        # start_progress's lines say how the start goes instead.
+        transformers_logging.disable_progress_bar()
+
+
+def start_progress():
+    """A `progress` callback for start_service: each line with the seconds since the start began."""
+    import time
+
+    began = time.perf_counter()
+    return lambda line: print(f"  {time.perf_counter() - began:4.0f} s  {line}", file=sys.stderr, flush=True)
 
 
 def print_dashboard(service) -> None:
@@ -94,13 +106,14 @@ def dashboard_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     state_ray_auth_mode(args.ray_address)
+    quiet_console(args.verbose)
     config = load_config(args.config, args.method, args.budget, args.target, args.drafter, args.grpc_port,
                          args.http_port)
     print(f"starting TreeServe ({config.app.args.speculation.method}, target {config.app.args.target.path}) ...",
           file=sys.stderr)
-    quiet_console(args.verbose)
     service = start_service(config, args.ray_address, quiet=not args.verbose, ready_timeout_s=args.ready_timeout,
-                            control_plane_nice=args.control_plane_nice, dashboard=dashboard_config(args))
+                            control_plane_nice=args.control_plane_nice, dashboard=dashboard_config(args),
+                            progress=start_progress())
     security = config.app.args.security
     print(f"TreeServe is serving gRPC on {config.app.args.api.host}:{config.app.args.api.port} "
           f"({'TLS' if security.tls else 'plaintext'}{', bearer tokens' if security.auth_token_file else ''}; "

@@ -100,11 +100,12 @@ def _check_models(args) -> None:
 
 def start_service(config, ray_address: str | None = None, quiet: bool = False,
                   ready_timeout_s: float = 600.0, control_plane_nice: int = DEFAULT_CONTROL_PLANE_NICE,
-                  dashboard=None) -> Service:
+                  dashboard=None, progress=None) -> Service:
     """ray.init (unless already up), serve.start with the config's options, serve.run, wait until answering.
     A Ray instance started here runs its replicas at niceness 0 and gets its control plane re-niced
     (services/host_priority.py). `dashboard` (DashboardConfig; None: off) is the Ray dashboard of a Ray
-    instance started here; a joined cluster keeps its own."""
+    instance started here; a joined cluster keeps its own. `progress` (a callable taking one line) hears how
+    many replicas of each deployment run while the application starts."""
     import ray
     from ray import serve
 
@@ -144,8 +145,9 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
                     logging_config={"enable_access_log": config.logging_config.enable_access_log,
                                     "log_level": config.logging_config.log_level,
                                     "encoding": config.logging_config.encoding}, **options)
-        serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
-                  route_prefix=app.route_prefix)
+        with _ReplicaProgress(app.name, progress):
+            serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
+                      route_prefix=app.route_prefix)
         if started:
             deprioritise_control_plane(control_plane_nice)
         # Ray sets RAY_AUTH_MODE=token in this process when it turns token authentication on by default.
@@ -164,6 +166,56 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
         first_line = next((line for line in str(exc).splitlines() if line.strip()), "")
         raise ServiceStartError(f"the service did not start ({type(exc).__name__}: {first_line})") from exc
     return service
+
+
+class _ReplicaProgress:
+    """While serve.run waits for every replica (model loads, first-run measurements: the longest part of a
+    start), a thread reads serve.status() every PERIOD_S and hands `report` one line whenever a deployment's
+    running / wanted replica count changes, e.g. "replicas running: Router 1/1, Drafter 0/1, Target 1/2"."""
+
+    PERIOD_S = 2.0
+
+    def __init__(self, app_name: str, report):
+        import threading
+
+        self.app_name, self.report = app_name, report
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="treeserve-start-progress", daemon=True)
+
+    def __enter__(self):
+        if self.report is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)
+
+    def summary(self) -> str | None:
+        from ray import serve
+
+        app = serve.status().applications.get(self.app_name)
+        if app is None or not app.deployments:
+            return None
+        parts = []
+        for name in ("Router", "Drafter", "Target"):
+            deployment = app.deployments.get(name)
+            if deployment is not None:
+                states = {str(getattr(k, "value", k)): v for k, v in deployment.replica_states.items()}
+                parts.append(f"{name} {states.get('RUNNING', 0)}/{sum(states.values())}")
+        return "replicas running: " + ", ".join(parts)
+
+    def _run(self) -> None:
+        last = None
+        while not self.stop.wait(self.PERIOD_S):
+            try:
+                line = self.summary()
+            except Exception:  # the controller is still starting; the next poll will tell
+                continue
+            if line is not None and line != last:
+                self.report(line)
+                last = line
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -195,6 +247,9 @@ def wait_until_ready(address: str, app_name: str, timeout_s: float = 600.0) -> N
         try:
             handle = serve.get_deployment_handle("Router", app_name)
             handle.ready.remote().result(timeout_s=min(60.0, max(1.0, deadline - time.monotonic())))
+            # Its router's threads would otherwise outlive the Ray instance stop_service ends, and call into
+            # Ray after it (auto-starting a driver in a thread, with a warning on the console).
+            handle.shutdown()
             host, _, port = address.rpartition(":")
             with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
                 return
