@@ -1,4 +1,4 @@
-"""The Ray dashboard options of `treeserve serve` / `demo` (services/config/dashboard.py, services/launch.py): on
+"""The Ray dashboard and console of `treeserve serve` / `demo` (services/config/dashboard.py, services/launch.py): on
 loopback by default, another address only with the API's explicit allowance, a taken port or a bad value refused
 in one line before Ray starts."""
 
@@ -57,3 +57,37 @@ def test_a_taken_port_is_named_with_the_flags_to_change():
         with pytest.raises(ValueError, match=rf"127.0.0.1:{port} .*--dashboard-port N, or --no-dashboard"):
             _check_port_free("127.0.0.1", port)
     _check_port_free("127.0.0.1", port)  # free again
+
+
+def test_start_progress_reports_each_change_of_running_replicas(monkeypatch):
+    """While serve.run waits, one line per change of the running / wanted replicas (serve.status()), none
+    while nothing changes or before the application is known."""
+    import time
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from treeserve.services import launch
+
+    def app(router, drafter, target):
+        return SimpleNamespace(applications={"treeserve": SimpleNamespace(deployments={
+            "Router": SimpleNamespace(replica_states=router), "Drafter": SimpleNamespace(replica_states=drafter),
+            "Target": SimpleNamespace(replica_states=target)})})
+
+    states = [SimpleNamespace(applications={}),
+              app({"STARTING": 1}, {"STARTING": 1}, {"STARTING": 2}),
+              app({"STARTING": 1}, {"STARTING": 1}, {"STARTING": 2}),
+              app({"RUNNING": 1}, {"STARTING": 1}, {"RUNNING": 1, "STARTING": 1}),
+              app({"RUNNING": 1}, {"RUNNING": 1}, {"RUNNING": 2})]
+    monkeypatch.setattr(serve, "status", lambda: states.pop(0) if len(states) > 1 else states[0])
+    monkeypatch.setattr(launch._ReplicaProgress, "PERIOD_S", 0.01)
+    lines: list[str] = []
+    with launch._ReplicaProgress("treeserve", lines.append):
+        deadline = time.monotonic() + 10
+        while len(lines) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert lines == ["replicas running: Router 0/1, Drafter 0/1, Target 0/2",
+                     "replicas running: Router 1/1, Drafter 0/1, Target 1/2",
+                     "replicas running: Router 1/1, Drafter 1/1, Target 2/2"]
+    with launch._ReplicaProgress("treeserve", None) as idle:  # no callback: no thread
+        assert not idle.thread.is_alive()
