@@ -250,20 +250,34 @@ class AheadLookup:
 
 
 class LookupSources:
-    """A drafter's lookup sessions (LRU-bounded), their pooled calibration and settings."""
+    """A drafter's lookup sessions (LRU-bounded), their pooled calibration and settings, and the shared output
+    indexes: one per cache scope (a tenant: engine/requests.py `GenerationRequest.cache_scope`), so a request
+    drafts only from outputs of its own tenant, and its speed reveals nothing of another's (the scopes kept are
+    LRU-bounded like the sessions)."""
 
     def __init__(self, settings: LookupSettings | None = None) -> None:
         self.settings = settings or LookupSettings()
         self.pooled = LookupStats(self.settings.pooled_prior)
-        self.shared = (SharedOutputs(self.settings.shared_tokens, self.settings.max_ngram)
-                       if self.settings.shared_tokens else None)
+        self._shared: OrderedDict[str, SharedOutputs] = OrderedDict()
         self._sessions: OrderedDict[str, LookupSession] = OrderedDict()
 
-    def session(self, session_id: str, context: Sequence[int]) -> LookupSession:
-        """The session synced with `context` (created on first use)."""
+    def shared(self, scope: str = "") -> SharedOutputs | None:
+        """The scope's index of recent outputs (None when the settings keep none)."""
+        if not self.settings.shared_tokens:
+            return None
+        index = self._shared.pop(scope, None)
+        if index is None:
+            index = SharedOutputs(self.settings.shared_tokens, self.settings.max_ngram)
+            while len(self._shared) >= self.settings.max_sessions:
+                self._shared.popitem(last=False)
+        self._shared[scope] = index
+        return index
+
+    def session(self, session_id: str, context: Sequence[int], scope: str = "") -> LookupSession:
+        """The session synced with `context` (created on first use, drafting from `scope`'s shared outputs)."""
         session = self._sessions.pop(session_id, None)
         if session is None:
-            session = LookupSession(self.settings, self.pooled, self.shared)
+            session = LookupSession(self.settings, self.pooled, self.shared(scope))
             while len(self._sessions) >= self.settings.max_sessions:
                 self._finish(self._sessions.popitem(last=False)[1])
         self._sessions[session_id] = session
@@ -282,9 +296,10 @@ class LookupSources:
         return True
 
     def _finish(self, session: LookupSession) -> None:
-        """A session ends (released, or dropped as least recently used): its output joins the shared outputs."""
-        if self.shared is not None:
-            self.shared.add(session.output())
+        """A session ends (released, or dropped as least recently used): its output joins its scope's shared
+        outputs."""
+        if session.shared is not None:
+            session.shared.add(session.output())
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions

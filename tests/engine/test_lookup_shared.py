@@ -52,7 +52,7 @@ def test_shared_outputs_keep_the_most_recent_within_the_cap():
 
 def test_off_by_default_and_validated():
     sources = LookupSources()
-    assert sources.shared is None
+    assert sources.shared() is None
     finished(sources, "a", [1, 2], [3, 4, 5, 6])
     assert sources.session("b", [9, 4]).root_state() == NO_MATCH
     for bad in (-1, 1, 2.5):
@@ -63,7 +63,7 @@ def test_off_by_default_and_validated():
 def test_a_request_drafts_from_an_earlier_requests_output():
     sources = LookupSources(LookupSettings(shared_tokens=1000, pooled_prior=1000.0))
     finished(sources, "a", [1, 2, 3], [50, 51, 52, 53, 54, 55])
-    assert sources.shared.index.tokens == [3, 50, 51, 52, 53, 54, 55, SEPARATOR]
+    assert sources.shared().index.tokens == [3, 50, 51, 52, 53, 54, 55, SEPARATOR]
     session = sources.session("b", [8, 9, 51, 52])  # its own context has no "51 52" followed by anything
     root = session.root_state()
     assert root.shared and root.length == 2
@@ -93,5 +93,18 @@ def test_sessions_dropped_as_least_recently_used_join_the_shared_outputs():
     sources.session("a", [1, 2])
     sources.session("a", [1, 2, 40, 41, 42])
     sources.session("b", [3])  # "a" is dropped to make room
-    assert "a" not in sources and sources.shared.outputs == 1
-    assert sources.shared.index.tokens == [2, 40, 41, 42, SEPARATOR]
+    assert "a" not in sources and sources.shared().outputs == 1
+    assert sources.shared().index.tokens == [2, 40, 41, 42, SEPARATOR]
+
+
+def test_a_tenant_drafts_only_from_its_own_tenants_outputs():
+    """Shared outputs are kept per cache scope: another tenant's finished output neither drafts for a request
+    nor changes its speed (engine/lookup/session.py LookupSources)."""
+    sources = LookupSources(LookupSettings(shared_tokens=1000, pooled_prior=1000.0))
+    first = sources.session("a", [1, 2, 3], scope="tenant-a")
+    sources.session("a", [1, 2, 3, 50, 51, 52, 53], scope="tenant-a")
+    assert first.shared is sources.shared("tenant-a")
+    sources.release("a")
+    assert sources.shared("tenant-a").outputs == 1 and sources.shared("tenant-b").outputs == 0
+    assert sources.session("b", [8, 50, 51], scope="tenant-b").root_state() == NO_MATCH
+    assert sources.session("c", [8, 50, 51], scope="tenant-a").root_state().shared

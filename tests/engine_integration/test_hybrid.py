@@ -218,7 +218,7 @@ def test_shared_outputs_feed_later_requests_and_stay_greedy_equal(pair, referenc
         for _ in range(2):
             result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
             assert result.token_ids == expected[:len(result.token_ids)]
-    assert local.lookups.shared.outputs == 4  # each finished request's output joined the index
+    assert local.lookups.shared().outputs == 4  # each finished request's output joined the index
     shared_buckets = slice(len(MATCH_BUCKETS), None)
     assert sum(local.lookups.pooled.trials[shared_buckets]) > 0 and sum(local.lookups.pooled.hits[shared_buckets]) > 0
 
@@ -230,7 +230,7 @@ def test_factory_passes_lookup_settings(tiny_target_dir, tiny_drafter_dir, refer
     engine = build_engine(str(tiny_target_dir), str(tiny_drafter_dir), method="c2t+lookup", budget=8,
                           lookup=LookupSettings(shared_tokens=1024, max_ngram=6))
     settings = engine.drafter.lookups.settings
-    assert (settings.shared_tokens, settings.max_ngram) == (1024, 6) and engine.drafter.lookups.shared is not None
+    assert (settings.shared_tokens, settings.max_ngram) == (1024, 6) and engine.drafter.lookups.shared() is not None
     prompt, expected = references[PROMPTS[0]]
     result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
     assert result.token_ids == expected[:len(result.token_ids)]
