@@ -180,8 +180,8 @@ class LocalDrafter(ModelDrafter):
         modelled = [i for i, copy in enumerate(copies) if depth > 0 and (copy is None or copy.modelled)]
         trees: list[TokenTree | None] = [None] * len(speculative)
         if modelled:
-            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features, r.cache_scope)
-                       for r in (speculative[i] for i in modelled)]
+            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features,
+                                         r.cache_scope) for r in (speculative[i] for i in modelled)]
             chains = draft_c2t_chains(self.runner, oracles, [speculative[i].context[-1] for i in modelled],
                                       self.classifier, self.batch_chain_beta, depth)
             for i, chain in zip(modelled, chains):

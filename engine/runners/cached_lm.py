@@ -3,34 +3,37 @@
 Both the target and the drafter run through this class; only how they use the logits differs.
 
 Per session the cache holds the KV of `committed` context tokens followed by the `pending` nodes of the
-current tree (node 0, the root, first), left-aligned in the session's row of a shared `KVPool`
-(engine/runners/kv_pool.py, which also says how much memory it holds). A step goes:
+current tree (node 0, the root, first), at the session's logical slots [0, slots), which its page table maps
+onto pages of a shared `KVPool` (engine/runners/kv_pool.py, which also says how much memory it holds;
+engine/runners/kv_pages.py keeps which pages are free, held and cached). A step goes:
 
-1. `begin(session, context, accepted_nodes)`: the previous tree is compacted to its accepted path in place
-   (only the accepted nodes' slots move, to follow the committed prefix), then the cache is reconciled with
-   `context[:-1]` (everything but the root): the longest common prefix is kept (the slot count is cut to
-   it) and the rest becomes a chain of "extension" tokens that the next forward feeds. So a replica that
-   never saw the session, or saw an older state, rebuilds it from the request alone: replicas hold caches,
-   never truth.
+1. `begin(session, context, accepted_nodes, scope)`: a session new here starts from the longest cached prefix
+   of its context in its scope (its pages shared, not copied); the previous tree is compacted to its accepted
+   path in place (only the accepted nodes' slots move, to follow the committed prefix), then the cache is
+   reconciled with `context[:-1]` (everything but the root): the longest common prefix is kept (the slot count
+   is cut to it; a shared page it cuts into is copied first) and the rest becomes a chain of "extension" tokens
+   that the next forward feeds (all of them, or a chunk: `ExtendRequest.chunk`). So a replica that never saw
+   the session, or saw an older state, rebuilds it from the request alone: replicas hold caches, never truth.
 2. `extend([...])`: feeds, for many sessions in one forward, any extension tokens plus new tree nodes,
    with a per-row additive 4D mask (causal for the extension, ancestor mask for the tree) and
    position ids `past + depth`, and returns the logits of the new nodes. Each row's new KV is written
-   straight into its pool row by `PoolCache`; nothing else is copied back.
+   straight into its pages by `PoolCache`; nothing else is copied back. Pages that committed context filled
+   are registered for reuse.
 
 The model is called as a plain transformers causal LM, so it stays tensor-parallel agnostic. With `static`
 settings and a Llama-layout model (a drafter model's trunk between its declared `lean_ends()`: embedding and
 head), forwards run instead as a static-shape step (engine/runners/static_step.py:
 the same weights through a lean decoder over a bounded pool with a scratch row, padded to buckets, replayed as
-CUDA graphs on a GPU); the pool is then always bounded (`StaticStepSettings.context_tokens` slots per row when
-`max_context_tokens` is not given, and at most the largest batch bucket of rows).
+CUDA graphs on a GPU); the pool is then always bounded, with one page of `max_context_tokens` per session (its
+row; `StaticStepSettings.context_tokens` slots when `max_context_tokens` is not given, and at most the largest
+batch bucket of rows).
 
-Bounds (`max_sessions`, `max_context_tokens`): at most `max_sessions` sessions hold a pool row. A new session
-beyond that takes the row of the least recently used session that is not part of the current step (begun
-since the last forward); it is rebuilt from its next request's context if it comes back. When every row
-belongs to the current step, or one sequence would outgrow `max_context_tokens`, `KVPoolExhausted` is raised
-and nothing is fed. With `max_context_tokens` set the pool is preallocated (`warm_up`) and never grows; a
-forward whose rows would together span more slots than that (a long session batched with a long prefill) is
-run as several smaller forwards instead, so only a single sequence's own length can exhaust it.
+Bounds: at most `max_sessions` sessions hold KV; a new session beyond that preempts the least recently used
+session that is not part of the current step (begun since the last forward), which is rebuilt from its next
+request's context if it comes back. With `max_context_tokens` set the pool is preallocated (`warm_up`) and
+never grows. A forward needing a page when none is free takes a cached one (least recently used), then
+preempts an idle session; when the current step's own sessions hold every page, or one sequence would outgrow
+`max_context_tokens`, `KVPoolExhausted` is raised before anything is fed.
 
 Rows of different widths: a forward pads every row to its widest, so an eager step is split into forwards of
 rows of similar width where the padding would cost more than another forward (a prompt arriving beside
@@ -328,8 +331,8 @@ class CachedLM:
         while len(cache.blocks) < min(len(cache.committed), cache.slots) // size:
             i = len(cache.blocks)
             parent = cache.blocks[-1] if cache.blocks else -1
-            cache.blocks.append(self.table.register(cache.scope, parent, tuple(cache.committed[i * size:(i + 1) * size]),
-                                                    cache.pages[i]))
+            tokens = tuple(cache.committed[i * size:(i + 1) * size])
+            cache.blocks.append(self.table.register(cache.scope, parent, tokens, cache.pages[i]))
 
     @staticmethod
     def _accepted_path(cache: SessionCache, context: list[int], hint: list[int] | None) -> list[int]:
@@ -415,8 +418,9 @@ class CachedLM:
     def _groups(self, requests: list[ExtendRequest]) -> list[list[int]]:
         """Request indices per forward (engine/runners/row_groups.py): a forward pads every row to its widest
         row, so an eager step's rows are grouped by width where that padding costs more than another forward
-        (`forward_overhead` positions), every group fitting a bounded pool's rows (max(slots) + max(fed) <=
-        max_context_tokens); a static step stays one forward but for the rows past its largest token bucket."""
+        (`forward_overhead` positions); a static step stays one forward but for the rows past its largest token
+        bucket. Every row's pages are held first, so a pool that runs out refuses the step before any state
+        changes."""
         cap = self.max_context_tokens
         shapes = []
         for r in requests:

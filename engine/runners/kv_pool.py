@@ -4,8 +4,9 @@ Per layer the pool holds one key and one value tensor [kv_heads, pages, page_siz
 page table (engine/runners/kv_pages.py): its logical slot s lies in page `table[s // page_size]` at offset
 `s % page_size`, so a session takes memory as it grows, and pages holding a prefix that several sessions share
 are held once (prefix caching). Pages are the second axis so that consecutive pages are one view per head: a
-session on consecutive pages is read in place, others with one gather (`PoolCache`). A step writes only its new tokens' KV (`PoolCache.update`) and a compaction only
-moves the few accepted tree nodes (`move`): the committed context is never copied.
+session on consecutive pages is read in place, others with one gather (`PoolCache`). A step writes only its new
+tokens' KV (`PoolCache.update`) and a compaction only moves the few accepted tree nodes (`move`): the committed
+context is never copied.
 
 After the sessions' pages come `scratch_pages` pages no session owns: padded tokens of a batched forward write
 there (and a static-shape step's padded rows read there, engine/runners/static_step.py). A static step runs with
