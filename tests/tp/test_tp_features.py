@@ -124,11 +124,15 @@ def test_default_tp3_eagle_in_process_greedy_equals_tp1(default_tp3, default_pai
     for name, runner in (("TP=1", TargetRunner(target.model)), ("TP=3", default_tp3)):
         engine = _engine(runner, target.tokenizer, eagle)
         out = engine.generate([GenerationRequest(p, max_new_tokens=NEW_TOKENS) for p in prompts])
-        results[name] = ([r.token_ids for r in out], sum(r.mean_accepted_length for r in out) / len(out))
+        # A second turn resending the first with its answer: every rank starts it from its cached pages.
+        turn2 = engine.generate([GenerationRequest(prompts[0] + out[0].token_ids + prompts[1], max_new_tokens=8)])[0]
+        assert turn2.cached_tokens >= 64, name
+        results[name] = ([r.token_ids for r in out] + [turn2.token_ids],
+                         sum(r.mean_accepted_length for r in out) / len(out))
     print(f"\nin-process EAGLE MAL: TP=1 {results['TP=1'][1]:.2f}, TP=3 {results['TP=3'][1]:.2f}")
     assert results["TP=3"][0] == results["TP=1"][0]
     with torch.inference_mode():  # and both are the target's own greedy decoding
-        for p, got in zip(prompts, results["TP=1"][0]):
+        for p, got in zip(prompts, results["TP=1"][0][:PROMPT_COUNT]):
             ref = target.model.generate(input_ids=torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                         top_p=None, top_k=None, temperature=None)[0, len(p):].tolist()
             assert got == ref[:len(got)]
