@@ -74,12 +74,14 @@ def quiet_console(verbose: bool) -> None:
     if not verbose:
         import logging
 
+        # The first start converts the embedded GGUF target, and transformers draws two progress bars for it, one
+        # with tqdm directly (which reads TQDM_DISABLE when it is imported: set before anything imports it);
+        # start_progress's lines say how the start goes instead.
+        os.environ.setdefault("TQDM_DISABLE", "1")
         import ray.serve  # noqa: F401  (it sets its logger up when imported: the level is set after)
         from transformers.utils import logging as transformers_logging
 
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-        # The first start converts the embedded GGUF target (transformers draws two progress bars for it);
-        # start_progress's lines say how the start goes instead.
         transformers_logging.disable_progress_bar()
 
 
