@@ -6,9 +6,8 @@ needed: the layouts point at deploy/models/*/config.json). Per process (a target
 - weights: embeddings, LM head and norms are counted on every TP rank (the TP plan shards only attention and
   MLP projections: colwise q/k/v/gate/up, rowwise o/down);
 - KV pool: exactly what the replica preallocates at start and never grows: `kv_cache_tokens` slots (default
-  `max_sessions x max_context_tokens`) in pages of `kv_page_tokens` (engine/runners/kv_pool.py), one page of
-  max_context_tokens per session under the static step; 2 x layers x kv_heads/TP x head_dim x dtype bytes per
-  slot. Sessions take pages as they grow, so the report says how many sessions of a given length fit;
+  `max_sessions x max_context_tokens`) in pages of `kv_page_tokens` (engine/runners/kv_pool.py); 2 x layers x
+  kv_heads/TP x head_dim x dtype bytes per slot. Sessions take pages as they grow, so the report says how many sessions of a given length fit;
 - the static-shape step on CUDA (`cuda_graphs`, on by default): its input buffers, the pool's scratch row and
   the captured graphs' memory pool (engine/runners/step_settings.py `static_step_bytes`), at most
   `graph_memory_mib` (a replica whose graphs would take more is refused at start);
@@ -94,8 +93,6 @@ def kv_pool_bytes(facts: ModelFacts, tp: int, dtype_bytes: int, pages: int, page
 
 def kv_pages(model: ModelConfig, sessions: int) -> tuple[int, int]:
     """(pages, tokens per page) of one process's pool, as CachedLM.bound sizes it."""
-    if default_static_step(model.device, model.cuda_graphs, model.graph_memory_mib, max_rows=sessions) is not None:
-        return sessions, model.max_context_tokens  # the static step: one page per session, its row
     page = min(model.kv_page_tokens, model.max_context_tokens)
     return -(-(model.kv_cache_tokens or sessions * model.max_context_tokens) // page), page
 

@@ -24,9 +24,9 @@ The model is called as a plain transformers causal LM, so it stays tensor-parall
 settings and a Llama-layout model (a drafter model's trunk between its declared `lean_ends()`: embedding and
 head), forwards run instead as a static-shape step (engine/runners/static_step.py:
 the same weights through a lean decoder over a bounded pool with a scratch row, padded to buckets, replayed as
-CUDA graphs on a GPU); the pool is then always bounded, with one page of `max_context_tokens` per session (its
-row; `StaticStepSettings.context_tokens` slots when `max_context_tokens` is not given, and at most the largest
-batch bucket of rows).
+CUDA graphs on a GPU); the pool is then always bounded (`StaticStepSettings.context_tokens` slots per session
+when `max_context_tokens` is not given, and at most the largest batch bucket of sessions), its page tables
+inputs of the step like its tokens.
 
 Bounds: at most `max_sessions` sessions hold KV; a new session beyond that preempts the least recently used
 session that is not part of the current step (begun since the last forward), which is rebuilt from its next
@@ -173,17 +173,15 @@ class CachedLM:
         """Size the KV pool. At most `max_sessions` sessions hold KV at once; a sequence holds at most
         `max_context_tokens`. With `max_context_tokens`, the pool is bounded: `kv.kv_tokens` slots in pages of
         `kv.page_size` (default max_sessions x max_context_tokens), preallocated by the next forward (see
-        `warm_up`); else it grows. A static step keeps one page per session (page_size = max_context_tokens:
-        its rows). `kv` None keeps the current settings. Drops every session and cached prefix."""
+        `warm_up`); else it grows (a static step's pool is always bounded). `kv` None keeps the current
+        settings. Drops every session and cached prefix."""
         self.kv = kv = kv or self.kv
         self.prefix_caching = kv.prefix_caching
         page_size, kv_tokens = kv.page_size, kv.kv_tokens
-        if self.static_settings is not None:
-            if max_context_tokens is None:  # a growing pool cannot be captured: bound it
-                max_context_tokens = self.static_settings.context_tokens
-                max_sessions = min(max_sessions, self.static_settings.batch_buckets[-1])
-            page_size, kv_tokens = max_context_tokens, None  # its pages are its rows
-        elif max_context_tokens is not None:
+        if self.static_settings is not None and max_context_tokens is None:  # a growing pool cannot be captured
+            max_context_tokens = self.static_settings.context_tokens
+            max_sessions = min(max_sessions, self.static_settings.batch_buckets[-1])
+        if max_context_tokens is not None:
             page_size = min(page_size, max_context_tokens)  # a page no session could fill would waste its rest
         self.max_sessions = max_sessions
         self.max_context_tokens = max_context_tokens
@@ -453,7 +451,7 @@ class CachedLM:
         kept_from = min(first_new, width - 1)  # 0 rows kept would mean "all" to the model
         if self.static_settings is not None:
             started = time.perf_counter()
-            rows = [RowInput(tokens, positions, cache.pages[0], offset, committed, attend[:, committed:],
+            rows = [RowInput(tokens, positions, cache.pages, offset, committed, attend[:, committed:],
                              requests[i].features)
                     for (tokens, positions, attend), cache, offset, committed, i
                     in zip(inputs, caches, offsets, seen, order)]
@@ -537,7 +535,7 @@ class CachedLM:
                                                                  layers, hidden)
             feature_size = None
         self.static_step = StaticStep(forward, self.max_context_tokens, self.pool.scratch, settings, self.device,
-                                      self.dtype, feature_size)
+                                      self.dtype, feature_size, self.pool.page_size)
         return self.static_step
 
     @torch.inference_mode()

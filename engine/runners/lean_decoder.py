@@ -124,17 +124,19 @@ class StepBuffers:
 
     input_ids: Tensor  # [B, W] long
     positions: Tensor  # [B, W] long, rotary position of each token
-    mask: Tensor  # [B, 1, W, C] additive attention mask over the leading C slots of each batch row's pool row
-    write_rows: Tensor  # [B, W] long: pool row each token's keys and values go to (padding: a scratch row)
-    write_slots: Tensor  # [B, W] long: slot within that row
-    read_rows: Tensor  # [B] long: pool row each batch row attends over (padding rows: the scratch row)
+    mask: Tensor  # [B, 1, W, C] additive attention mask over the leading C slots of each batch row's session
+    write_pages: Tensor  # [B, W] long: pool page each token's keys and values go to (padding: the scratch page)
+    write_offsets: Tensor  # [B, W] long: slot within that page
+    read_pages: Tensor  # [B, ceil(C / page)] long: each batch row's page table over its leading C slots (past its
+    # own pages, and for padding rows: the scratch page)
     features: Tensor | None = None  # [B, W, F] parent features of each row (a feature-reading drafter head only)
 
 
 class PoolRows:
-    """The KV pool seen by one static forward: `update` writes the new keys and values at each token's (row,
-    slot) and returns the batch rows' whole pool rows. It has the `update(key, value, layer)` of a transformers
-    Cache, so a drafter head's own attention (engine/drafters/models/eagle3.py) runs over it unchanged."""
+    """The KV pool seen by one static forward: `update` writes the new keys and values at each token's (page,
+    offset) and returns each batch row's leading slots gathered through its page table. It has the
+    `update(key, value, layer)` of a transformers Cache, so a drafter head's own attention
+    (engine/drafters/models/eagle3.py) runs over it unchanged."""
 
     def __init__(self, keys: list[Tensor], values: list[Tensor], inputs: StepBuffers):
         self.keys, self.values, self.inputs = keys, values, inputs
@@ -142,14 +144,19 @@ class PoolRows:
     def update(self, key: Tensor, value: Tensor, layer: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """key/value [B, H_kv, W, D] -> keys/values [B, H_kv, C, D] of the batch rows, the new ones included: their
         leading C slots, C = the mask's width (the step's context bucket)."""
-        rows, slots = self.inputs.write_rows, self.inputs.write_slots
-        # The pool is [H_kv, rows, C, D] (engine/runners/kv_pool.py: one page per row here); adjacent advanced
-        # indices stay in place, so the target is [H_kv, B, W, D].
-        self.keys[layer][:, rows, slots] = key.transpose(0, 1)
-        self.values[layer][:, rows, slots] = value.transpose(0, 1)
-        read, context = self.inputs.read_rows, self.inputs.mask.shape[-1]
-        return (self.keys[layer][:, :, :context].index_select(1, read).transpose(0, 1),
-                self.values[layer][:, :, :context].index_select(1, read).transpose(0, 1))
+        pages, offsets = self.inputs.write_pages, self.inputs.write_offsets
+        # The pool is [H_kv, pages, P, D] (engine/runners/kv_pool.py); adjacent advanced indices stay in place, so
+        # the target is [H_kv, B, W, D].
+        self.keys[layer][:, pages, offsets] = key.transpose(0, 1)
+        self.values[layer][:, pages, offsets] = value.transpose(0, 1)
+        return self._read(self.keys[layer]), self._read(self.values[layer])
+
+    def _read(self, pool: Tensor) -> Tensor:
+        """[B, H_kv, C, D]: each batch row's leading C slots, one gather of its pages."""
+        table, context = self.inputs.read_pages, self.inputs.mask.shape[-1]
+        heads, _, size, dim = pool.shape
+        rows = pool.index_select(1, table.flatten()).view(heads, table.shape[0], table.shape[1] * size, dim)
+        return rows.transpose(0, 1)[:, :, :context]
 
 
 def _attention(module: nn.Module, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float

@@ -1,12 +1,14 @@
 """The static-shape step: CachedLM's forward on fixed buffers per bucket, replayed as CUDA graphs on a GPU.
 
 What a forward needs is reduced to a few device tensors of fixed shape per (rows, tokens, context) bucket
-(engine/runners/lean_decoder.py `StepBuffers`): token ids, positions, write (row, slot) per token, the pool
-row each batch row reads, and an additive mask over the leading slots of those rows that attention reads (the
-longest row's context rounded up to a context bucket: a 70B rank at 32 rows x 4,096 slots would otherwise
-gather and read ~10 GB of keys and values per step for contexts of a few hundred tokens). Rows and tokens are padded up
-to the bucket: padded tokens write into a scratch pool row that no session owns and attend to one slot, so a
-padded row or token never writes into a live KV slot nor changes another row's output. The host describes
+(engine/runners/lean_decoder.py `StepBuffers`): token ids, positions, write (page, offset) per token, the page
+table each batch row reads through, and an additive mask over the leading slots of those rows that attention
+reads (the longest row's context rounded up to a context bucket: a 70B rank at 32 rows x 4,096 slots would
+otherwise gather and read ~10 GB of keys and values per step for contexts of a few hundred tokens). Rows and
+tokens are padded up to the bucket: padded tokens write into a scratch page that no session owns and attend to
+one slot, and page tables are padded with it, so a padded row or token never writes into a live KV slot nor
+changes another row's output. Sessions share pages of a cached prefix here as on the eager path (the page table
+is an input like any other: one gather per layer reads it, in the graph). The host describes
 each row's mask compactly (how many leading slots every token sees, plus a small tree / causal block after
 them); the full [rows, 1, tokens, slots] mask is expanded on the device. Nothing in the forward reads a
 device value on the host, so on CUDA each bucket is captured once as a graph (into one shared memory pool,
@@ -43,8 +45,8 @@ class RowInput:
 
     tokens: list[int]  # [n] token ids
     positions: Tensor  # [n] long rotary positions
-    row: int  # pool row of the session
-    offset: int  # slots already valid in the row: token t's KV goes to slot offset + t
+    pages: list[int]  # the session's page table: its logical slot s lies in page pages[s // page_size]
+    offset: int  # slots already valid in the session: token t's KV goes to logical slot offset + t
     seen: int  # leading slots [0, seen) every token of the row attends to (the committed context)
     block: Tensor  # [n, offset - seen + n] bool: attention over slots seen .. offset + n (tree / causal part)
     features: Tensor | None = None  # [n, F] parent features of the fed tokens (a feature-reading drafter head)
@@ -104,13 +106,15 @@ class StaticStep:
     """Runs `lean_forward` for CachedLM on bucketed static buffers (graphs on CUDA). The pool tensors are the
     KVPool's, allocated in full before the first call and never reallocated while graphs refer to them."""
 
-    def __init__(self, forward: StepForward, capacity: int, scratch_row: int, settings: StaticStepSettings,
-                 device: torch.device, dtype: torch.dtype, feature_size: int | None = None):
-        """`forward` runs one step over the pool, whose rows hold `capacity` slots; `feature_size`: the width
-        of the parent features a drafter head reads per token (None: the model reads none)."""
+    def __init__(self, forward: StepForward, capacity: int, scratch_page: int, settings: StaticStepSettings,
+                 device: torch.device, dtype: torch.dtype, feature_size: int | None = None, page_size: int | None = None):
+        """`forward` runs one step over the pool, a session holding at most `capacity` slots in pages of
+        `page_size` (None: one page of `capacity`); `feature_size`: the width of the parent features a drafter
+        head reads per token (None: the model reads none)."""
         self._forward = forward
-        self.scratch_row = scratch_row  # a pool row no session owns: padding writes go there
-        self.capacity = capacity  # C, slots per row
+        self.scratch_page = scratch_page  # a pool page no session owns: padding writes (and reads) go there
+        self.capacity = capacity  # C, slots per session
+        self.page_size = page_size or capacity
         self.settings = settings
         self.device, self.dtype = device, dtype
         self.context_buckets = settings.context_buckets(capacity)
@@ -122,9 +126,10 @@ class StaticStep:
         # Input buffers shared by every bucket (a bucket uses a leading view), as vLLM's graph runner shares its.
         self._ids = torch.zeros(most_rows * most_tokens, dtype=torch.long, device=device)
         self._positions = torch.zeros_like(self._ids)
-        self._write_rows = torch.full_like(self._ids, scratch_row)
-        self._write_slots = torch.zeros_like(self._ids)
-        self._read_rows = torch.full((most_rows,), scratch_row, dtype=torch.long, device=device)
+        self._write_pages = torch.full_like(self._ids, scratch_page)
+        self._write_offsets = torch.zeros_like(self._ids)
+        self._read_pages = torch.full((most_rows * self._pages(self.capacity),), scratch_page, dtype=torch.long,
+                                      device=device)
         self._mask = torch.zeros(most_rows * most_tokens * self.capacity, dtype=dtype, device=device)
         self._features = (None if feature_size is None else
                           torch.zeros(most_rows * most_tokens * feature_size, dtype=dtype, device=device))
@@ -159,13 +164,17 @@ class StaticStep:
                        for c in self.context_buckets if b * w <= self.settings.max_graph_tokens),
                       key=lambda bwc: (bwc[0] * bwc[1], bwc[2], bwc), reverse=True)
 
+    def _pages(self, slots: int) -> int:
+        """Pages covering `slots` leading slots."""
+        return -(-slots // self.page_size)
+
     def _buffers(self, rows: int, tokens: int, context: int) -> StepBuffers:
-        n = rows * tokens
+        n, pages = rows * tokens, self._pages(context)
         features = None if self._features is None else self._features[:n * self.feature_size].view(rows, tokens, -1)
         return StepBuffers(self._ids[:n].view(rows, tokens), self._positions[:n].view(rows, tokens),
                            self._mask[:n * context].view(rows, 1, tokens, context),
-                           self._write_rows[:n].view(rows, tokens), self._write_slots[:n].view(rows, tokens),
-                           self._read_rows[:rows], features)
+                           self._write_pages[:n].view(rows, tokens), self._write_offsets[:n].view(rows, tokens),
+                           self._read_pages[:rows * pages].view(rows, pages), features)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -201,8 +210,8 @@ class StaticStep:
                     torch.zeros(rows, tokens, self.feature_size, dtype=self.dtype, device=self.device))
         return StepBuffers(new(rows, tokens), new(rows, tokens),
                            torch.empty(rows, 1, tokens, context, dtype=self.dtype, device=self.device),
-                           new(rows, tokens, fill=self.scratch_row), new(rows, tokens), new(rows, fill=self.scratch_row),
-                           features)
+                           new(rows, tokens, fill=self.scratch_page), new(rows, tokens),
+                           new(rows, self._pages(context), fill=self.scratch_page), features)
 
     def _fill(self, buffers: StepBuffers, rows: list[RowInput]) -> None:
         """Write the rows' inputs into `buffers` (padding everywhere else), one host-to-device copy per buffer,
@@ -217,13 +226,15 @@ class StaticStep:
         positions = torch.zeros(batch, width, dtype=torch.long)
         stacked = pad_sequence([r.positions for r in rows], batch_first=True)  # [rows, longest]
         positions[:len(rows), :stacked.shape[1]] = stacked
-        write_rows = torch.tensor([[r.row] * n + [self.scratch_row] * pad for r, n, pad in zip(rows, lengths, pads)]
-                                  + [[self.scratch_row] * width] * (batch - len(rows)))
-        # Padding: slot t of the scratch row (modulo its length: a bucket may be wider than a row holds).
-        padding_slots = [t % self.capacity for t in range(width)]
-        write_slots = torch.tensor([list(range(r.offset, r.offset + n)) + padding_slots[n:]
-                                    for r, n in zip(rows, lengths)] + [padding_slots] * (batch - len(rows)))
-        read_rows = torch.tensor([r.row for r in rows] + [self.scratch_row] * (batch - len(rows)))
+        size, scratch, pages = self.page_size, self.scratch_page, buffers.read_pages.shape[1]
+        write_pages = torch.tensor([[r.pages[s // size] for s in range(r.offset, r.offset + n)] + [scratch] * pad
+                                    for r, n, pad in zip(rows, lengths, pads)] + [[scratch] * width] * (batch - len(rows)))
+        # Padding: slot t of the scratch page (modulo its length: a bucket may be wider than a page holds).
+        padding_slots = [t % size for t in range(width)]
+        write_offsets = torch.tensor([[s % size for s in range(r.offset, r.offset + n)] + padding_slots[n:]
+                                      for r, n in zip(rows, lengths)] + [padding_slots] * (batch - len(rows)))
+        read_pages = torch.tensor([r.pages[:pages] + [scratch] * (pages - len(r.pages[:pages])) for r in rows]
+                                  + [[scratch] * pages] * (batch - len(rows)))
         seen = torch.tensor([r.seen for r in rows] + [0] * (batch - len(rows)))
         valid = torch.arange(width)[None, :] < torch.tensor(lengths + [0] * (batch - len(rows)))[:, None]
         block = torch.zeros(batch, width, span, dtype=torch.bool)
@@ -235,8 +246,8 @@ class StaticStep:
                 if r.features is not None:
                     buffers.features[b, :lengths[b]] = r.features.to(self.device, self.dtype)
         for target, source in ((buffers.input_ids, ids), (buffers.positions, positions),
-                               (buffers.write_rows, write_rows), (buffers.write_slots, write_slots),
-                               (buffers.read_rows, read_rows)):
+                               (buffers.write_pages, write_pages), (buffers.write_offsets, write_offsets),
+                               (buffers.read_pages, read_pages)):
             target.copy_(source, non_blocking=True)
         self._expand_mask(buffers.mask, seen.to(self.device), block.to(self.device), valid.to(self.device))
 
@@ -265,13 +276,13 @@ class StaticStep:
         return captured
 
     def _pad(self, buffers: StepBuffers) -> None:
-        """Fill `buffers` with an all-padding step (writes only into the scratch row)."""
+        """Fill `buffers` with an all-padding step (writes only into the scratch page)."""
         batch, width = buffers.input_ids.shape
         buffers.input_ids.zero_()
         buffers.positions.zero_()
-        buffers.write_rows.fill_(self.scratch_row)
-        buffers.write_slots.copy_((torch.arange(width, device=self.device) % self.capacity).repeat(batch, 1))
-        buffers.read_rows.fill_(self.scratch_row)
+        buffers.write_pages.fill_(self.scratch_page)
+        buffers.write_offsets.copy_((torch.arange(width, device=self.device) % self.page_size).repeat(batch, 1))
+        buffers.read_pages.fill_(self.scratch_page)
         if buffers.features is not None:
             buffers.features.zero_()
         self._expand_mask(buffers.mask, torch.zeros(batch, dtype=torch.long, device=self.device),

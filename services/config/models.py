@@ -92,9 +92,8 @@ class ModelConfig:
         "RESOURCE_EXHAUSTED. Default max_sessions x max_context_tokens (every session at full length)",
         default=None)
     kv_page_tokens: int = described(
-        "slots per KV page (the unit of allocation and of prefix sharing). With cuda_graphs on a CUDA device "
-        "the static step keeps one page of max_context_tokens per session (prefix caching still shares "
-        "nothing smaller than a session there)", default=DEFAULT_PAGE_SIZE)
+        "slots per KV page: the unit of allocation and of prefix sharing (the eager path and the static step "
+        "with CUDA graphs alike)", default=DEFAULT_PAGE_SIZE)
     prefix_caching: bool = described(
         "a new session starts from the KV of the longest prefix of its context this replica holds (finished "
         "or running requests of the same tenant: API token and cache_salt) and prefills only the rest; the "

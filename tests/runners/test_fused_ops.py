@@ -127,7 +127,7 @@ def tiny_qwen3() -> Qwen3ForCausalLM:
 
 
 def causal_step(parts, model, batch: int, width: int, slots: int):
-    """An empty pool of `batch` rows and a causal prefill of `width` tokens per row: (pool keys, values, inputs)."""
+    """An empty pool of `batch` pages (one per row) and a causal prefill of `width` tokens per row: (pool keys, values, inputs)."""
     config = model.config
     kv_heads = config.num_key_value_heads
     keys = [torch.zeros(kv_heads, batch, slots, parts.head_dim) for _ in parts.layers]
@@ -139,7 +139,7 @@ def causal_step(parts, model, batch: int, width: int, slots: int):
     mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None].expand(batch, 1, -1, -1)
     rows = torch.arange(batch)
     inputs = StepBuffers(ids, positions, mask.contiguous(), rows[:, None].expand(-1, width).contiguous(),
-                         positions.clone(), rows)
+                         positions.clone(), rows[:, None])  # one page of `slots` per row
     return keys, values, inputs
 
 

@@ -22,6 +22,7 @@ from tiny_models import tiny_llama  # tests/tiny_models.py
 from treeserve.engine.drafters.models.base import runner_forward
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
 from treeserve.engine.factory import build_engine
+from treeserve.engine.kv_settings import KVSettings
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
@@ -275,3 +276,36 @@ def test_attention_reads_only_the_context_bucket(monkeypatch):
         lm.begin(sid, list(range(1, length + 1)))
         lm.extend([ExtendRequest(sid, [length], [-1])])
     assert seen[-2:] == [16, 64]
+
+
+def test_pages_and_shared_prefixes_on_the_replayed_static_step():
+    """Pages of 8 slots under the graph path's order on the host: sessions starting from a cached prefix (pages
+    shared with a running session and with a finished one), trees over scattered page tables, every logit the
+    eager forward's without any cache."""
+    model = tiny_llama()
+    graphed = CachedLM(model, max_sessions=4, max_context_tokens=SETTINGS.context_tokens, static=SETTINGS,
+                       kv=KVSettings(page_size=8, kv_tokens=200))
+    graphed._static().capturer = HostReplay()
+    rng = random.Random(9)
+    shared = [rng.randrange(VOCAB) for _ in range(21)]
+    contexts = {"a": shared + [5], "b": [rng.randrange(VOCAB) for _ in range(7)], "c": shared + [6, 7]}
+    tree = ([0, 11, 12, 13], [-1, 0, 0, 1])
+    for step in range(3):
+        live = ["a", "b"] if step == 0 else ["b", "c"]
+        if step == 1:
+            graphed.release("a")  # its full pages stay cached: "c" starts from them
+        for sid in live:
+            graphed.begin(sid, contexts[sid])
+        if step == 1:
+            assert graphed.cached_prefix("c") == 16
+        trees = {sid: ([contexts[sid][-1]] + tree[0][1:], tree[1]) for sid in live}
+        outputs = graphed.extend([ExtendRequest(sid, *trees[sid]) for sid in live])
+        for sid, got in zip(live, outputs):
+            eager = CachedLM(model)
+            eager.begin(sid, contexts[sid])
+            want = eager.extend([ExtendRequest(sid, *trees[sid])])[0]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for sid in live:  # the root and node 1 accepted, then a new root
+            contexts[sid] = contexts[sid] + [11, rng.randrange(VOCAB)]
+    assert graphed.static_step.capturer.replays >= 3
+    assert len(set(graphed.sessions["c"].pages)) == len(graphed.sessions["c"].pages) > 1
