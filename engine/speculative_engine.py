@@ -158,10 +158,15 @@ class SpeculativeEngine:
         recorder.drafted(call)
         ahead = self._ahead.submit(self.drafter.draft_ahead, lane) if self._ahead and call else None
         chunk = self.prefill_chunk_tokens if any(s.steps for s in batch) else None  # others decode: chunk
-        # A chunk step verifies nothing: its sequence's generator goes back to where it was, so a seed gives the
-        # same output however the prompt was fed.
-        states = [s.generator.get_state() if chunk and not s.steps else None for s in batch]
-        dists = self.target.score([self.score_request(s, tree, chunk) for s, tree in zip(batch, trees)])
+        # A chunk step (or a step the target refused) verifies nothing: its sequences' generators go back to where
+        # they were, so a seed gives the same output however the prompt was fed or the step retried.
+        states = [s.generator.get_state() for s in batch]
+        try:
+            dists = self.target.score([self.score_request(s, tree, chunk) for s, tree in zip(batch, trees)])
+        except Exception:  # nothing was verified (e.g. no KV pages: the router preempts and retries the step)
+            for s, state in zip(batch, states):
+                s.generator.set_state(state)
+            raise
         if ahead is not None:
             ahead.result()
         recorder.scored()

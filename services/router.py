@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 import grpc
 
 from treeserve.engine.requests import FinishReason, GenerationRequest, GenerationResult, TokenLogprob
+from treeserve.engine.runners.kv_pool import KVPoolExhausted
 from treeserve.engine.speculative_engine import Sequence, SpeculativeEngine
 from treeserve.v1 import generation_pb2 as gen
 from .config import LimitsConfig
@@ -97,6 +98,11 @@ class Router:
         self.model_name = model_name  # the model clients name and /v1/models lists (services/openai_api.py)
         self._waiting: list[_Job] = []
         self._active: list[_Job] = []
+        # Preempted (a step its Target replica had no KV pages for): they resume, before any new admission, once
+        # fewer than `_preempted_room` jobs are active, i.e. once a job that held pages left.
+        self._preempted: list[_Job] = []
+        self._preempted_room = 0
+        self.preemptions = 0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -221,7 +227,7 @@ class Router:
     # ------------------------------------------------------------------ admission
     @property
     def in_flight(self) -> int:
-        return len(self._active) + len(self._waiting)
+        return len(self._active) + len(self._waiting) + len(self._preempted)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metric (services/app.py router_autoscaling_policy): requests reach this replica's
@@ -282,13 +288,15 @@ class Router:
             elif now > job.deadline:
                 self._fail(job, RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                              f"request exceeded its deadline of {self.limits.request_timeout_s:g} s"))
-        for job in list(self._waiting):
+        for job in self._waiting + self._preempted:
             if job.cancelled:
                 self._leave(job, "CANCELLED")
             elif now > job.deadline:
                 self._fail(job, RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                              f"request waited past its deadline of {self.limits.request_timeout_s:g} s"))
-        while self._waiting and len(self._active) < self.limits.max_batch_size:
+        while self._preempted and len(self._active) < min(self._preempted_room, self.limits.max_batch_size):
+            self._active.append(self._preempted.pop(0))  # resumes from its context: nothing it emitted is lost
+        while not self._preempted and self._waiting and len(self._active) < self.limits.max_batch_size:
             job = self._waiting.pop(0)
             job.seq = self.engine.start(job.request)
             # Unique across routers: the session id keys KV caches on shared replicas.
@@ -342,7 +350,11 @@ class Router:
         except (Exception, asyncio.CancelledError) as exc:  # retried on other replicas already: fail the batch
             if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():
                 raise  # the router is closing
-            if isinstance(exc, ReplicasFullError):  # healthy replicas without room: over capacity
+            full = isinstance(exc, (ReplicasFullError, KVPoolExhausted))  # replicas' or an in-process target's
+            if full and len(jobs) > 1:  # no KV pages for this batch: preempt
+                self._preempt(max(jobs, key=lambda j: j.arrival), exc)
+                return
+            if full:  # healthy replicas without room even for one sequence
                 log.warning("step refused for %d sequences: %s", len(batch), exc)
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
             elif isinstance(exc, NoReplicaError):  # an outage, not a bug: one line, no traceback
@@ -444,6 +456,17 @@ class Router:
                                    drafted_steps=sum(s.tree_size > 0 for s in r.steps),
                                    cached_tokens=r.cached_tokens)
 
+    def _preempt(self, job: _Job, reason: Exception) -> None:
+        """Take the newest job of a lane whose step found no KV pages out of the batch (vLLM's recompute
+        preemption): it waits, keeping what it emitted, and resumes once a job that held pages has left; its
+        replicas rebuild it from its context (docs/design.md section 10)."""
+        self._active.remove(job)
+        self._preempted.append(job)
+        self._preempted_room = len(self._active)
+        self.preemptions += 1
+        log.warning("session %s preempted until pages are freed (%d active): %s", job.seq.session_id,
+                    len(self._active), reason)
+
     # ------------------------------------------------------------------ leaving
     def _fail(self, job: _Job, error: RequestError) -> None:
         job.queue.put_nowait(("error", error))
@@ -457,6 +480,8 @@ class Router:
             self._active.remove(job)
         if job in self._waiting:
             self._waiting.remove(job)
+        if job in self._preempted:
+            self._preempted.remove(job)
         if job.seq is not None:
             task = asyncio.ensure_future(self._release(job.seq))
             self._background.add(task)

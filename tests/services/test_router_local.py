@@ -207,3 +207,41 @@ def test_server_deadline(tiny_parts, make_local_service):
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         service.server.stop(0.5)
+
+
+def test_streams_that_outgrow_the_kv_pages_are_preempted_and_resumed(make_local_service, tiny_parts):
+    """A target pool of 10 pages of 16 tokens and 4 streams that need 5 pages each: when a step finds no pages,
+    the router takes the newest stream out of the batch and resumes it once another finished (docs/design.md
+    section 10); every stream still equals in-process greedy decoding, nothing refused, nothing lost. A request
+    that alone outgrows the pool is refused with RESOURCE_EXHAUSTED."""
+    from treeserve.engine.kv_settings import KVSettings
+
+    reference = tiny_parts.engine()
+    engine = tiny_parts.engine()
+    engine.target.lm.bound(8, 256, KVSettings(page_size=16, kv_tokens=160))
+    limits = LimitsConfig(max_prompt_tokens=200, max_new_tokens=48, max_concurrent_requests=8, max_batch_size=4,
+                          request_timeout_s=120)
+    service = make_local_service(engine, limits)
+    questions = [f"Question {i}: tell me about the moon and the tides." for i in range(4)]
+    results = {}
+
+    def run(i):
+        with service.channel() as channel:
+            results[i] = _stream(channel, text=questions[i], max_new_tokens=48)
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert service.router.preemptions >= 1
+        for i, question in enumerate(questions):
+            prompt = reference.encode_chat(question)
+            expected = reference.generate([GenerationRequest(prompt, max_new_tokens=48)])[0].token_ids
+            assert [t for m in results[i] for t in m.token_ids] == expected
+        with service.channel() as channel, pytest.raises(grpc.RpcError) as refused:
+            _stream(channel, token_ids=gen.TokenIds(ids=list(range(100, 290))), max_new_tokens=8)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        service.server.stop(0.5)
