@@ -101,15 +101,17 @@ def _scrape(port: int) -> str:
 
 
 def test_every_panel_query_resolves_against_a_live_scrape(serve_service, ray_session):
-    """Requests of a speculative and the plain method, greedy (run-ahead drafting) and sampled, one refused;
-    then every query's metrics and labels are in Ray's export (Serve's own series included)."""
+    """Requests of a speculative and the plain method, greedy (run-ahead drafting) and sampled, one refused, all
+    on one prompt longer than a KV page (the later ones reuse its cached prefix); then every query's metrics
+    and labels are in Ray's export (Serve's own series included)."""
     board = json.loads(BOARD.read_text())
+    prompt = "Count these: " + ", ".join(f"item {i}" for i in range(40)) + "."
     with serve_service.channel() as channel:
         stub = gen_grpc.TreeServeStub(channel)
         for method in (gen.TREE_METHOD_DYSPEC, gen.TREE_METHOD_AUTOREGRESSIVE):
             for temperature in (0.0, 0.8):
                 list(stub.GenerateStream(gen.GenerateRequest(
-                    text="Count to five.", max_new_tokens=12, speculation=gen.SpeculationParams(method=method),
+                    text=prompt, max_new_tokens=12, speculation=gen.SpeculationParams(method=method),
                     sampling=gen.SamplingParams(temperature=temperature)), timeout=60))
         with pytest.raises(grpc.RpcError):
             stub.Generate(gen.GenerateRequest(text="hi", max_new_tokens=0), timeout=30)
