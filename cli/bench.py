@@ -86,7 +86,8 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                              "baseline" % ", ".join(BENCH_METHODS))
     parser.add_argument("--target", default="default", help="target model ('default', a directory or .gguf; default: %(default)s)")
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                        help="drafter: a shipped one ('eagle3', 'eagle', 'distilled') or a directory "
+                        help="drafter: a shipped one ('eagle3', 'eagle', 'distilled'), a directory, or 'none' (no "
+                             "drafter model: only the 'lookup' and 'autoregressive' entries run) "
                              "(default: %(default)s)")
     parser.add_argument("--drafter-dtype", default="auto",
                         help="drafter dtype: float32, bfloat16, float16, or auto (the faster of float32 and bfloat16 "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
+from treeserve.engine.drafters.registry import DEFAULT_DRAFTER, NO_DRAFTER  # torch-free
 from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS, uses_lookup  # torch-free
 from treeserve.engine.requests import GenerationRequest, SamplingParams
 from .connection import add_credential_arguments, credentials
@@ -43,9 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     local = parser.add_argument_group("in-process generation")
     local.add_argument("--in-process", action="store_true", help="run the engine here instead of calling a service")
     local.add_argument("--target", default="default", help="target model (in-process)")
-    local.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                       help="drafter (in-process): a shipped one ('eagle3', 'eagle', 'distilled') or a directory "
-                            "(default: %(default)s)")
+    local.add_argument("--drafter", default=None,
+                       help="drafter (in-process): a shipped one ('eagle3', 'eagle', 'distilled'), a directory, or "
+                            f"'{NO_DRAFTER}' (no drafter model: method 'lookup' copies from the context alone) "
+                            f"(default: {DEFAULT_DRAFTER}; none for --method lookup)")
     local.add_argument("--device", default="cpu")
     local.add_argument("--dtype", default="float32", help="the target's dtype (it defines the output)")
     local.add_argument("--drafter-dtype", default="auto",

@@ -14,12 +14,13 @@ from .drafters.dtype_choice import AUTO as AUTO_DTYPE
 from .drafters.loading import build_local_drafter
 from .drafters.models.base import runner_forward
 from .drafters.models.loading import target_feature_layers
-from .drafters.registry import AUTOREGRESSIVE_KIND, canonical_name, default_drafter
+from .drafters.lookup_only import LookupDrafter
+from .drafters.registry import AUTOREGRESSIVE_KIND, NO_DRAFTER, canonical_name, default_drafter
 from .hardware.profile import measure_profile
 from .lookup import LookupSettings
-from .methods import DEFAULT_METHOD, split_method
+from .methods import DEFAULT_METHOD, LOOKUP, split_method
 from .models.loading import LoadedModel, load_causal_lm
-from .runners.step_settings import default_static_step
+from .runners.step_settings import StaticStepSettings, default_static_step
 from .runners.target import TargetRunner
 from .speculative_engine import SpeculativeEngine
 from .tree_config import AUTO_BUDGET, TreeBudget, tree_config
@@ -64,10 +65,16 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     the target and the drafter start a request from the longest prefix of it they hold (engine/runners/kv_pages.py)."""
     torch_dtype = parse_dtype(dtype)
     drafter_torch_dtype = parse_drafter_dtype(drafter_dtype or dtype)
+    base, copies = split_method(method)
+    if drafter_path is None and base == LOOKUP:
+        drafter_path = NO_DRAFTER  # copies alone: no drafter model to load (nor to fit this target)
+    if drafter_path == NO_DRAFTER:
+        static = default_static_step(device, cuda_graphs, fused_ops=fused_ops)
+        return _engine_without_drafter(target_path, method, budget, device, torch_dtype, max_context_tokens, target,
+                                       lookup, cost_curve, prefix_caching, static, tree_overrides)
     if drafter_path is None:
         drafter_path = default_drafter(drafter_kind)
     drafter_path = canonical_name(drafter_path, drafter_kind)
-    base, copies = split_method(method)
     if copies and drafter_kind not in (None, AUTOREGRESSIVE_KIND):
         raise ValueError(f"method {method!r} drafts copy-from-context candidates with the autoregressive drafter, "
                          f"not drafter_kind {drafter_kind!r}")
@@ -97,3 +104,24 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                              drafter, target.tokenizer,
                              tree_config(method, budget, **tree_overrides), max_context_tokens,
                              eos_token_ids=target.eos_token_ids, run_ahead=run_ahead)
+
+
+def _engine_without_drafter(target_path: str, method: str, budget: TreeBudget, device: str, dtype: torch.dtype,
+                            max_context_tokens: int, target: LoadedModel | None, lookup: LookupSettings | None,
+                            cost_curve: str | None, prefix_caching: bool, static: StaticStepSettings | None,
+                            tree_overrides: dict) -> SpeculativeEngine:
+    """An engine over the target alone: method "lookup" drafts copies from the context (engine/drafters/
+    lookup_only.py), "autoregressive" none; any method drafting with a model is refused, naming the setting."""
+    if method not in (LOOKUP, AUTOREGRESSIVE):
+        raise ValueError(f"method {method!r} drafts with a drafter model: with drafter {NO_DRAFTER!r} use method "
+                         f"{LOOKUP!r} (copies from the context) or {AUTOREGRESSIVE!r}")
+    target = target or load_causal_lm(target_path, device, dtype)
+    drafter = None
+    if method == LOOKUP:
+        profile = (measure_profile(target.model, None, device, dtype, static=static, cost_curve=cost_curve)
+                   if budget == AUTO_BUDGET else None)
+        drafter = LookupDrafter(lookup, profile)
+    runner = TargetRunner(target.model, device, dtype, static=static)
+    runner.lm.use_prefix_caching(prefix_caching)
+    return SpeculativeEngine(runner, drafter, target.tokenizer, tree_config(method, budget, **tree_overrides),
+                             max_context_tokens, eos_token_ids=target.eos_token_ids)

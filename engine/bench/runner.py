@@ -86,8 +86,9 @@ class EngineRunner:
         self.key = key
         self.engine = engine
         self.sampling = sampling
-        # Bench engines are built in-process (engine/factory.py): their drafter is a local one, model and choosers.
-        self.drafter: ModelDrafter | None = engine.drafter
+        # Bench engines are built in-process (engine/factory.py): their drafter is a local one, model and choosers
+        # (or, with drafter "none", copies alone: no model to count).
+        self.drafter: ModelDrafter | None = engine.drafter if isinstance(engine.drafter, ModelDrafter) else None
         self.drafter_lm = self.drafter.lm if self.drafter is not None else None
 
     def generate(self, prompt: list[int], max_new_tokens: int):

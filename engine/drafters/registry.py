@@ -30,6 +30,8 @@ AUTOREGRESSIVE_KIND = "autoregressive"
 PARALLEL_KIND = "parallel"
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 DEPRECATED_NAME = "default"
+# No drafter model at all: only copy-from-context drafting (method "lookup"; engine/drafters/lookup_only.py).
+NO_DRAFTER = "none"
 
 
 @dataclass(frozen=True)

@@ -284,6 +284,10 @@ class LookupSources:
         session.sync(context)
         return session
 
+    def session_ids(self) -> list[str]:
+        """The sessions held, least recently used first."""
+        return list(self._sessions)
+
     def get(self, session_id: str) -> LookupSession | None:
         """The session as last synced (no sync, no use recorded), if there is one."""
         return self._sessions.get(session_id)

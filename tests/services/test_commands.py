@@ -50,6 +50,19 @@ def test_generate_in_process(tiny_target_dir, tiny_drafter_dir, capsys):
     assert "MAL" in out.err
 
 
+def test_generate_in_process_with_lookup_needs_no_drafter(tiny_target_dir, capsys):
+    """Issue 61's repro: a target no shipped drafter fits decodes with method lookup (no drafter model loaded);
+    a model method with --drafter none is refused in one line."""
+    rc = main(["generate", "--in-process", "--target", str(tiny_target_dir), "--method", "lookup", "--budget", "4",
+               "--prompt", "Say it twice: hello hello", "--max-new-tokens", "6"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    rc = main(["generate", "--in-process", "--target", str(tiny_target_dir), "--drafter", "none", "--method", "c2t",
+               "--prompt", "Hi", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "drafts with a drafter model" in err and "Traceback" not in err
+
+
 def test_generate_in_process_stops_on_the_generation_configs_eos_ids(multi_eos_model, capsys):
     """Issue 44's repro: `generate` stops on an EOS id only the generation config lists (the 4th token here), and
     so does `treeserve generate --in-process`; --stop-token-id adds one."""
