@@ -89,6 +89,12 @@ def test_notes_point_at_services_that_exist(tmp_path):
     assert "9001" not in without_http and "curl" not in without_http
     with_service = render(preset("cpu-demo"), sets=("dashboard.service.enabled=true",), chart=chart)
     assert "svc/treeserve-dashboard 8265:8265" in with_service["ConfigMap/notes"]["data"]["notes"]
+    # the Grafana board's ConfigMap, where it is and the label the sidecar needs
+    assert "ConfigMap treeserve-grafana-dashboard in namespace default" in notes and "grafana_dashboard=1" in notes
+    elsewhere = render(preset("cpu-demo"), sets=("metrics.grafanaDashboard.namespace=monitoring",), chart=chart)
+    assert "in namespace monitoring" in elsewhere["ConfigMap/notes"]["data"]["notes"]
+    without_board = render(preset("cpu-demo"), sets=("metrics.grafanaDashboard.enabled=false",), chart=chart)
+    assert "grafana-dashboard" not in without_board["ConfigMap/notes"]["data"]["notes"]
 
 
 # --------------------------------------------------------------------------------- GPUs and CPUs per pod
