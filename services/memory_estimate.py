@@ -158,6 +158,8 @@ def placement(config: ServeConfigFile) -> list[_Placed]:
     else:
         placed.append(_Placed("target", target, 1, ["cpu"], [0.0]))
     drafter = args.drafter
+    if not drafter.has_model:  # no Drafter deployment (drafter.path none)
+        return placed
     if drafter.device == "cuda":
         deployment = app.deployment("Drafter")
         share = deployment.ray_actor_options.num_gpus if deployment is not None else 1.0

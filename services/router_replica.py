@@ -15,6 +15,8 @@ from typing import Any
 
 from treeserve.engine import chat_templates
 from treeserve.engine.drafters.base import AUTOREGRESSIVE, FeatureNeeds
+from treeserve.engine.drafters.lookup_only import LookupDrafter
+from treeserve.engine.methods import LOOKUP
 from treeserve.engine.models.loading import model_eos_ids, read_generation_config, resolve_model_dir
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.tree_config import tree_config
@@ -61,7 +63,11 @@ class RouterReplica(Router):
                                   on_down=metrics.record_replica_down)
         target = RemoteTarget(target_pool, vocab_size, call_timeout_s=timeout, retry_timeout_s=timeout)
         drafter = None
-        if drafter_handle is not None and config.speculation.method != AUTOREGRESSIVE:
+        if not config.drafter.has_model and config.speculation.method == LOOKUP:
+            # No drafter model: copies from the context cost no forward, so they are drafted here (fixed budgets:
+            # the target's cost curve is measured in the Target replicas).
+            drafter = LookupDrafter(config.speculation.lookup)
+        elif drafter_handle is not None and config.speculation.method != AUTOREGRESSIVE:
             drafter_pool = ReplicaPool("Drafter", pb_grpc.DrafterStub,
                                        serve_discovery(app, "Drafter", drafter_handle, scope), max_bytes,
                                        refresh_period_s=1.0, internal_secret=internal_secret,
@@ -77,7 +83,8 @@ class RouterReplica(Router):
         # The model's name for the OpenAI API: the target's path as configured, its last component.
         model_name = Path(config.target.path).name or config.target.path
         super().__init__(engine, config.limits, metrics,
-                         clients=[target, drafter], router_id=replica_id, model_name=model_name,
+                         clients=[target, drafter if isinstance(drafter, RemoteDrafter) else None],
+                         router_id=replica_id, model_name=model_name,
                          lane_of=target.lane_of)
         self.config = config
         self.api_server = None

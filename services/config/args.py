@@ -11,10 +11,10 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 from treeserve.engine.chat_templates import missing_template_message, model_has_template
 from treeserve.engine.drafters.models.compatibility import check_drafter
-from treeserve.engine.drafters.registry import drafter_dir, is_shipped, kind_of
+from treeserve.engine.drafters.registry import NO_DRAFTER, drafter_dir, is_shipped, kind_of
 from treeserve.engine.kv_settings import DEFAULT_PREFILL_CHUNK_TOKENS  # torch-free
 from treeserve.engine.lookup import LookupSettings  # torch-free
-from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
+from treeserve.engine.methods import AUTOREGRESSIVE, DEFAULT_METHOD, LOOKUP, SERVED_METHODS  # torch-free
 from treeserve.engine.tree_config import CANDIDATE_BUDGETS, parse_budget  # torch-free
 from .api import ApiConfig, SecurityConfig
 from .builder import build
@@ -107,7 +107,7 @@ class AppConfig:
         # max_context_tokens slots per session, so the last step's tree must fit too).
         tree = AUTO_BUDGET_MAX_NODES if self.speculation.budget == "auto" else self.speculation.budget + 1
         need = self.limits.max_prompt_tokens + self.limits.max_new_tokens + tree
-        for role in ("target", "drafter"):
+        for role in ("target", "drafter") if self.drafter.has_model else ("target",):
             model = getattr(self, role)
             if need > model.max_context_tokens:
                 raise ValueError(f"{path}.limits: max_prompt_tokens + max_new_tokens + tree nodes per step "
@@ -116,6 +116,10 @@ class AppConfig:
             if model.max_sessions is not None and model.max_sessions < self.limits.max_batch_size:
                 raise ValueError(f"{path}.{role}.max_sessions: {model.max_sessions} is below limits.max_batch_size="
                                  f"{self.limits.max_batch_size}: a full batch on one replica could never be scored")
+        if not self.drafter.has_model and self.speculation.method not in (LOOKUP, AUTOREGRESSIVE):
+            raise ValueError(f"{path}.speculation.method: {self.speculation.method} drafts with a drafter model, and "
+                             f"drafter.path is {NO_DRAFTER!r}: use method {LOOKUP!r} (copies from the context) or "
+                             f"{AUTOREGRESSIVE!r}, or configure a drafter")
         if self.drafter.tensor_parallel_size != 1:
             raise ValueError(f"{path}.drafter.tensor_parallel_size: the drafter is not sharded; must be 1")
         if self.speculation.method.endswith("lookup") and self.drafter.kind == "parallel":
@@ -149,6 +153,8 @@ class AppConfig:
         """The drafter must fit the target (vocabulary, hidden size, tokenizer, feature layers, weights): checked
         from the files where they are readable, else from both models' model_facts, before anything serves."""
         drafter = self.drafter
+        if not drafter.has_model:
+            return
         try:  # drafter.kind picks the drafter class: the weights at drafter.path must be of that kind
             kind_of(drafter.path, drafter.kind)
         except ValueError as exc:

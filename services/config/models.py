@@ -11,7 +11,7 @@ from typing import Any, Literal, Mapping, Optional
 
 from treeserve.engine.chat_templates import check_setting, is_builtin_name
 from treeserve.engine.drafters.models.compatibility import FEATURE_LAYOUTS, detect_layout
-from treeserve.engine.drafters.registry import default_drafter
+from treeserve.engine.drafters.registry import NO_DRAFTER, default_drafter
 from treeserve.engine.kv_settings import DEFAULT_PAGE_SIZE, KVSettings
 from .fields import check_positive, check_positive_opt, described
 
@@ -193,8 +193,10 @@ class ModelConfig:
 class DrafterConfig(ModelConfig):
     path: Optional[str] = described(
         "the drafter's weights: a shipped drafter (distilled, eagle, eagle3, parallel) or a local directory; "
-        "null = the kind's default drafter (eagle3, or parallel for kind parallel). \"default\" is the "
-        "deprecated name of distilled (of parallel for kind parallel)", default=None)
+        "null = the kind's default drafter (eagle3, or parallel for kind parallel); \"none\" = no drafter model "
+        "(no Drafter deployment: speculation.method lookup drafts copies from the context in the Router, or "
+        "autoregressive). \"default\" is the deprecated name of distilled (of parallel for kind parallel)",
+        default=None)
     dtype: DrafterDtype = described(
         "weights and activations dtype; auto = the faster of the target's dtype and bfloat16 on this machine, "
         "measured at start (the drafter only proposes, so its dtype never changes the output)", default="auto")
@@ -222,9 +224,16 @@ class DrafterConfig(ModelConfig):
         sees."""
         return self.reads_target_features()
 
+    @property
+    def has_model(self) -> bool:
+        """False for `path: none` (copies from the context alone, no Drafter deployment)."""
+        return self.path != NO_DRAFTER
+
     def reads_target_features(self) -> bool:
         """An EAGLE drafter (the shipped "eagle"/"eagle3", a saved one, or a published EAGLE-1/2 or EAGLE-3
         head, declared by `layout` or detected from its files): it reads the target's features."""
+        if not self.has_model:
+            return False
         if self.path in ("eagle", "eagle3") or self.layout is not None:
             return True
         path = Path(self.path).expanduser()

@@ -285,6 +285,12 @@ def tiny_args(tiny_target_dir, tiny_drafter_dir, **limits) -> dict:
 
 
 @pytest.fixture(scope="session")
+def deploy_serve_app(serve_started):
+    """deploy_app(name, args) and tiny_args(...) for tests that deploy an application of their own."""
+    return deploy_app, tiny_args
+
+
+@pytest.fixture(scope="session")
 def serve_service(serve_started, tiny_target_dir, tiny_drafter_dir):
     service = deploy_app(SERVE_APP, tiny_args(tiny_target_dir, tiny_drafter_dir))
     yield service
