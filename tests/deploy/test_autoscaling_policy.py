@@ -46,8 +46,8 @@ def test_router_reports_its_requests_in_flight():
     from treeserve.services.router import Router
 
     router = Router.__new__(Router)  # the metric reads only the queues: no engine needed
-    router._active, router._waiting = [object()] * 3, [object()] * 2
-    assert router.record_autoscaling_stats() == {"in_flight_requests": 5.0}
+    router._active, router._waiting, router._preempted = [object()] * 3, [object()] * 2, [object()]
+    assert router.record_autoscaling_stats() == {"in_flight_requests": 6.0}  # a preempted request still counts
 
 
 def test_a_router_autoscaling_config_without_policy_gets_the_router_policy():
