@@ -12,7 +12,9 @@ generated tokens, the repetition penalty over prompt and generated tokens, logit
 The work is one [N, V] pass per active field, on the device the logits are on, only for requests that set one.
 
 Log-probabilities are the raw model's (log_softmax of the unprocessed logits, before penalties and the warp), as
-vLLM returns by default: an evaluation harness gets the model's own scores whatever the sampling settings.
+vLLM returns by default: an evaluation harness gets the model's own scores whatever the sampling settings. On
+request they are the processed ones instead (vLLM's `processed_logprobs`): of the distribution the token was
+drawn from, after penalties, biases and the warp.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .requests import LogitsProcessors, TokenLogprob
+from .requests import LogitsProcessors, SamplingParams, TokenLogprob
+from .sampling import warp_probs
 from .tree import TokenTree
 
 
@@ -83,11 +86,18 @@ def apply_processors(logits: Tensor, tree: TokenTree, context: list[int], proces
     return out
 
 
-def path_logprobs(logits: Tensor, nodes: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
-    """The raw log-probability of each emitted token and its `top` most likely alternatives: token k read from
+def path_logprobs(logits: Tensor, nodes: list[int], tokens: list[int], top: int,
+                  warp: SamplingParams | None = None) -> list[TokenLogprob]:
+    """The log-probability of each emitted token and its `top` most likely alternatives: token k read from
     row nodes[k] of logits [N, V] (the root, then the accepted nodes). One log_softmax over the path's rows
-    and one device-to-host copy of [E] + [E, top] values, never [N, V] rows."""
-    rows = torch.log_softmax(logits[torch.tensor(nodes, device=logits.device)].float(), dim=-1)
+    and one device-to-host copy of [E] + [E, top] values, never [N, V] rows. `warp` (processed log-probabilities,
+    of the processed logits): the log of the warped distribution the token was drawn from at temperature > 0
+    (-inf outside top-k / top-p), the processed logits' log_softmax at temperature 0."""
+    picked = logits[torch.tensor(nodes, device=logits.device)].float()
+    if warp is not None and not warp.is_greedy:
+        rows = torch.log(warp_probs(picked, warp))
+    else:
+        rows = torch.log_softmax(picked, dim=-1)
     chosen = rows.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].cpu().tolist()
     if top:
         values, ids = rows.topk(min(top, rows.shape[-1]), dim=-1)

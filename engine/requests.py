@@ -116,14 +116,9 @@ class GenerationRequest:
     ignore_eos: bool = False  # the model's EOS ids do not stop it (stop_token_ids still do)
     # None: no log-probabilities; k in 0..MAX_TOP_LOGPROBS: each emitted token's and its k most likely alternatives'
     logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-    processors: LogitsProcessors = LogitsProcessors()  # penalties, biases, min_tokens (engine/processors.py)
-    ignore_eos: bool = False  # the model's EOS ids do not stop it (stop_token_ids still do)
-    # None: no log-probabilities; k in 0..MAX_TOP_LOGPROBS: each emitted token's and its k most likely alternatives'
-    logprobs: int | None = None
+    # the log-probabilities of the distribution each token was drawn from (after penalties, biases, temperature,
+    # top-k, top-p; vLLM's processed_logprobs) instead of the raw model's
+    processed_logprobs: bool = False
     # Prefix-cache scope: KV of a prefix is shared only between requests of one scope (the services derive it
     # from the API token and the request's cache_salt; engine/runners/kv_pages.py)
     cache_scope: str = ""

@@ -224,7 +224,8 @@ class SpeculativeEngine:
         seed = None if s.request.sampling.is_greedy else int(torch.randint(2 ** 62, (1,), generator=s.generator))
         return ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
                             want_features=self.carries_features, verify_seed=seed, processors=s.processors,
-                            logprobs=s.request.logprobs, cache_scope=s.request.cache_scope,
+                            logprobs=s.request.logprobs, processed_logprobs=s.request.processed_logprobs,
+                            cache_scope=s.request.cache_scope,
                             prefill_chunk=chunk if not s.steps else None)
 
     def keep_chunk_features(self, s: Sequence, dist: TargetDists) -> None:

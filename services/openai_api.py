@@ -66,6 +66,7 @@ from .validation import RequestError, cache_scope
 
 log = logging.getLogger("treeserve.api")
 
+MIN_LOGPROB = -9999.0  # what -inf reads as in JSON, as in vLLM's OpenAI server
 FINISH = {gen.FINISH_REASON_LENGTH: "length", gen.FINISH_REASON_EOS: "stop", gen.FINISH_REASON_STOP_STRING: "stop"}
 
 
@@ -261,10 +262,13 @@ class OpenAIApi:
                 text[token] = tokenizer.decode([token])
             return text[token]
 
+        def value(logprob: float) -> float:
+            return max(logprob, MIN_LOGPROB)  # JSON has no -inf (processed log-probabilities outside top-p)
+
         if chat:
-            return {"content": [{"token": piece(lp.token_id), "logprob": lp.logprob,
+            return {"content": [{"token": piece(lp.token_id), "logprob": value(lp.logprob),
                                  "bytes": list(piece(lp.token_id).encode()),
-                                 "top_logprobs": [{"token": piece(t.token_id), "logprob": t.logprob,
+                                 "top_logprobs": [{"token": piece(t.token_id), "logprob": value(t.logprob),
                                                    "bytes": list(piece(t.token_id).encode())}
                                                   for t in lp.top_logprobs]} for lp in logprobs], "refusal": None}
         offsets = []
@@ -272,8 +276,8 @@ class OpenAIApi:
             offsets.append(offset)
             offset += len(piece(lp.token_id))
         return {"tokens": [piece(lp.token_id) for lp in logprobs],
-                "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{piece(t.token_id): t.logprob for t in lp.top_logprobs} for lp in logprobs],
+                "token_logprobs": [value(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{piece(t.token_id): value(t.logprob) for t in lp.top_logprobs} for lp in logprobs],
                 "text_offset": offsets}
 
     async def _stream(self, request: web.Request, job, fields: Fields, chat: bool, ident: str,

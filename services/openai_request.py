@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -172,14 +173,19 @@ class Fields:
             raise ApiError(INVALID, "stream_options: must be an object", "stream_options")
         self.include_usage = bool(options.get("include_usage", False))
         extra = body.get("treeserve") or {}
-        if not isinstance(extra, dict) or set(extra) - {"method", "budget"}:
-            raise ApiError(INVALID, "treeserve: must be an object with optional fields method (a tree method name) "
-                                    "and budget (draft tokens per step, 0 = server choice)", "treeserve")
+        if not isinstance(extra, dict) or set(extra) - {"method", "budget", "logprobs"}:
+            raise ApiError(INVALID, "treeserve: must be an object with optional fields method (a tree method name), "
+                                    "budget (draft tokens per step, 0 = server choice) and logprobs (\"raw\" or "
+                                    "\"processed\")", "treeserve")
+        if extra.get("logprobs", "raw") not in ("raw", "processed"):
+            raise ApiError(INVALID, "treeserve.logprobs: must be \"raw\" (the model's, before penalties and the "
+                                    "warp; the default) or \"processed\" (of the distribution drawn from)",
+                           "treeserve.logprobs")
         self.method = extra.get("method")
         if self.method is not None and not isinstance(self.method, str):
             raise ApiError(INVALID, "treeserve.method: must be a string", "treeserve.method")
         self.budget = _integer(extra, "budget", 0)
-        self.options = _options(body, chat)
+        self.options = replace(_options(body, chat), processed_logprobs=extra.get("logprobs") == "processed")
 
 
 def _options(body: dict, chat: bool) -> OutputOptions:

@@ -109,6 +109,7 @@ class OutputOptions:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's and its k most likely alternatives'
+    processed_logprobs: bool = False  # of the processed, warped distribution instead of the raw model's
 
 
 class RequestValidator:
@@ -273,6 +274,7 @@ class RequestValidator:
         request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                                     stop_strings=tuple(stops), seed=seed or None, tree=tree, stop_token_ids=stop_ids,
                                     processors=processors, ignore_eos=bool(options.ignore_eos), logprobs=logprobs,
+                                    processed_logprobs=bool(options.processed_logprobs),
                                     cache_scope=scope)
         try:
             self.engine.validate(request)
@@ -335,7 +337,8 @@ class RequestValidator:
         options = OutputOptions(presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                                 repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias),
                                 min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
-                                logprobs=message.top_logprobs if message.logprobs else None)
+                                logprobs=message.top_logprobs if message.logprobs else None,
+                                processed_logprobs=message.processed_logprobs)
         return (s.temperature, s.top_p, s.top_k, list(message.stop_strings), method, spec.budget_tokens,
                 list(message.stop_token_ids), options)
 

@@ -242,6 +242,7 @@ def encode_score_item(r: ScoreRequest) -> pb.ScoreItem:
         item.processors.CopyFrom(encode_processors(r.processors))
     if r.logprobs is not None:
         item.logprobs = r.logprobs
+    item.processed_logprobs = r.processed_logprobs
     if r.prefill_chunk is not None:
         item.prefill_chunk = r.prefill_chunk
     return item
@@ -255,7 +256,8 @@ def decode_score_item(item: pb.ScoreItem) -> ScoreRequest:
                         hint(item), want_features=item.want_features,
                         verify_seed=item.verify_seed if item.HasField("verify_seed") else None,
                         processors=decode_processors(item.processors) if item.HasField("processors") else None,
-                        logprobs=item.logprobs if item.HasField("logprobs") else None, cache_scope=item.cache_scope,
+                        logprobs=item.logprobs if item.HasField("logprobs") else None,
+                        processed_logprobs=item.processed_logprobs, cache_scope=item.cache_scope,
                         prefill_chunk=item.prefill_chunk if item.HasField("prefill_chunk") else None)
 
 

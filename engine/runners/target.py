@@ -45,6 +45,7 @@ class ScoreRequest:
     # k in 0..20: verify here (greedy too; sampled needs verify_seed) and return the emitted tokens' raw
     # log-probabilities with their k most likely alternatives beside the path (None: none)
     logprobs: int | None = None
+    processed_logprobs: bool = False  # with logprobs: of the processed, warped distribution (not the raw model's)
 
 
 class TargetRunner:
@@ -85,9 +86,11 @@ class TargetRunner:
                                          hidden=any(r.want_features for r in requests))
         scored = [i for i, left in enumerate(remaining) if not left]
         dists: list[TargetDists] = [TargetDists(prefill_remaining=left) for left in remaining]
-        for i, d in zip(scored, to_target_dists_batch([processed(outputs[i].logits, requests[i]) for i in scored],
+        logits = {i: processed(outputs[i].logits, requests[i]) for i in scored}
+        for i, d in zip(scored, to_target_dists_batch([logits[i] for i in scored],
                                                       [requests[i].sampling for i in scored])):
-            dists[i] = verify_here(requests[i], d, outputs[i].logits)
+            # log-probabilities: the raw logits', or the processed ones' (warped in verify_here) when asked
+            dists[i] = verify_here(requests[i], d, logits[i] if requests[i].processed_logprobs else outputs[i].logits)
         return [replace(d, cached_tokens=n, **_features(out.hidden, start, prefix) if r.want_features else {})
                 for d, out, r, start, n, prefix in zip(dists, outputs, requests, starts, cached, prefixes)]
 
@@ -131,7 +134,8 @@ def verify_here(request: ScoreRequest, dists: TargetDists, logits: torch.Tensor 
     """A sampled request with a `verify_seed`: its tree verified against `dists`' probabilities with a generator
     seeded so (the same `verify_tree` the router runs), returned in their place. A request that asks for
     log-probabilities is verified here whatever its temperature (only here are the rows to read them from) and
-    gets them from the raw `logits` along the verified path."""
+    gets them from `logits` along the verified path: the raw ones, or with `processed_logprobs` the processed ones,
+    warped as the request samples."""
     if request.logprobs is None and (request.sampling.is_greedy or request.verify_seed is None):
         return dists
     if not request.sampling.is_greedy and request.verify_seed is None:
@@ -140,5 +144,6 @@ def verify_here(request: ScoreRequest, dists: TargetDists, logits: torch.Tensor 
     result = verify_tree(request.tree, dists, request.sampling, generator)
     if request.logprobs is None or logits is None:
         return TargetDists(verified=result)
+    warp = request.sampling if request.processed_logprobs else None
     return TargetDists(verified=result, logprobs=path_logprobs(logits, [0, *result.accepted_nodes], result.tokens,
-                                                                request.logprobs))
+                                                                request.logprobs, warp))

@@ -202,3 +202,30 @@ def test_logprobs_equal_a_plain_forward(pair, method, budget, sampling):
             assert max(abs(v - w) for (_, v), w in zip(lp.top, values.tolist())) < 1e-4
     plain_result = engine.generate([GenerationRequest(prompt, 4, sampling=sampling, seed=0)])[0]
     assert plain_result.logprobs is None
+
+
+def test_processed_logprobs_are_those_of_the_drawn_distribution(pair):
+    """processed_logprobs: each token's log-probability under the distribution it was drawn from, the reference
+    processors' logits at its position, warped as the request samples (log_softmax of them when greedy)."""
+    from treeserve.engine.sampling import warp_probs
+
+    target, _ = pair
+    engine = make_engine(pair, "dyspec", 6)
+    prompt = engine.encode_chat("Count: one two three one two three")
+    processors = LogitsProcessors(presence_penalty=1.0, repetition_penalty=1.5, logit_bias=((300, 3.0),))
+    ref = reference(processors, len(prompt), [])
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9)):
+        result = engine.generate([GenerationRequest(prompt, 16, sampling=sampling, seed=1, logprobs=3,
+                                                    processors=processors, processed_logprobs=True,
+                                                    ignore_eos=True)])[0]
+        tokens = result.token_ids
+        with torch.inference_mode():
+            logits = target.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        for t, lp in enumerate(result.logprobs):
+            row = ref(torch.tensor([prompt + tokens[:t]]), logits[t][None].clone())[0]
+            want = (torch.log_softmax(row, dim=-1) if sampling.is_greedy
+                    else torch.log(warp_probs(row[None], sampling)[0]))
+            assert abs(lp.logprob - float(want[tokens[t]])) < 1e-4
+            values, ids = want.topk(3)
+            finite = [i for i, v in zip(ids.tolist(), values.tolist()) if v > float("-inf")]
+            assert [i for i, v in lp.top if v > float("-inf")] == finite

@@ -259,3 +259,31 @@ def test_malformed_requests_are_refused_as_such_when_the_router_is_full(service,
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         stream.close()
+
+
+def test_processed_logprobs_through_both_apis(service, client, tiny_parts):
+    """`treeserve: {"logprobs": "processed"}` / gRPC processed_logprobs: the in-process engine's processed
+    log-probabilities (tests/engine_integration/test_processors.py checks those against a reference)."""
+    router, server = service
+    prompt = router.engine.encode_chat(CHAT)
+    engine = tiny_parts.engine("c2t+lookup", 8)
+    expected = engine.generate([GenerationRequest(prompt, 12, logprobs=2, processed_logprobs=True,
+                                                  processors=LogitsProcessors(repetition_penalty=2.0))])[0]
+    raw = engine.generate([GenerationRequest(prompt, 12, logprobs=0,
+                                             processors=LogitsProcessors(repetition_penalty=2.0))])[0]
+    assert raw.token_ids == expected.token_ids
+    assert any(abs(a.logprob - b.logprob) > 1e-3 for a, b in zip(raw.logprobs, expected.logprobs))
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True,
+                                           top_logprobs=2, extra_body={"repetition_penalty": 2.0,
+                                                                       "treeserve": {"logprobs": "processed"}})
+    assert [c.logprob for c in reply.choices[0].logprobs.content] == \
+        pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-5)
+    by_grpc = _stub(server).Generate(gen.GenerateRequest(
+        token_ids=gen.TokenIds(ids=prompt), max_new_tokens=12, logprobs=True, processed_logprobs=True,
+        sampling=gen.SamplingParams(repetition_penalty=2.0)), timeout=60)
+    assert [lp.logprob for lp in by_grpc.logprobs] == pytest.approx([lp.logprob for lp in expected.logprobs],
+                                                                    abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logprobs=True,
+                                       extra_body={"treeserve": {"logprobs": "cooked"}})
+    assert info.value.body["param"] == "treeserve.logprobs"

@@ -16,12 +16,13 @@ def test_processors_and_logprobs_request_round_trip():
     processors = LogitsProcessors(presence_penalty=0.3, frequency_penalty=-1.1, repetition_penalty=1.3,
                                   logit_bias=((5, 2.5), (9, -100.0)), min_tokens=4, prompt_tokens=2, stop_ids=(7, 11))
     request = ScoreRequest("s", [1, 5], TokenTree.build([5, 6], [-1, 0]), SamplingParams(temperature=0.7),
-                           verify_seed=3, processors=processors, logprobs=5)
+                           verify_seed=3, processors=processors, logprobs=5, processed_logprobs=True)
     back = wire.decode_score_item(pb.ScoreItem.FromString(wire.encode_score_item(request).SerializeToString()))
     assert back.processors == processors and back.logprobs == 5  # doubles: bitwise the router's values
+    assert back.processed_logprobs
     plain = wire.decode_score_item(wire.encode_score_item(ScoreRequest("s", [1, 5], TokenTree.build([5], [-1]),
                                                                        SamplingParams())))
-    assert plain.processors is None and plain.logprobs is None
+    assert plain.processors is None and plain.logprobs is None and not plain.processed_logprobs
     zero = wire.decode_score_item(wire.encode_score_item(ScoreRequest("s", [1, 5], TokenTree.build([5], [-1]),
                                                                       SamplingParams(), logprobs=0)))
     assert zero.logprobs == 0  # 0 (the chosen token's only) is not "unset"
