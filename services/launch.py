@@ -52,8 +52,10 @@ def api_address(args) -> str:
 
 
 def load_config(path: str | None, method: str | None = None, budget: str | None = None, target: str | None = None,
-                drafter: str | None = None, grpc_port: int | None = None, http_port: int | None = None):
-    """The Serve config with command-line overrides applied and re-validated (`http_port` 0 turns the HTTP API off)."""
+                drafter: str | None = None, grpc_port: int | None = None, http_port: int | None = None,
+                progress=None):
+    """The Serve config with command-line overrides applied and re-validated (`http_port` 0 turns the HTTP API off).
+    `progress` (a callable taking one line) hears of a first start's conversion of the embedded target."""
     from .app import config_to_args
     from .config import AppConfig, load_serve_config
 
@@ -75,11 +77,11 @@ def load_config(path: str | None, method: str | None = None, budget: str | None 
         if http_port is not None:
             args["api"]["http_port"] = http_port or None
         config.app.args = AppConfig.from_args(args)
-    _check_models(config.app.args)
+    _check_models(config.app.args, progress)
     return config
 
 
-def _check_models(args) -> None:
+def _check_models(args, progress=None) -> None:
     """Fail before starting Ray when a model the config names cannot exist (replicas would crash-loop)."""
     if args.speculation.method != "autoregressive":
         name = canonical_name(args.drafter.path, args.drafter.kind)
@@ -92,9 +94,11 @@ def _check_models(args) -> None:
     if args.target.path != "default" and not Path(args.target.path).exists():
         raise FileNotFoundError(f"target path {args.target.path} does not exist")
     if args.target.path == "default":
-        from treeserve.engine.models.loading import resolve_model_dir
+        from treeserve.engine.models.loading import needs_conversion, resolve_model_dir
 
         # Convert the embedded GGUF once here, not in three replicas racing on the same cache directory.
+        if progress is not None and needs_conversion("default"):
+            progress("first start: converting the embedded target to safetensors, once (into the model cache) ...")
         resolve_model_dir("default")
 
 

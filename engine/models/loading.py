@@ -98,24 +98,33 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def _gguf_and_cache_dir(path: str | os.PathLike) -> tuple[Path | None, Path]:
+    """(the GGUF file to convert, its cache directory) for "default" or a .gguf file; (None, the directory) for a
+    model directory."""
+    if str(path) == DEFAULT_MODEL:
+        return default_gguf_path(), cache_root() / "models" / "smollm2-135m-instruct"
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {p} does not exist")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{p} is not a Hugging Face model directory (no config.json)")
+        return None, p
+    if p.suffix != ".gguf":
+        raise ValueError(f"{p} is neither a model directory nor a .gguf file")
+    return p, cache_root() / "models" / f"{p.stem}-{p.stat().st_size}"
+
+
+def needs_conversion(path: str | os.PathLike) -> bool:
+    """Whether resolve_model_dir(path) converts a GGUF first (a first start's slow step, worth saying)."""
+    gguf, out = _gguf_and_cache_dir(path)
+    return gguf is not None and not (out / "config.json").is_file()
+
+
 def resolve_model_dir(path: str | os.PathLike) -> Path:
     """Turn "default", a GGUF file or a model directory into a local safetensors directory."""
-    if str(path) == DEFAULT_MODEL:
-        gguf = default_gguf_path()
-        out = cache_root() / "models" / "smollm2-135m-instruct"
-    else:
-        p = Path(path).expanduser()
-        if not p.exists():
-            raise FileNotFoundError(f"model path {p} does not exist")
-        if p.is_dir():
-            if not (p / "config.json").is_file():
-                raise ValueError(f"{p} is not a Hugging Face model directory (no config.json)")
-            return p
-        if p.suffix != ".gguf":
-            raise ValueError(f"{p} is neither a model directory nor a .gguf file")
-        gguf = p
-        out = cache_root() / "models" / f"{p.stem}-{p.stat().st_size}"
-    if not (out / "config.json").is_file():
+    gguf, out = _gguf_and_cache_dir(path)
+    if gguf is not None and not (out / "config.json").is_file():
         convert_gguf(gguf, out)
     return out
 

@@ -91,3 +91,21 @@ def test_start_progress_reports_each_change_of_running_replicas(monkeypatch):
                      "replicas running: Router 1/1, Drafter 1/1, Target 2/2"]
     with launch._ReplicaProgress("treeserve", None) as idle:  # no callback: no thread
         assert not idle.thread.is_alive()
+
+
+def test_a_first_start_says_it_converts_the_embedded_target(tmp_path, monkeypatch):
+    """With an empty model cache load_config announces the one-off conversion (the first start's silent ~17 s
+    here), then never again; a model directory needs none."""
+    from treeserve.engine.models import loading
+    from treeserve.services.launch import load_config
+
+    monkeypatch.setattr(loading, "cache_root", lambda: tmp_path)
+    converted = []
+    monkeypatch.setattr(loading, "convert_gguf", lambda gguf, out: converted.append(out) or
+                        (out.mkdir(parents=True), (out / "config.json").write_text("{}")))
+    lines: list[str] = []
+    load_config(str(DEFAULT_CONFIG), method="autoregressive", progress=lines.append)
+    assert len(lines) == 1 and "converting the embedded target" in lines[0] and len(converted) == 1
+    load_config(str(DEFAULT_CONFIG), method="autoregressive", progress=lines.append)
+    assert len(lines) == 1 and len(converted) == 1  # cached: nothing to say
+    assert not loading.needs_conversion(tmp_path / "models" / "smollm2-135m-instruct")
