@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "accepted (EAGLE-3's n-alpha table; default: 5)")
     parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS, help="Spec-Bench-format jsonl")
     parser.add_argument("--num-prompts", type=int, default=80, help="prompts used (balanced over categories)")
+    parser.add_argument("--also-prompts", type=Path, default=None,
+                        help="a second Spec-Bench-format jsonl measured in the same run and reported beside the dev "
+                             "prompts, per category (the held-out kinds of `make-corpus --held-out-eval FILE`)")
+    parser.add_argument("--also-num-prompts", type=int, default=40,
+                        help="prompts used from --also-prompts (balanced over its categories; default: 40)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="target tokens generated per prompt")
     parser.add_argument("--top-k", type=int, default=4, help="also report top-k agreement")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -66,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     drafters = {name: load_drafter(name, target.model) for name in args.drafter}
     counts = {name: Counts() for name in drafters}
     chains = {name: ChainCounts(args.depth) for name in drafters}
+    also = load_prompts(args.also_prompts, args.also_num_prompts) if args.also_prompts else []
+    also_counts = {name: Counts() for name in drafters}
     with torch.inference_mode():
         for row in tqdm(load_prompts(args.prompts, args.num_prompts), desc="agreement"):
             ids = chat_ids(target.tokenizer, row["turns"][0])
@@ -75,8 +82,17 @@ def run(args: argparse.Namespace) -> int:
                 features = (target_features(target.model, drafter, out)
                             if isinstance(drafter, DrafterModel) and drafter.reads_target_features else None)
                 chains[name].add(*chain_hits(drafter, out, len(ids), args.depth, features))
+        # The held-out prompts: counted apart, so the dev figure stays comparable with earlier runs.
+        for row in tqdm(also, desc="agreement (also)"):
+            ids = chat_ids(target.tokenizer, row["turns"][0])
+            out = greedy_sequence(target.model, ids, args.max_new_tokens)
+            for name, drafter in drafters.items():
+                also_counts[name].add(drafter, out, len(ids), args.top_k, row.get("category", "all"), target.model)
     for name, c in counts.items():
         result = {**c.result(args.num_prompts, args.max_new_tokens, args.top_k), "acceptance_by_depth": chains[name].rates()}
+        if also:
+            result["also"] = {"prompts_file": str(args.also_prompts),
+                              **also_counts[name].result(len(also), args.max_new_tokens, args.top_k)}
         if args.write_card:
             from treeserve.engine.training.model_card import write_drafter_card
 
@@ -85,7 +101,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"drafter": name, **result}) if args.json else
               f"{label}{c.total} positions over {args.num_prompts} prompts: top-1 agreement "
               f"{c.hit1 / c.total:.1%}, top-{args.top_k} {c.hitk / c.total:.1%}; top-1 by category: "
-              + ", ".join(f"{k} {v:.0%}" for k, v in result["top1_by_category"].items()))
+              + ", ".join(f"{k} {v:.0%}" for k, v in result["top1_by_category"].items())
+              + (f"\n{label}beside them, {args.also_prompts.name}: top-1 {result['also']['top1']:.1%} over "
+                 f"{result['also']['positions']} positions; by category: "
+                 + ", ".join(f"{k} {v:.0%}" for k, v in result["also"]["top1_by_category"].items()) if also else ""))
     if not args.json:
         print(depth_table(chains, args.depth))
     return 0

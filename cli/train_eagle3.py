@@ -15,6 +15,7 @@ from treeserve.engine.drafters.models.eagle3 import is_eagle3_drafter
 from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.engine.models.loading import cache_root, load_causal_lm
 from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, compute_chunk_features, corpus_summary, features_path
+from treeserve.engine.training.broad_mix import BROAD_KINDS
 from treeserve.engine.training.eagle3 import Eagle3TrainConfig, load_corpus, train_eagle3
 from .options import add_dataclass_options
 
@@ -30,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=SHIPPED["eagle3"].directory,
                         help=f"where the drafter is written (default: the shipped {SHIPPED['eagle3'].directory.name})")
     parser.add_argument("--max-chunks", type=int, default=None, help="train on the first N chunks only")
+    parser.add_argument("--exclude-kinds", nargs="*", choices=BROAD_KINDS, default=[],
+                        help="task kinds whose sequences are left out of training (a held-out evaluation: measure "
+                             "them with `treeserve agreement --also-prompts FILE` from `make-corpus --held-out-eval`)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     parser.add_argument("--device", default="cpu",
                         help="torch device of the target, the corpus and the drafter while training: cpu or "
@@ -61,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
         if not features_path(features_dir, chunk).is_file():
             compute_chunk_features(target.model, chunk, features_dir, layers)
     feature_minutes = (time.time() - started) / 60
-    corpus = load_corpus(chunks, features_dir, args.device)
+    corpus = load_corpus(chunks, features_dir, args.device, frozenset(args.exclude_kinds))
     specials = sorted({target.tokenizer.eos_token_id, *target.tokenizer.all_special_ids})
     drafter, stats = train_eagle3(target.model, corpus, config, specials)
     totals = corpus_summary(args.corpus, chunks)
     card = {"target": str(args.target), "corpus": args.corpus.name, "corpus_chunks_used": len(chunks),
+            "excluded_kinds": sorted(args.exclude_kinds),
             "corpus_totals": {k: v for k, v in totals.items() if k != "kinds"},
             # A continued drafter's earlier runs, so its card can name every command that made it.
             "continued_from": previous,

@@ -33,7 +33,10 @@ from ..devices import device_name
 from ..models.hf_cache import cache_argument
 from ..models.loading import chat_ids
 from . import prompt_mix
+from .broad_mix import BROAD_KINDS, BenchmarkGuard, MixSettings, MixSources, broad_prompt_mix, tokens_by_kind
+from .heldout import split_library
 from .prompts import clean_instruction
+from .sources.registry import SourceLibrary
 
 # Where the shipped drafters' corpus lives: committed chunk by chunk, so a later run (or session) resumes it.
 DEFAULT_CORPUS_DIR = Path(__file__).resolve().parent / "corpus_chunks" / "smollm2-135m-instruct-seed0"
@@ -47,12 +50,41 @@ class CorpusConfig:
     chunk_size: int = field(default=400, metadata={"help": "conversations per chunk file (the unit of resumption)"})
     batch_size: int = field(default=48, metadata={"help": "rows decoded together (KV-cached, finished rows leave the batch)"})
     max_new_tokens: int = field(default=320, metadata={"help": "longest answer per turn, in tokens"})
-    max_prompt_tokens: int = field(default=768, metadata={"help": "longest prompt (history included); longer ones are cut on the left"})
+    # 2,304: the broad mix's long documents (up to 2,000 tokens) with their instruction and a second turn's
+    # history; the committed stdlib corpus was made with 768 (its recipe keeps that).
+    max_prompt_tokens: int = field(default=2304, metadata={"help": "longest prompt (history included); longer ones are cut on the left"})
     multi_turn_fraction: float = field(default=0.25, metadata={"help": "share of conversations with a second user turn"})
     sampled_fraction: float = field(default=0.25, metadata={"help": "share of conversations answered by sampling"})
     temperature: float = field(default=0.8, metadata={"help": "temperature of the sampled share"})
     instruction_tokens: int = field(default=64, metadata={"help": "longest self-written instruction, in tokens"})
     seed: int = field(default=0, metadata={"help": "seed of the prompt mix and the sampling"})
+    mix: str = field(default="broad", metadata={"help": "prompt mix: 'broad' (documents, translation, passages, "
+                                                        "long contexts and the stdlib kinds, balanced by tokens; "
+                                                        "issue 61) or 'stdlib' (the original mix)"})
+    exclude_kinds: tuple[str, ...] = field(default=(), metadata={"help": "task kinds of the broad mix kept out of "
+                                                                        "this corpus (a held-out evaluation)"})
+    eval_fraction: float = field(default=0.1, metadata={"help": "share of source documents reserved for held-out "
+                                                                "evaluation (never in the broad mix's prompts)"})
+
+    def __post_init__(self) -> None:
+        if self.mix not in ("broad", "stdlib"):
+            raise ValueError(f"unknown prompt mix {self.mix!r}: 'broad' or 'stdlib'")
+        self.exclude_kinds = tuple(self.exclude_kinds)
+        unknown = set(self.exclude_kinds) - set(BROAD_KINDS)
+        if unknown or (self.exclude_kinds and self.mix != "broad"):
+            raise ValueError(f"exclude_kinds {sorted(self.exclude_kinds)}: kinds of the broad mix only "
+                             f"({', '.join(BROAD_KINDS)})")
+
+    def mix_settings(self) -> MixSettings:
+        # Long windows leave room in the prompt cap for the instruction and a second turn's history.
+        top = max(64, min(2000, self.max_prompt_tokens - 300))
+        return MixSettings(long_context=(min(500, top), top), max_answer_tokens=self.max_new_tokens,
+                           multi_turn_fraction=self.multi_turn_fraction, sampled_fraction=self.sampled_fraction,
+                           temperature=self.temperature)
+
+
+# What a recipe written before a setting existed meant by it: corpora made before the broad mix are 'stdlib'.
+LEGACY_RECIPE = {"mix": "stdlib", "exclude_kinds": [], "eval_fraction": 0.0}
 
 
 # Settings that say how fast a chunk is made, not what it holds: a corpus may be resumed with others (a GPU
@@ -61,7 +93,9 @@ RUN_SETTINGS = frozenset({"batch_size"})
 
 
 def recipe_fields(settings: dict) -> dict:
-    """The settings two runs must share to extend one corpus (everything but RUN_SETTINGS)."""
+    """The settings two runs must share to extend one corpus (everything but RUN_SETTINGS), as JSON holds them
+    (tuples as lists), with LEGACY_RECIPE's meaning for settings an older recipe lacks."""
+    settings = json.loads(json.dumps({**LEGACY_RECIPE, **settings}))
     return {k: v for k, v in settings.items() if k not in RUN_SETTINGS}
 
 
@@ -182,13 +216,27 @@ def _strip_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens
 
 
+def chunk_specs(config: CorpusConfig, index: int, exclude: frozenset[str],
+                sources: MixSources | None = None) -> list[prompt_mix.ConversationSpec]:
+    """The conversations of chunk `index` before the target answers them (the broad mix needs `sources`: the
+    training side of the library)."""
+    seed = config.seed * 100_003 + index
+    if config.mix == "stdlib":
+        return prompt_mix.prompt_mix(seed, config.chunk_size, config.multi_turn_fraction, config.sampled_fraction,
+                                     config.temperature, exclude)
+    if sources is None:
+        raise ValueError("the broad mix needs its sources (build_corpus(..., library=load_library()))")
+    return broad_prompt_mix(seed, config.chunk_size, sources, config.mix_settings(), BenchmarkGuard(exclude),
+                            frozenset(config.exclude_kinds))
+
+
 def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_instructions: set[str],
-                   exclude: frozenset[str], feature_layers: tuple[int, ...] | None = None
-                   ) -> tuple[dict[str, torch.Tensor], dict, torch.Tensor | None]:
+                   exclude: frozenset[str], feature_layers: tuple[int, ...] | None = None,
+                   sources: MixSources | None = None) -> tuple[dict[str, torch.Tensor], dict, torch.Tensor | None]:
     """Chunk `index`: self-written instructions, first answers, follow-up answers; tensors, metadata and
     (with `feature_layers`) the target features of every token, [T, (len(feature_layers) + 1) * H] float16."""
-    specs = prompt_mix.prompt_mix(config.seed * 100_003 + index, config.chunk_size, config.multi_turn_fraction,
-                                  config.sampled_fraction, config.temperature, exclude)
+    specs = chunk_specs(config, index, exclude, sources)
+    estimated = tokens_by_kind(specs, config.mix_settings())
     device = next(model.parameters()).device
     # Sampling draws on the model's device (a CPU and a GPU run of one chunk differ in their sampled answers).
     generator = torch.Generator(device).manual_seed(config.seed * 100_003 + index)
@@ -238,7 +286,10 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
     sequences += list(zip(seconds, second_answers))
 
     tokens, offsets, answer_mask = [], [0], []
-    for prompt, answer in sequences:
+    answers_by_kind: dict[str, int] = {}  # measured, beside the mix's estimate: the card reports both
+    for (prompt, answer), kind in zip(sequences, kinds):
+        base = kind.split("+", 1)[0]
+        answers_by_kind[base] = answers_by_kind.get(base, 0) + len(answer)
         tokens += prompt + answer
         answer_mask += [0] * len(prompt) + [1] * len(answer)
         offsets.append(len(tokens))
@@ -249,7 +300,9 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
              "seconds": round(seconds_taken, 1), "tokens_per_second": round(generated / seconds_taken, 1),
              "batch_size": config.batch_size, "threads": torch.get_num_threads(),
              "device": device_name(str(device)),
-             "self_instruct_kept": len(meta_rows) - len(dropped), "self_instruct_dropped": len(dropped)}
+             "self_instruct_kept": len(meta_rows) - len(dropped), "self_instruct_dropped": len(dropped),
+             "mix": config.mix, "estimated_tokens_by_kind": estimated, "answer_tokens_by_kind": answers_by_kind,
+             "doc_ids": [s.meta.get("doc_id", "") for s in specs]}
     # uint16 halves the files of vocabularies under 65,536 tokens (the chunks are committed with the drafter).
     token_dtype = torch.uint16 if len(tokenizer) <= 65_536 else torch.int32
     tensors = {"tokens": torch.tensor(tokens, dtype=token_dtype),
@@ -284,11 +337,13 @@ def save_features(path: Path, features: torch.Tensor, feature_layers: tuple[int,
 
 def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: frozenset[str] = frozenset(),
                  max_chunks: int | None = None, features_dir: Path | None = None,
-                 feature_layers: tuple[int, ...] | None = None) -> list[Path]:
+                 feature_layers: tuple[int, ...] | None = None, library: SourceLibrary | None = None) -> list[Path]:
     """Generate every missing chunk of the corpus into `out` (resuming), return all chunk paths. With
     `features_dir` and `feature_layers`, the target features captured while generating are cached there
-    (`features.py` computes them for chunks that have none)."""
+    (`features.py` computes them for chunks that have none). The broad mix draws from the training side of
+    `library` (`sources.registry.load_library()`; the evaluation side is `heldout.split_library`'s other half)."""
     out.mkdir(parents=True, exist_ok=True)
+    sources = MixSources.of(split_library(library, config.eval_fraction)[0]) if library is not None else None
     recipe = out / "corpus.json"
     if recipe.is_file():
         saved = json.loads(recipe.read_text())
@@ -313,7 +368,7 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
             break
         before = set(seen)
         tensors, stats, features = generate_chunk(model, tokenizer, config, index, seen, exclude,
-                                                  feature_layers if features_dir is not None else None)
+                                                  feature_layers if features_dir is not None else None, sources)
         stats["instruction_keys"] = sorted(seen - before)
         if features is not None:
             save_features(features_path(features_dir, path), features, feature_layers)
@@ -337,6 +392,9 @@ def corpus_summary(out: Path, chunks: list[Path] | None = None) -> dict:
             totals[key] += stats[key]
         for kind in stats["kinds"]:
             totals["kinds"][kind] = totals["kinds"].get(kind, 0) + 1
+        for kind, count in stats.get("answer_tokens_by_kind", {}).items():
+            by_kind = totals.setdefault("answer_tokens_by_kind", {})
+            by_kind[kind] = by_kind.get(kind, 0) + count
         # Chunks from before devices were recorded were all made on CPUs.
         where = f"{stats.get('device', 'cpu')}, batch {stats['batch_size']}"
         made = totals["made_on"].setdefault(where, {"chunks": 0, "seconds": 0.0})

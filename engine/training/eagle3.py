@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 
 from ..drafters.models.eagle3 import Eagle3Drafter
 from .batches import SequenceBatches
+from .heldout import kept_sequences
 from .loop import LoopSettings, StepLoss, growing_corpus_holdout, run_training
 
 
@@ -74,9 +75,12 @@ class Corpus:
     feature_layers: tuple[int, ...]
 
 
-def load_corpus(chunks: list[Path], features_dir: Path, device: str = "cpu") -> Corpus:
+def load_corpus(chunks: list[Path], features_dir: Path, device: str = "cpu",
+                exclude_kinds: frozenset[str] = frozenset()) -> Corpus:
     """The chunks that have cached features (see corpus.build_corpus), concatenated, on `device` (on a GPU
-    the whole corpus lives there, so a batch is gathered without a host copy)."""
+    the whole corpus lives there, so a batch is gathered without a host copy). Sequences whose recorded kind
+    is in `exclude_kinds` (a held-out evaluation, heldout.py) get no span and no answer positions, so neither
+    training nor the draft vocabulary sees them."""
     tokens, mask, feats, last, spans, layers, base = [], [], [], [], [], None, 0
     for chunk in chunks:
         cached = features_dir / chunk.name
@@ -91,7 +95,14 @@ def load_corpus(chunks: list[Path], features_dir: Path, device: str = "cpu") -> 
             raise ValueError(f"{cached} holds features of layers {these}, other chunks {layers}")
         layers = these
         offsets = data["seq_offsets"].tolist()
-        spans += [(base + s, base + e) for s, e in zip(offsets[:-1], offsets[1:])]
+        keep = [True] * (len(offsets) - 1)
+        if exclude_kinds:
+            with safe_open(str(chunk), framework="pt") as handle:
+                keep = kept_sequences(json.loads(handle.metadata()["stats"])["kinds"], exclude_kinds)
+            for (s, e), kept in zip(zip(offsets[:-1], offsets[1:]), keep):
+                if not kept:
+                    data["answer_mask"][s:e] = 0
+        spans += [(base + s, base + e) for (s, e), kept in zip(zip(offsets[:-1], offsets[1:]), keep) if kept]
         base += offsets[-1]
         tokens.append(data["tokens"].long())
         mask.append(data["answer_mask"].bool())

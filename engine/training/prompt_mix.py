@@ -287,6 +287,11 @@ KIND_WEIGHTS = {SELF_INSTRUCT: 0.40, "docs": 0.25, "code": 0.20, "math": 0.15}
 _MAKERS = {SELF_INSTRUCT: _self_instruct_meta, "docs": _docs_prompt, "code": _code_prompt, "math": _math_problem}
 
 
+def make_first_turn(kind: str, rng: random.Random) -> str:
+    """A first turn of one of KIND_WEIGHTS' kinds (the broad mix draws these kinds through it)."""
+    return _MAKERS[kind](rng)
+
+
 def prompt_mix(seed: int, count: int, multi_turn_fraction: float = 0.25, sampled_fraction: float = 0.25,
                temperature: float = 0.8, exclude: frozenset[str] = frozenset()) -> list[ConversationSpec]:
     """`count` conversation specs, deterministic in (seed, count, fractions): a corpus chunk's recipe."""

@@ -90,7 +90,7 @@ def test_stdlib_sources_are_what_inspect_gives():
 def test_corpus_chunks_resume_and_mark_answers(tiny, tmp_path):
     model, tokenizer = tiny
     config = CorpusConfig(num_conversations=6, chunk_size=3, batch_size=4, max_new_tokens=6,
-                          instruction_tokens=6, multi_turn_fraction=0.5)
+                          instruction_tokens=6, multi_turn_fraction=0.5, mix="stdlib", max_prompt_tokens=768)
     first = build_corpus(model, tokenizer, config, tmp_path, max_chunks=1)
     assert len(first) == 1
     before = first[0].read_bytes()
