@@ -8,7 +8,7 @@ TOOLS := .cache/tools
 HELM := $(TOOLS)/helm/helm
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test tools browser
+.PHONY: setup run test tools browser corpus-sources
 
 setup: $(STAMP)
 
@@ -40,6 +40,12 @@ browser:
 	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium) \
 	    >/dev/null || echo "make: chromium could not be installed; the browser test will be skipped"; \
 	else echo "make: chromium is not installed (needs root and apt-get); the browser test will be skipped"; fi
+
+# The broad corpus's Debian sources (manual pages and their translations, gettext catalogues, the Python docs,
+# Debian's guides, the Jargon File; engine/training/sources/registry.py): apt-get install where root, a warning
+# elsewhere. `treeserve make-corpus --install-sources` does the same; `make test` never needs them (fixtures).
+corpus-sources: setup
+	$(BIN)/treeserve make-corpus --install-sources --write-card --out .cache/corpus-sources
 
 run: setup
 	$(BIN)/treeserve demo
