@@ -90,3 +90,19 @@ def test_agreement_measures_held_out_prompts_beside_the_dev_prompts(tiny_target_
     result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     assert result["positions"] == 8 and result["also"]["positions"] == 8
     assert result["also"]["top1_by_category"] == {"rewrite": 1.0, "translate": 1.0}  # the target drafts itself
+
+
+def test_the_committed_corpus_resumes_with_its_original_mix():
+    """The shipped corpus's recipe predates the broad mix: a bare `make-corpus` resumes it as 'stdlib' with its
+    768-token prompts, while a fresh --out starts a broad corpus."""
+    from treeserve.cli.make_corpus import corpus_config
+    from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR
+
+    parser, commands = build_parser()
+    add_arguments(commands["make-corpus"])
+    resumed = corpus_config(parser.parse_args(["make-corpus"]))
+    assert (DEFAULT_CORPUS_DIR / "corpus.json").is_file()
+    assert resumed.mix == "stdlib" and resumed.max_prompt_tokens == 768 and resumed.exclude_kinds == ()
+    fresh = corpus_config(parser.parse_args(["make-corpus", "--out", "/nonexistent/broad", "--exclude-kinds",
+                                             "translate"]))
+    assert fresh.mix == "broad" and fresh.exclude_kinds == ("translate",) and fresh.max_prompt_tokens == 2304
