@@ -137,7 +137,9 @@ class OpenAIApi:
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     def _model_card(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "treeserve"}
+        # The sampling defaults unset fields take (api.generation_config), as vLLM's server states them at start.
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "treeserve",
+                "sampling_defaults": self.router.validator.defaults.as_dict()}
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, chat=True)
@@ -220,7 +222,7 @@ class OpenAIApi:
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
-        fields = Fields(body, chat)
+        fields = Fields(body, chat, self.router.validator.defaults)
         job = await self._submit(fields, bearer_token([(k.lower(), v) for k, v in request.headers.items()]))
         rid = request["rid"]
         created = int(time.time())

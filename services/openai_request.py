@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from treeserve.engine.requests import MAX_TOP_LOGPROBS
-from .validation import OutputOptions
+from .validation import OutputOptions, SamplingDefaults
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 # HTTP status and OpenAI error type per gRPC code. RESOURCE_EXHAUSTED is 429 when the concurrency limit refused the
@@ -103,7 +103,9 @@ def _text_content(content: Any, i: int) -> str:
 class Fields:
     """The request body's fields, checked for type and shape (no tokenising: that happens once admitted)."""
 
-    def __init__(self, body: dict, chat: bool):
+    def __init__(self, body: dict, chat: bool, defaults: SamplingDefaults = SamplingDefaults()):
+        """`defaults`: what temperature, top_p, top_k and repetition_penalty take when the body leaves them unset
+        (the model's generation config), before OpenAI's own defaults (1, 1, none, none)."""
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -136,9 +138,9 @@ class Fields:
         self.max_tokens = _integer(body, "max_completion_tokens", None) if chat else None
         if self.max_tokens is None:
             self.max_tokens = _integer(body, "max_tokens", None)
-        self.temperature = _number(body, "temperature", 1.0)
-        self.top_p = _number(body, "top_p", 1.0)
-        self.top_k = _integer(body, "top_k", 0)  # vLLM's extra sampling field
+        self.temperature = _number(body, "temperature", _default(defaults.temperature, 1.0))
+        self.top_p = _number(body, "top_p", _default(defaults.top_p, 1.0))
+        self.top_k = _integer(body, "top_k", _default(defaults.top_k, 0))  # vLLM's extra sampling field
         self.seed = _integer(body, "seed", None, minimum=0)
         # vLLM's extra field: requests share cached KV only with the same API token and salt (its length is
         # checked with the gRPC field's rule, services/validation.py cache_scope)
@@ -185,10 +187,15 @@ class Fields:
         if self.method is not None and not isinstance(self.method, str):
             raise ApiError(INVALID, "treeserve.method: must be a string", "treeserve.method")
         self.budget = _integer(extra, "budget", 0)
-        self.options = replace(_options(body, chat), processed_logprobs=extra.get("logprobs") == "processed")
+        self.options = replace(_options(body, chat, _default(defaults.repetition_penalty, 1.0)),
+                               processed_logprobs=extra.get("logprobs") == "processed")
 
 
-def _options(body: dict, chat: bool) -> OutputOptions:
+def _default(value, fallback):
+    return fallback if value is None else value
+
+
+def _options(body: dict, chat: bool, repetition_penalty: float = 1.0) -> OutputOptions:
     """Penalties, biases, ignore_eos and log-probabilities (ranges: RequestValidator.build's checks). Chat asks for
     log-probabilities with `logprobs: true` (+ `top_logprobs`), completions with `logprobs: <top count>`."""
     bias = body.get("logit_bias") or {}
@@ -221,5 +228,6 @@ def _options(body: dict, chat: bool) -> OutputOptions:
         raise ApiError(INVALID, "ignore_eos: must be true or false", "ignore_eos")
     return OutputOptions(presence_penalty=_number(body, "presence_penalty", 0.0),
                          frequency_penalty=_number(body, "frequency_penalty", 0.0),
-                         repetition_penalty=_number(body, "repetition_penalty", 1.0), logit_bias=logit_bias,
+                         repetition_penalty=_number(body, "repetition_penalty", repetition_penalty),
+                         logit_bias=logit_bias,
                          min_tokens=_integer(body, "min_tokens", 0), ignore_eos=ignore_eos, logprobs=logprobs)

@@ -37,7 +37,7 @@ from treeserve.v1 import generation_pb2 as gen
 from .config import LimitsConfig
 from .metrics import RouterMetrics
 from .transport.pool import NoReplicaError, ReplicasFullError, GroupedCaller
-from .validation import RequestError, RequestValidator, method_enum
+from .validation import RequestError, RequestValidator, SamplingDefaults, method_enum
 
 
 log = logging.getLogger("treeserve.router")
@@ -86,10 +86,12 @@ class Router:
     def __init__(self, engine: SpeculativeEngine, limits: LimitsConfig | None = None,
                  metrics: RouterMetrics | None = None, clients: Iterable[GroupedCaller | None] = (),
                  router_id: str | None = None, model_name: str = "treeserve",
-                 lane_of: Callable[[str], str] | None = None):
+                 lane_of: Callable[[str], str] | None = None,
+                 sampling_defaults: SamplingDefaults = SamplingDefaults()):
         self.engine = engine
         self.limits = limits or LimitsConfig()
-        self.validator = RequestValidator(engine, self.limits)
+        # sampling_defaults: what a request's unset sampling fields take (services/validation.py SamplingDefaults)
+        self.validator = RequestValidator(engine, self.limits, sampling_defaults)
         self.metrics = metrics or RouterMetrics(enabled=False)
         # The engine's Target / Drafter when they are replica clients (services/transport/clients.py): bound to
         # the step loop's event loop, released through, counted for retries. Empty for in-process runners.

@@ -26,6 +26,7 @@ from .config import AppConfig
 from .internal_auth import registry_scope
 from .metrics import RouterMetrics
 from .router import Router
+from .validation import SamplingDefaults
 from .transport.clients import RemoteDrafter, RemoteTarget
 from .transport.discovery import Registry, replica_identity, serve_discovery
 from .transport.pool import ReplicaPool
@@ -82,10 +83,13 @@ class RouterReplica(Router):
                                    prefill_chunk_tokens=config.limits.prefill_chunk_tokens)
         # The model's name for the OpenAI API: the target's path as configured, its last component.
         model_name = Path(config.target.path).name or config.target.path
+        defaults = sampling_defaults(config.api.generation_config, config.target.path)
+        log.info("Router %s: sampling defaults of unset request fields (api.generation_config: %s): %s", replica_id,
+                 config.api.generation_config, defaults.as_dict() or "none (the APIs' own)")
         super().__init__(engine, config.limits, metrics,
                          clients=[target, drafter if isinstance(drafter, RemoteDrafter) else None],
                          router_id=replica_id, model_name=model_name,
-                         lane_of=target.lane_of)
+                         lane_of=target.lane_of, sampling_defaults=defaults)
         self.config = config
         self.api_server = None
         if serve_api:
@@ -131,6 +135,14 @@ class RouterReplica(Router):
                 server.stop(0.5)
             except Exception:
                 pass
+
+
+def sampling_defaults(generation_config: str, path: str) -> SamplingDefaults:
+    """What a request's unset sampling fields take: with api.generation_config 'model' the sampling fields the
+    target's generation config sets (vLLM's default), else none."""
+    if generation_config != "model":
+        return SamplingDefaults()
+    return SamplingDefaults.from_generation_config(read_generation_config(resolve_model_dir(path)))
 
 
 def load_tokenizer(path: str, chat_template: str | None = None) -> tuple[Any, int, tuple[int, ...]]:

@@ -97,6 +97,30 @@ def decode_generate_request(payload: bytes):
 
 
 # ------------------------------------------------------------------------------------------------- requests
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What the sampling fields a request leaves unset take (None: the API's own default): the model's
+    generation_config.json values with `api.generation_config: model`, as vLLM's `--generation-config auto`."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def from_generation_config(cls, config: Any) -> "SamplingDefaults":
+        """The fields a transformers GenerationConfig sets away from transformers' own defaults (its diff dict, as
+        vLLM reads them: a config that names no sampling field gives no defaults)."""
+        diff = config.to_diff_dict()
+        return cls(**{name: diff[name] for name in GENERATION_CONFIG_FIELDS if diff.get(name) is not None})
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in GENERATION_CONFIG_FIELDS if getattr(self, name) is not None}
+
+
 @dataclass(frozen=True)
 class OutputOptions:
     """What a request asks beyond prompt, length, warp, stops and tree, as plain values both front ends produce:
@@ -118,9 +142,10 @@ class RequestValidator:
     `engine` is a SpeculativeEngine (its tokenizer, target vocabulary, context window, default tree and final
     `validate` are used); `limits` the configured LimitsConfig."""
 
-    def __init__(self, engine: Any, limits: LimitsConfig):
+    def __init__(self, engine: Any, limits: LimitsConfig, defaults: SamplingDefaults = SamplingDefaults()):
         self.engine = engine
         self.limits = limits
+        self.defaults = defaults  # what unset sampling fields take (the model's generation config, or nothing)
 
     # -------------------------------------------------------------- prompt forms
     def _text_guard(self, chars: int, what: str) -> None:
@@ -325,8 +350,12 @@ class RequestValidator:
         self.fields(message.max_new_tokens, *self._proto_fields(message))
 
     def _proto_fields(self, message) -> tuple:
-        """A GenerateRequest's fields as `fields`' arguments after max_new_tokens."""
+        """A GenerateRequest's fields as `fields`' arguments after max_new_tokens. Fields left unset take the
+        model's defaults (`self.defaults`): top_p, top_k and repetition_penalty at 0, the temperature only when the
+        request has no SamplingParams at all (a temperature of 0 in one is greedy decoding asked for)."""
         s, spec = message.sampling, message.speculation
+        d = self.defaults
+        temperature = s.temperature if message.HasField("sampling") else (d.temperature or 0.0)
         method = None
         if spec.method != gen.TREE_METHOD_UNSPECIFIED:  # an enum value this server does not know stays a number
             method = METHOD_NAMES.get(spec.method, str(spec.method))
@@ -335,12 +364,12 @@ class RequestValidator:
         if message.top_logprobs and not message.logprobs:
             raise RequestError(INVALID, "top_logprobs: needs logprobs set")
         options = OutputOptions(presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                                repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias),
-                                min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
+                                repetition_penalty=s.repetition_penalty or d.repetition_penalty or 1.0,
+                                logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
                                 logprobs=message.top_logprobs if message.logprobs else None,
                                 processed_logprobs=message.processed_logprobs)
-        return (s.temperature, s.top_p, s.top_k, list(message.stop_strings), method, spec.budget_tokens,
-                list(message.stop_token_ids), options)
+        return (temperature, s.top_p or d.top_p or 0.0, s.top_k or d.top_k or 0, list(message.stop_strings), method,
+                spec.budget_tokens, list(message.stop_token_ids), options)
 
     def from_proto(self, message, tenant: str = "") -> tuple[GenerationRequest, str]:
         """treeserve.v1.GenerateRequest -> (engine request, method name); `tenant`: the caller's bearer token."""

@@ -12,6 +12,9 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
+GENERATION_CONFIG_CHOICES = ("model", "none")
+
+
 @dataclass
 class ApiConfig:
     """The public gRPC API (treeserve.v1.TreeServe), served by the Router replica's own grpc.aio server.
@@ -35,8 +38,15 @@ class ApiConfig:
                                          "/v1/completions, /v1/models, /health) on the same Router, host, TLS, tokens "
                                          "and request-size cap as the gRPC API (services/openai_api.py); unset: off",
                                          default=None)
+    generation_config: str = described("what the sampling fields a request leaves unset take: 'model' (the "
+                                       "target's generation_config.json values of temperature, top_p, top_k and "
+                                       "repetition_penalty where it sets them, as vLLM does by default) or 'none' "
+                                       "(the APIs' own defaults)", default="model")
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
+        if self.generation_config not in GENERATION_CONFIG_CHOICES:
+            raise ValueError(f"{path}.generation_config: must be one of {', '.join(GENERATION_CONFIG_CHOICES)}, got "
+                             f"{self.generation_config!r}")
         check_port(self.port, f"{path}.port")
         if self.http_port is not None:
             check_port(self.http_port, f"{path}.http_port")

@@ -287,3 +287,65 @@ def test_processed_logprobs_through_both_apis(service, client, tiny_parts):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logprobs=True,
                                        extra_body={"treeserve": {"logprobs": "cooked"}})
     assert info.value.body["param"] == "treeserve.logprobs"
+
+
+def test_generation_config_defaults_are_read_as_vllm_reads_them(tiny_target_dir, tmp_path):
+    """SamplingDefaults: the sampling fields a generation config sets away from transformers' defaults; the Router
+    replica reads the target's generation_config.json unless api.generation_config is 'none' (refused otherwise)."""
+    import json
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from treeserve.services.config import load_serve_config
+    from treeserve.services.router_replica import sampling_defaults
+    from treeserve.services.validation import SamplingDefaults
+
+    assert SamplingDefaults.from_generation_config(GenerationConfig()) == SamplingDefaults()
+    assert SamplingDefaults.from_generation_config(GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9)) == \
+        SamplingDefaults(temperature=0.6, top_p=0.9)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_target_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "top_k": 40, "repetition_penalty": 3.0}))
+    assert sampling_defaults("model", str(model)) == SamplingDefaults(top_k=40, repetition_penalty=3.0)
+    assert sampling_defaults("none", str(model)) == SamplingDefaults()
+    with pytest.raises(ValueError, match=r"applications\[0\].args.api.generation_config: must be one of model, none"):
+        load_serve_config({"applications": [{"args": {"api": {"generation_config": "auto"}}}]})
+
+
+def test_unset_fields_take_the_models_defaults(tiny_parts):
+    """A Router whose model's generation config sets repetition_penalty 3 (and top_k 40): a request that leaves
+    them unset decodes with them (greedy: the in-process engine's output with that penalty), one that sets them
+    decodes with its own; /v1/models states the defaults; a gRPC request without SamplingParams takes them too."""
+    from treeserve.services.api_server import start_api_server
+    from treeserve.services.router import Router
+    from treeserve.services.validation import SamplingDefaults
+
+    defaults = SamplingDefaults(top_k=40, repetition_penalty=3.0)
+    router = Router(tiny_parts.engine("c2t+lookup", 8), LIMITS, sampling_defaults=defaults)
+    server = start_api_server(router, ApiConfig(), SecurityConfig(), port=0, http_port=0)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http.port}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        assert client.models.list().data[0].model_extra["sampling_defaults"] == {"top_k": 40,
+                                                                                 "repetition_penalty": 3.0}
+        prompt = router.engine.encode_chat(CHAT)
+        engine = tiny_parts.engine("c2t+lookup", 8)
+        penalised = engine.generate([GenerationRequest(prompt, 16, processors=LogitsProcessors(
+            repetition_penalty=3.0))])[0]
+        plain = engine.generate([GenerationRequest(prompt, 16)])[0]
+        assert penalised.token_ids != plain.token_ids
+        reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+        assert reply.choices[0].message.content == penalised.text
+        own = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0,
+                                             extra_body={"repetition_penalty": 1.0})
+        assert own.choices[0].message.content == plain.text
+        unset = _stub(server).Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt), max_new_tokens=16),
+                                       timeout=60)
+        assert list(unset.token_ids) == penalised.token_ids  # no SamplingParams: greedy with the model's defaults
+        request, _ = router.validator.from_proto(gen.GenerateRequest(
+            token_ids=gen.TokenIds(ids=prompt), max_new_tokens=4, sampling=gen.SamplingParams(temperature=0.5)))
+        assert request.sampling.top_k == 40 and request.processors.repetition_penalty == 3.0
+    finally:
+        server.stop(0.5)
