@@ -130,3 +130,22 @@ def test_install_asks_apt_only_for_missing_packages():
     with pytest.warns(UserWarning, match="needs root"):
         skipped = install.install_sources((spec,), run, is_root=False, has_apt=True)
     assert skipped.missing == report.installed and not skipped.installed
+
+
+def test_roff_accents_and_translator_credits():
+    title, text = roff_to_text(".TH DEB-CONTROL 5\n.SH NOM\nfichier de contr\\(^ole, \\('ecrit, \\[:u]ber\n"
+                               ".SH TRADUCTION\nLa traduction fran\\(,caise est de Jean.\n")
+    assert text == "NOM\n\nfichier de contrôle, écrit, über"  # the translators' section is left out
+
+
+def test_plain_tree_takes_a_few_files_per_package(tmp_path):
+    from treeserve.engine.training.sources.documents import read_plain_tree
+
+    prose = "The pump waters one zone at a time, and the valves close when the soil is wet. " * 20
+    for i in range(5):
+        (tmp_path / "git").mkdir(exist_ok=True)
+        (tmp_path / "git" / f"notes-{i}.txt").write_text(prose)
+    (tmp_path / "frob").mkdir()
+    (tmp_path / "frob" / "FAQ").write_text(prose)
+    docs = read_plain_tree(tmp_path, "package_docs", per_folder=2)
+    assert [d.title for d in docs] == ["frob/FAQ", "git/notes-0.txt", "git/notes-1.txt"]

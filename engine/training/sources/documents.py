@@ -119,13 +119,15 @@ PLAIN_NAMES = re.compile(r"^(FAQ|README|NEWS\.Debian|README\.Debian|.*\.txt)(\.g
 
 
 def read_plain_tree(root: Path, source: str, pattern: re.Pattern[str] | None = None, min_words: int = 150,
-                    max_depth: int = 3, skip: tuple[str, ...] = ()) -> list[Document]:
+                    max_depth: int = 3, skip: tuple[str, ...] = (), per_folder: int | None = None) -> list[Document]:
     """Plain-text files under `root` whose names match `pattern` (default: every file), English, at most
-    `max_depth` folders deep, none under the top-level folders in `skip` (read by another source); a file
-    that is mostly not prose (code, tables: few letters per character) is skipped."""
+    `max_depth` folders deep, none under the top-level folders in `skip` (read by another source), at most
+    `per_folder` from one top-level folder (git alone ships ~400 release notes); a file that is mostly not
+    prose (code, tables: few letters per character) is skipped."""
     if not root.is_dir():
         return []
     documents = []
+    taken: dict[str, int] = {}
     for path in sorted(root.glob("**/*")):
         relative = path.relative_to(root)
         if (len(relative.parts) > max_depth or relative.parts[0] in skip or not path.is_file()
@@ -138,6 +140,10 @@ def read_plain_tree(root: Path, source: str, pattern: re.Pattern[str] | None = N
         letters = sum(c.isalpha() or c.isspace() for c in text[:20_000])
         if words(text) < min_words or letters < 0.85 * min(len(text), 20_000):
             continue
+        folder = relative.parts[0] if len(relative.parts) > 1 else ""
+        if per_folder is not None and folder and taken.get(folder, 0) >= per_folder:
+            continue
+        taken[folder] = taken.get(folder, 0) + 1
         name = relative.as_posix().removesuffix(".gz")
         documents.append(Document(source, ENGLISH, name, text.strip(), f"{source}/{name}"))
     return documents

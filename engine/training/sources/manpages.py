@@ -10,6 +10,7 @@ requests. Pages that only redirect (`.so`) or hold almost no prose are skipped.
 from __future__ import annotations
 
 import re
+import unicodedata
 from pathlib import Path
 
 from .base import ENGLISH, Document, read_text
@@ -23,6 +24,20 @@ _SPECIAL = {r"\(em": "—", r"\(en": "–", r"\(aq": "'", r"\(dq": '"', r"\(lq":
             r"\(mu": "×", r"\(>=": "≥", r"\(<=": "≤", r"\(->": "→", r"\(hy": "-", r"\[aq]": "'",
             r"\[em]": "—", r"\[en]": "–", r"\[dq]": '"', r"\[bu]": "•", r"\*(lq": "“", r"\*(rq": "”",
             r"\*R": "®", r"\*(Tm": "™"}
+# Accented letters as old roff spells them (dpkg's translations: contr\(^ole, \('e, \[:u]): accent + letter.
+_ACCENTS = {"'": "\u0301", "`": "\u0300", "^": "\u0302", ":": "\u0308", ",": "\u0327", "~": "\u0303"}
+_ACCENTED = re.compile(r"\\\((['`^:,~])([A-Za-z])|\\\[(['`^:,~])([A-Za-z])\]")
+# The closing section manpages-l10n adds to every translation: translator credits and the licence notice,
+# the same few sentences on thousands of pages (a drafter would learn them by heart, not the language).
+TRANSLATOR_SECTIONS = {"TRADUCTION", "ÜBERSETZUNG", "TRADUCCIÓN", "TRADUZIONE", "TŁUMACZENIE", "VERTALING",
+                       "ПЕРЕВОД", "TRADUÇÃO", "ÖVERSÄTTNING", "PŘEKLAD", "OVERSÆTTELSE", "KÄÄNNÖS", "ПЕРЕКЛАД"}
+
+
+def _accented(match: re.Match) -> str:
+    accent, letter = (match[1], match[2]) if match[1] else (match[3], match[4])
+    return unicodedata.normalize("NFC", letter + _ACCENTS[accent])
+
+
 # Requests that start a new paragraph; the text that follows them is prose.
 _BREAK = {"PP", "LP", "P", "TP", "IP", "HP", "sp", "br", "RS", "RE", "TQ", "nf", "fi", "EX", "EE", "in", "ti"}
 # Requests whose arguments are the text itself, set in a font.
@@ -31,6 +46,7 @@ _FONT_REQUESTS = {"B", "I", "BR", "BI", "IB", "IR", "RB", "RI", "SM", "SB"}
 
 def inline(text: str) -> str:
     """One line of roff text with its escapes resolved."""
+    text = _ACCENTED.sub(_accented, text)
     for escape, char in _SPECIAL.items():
         text = text.replace(escape, char)
     text = _FONT.sub("", text)
@@ -58,7 +74,10 @@ def roff_to_text(source: str) -> tuple[str, str]:
                 args = _arguments(rest)
                 title = f"{args[0].lower()}({args[1]})" if len(args) > 1 else (args[0].lower() if args else "")
             elif name in ("SH", "SS"):
-                blocks += [[inline(" ".join(_arguments(rest)))], []]
+                heading = inline(" ".join(_arguments(rest)))
+                if name == "SH" and heading.upper() in TRANSLATOR_SECTIONS:
+                    break  # the translators' credits close the page
+                blocks += [[heading], []]
             elif name in _FONT_REQUESTS:
                 args = _arguments(rest)
                 # Alternating-font requests (.BR a b) join their arguments without spaces; .B / .I with them.

@@ -46,7 +46,7 @@ _OWN_SOURCES = ("jargon-text", "debian", "python3.11", "python3.11-doc")
 
 
 def _package_docs(path: Path) -> list[Document]:
-    return read_plain_tree(path, "package_docs", PLAIN_NAMES, skip=_OWN_SOURCES)
+    return read_plain_tree(path, "package_docs", PLAIN_NAMES, skip=_OWN_SOURCES, per_folder=20)
 
 
 def _jargon(path: Path) -> list[Document]:
