@@ -19,6 +19,9 @@ Names follow docs/design.md section 7: MAL = tokens emitted per target forward (
   treeserve_replica_retries_total [deployment], treeserve_replicas_marked_down_total [deployment] (replicas the
   router took out of its ring because a call to them failed or their connection dropped: a killed replica counts
   once per router, services/transport/pool.py).
+- treeserve_candidate_tokens_total [method, source], treeserve_accepted_tokens_total [method, source]: draft
+  tokens sent to the target and accepted, by who proposed them (StepRecord): "model" (the drafter alone), "lookup"
+  (copied from the context; accepted ones split into "lookup", not the model's top-1, and "both", also its top-1).
 
 Metrics that cannot be created are an error (the Router replica fails to start with the reason): a service that
 silently exports nothing is worse than one that does not start. `RouterMetrics(enabled=False)` (unit tests,
@@ -132,6 +135,8 @@ class RouterMetrics:
         self.requests = self.tokens = self.steps = self.retries = self.replicas_down = _Noop()
         self.mal = self.tree_size = self.draft_ms = self.score_ms = self.verify_ms = _Noop()
         self.ttft_ms = self.itl_ms = self.queue_depth = self.active = self.batch_size = _Noop()
+        self.candidates = self.accepted = self.plain_steps = self.nodes_per_step = _Noop()
+        self.prefill_step_ms = self.run_ahead = _Noop()
 
     def _create(self) -> None:
         from ray.util.metrics import Counter, Gauge, Histogram
@@ -171,6 +176,12 @@ class RouterMetrics:
         self.run_ahead = Counter("treeserve_run_ahead_total", "steps of greedy batch-1 sequences whose Drafter had "
                                  "trees drafted ahead, by outcome: hit (the tree was ready) or miss",
                                  tag_keys=("outcome",))
+        self.candidates = Counter("treeserve_candidate_tokens_total", "draft tokens sent to the target, by source: "
+                                  "model (the drafter) or lookup (copied from the context)",
+                                  tag_keys=("method", "source"))
+        self.accepted = Counter("treeserve_accepted_tokens_total", "draft tokens accepted, by source: model, lookup "
+                                "(copied, not the model's top-1) or both (copied and the model's top-1)",
+                                tag_keys=("method", "source"))
         self.replicas_down = Counter("treeserve_replicas_marked_down_total", "replicas taken out of the ring "
                                      "after a failed call or a dropped connection", tag_keys=("deployment",))
 
@@ -189,6 +200,18 @@ class RouterMetrics:
         for method, record in records:
             self.tree_size.observe(record.tree_size, tags={"method": method})
             self.verify_ms.observe(record.verify_ms)
+            self._record_sources(method, record)
+
+    def _record_sources(self, method: str, record) -> None:
+        """Candidate and accepted draft tokens of one sequence's step by source (Ray counters take positive
+        increments only)."""
+        model = record.accepted - record.accepted_lookup - record.accepted_both
+        for counter, source, value in ((self.candidates, "model", record.tree_size - record.tree_size_lookup),
+                                       (self.candidates, "lookup", record.tree_size_lookup),
+                                       (self.accepted, "model", model), (self.accepted, "lookup", record.accepted_lookup),
+                                       (self.accepted, "both", record.accepted_both)):
+            if value > 0:
+                counter.inc(value, tags={"method": method, "source": source})
 
     def record_prefill_step(self, ms: float) -> None:
         if self.enabled:

@@ -39,3 +39,30 @@ def test_disabled_metrics_are_explicit_no_ops():
     metrics.record_first_token("dyspec", 50.0)
     metrics.record_step([], 1)
     assert not metrics.enabled
+
+
+def test_draft_tokens_are_counted_by_source():
+    """Per sequence and step: candidates from the drafter ("model") and copied from the context ("lookup"), and
+    the accepted ones split as the request's statistics split them (GenerationResult.accepted_by_source)."""
+    from treeserve.engine.requests import StepRecord
+
+    class Recording:
+        def __init__(self):
+            self.seen: dict[tuple, float] = {}
+
+        def inc(self, value=1.0, tags=None):
+            assert value > 0  # what Ray's Counter accepts
+            key = tuple(sorted(tags.items()))
+            self.seen[key] = self.seen.get(key, 0) + value
+
+    metrics = m.RouterMetrics(enabled=False)
+    metrics.enabled = True  # the other series stay no-ops
+    metrics.candidates, metrics.accepted = Recording(), Recording()
+    step = StepRecord(tree_size=7, accepted=4, emitted=5, batch_size=2, draft_ms=1.0, draft_model_ms=1.0,
+                      score_ms=1.0, verify_ms=0.1, tree_size_lookup=3, accepted_lookup=1, accepted_both=1)
+    plain = StepRecord(tree_size=0, accepted=0, emitted=1, batch_size=2, draft_ms=0.0, draft_model_ms=0.0,
+                       score_ms=1.0, verify_ms=0.1)
+    metrics.record_step([("c2t+lookup", step), ("c2t+lookup", plain)], 2)
+    tags = lambda source: (("method", "c2t+lookup"), ("source", source))  # noqa: E731
+    assert metrics.candidates.seen == {tags("model"): 4, tags("lookup"): 3}
+    assert metrics.accepted.seen == {tags("model"): 2, tags("lookup"): 1, tags("both"): 1}
