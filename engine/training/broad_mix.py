@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from . import prompt_mix
 from .prompt_mix import ConversationSpec
-from .sources.base import ENGLISH, LANGUAGE_NAMES, AlignedPair, Document, estimate_tokens, paragraphs
-from .sources.registry import SourceLibrary
+from .sources.base import ENGLISH, LANGUAGE_NAMES, AlignedPair, Document, estimate_tokens, looks_english, paragraphs
+from .sources.registry import TRANSLATED_LANGUAGES, SourceLibrary
 
 NEW_KINDS = ("summarise_long", "translate", "retrieval_qa", "rewrite", "continue_doc", "long_multi_turn")
 OLD_KINDS = (prompt_mix.SELF_INSTRUCT, "docs", "code", "math")
@@ -78,7 +78,8 @@ class MixSources:
         for doc in library.documents:
             by_id.setdefault(doc.doc_id, []).append(doc)
         groups: dict[tuple[str, str], list[AlignedPair]] = {}
-        for pair in library.pairs:
+        # Only languages the prompt can name ("into Tatar", not "into tt").
+        for pair in (p for p in library.pairs if p.lang in LANGUAGE_NAMES):
             groups.setdefault((pair.doc_id, pair.lang), []).append(pair)
         return cls([d for d in library.documents if d.lang == ENGLISH],
                    [d for d in library.documents if d.lang != ENGLISH], by_id, [groups[k] for k in sorted(groups)])
@@ -154,7 +155,7 @@ TRANSLATE = [
     "Translate the following text from {src} into {dst}:\n\n{text}",
     "Translate into {dst}:\n\n{text}",
     "{text}\n\nTranslate the text above into {dst}. Keep the formatting.",
-    "Please give a {dst} translation of this {src} text:\n\n{text}",
+    "Please translate this {src} text into {dst}:\n\n{text}",
     "How would you say this in {dst}?\n\n{text}",
 ]
 REWRITE = [
@@ -207,11 +208,19 @@ def _translate(src: MixSources, rng: random.Random, settings: MixSettings) -> tu
         doc = src.any_document(rng)
         if doc.lang == ENGLISH:
             versions = [d.lang for d in src.by_id.get(doc.doc_id, []) if d.lang != ENGLISH]
-            dst = rng.choice(versions) if versions else rng.choice(sorted(set(LANGUAGE_NAMES) - {ENGLISH}))
+            # A page without a translation goes into one of the languages Debian's translators cover best.
+            dst = rng.choice(versions) if versions else rng.choice(TRANSLATED_LANGUAGES)
             src_lang, dst_lang = ENGLISH, dst
+            text = _paragraph(doc, rng)
         else:
             src_lang, dst_lang = doc.lang, ENGLISH
-        text, meta_id = _paragraph(doc, rng), doc.doc_id
+            # Partial translations keep English paragraphs: draw again rather than ask to translate English.
+            text = _paragraph(doc, rng)
+            for _ in range(5):
+                if not looks_english(text):
+                    break
+                text = _paragraph(doc, rng)
+        meta_id = doc.doc_id
     prompt = rng.choice(TRANSLATE).format(src=LANGUAGE_NAMES.get(src_lang, src_lang), text=text,
                                           dst=LANGUAGE_NAMES.get(dst_lang, dst_lang))
     return prompt, {"doc_id": meta_id, "lang": f"{src_lang}->{dst_lang}"}

@@ -48,6 +48,13 @@ def source_rows(library: SourceLibrary) -> list[dict]:
     return rows
 
 
+def _languages(codes: list[str]) -> str:
+    """The languages of a source, as a short cell (gettext alone ships ~140)."""
+    if len(codes) <= 12:
+        return ", ".join(codes) or "-"
+    return f"{len(codes)} languages ({', '.join(codes[:8])}, ...)"
+
+
 def card_text(out: Path, library: SourceLibrary, config: CorpusConfig) -> str:
     rows = source_rows(library)
     train, evaluation = split_library(library, config.eval_fraction)
@@ -68,7 +75,7 @@ def card_text(out: Path, library: SourceLibrary, config: CorpusConfig) -> str:
         "",
         "| source | Debian packages | size | languages | est. tokens |",
         "|---|---|---|---|---|",
-        *[f"| {r['name']} | {', '.join(r['packages'])} | {r['items']} {r['unit']} | {', '.join(r['languages']) or '-'} "
+        *[f"| {r['name']} | {', '.join(r['packages'])} | {r['items']} {r['unit']} | {_languages(r['languages'])} "
           f"| {r['tokens']:,} |" for r in rows],
         "",
         *[f"- **{r['name']}**: {r['citation']} Licence: {r['licence']}" for r in rows],

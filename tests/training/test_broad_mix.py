@@ -14,7 +14,7 @@ from treeserve.engine.training import broad_mix, heldout
 from treeserve.engine.training.broad_mix import BenchmarkGuard, MixSettings, MixSources, broad_prompt_mix
 from treeserve.engine.training.corpus import CorpusConfig, chunk_specs, recipe_fields
 from treeserve.engine.training.prompt_mix import evaluation_texts, normalise
-from treeserve.engine.training.sources.base import Document
+from treeserve.engine.training.sources.base import LANGUAGE_NAMES, Document, looks_english
 from treeserve.engine.training.sources.registry import SourceLibrary, load_library
 
 TREE = Path(__file__).resolve().parent / "fixtures" / "sources"
@@ -49,6 +49,7 @@ def test_mix_is_deterministic_and_has_every_kind(library, banned):
     translations = [s for s in specs if s.kind == "translate"]
     directions = {s.meta["lang"] for s in translations}
     assert any(d.startswith("en->") for d in directions) and any(d.endswith("->en") for d in directions)
+    assert all(code in LANGUAGE_NAMES for d in directions for code in d.split("->"))  # the prompt names each
     qa = [s for s in specs if s.kind == "retrieval_qa"]
     assert all(1 <= len(s.meta["relevant"]) < s.first_turn.count("\n[") + 1 for s in qa)  # some passages irrelevant
 
@@ -124,3 +125,15 @@ def test_recipes_before_the_broad_mix_resume_as_stdlib():
     assert recipe_fields(old) == recipe_fields(CorpusConfig(mix="stdlib", max_prompt_tokens=768,
                                                             eval_fraction=0.0).__dict__)
     assert recipe_fields(old) != recipe_fields(CorpusConfig(max_prompt_tokens=768).__dict__)
+
+
+def test_partial_translations_are_not_sent_as_foreign_text():
+    assert looks_english("The pump is busy and the valve is closed for the rest of the day.")
+    assert not looks_english("Die Pumpe ist beschäftigt und das Ventil bleibt für den Rest des Tages zu.")
+    german = Document("manpages", "de", "p", "The pump is busy and the valve is closed for the rest of the day. "
+                      "It opens in the morning.\n\nDie Pumpe ist beschäftigt und das Ventil bleibt heute zu, "
+                      "bis morgen früh die Sonne aufgeht.", "man/man1/p.1")
+    sources = MixSources.of(SourceLibrary([german]))
+    rng = random.Random(1)
+    prompts = [broad_mix._translate(sources, rng, MixSettings()) for _ in range(20)]
+    assert all(meta["lang"] == "de->en" and "Die Pumpe" in text for text, meta in prompts)

@@ -24,7 +24,21 @@ LANGUAGE_NAMES = {
     "uk": "Ukrainian", "ja": "Japanese", "ko": "Korean", "zh_CN": "Simplified Chinese",
     "zh_TW": "Traditional Chinese", "id": "Indonesian", "ca": "Catalan", "el": "Greek", "nb": "Norwegian",
     "vi": "Vietnamese", "sr": "Serbian", "hr": "Croatian", "sl": "Slovenian", "eo": "Esperanto",
+    "gl": "Galician", "eu": "Basque", "et": "Estonian", "lt": "Lithuanian", "lv": "Latvian", "sk": "Slovak",
+    "bg": "Bulgarian", "he": "Hebrew", "ar": "Arabic", "hi": "Hindi", "th": "Thai", "fa": "Persian",
+    "ms": "Malay", "be": "Belarusian", "ga": "Irish", "cy": "Welsh", "is": "Icelandic", "mk": "Macedonian",
+    "bs": "Bosnian", "sq": "Albanian", "ka": "Georgian", "kk": "Kazakh", "ta": "Tamil", "bn": "Bengali",
+    "af": "Afrikaans", "nn": "Norwegian Nynorsk", "zh_HK": "Traditional Chinese (Hong Kong)", "pt_PT": "Portuguese",
 }
+
+# Frequent English function words: a paragraph of a "translated" page dense in them was left untranslated
+# (manpages-l10n and Debian Reference translations are often partial).
+_ENGLISH_WORDS = frozenset("the and of to is for with that in this are be it by or not as on from".split())
+
+
+def looks_english(text: str) -> bool:
+    tokens = text.lower().split()
+    return bool(tokens) and sum(t in _ENGLISH_WORDS for t in tokens) / len(tokens) > 0.12
 
 
 @dataclass(frozen=True)
