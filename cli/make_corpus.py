@@ -20,8 +20,8 @@ from treeserve.engine.devices import check_device
 from treeserve.engine.drafters.models.compatibility import default_feature_layers
 from treeserve.engine.models.loading import cache_root, load_causal_lm
 from treeserve.engine.training.broad_mix import BROAD_KINDS, BenchmarkGuard
-from treeserve.engine.training.corpus import (DEFAULT_CORPUS_DIR, LEGACY_RECIPE, CorpusConfig, build_corpus,
-                                              corpus_summary)
+from treeserve.engine.training.corpus import (BROAD_CORPUS_DIR, DEFAULT_CORPUS_DIR, LEGACY_RECIPE, CorpusConfig,
+                                              build_corpus, corpus_summary)
 from treeserve.engine.training.corpus_card import write_corpus_card
 from treeserve.engine.training.heldout import HeldOutSplit, evaluation_rows, split_library, write_evaluation_set
 from treeserve.engine.training.prompt_mix import evaluation_texts
@@ -91,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(corpus_summary(args.out), indent=2))
         return 0
     config = corpus_config(args)
+    if (args.held_out_eval or config.exclude_kinds) and (config.mix != "broad" or config.eval_fraction <= 0):
+        # The document split is part of a broad corpus's recipe: the evaluation must reserve what it trains without.
+        raise ValueError(f"--held-out-eval and --exclude-kinds need a broad corpus's recipe with --eval-fraction > 0; "
+                         f"{args.out} holds mix {config.mix!r}, eval_fraction {config.eval_fraction} (pass --out "
+                         f"{BROAD_CORPUS_DIR.relative_to(REPO_ROOT)} or a new directory)")
     if args.install_sources:
         print(json.dumps(dataclasses.asdict(install_sources())))
     library = load_library(rebase=args.sources_root) if (config.mix == "broad" or args.held_out_eval

@@ -40,6 +40,8 @@ from .sources.registry import SourceLibrary
 
 # Where the shipped drafters' corpus lives: committed chunk by chunk, so a later run (or session) resumes it.
 DEFAULT_CORPUS_DIR = Path(__file__).resolve().parent / "corpus_chunks" / "smollm2-135m-instruct-seed0"
+# Where the broad corpus (issue 61) is made, its card and held-out evaluation set beside it.
+BROAD_CORPUS_DIR = DEFAULT_CORPUS_DIR.with_name("smollm2-135m-instruct-broad-seed0")
 
 
 @dataclass

@@ -65,6 +65,9 @@ def evaluation_rows(evaluation: SourceLibrary, kinds: tuple[str, ...], per_kind:
     """`per_kind` prompts of each kind from the evaluation side of the library, as Spec-Bench rows
     (`category` = kind; a second turn where the kind has one), deterministic in the arguments."""
     HeldOutSplit(kinds)  # validates the kinds
+    if not (evaluation.documents or evaluation.pairs) and set(kinds) - {"docs", "code", "math"}:
+        raise ValueError("the evaluation side of the library is empty: no source installed, or no document "
+                         "reserved (eval_fraction 0)")
     sources = MixSources.of(evaluation)
     rows: list[dict] = []
     for kind in kinds:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -39,6 +40,8 @@ def test_held_out_eval_set_holds_only_its_kinds_from_reserved_documents(tmp_path
     assert {r["doc_id"] for r in rows} <= {d.doc_id for d in evaluation.documents} | {p.doc_id for p in evaluation.pairs}
     assert "--also-prompts" in capsys.readouterr().out
     assert not (tmp_path / "corpus" / "corpus.json").exists()  # no corpus was started
+    with pytest.raises(ValueError, match="broad corpus's recipe"):  # the committed stdlib corpus has no split
+        _make_corpus(["--sources-root", str(TREE), "--held-out-eval", str(path)])
 
 
 def test_corpus_card_cites_every_source_and_kind(tmp_path):
