@@ -10,7 +10,8 @@ import pytest
 
 from treeserve.engine.training.sources import install, registry
 from treeserve.engine.training.sources.base import held_out, read_text
-from treeserve.engine.training.sources.documents import html_to_text, read_html_guides, rst_to_text
+from treeserve.engine.training.sources.documents import (folder_language, html_to_text, read_html_by_language,
+                                                         read_html_guides, rst_to_text)
 from treeserve.engine.training.sources.gettext_catalogs import parse_mo, parse_po, read_catalogs
 from treeserve.engine.training.sources.manpages import read_manpages, roff_to_text
 
@@ -149,3 +150,14 @@ def test_plain_tree_takes_a_few_files_per_package(tmp_path):
     (tmp_path / "frob" / "FAQ").write_text(prose)
     docs = read_plain_tree(tmp_path, "package_docs", per_folder=2)
     assert [d.title for d in docs] == ["frob/FAQ", "git/notes-0.txt", "git/notes-1.txt"]
+
+
+def test_handbook_pages_by_language_folder_without_navigation():
+    docs = read_html_by_language(TREE / "usr/share/doc/debian-handbook/html", "debian_handbook")
+    assert [(d.lang, d.doc_id) for d in docs] == [(lang, f"debian_handbook/sect.{n}") for lang in ("de", "en")
+                                                  for n in ("plans", "pump", "sensor")]
+    for doc in docs:
+        assert not {"Download the ebook", "Prev", "Next", "Zurück", "Weiter", "The Garden Handbook"} & set(
+            doc.text.split("\n\n"))
+    assert docs[0].text.startswith("1. sect.plans\n\nEine Gartensteuerung")
+    assert [folder_language(f) for f in ("en-US", "pt-BR", "zh-CN", "de")] == ["en", "pt_BR", "zh_CN", "de"]

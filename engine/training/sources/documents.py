@@ -11,6 +11,7 @@ comment blocks and role markup.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -81,6 +82,32 @@ def read_html_guides(root: Path, source: str, min_words: int = 150) -> list[Docu
         if words(text) >= min_words:
             relative = path.parent.relative_to(root) / stem
             documents.append(Document(source, lang, title or stem, text, f"{source}/{relative.as_posix()}"))
+    return documents
+
+
+def folder_language(name: str) -> str:
+    """A locale folder's language code as the mix names it: de-DE -> de, pt-BR -> pt_BR, zh-CN -> zh_CN."""
+    lang, _, region = name.replace("_", "-").partition("-")
+    return f"{lang}_{region.upper()}" if lang in ("pt", "zh") and region else lang
+
+
+def read_html_by_language(root: Path, source: str, min_words: int = 150) -> list[Document]:
+    """Books laid out as `<root>/<locale>/<page>.html` (the Debian Administrator's Handbook: en-US, de-DE, ...):
+    one document per page and language, a page's translations sharing `<source>/<page>` as id."""
+    if not root.is_dir():
+        return []
+    documents = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        lang = folder_language(folder.name)
+        pages = [(path, *html_to_text(read_text(path))) for path in sorted(folder.glob("*.html"))]
+        # Navigation ("Prev", "Next", "Download the ebook", the book's title) repeats on every page: a
+        # paragraph found on over a third of a language's pages is boilerplate, not text.
+        seen = Counter(p for _, _, text in pages for p in set(text.split("\n\n")))
+        common = {p for p, n in seen.items() if n > max(2, len(pages) // 3)}
+        for path, title, text in pages:
+            text = "\n\n".join(p for p in text.split("\n\n") if p not in common)
+            if words(text) >= min_words:
+                documents.append(Document(source, lang, title or path.stem, text, f"{source}/{path.stem}"))
     return documents
 
 

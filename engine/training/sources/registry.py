@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .base import AlignedPair, Document
-from .documents import PLAIN_NAMES, read_html_guides, read_plain_tree, read_rst_tree
+from .documents import PLAIN_NAMES, read_html_by_language, read_html_guides, read_plain_tree, read_rst_tree
 from .gettext_catalogs import read_catalogs
 from .manpages import read_manpages
 
@@ -42,7 +42,7 @@ def _manpages(path: Path) -> list[Document]:
 
 
 # Folders of /usr/share/doc that other sources read (their text versions would count twice).
-_OWN_SOURCES = ("jargon-text", "debian", "python3.11", "python3.11-doc")
+_OWN_SOURCES = ("jargon-text", "debian", "python3.11", "python3.11-doc", "debian-handbook")
 
 
 def _package_docs(path: Path) -> list[Document]:
@@ -78,6 +78,11 @@ SOURCES: tuple[SourceSpec, ...] = (
                ("debian-reference-en", "debian-reference-de", "debian-reference-fr", "debian-reference-es"),
                "Osamu Aoki, Debian Reference (version 2), English original and German, French and Spanish "
                "translations, Debian packages debian-reference-<lang>.", "GPL-2+."),
+    SourceSpec("debian_handbook", Path("/usr/share/doc/debian-handbook/html"),
+               lambda p: read_html_by_language(p, "debian_handbook"), ("debian-handbook",),
+               "R. Hertzog and R. Mas, The Debian Administrator's Handbook (Debian 11), English original and its "
+               "translations, Debian package debian-handbook.",
+               "GPL-2+ or CC-BY-SA-3.0, at the reader's choice (/usr/share/doc/debian-handbook/copyright)."),
     SourceSpec("debian_faq", Path("/usr/share/doc/debian/FAQ"), lambda p: read_html_guides(p, "debian_faq"),
                ("debian-faq",),
                "S. G. Kleinmann, S. Rudolph, S. Vila, J. Rodin, J. Fernández-Sanguino et al., The Debian GNU/Linux "
