@@ -109,3 +109,27 @@ def test_the_committed_corpus_resumes_with_its_original_mix():
     fresh = corpus_config(parser.parse_args(["make-corpus", "--out", "/nonexistent/broad", "--exclude-kinds",
                                              "translate"]))
     assert fresh.mix == "broad" and fresh.exclude_kinds == ("translate",) and fresh.max_prompt_tokens == 2304
+
+
+def test_a_broad_chunk_records_kinds_tokens_and_documents(tiny_target_dir, tmp_path):
+    """The tiny target answers one broad chunk: its stats hold the mix, the estimated and measured tokens per kind
+    and the source documents (all from the training side), and the card reports the measured tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from treeserve.engine.training.corpus import CorpusConfig, build_corpus, chunk_stats, corpus_summary
+    from treeserve.engine.training.corpus_card import card_text
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    config = CorpusConfig(num_conversations=6, chunk_size=6, batch_size=6, max_new_tokens=3, instruction_tokens=3,
+                          max_prompt_tokens=200, eval_fraction=0.5, exclude_kinds=("self_instruct", "docs"))
+    library = load_library(rebase=TREE)
+    [chunk] = build_corpus(model, tokenizer, config, tmp_path, library=library)
+    stats = chunk_stats(chunk)
+    assert stats["mix"] == "broad" and sum(stats["answer_tokens_by_kind"].values()) == stats["answer_tokens"]
+    assert set(stats["estimated_tokens_by_kind"]) == {k.split("+")[0] for k in stats["kinds"]}
+    train = split_library(library, 0.5)[0]
+    assert {d for d in stats["doc_ids"] if d} <= {d.doc_id for d in train.documents} | {p.doc_id for p in train.pairs}
+    assert corpus_summary(tmp_path)["answer_tokens_by_kind"] == stats["answer_tokens_by_kind"]
+    card = card_text(tmp_path, library, config)
+    assert "1 chunks, " in card and all(f"| {k} | {v:,} |" in card for k, v in stats["answer_tokens_by_kind"].items())
