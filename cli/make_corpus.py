@@ -26,7 +26,8 @@ from treeserve.engine.training.corpus_card import write_corpus_card
 from treeserve.engine.training.heldout import HeldOutSplit, evaluation_rows, split_library, write_evaluation_set
 from treeserve.engine.training.prompt_mix import evaluation_texts
 from treeserve.engine.training.sources.install import install_sources
-from treeserve.engine.training.sources.registry import load_library
+from treeserve.engine.training.sources.registry import SourceLibrary, load_library
+from treeserve.engine.training.sources.snapshot import load_snapshot, save_snapshot
 from .options import add_dataclass_options
 
 
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "skipped with a warning elsewhere)")
     sources.add_argument("--sources-root", type=Path, default=None,
                          help="read the sources under this directory instead of / (a fixture tree)")
+    sources.add_argument("--sources-snapshot", type=Path, default=None,
+                         help="a gzipped JSON-lines copy of the read sources: read from it when it exists, else "
+                              "written after reading them (seconds instead of minutes; carries the sources to a "
+                              "machine without them, such as one lent for its GPU)")
     sources.add_argument("--exclude-kinds", nargs="*", choices=BROAD_KINDS, default=None,
                          help="task kinds kept out of this corpus (a held-out evaluation; a recipe setting)")
     sources.add_argument("--held-out-eval", type=Path, default=None,
@@ -83,6 +88,16 @@ def corpus_config(args: argparse.Namespace) -> CorpusConfig:
     return config
 
 
+def source_library(root: Path | None, snapshot: Path | None) -> SourceLibrary:
+    """The broad mix's sources: from the snapshot when there is one, else read (and snapshotted if asked)."""
+    if snapshot is not None and snapshot.is_file():
+        return load_snapshot(snapshot)
+    library = load_library(rebase=root)
+    if snapshot is not None:
+        save_snapshot(library, snapshot)
+    return library
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
@@ -98,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
                          f"{BROAD_CORPUS_DIR.relative_to(REPO_ROOT)} or a new directory)")
     if args.install_sources:
         print(json.dumps(dataclasses.asdict(install_sources())))
-    library = load_library(rebase=args.sources_root) if (config.mix == "broad" or args.held_out_eval
-                                                         or args.write_card) else None
+    library = (source_library(args.sources_root, args.sources_snapshot)
+               if config.mix == "broad" or args.held_out_eval or args.write_card else None)
     if args.held_out_eval is not None:
         split = HeldOutSplit(tuple(args.held_out_kinds), config.eval_fraction)
         evaluation = split_library(library, split.eval_fraction)[1]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from .broad_mix import BROAD_KINDS, BenchmarkGuard, MixSettings, MixSources, bro
 from .heldout import split_library
 from .prompts import clean_instruction
 from .sources.registry import SourceLibrary
+from .sources.snapshot import fingerprint
 
 # Where the shipped drafters' corpus lives: committed chunk by chunk, so a later run (or session) resumes it.
 DEFAULT_CORPUS_DIR = Path(__file__).resolve().parent / "corpus_chunks" / "smollm2-135m-instruct-seed0"
@@ -346,6 +348,7 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
     `library` (`sources.registry.load_library()`; the evaluation side is `heldout.split_library`'s other half)."""
     out.mkdir(parents=True, exist_ok=True)
     sources = MixSources.of(split_library(library, config.eval_fraction)[0]) if library is not None else None
+    made_from = fingerprint(library) if library is not None else {}
     recipe = out / "corpus.json"
     if recipe.is_file():
         saved = json.loads(recipe.read_text())
@@ -356,10 +359,18 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
         recipe.write_text(json.dumps(asdict(config), indent=2) + "\n")
     n_chunks = -(-config.num_conversations // config.chunk_size)
     seen: set[str] = set()
+    differs = False
     for index in range(n_chunks):
         path = chunk_path(out, index)
         if path.is_file():
-            seen.update(chunk_stats(path).get("instruction_keys", []))
+            stats = chunk_stats(path)
+            seen.update(stats.get("instruction_keys", []))
+            earlier = stats.get("sources")
+            if earlier and made_from and earlier != made_from and not differs:
+                # Not an error: a corpus may be resumed elsewhere; the chunks say what each drew from.
+                differs = True
+                warnings.warn(f"{path.name} was made from other sources ({earlier}) than are read now "
+                              f"({made_from}); new chunks draw from these (--sources-snapshot keeps them equal)")
     made = 0
     progress = tqdm(range(n_chunks), desc="corpus chunks")
     for index in progress:
@@ -372,6 +383,7 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
         tensors, stats, features = generate_chunk(model, tokenizer, config, index, seen, exclude,
                                                   feature_layers if features_dir is not None else None, sources)
         stats["instruction_keys"] = sorted(seen - before)
+        stats["sources"] = made_from  # what the broad mix drew from: chunk i's prompts depend on it
         if features is not None:
             save_features(features_path(features_dir, path), features, feature_layers)
         tmp = path.with_suffix(".partial")

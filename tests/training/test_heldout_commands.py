@@ -18,6 +18,7 @@ from treeserve.cli.make_corpus import add_arguments, run
 from treeserve.engine.training.eagle3 import load_corpus
 from treeserve.engine.training.heldout import split_library
 from treeserve.engine.training.sources.registry import SOURCES, load_library
+from treeserve.engine.training.sources.snapshot import fingerprint
 
 TREE = Path(__file__).resolve().parent / "fixtures" / "sources"
 
@@ -40,6 +41,13 @@ def test_held_out_eval_set_holds_only_its_kinds_from_reserved_documents(tmp_path
     assert {r["doc_id"] for r in rows} <= {d.doc_id for d in evaluation.documents} | {p.doc_id for p in evaluation.pairs}
     assert "--also-prompts" in capsys.readouterr().out
     assert not (tmp_path / "corpus" / "corpus.json").exists()  # no corpus was started
+    # The same set from a snapshot of the sources: written on the first run, read on the second.
+    snapshot, again = tmp_path / "sources.jsonl.gz", tmp_path / "again.jsonl"
+    for _ in range(2):
+        assert _make_corpus(["--out", str(tmp_path / "corpus"), "--sources-root", str(TREE), "--eval-fraction", "0.5",
+                             "--sources-snapshot", str(snapshot), "--held-out-eval", str(again),
+                             "--held-out-kinds", "translate", "rewrite", "--held-out-prompts", "3"]) == 0
+        assert snapshot.is_file() and again.read_text() == path.read_text()
     with pytest.raises(ValueError, match="broad corpus's recipe"):  # the committed stdlib corpus has no split
         _make_corpus(["--sources-root", str(TREE), "--held-out-eval", str(path)])
 
@@ -127,6 +135,7 @@ def test_a_broad_chunk_records_kinds_tokens_and_documents(tiny_target_dir, tmp_p
     [chunk] = build_corpus(model, tokenizer, config, tmp_path, library=library)
     stats = chunk_stats(chunk)
     assert stats["mix"] == "broad" and sum(stats["answer_tokens_by_kind"].values()) == stats["answer_tokens"]
+    assert stats["sources"] == fingerprint(library)
     assert set(stats["estimated_tokens_by_kind"]) == {k.split("+")[0] for k in stats["kinds"]}
     train = split_library(library, 0.5)[0]
     assert {d for d in stats["doc_ids"] if d} <= {d.doc_id for d in train.documents} | {p.doc_id for p in train.pairs}

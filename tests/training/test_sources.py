@@ -161,3 +161,13 @@ def test_handbook_pages_by_language_folder_without_navigation():
             doc.text.split("\n\n"))
     assert docs[0].text.startswith("1. sect.plans\n\nEine Gartensteuerung")
     assert [folder_language(f) for f in ("en-US", "pt-BR", "zh-CN", "de")] == ["en", "pt_BR", "zh_CN", "de"]
+
+
+def test_snapshot_round_trips_the_library_in_order(tmp_path):
+    from treeserve.engine.training.sources.snapshot import fingerprint, load_snapshot, save_snapshot
+
+    library = registry.load_library(rebase=TREE)
+    path = save_snapshot(library, tmp_path / "sources.jsonl.gz")
+    again = load_snapshot(path)
+    assert again.documents == library.documents and again.pairs == library.pairs and again.missing == library.missing
+    assert fingerprint(again)["gettext"] == len(library.pairs) and fingerprint(again)["manpages"] == 2
