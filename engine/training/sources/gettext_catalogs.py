@@ -96,15 +96,17 @@ def is_sentence(text: str, min_words: int = 5) -> bool:
             and "  " not in text.strip() and not text.lstrip().startswith("-") and len(text) <= 600)
 
 
-def read_catalogs(root: Path, min_words: int = 5) -> list[AlignedPair]:
+def read_catalogs(root: Path, min_words: int = 5, langs: frozenset[str] | None = None) -> list[AlignedPair]:
     """Sentence pairs from every `<lang>/LC_MESSAGES/<domain>.mo` or `.po` under `root` (a locale directory),
-    English msgids only (catalogues of English variants, en_GB and the like, are left out), in a fixed order."""
+    English msgids only (catalogues of English variants, en_GB and the like, are left out), in a fixed order;
+    `langs` keeps only those languages."""
     if not root.is_dir():
         return []
     pairs = []
     for path in sorted(root.glob("*/LC_MESSAGES/*")):
         lang = path.parts[-3]
-        if path.suffix not in (".mo", ".po") or lang.startswith("en") or not path.is_file():
+        if (path.suffix not in (".mo", ".po") or lang.startswith("en") or not path.is_file()
+                or (langs is not None and lang not in langs)):
             continue
         try:
             entries = parse_mo(path.read_bytes()) if path.suffix == ".mo" else parse_po(path.read_text(errors="replace"))

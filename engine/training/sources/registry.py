@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .base import AlignedPair, Document
+from .base import LANGUAGE_NAMES, AlignedPair, Document
 from .documents import PLAIN_NAMES, read_html_by_language, read_html_guides, read_plain_tree, read_rst_tree
 from .gettext_catalogs import read_catalogs
 from .manpages import read_manpages
@@ -49,6 +49,11 @@ def _package_docs(path: Path) -> list[Document]:
     return read_plain_tree(path, "package_docs", PLAIN_NAMES, skip=_OWN_SOURCES, per_folder=20)
 
 
+def _catalogs(path: Path) -> list[AlignedPair]:
+    # Only languages a prompt can name ("into Tatar", not "into tt"): the ~60 of LANGUAGE_NAMES, not all ~140.
+    return read_catalogs(path, langs=frozenset(LANGUAGE_NAMES))
+
+
 def _jargon(path: Path) -> list[Document]:
     return read_plain_tree(path, "jargon", re.compile(r"^jargon\.txt(\.gz)?$"), max_depth=1)
 
@@ -61,7 +66,7 @@ SOURCES: tuple[SourceSpec, ...] = (
                "manpages-l10n/), Debian packages manpages and manpages-<lang>.",
                "Per page, as stated in each package's /usr/share/doc/<package>/copyright: the English pages under "
                "GPL-2+, GPL-1+, BSD/Expat or the Linux-man-pages-copyleft licence; the translations GPL-3+."),
-    SourceSpec("gettext", Path("/usr/share/locale"), read_catalogs, ("gettext",),
+    SourceSpec("gettext", Path("/usr/share/locale"), _catalogs, ("gettext",),
                "The gettext message catalogues (.mo) of the installed Debian packages (coreutils, dpkg, apt, "
                "binutils, procps, ...), translated by the Translation Project (https://translationproject.org) and "
                "Debian's l10n teams.",
