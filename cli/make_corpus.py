@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(corpus_summary(args.out), indent=2))
         return 0
     config = corpus_config(args)
+    check_device(args.device)  # before minutes of reading sources for a run that cannot start
     if (args.held_out_eval or config.exclude_kinds) and (config.mix != "broad" or config.eval_fraction <= 0):
         # The document split is part of a broad corpus's recipe: the evaluation must reserve what it trains without.
         raise ValueError(f"--held-out-eval and --exclude-kinds need a broad corpus's recipe with --eval-fraction > 0; "
@@ -131,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
     if library is not None and not (library.documents or library.pairs):
         warnings.warn("no broad source is installed (run with --install-sources); the mix falls back to its "
                       "stdlib kinds")
-    check_device(args.device)
     torch.set_num_threads(args.threads)
     target = load_causal_lm(args.target)
     # SDPA: generation needs no tree mask, and batched decoding is faster under it than under eager.

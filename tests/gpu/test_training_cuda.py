@@ -43,7 +43,7 @@ def test_make_corpus_train_eagle3_and_bench_on_cuda(tiny_target_dir, tmp_path):
     corpus, captured, computed, head = (tmp_path / n for n in ("corpus", "captured", "computed", "head"))
     assert main(["make-corpus", "--target", str(tiny_target_dir), "--out", str(corpus), "--device", "cuda",
                  "--features-dir", str(captured), "--num-conversations", "8", "--chunk-size", "4",
-                 "--batch-size", "8", "--max-new-tokens", "16", "--instruction-tokens", "8"]) == 0
+                 "--batch-size", "8", "--max-new-tokens", "16", "--instruction-tokens", "8", "--mix", "stdlib"]) == 0
     chunks = sorted(corpus.glob("chunk-*.safetensors"))
     assert len(chunks) == 2
     stats = chunk_stats(chunks[0])

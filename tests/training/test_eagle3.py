@@ -143,7 +143,8 @@ def tiny_corpus(target, tmp_path, conversations: int, answer_tokens: int):
     model, tokenizer = target
     corpus_dir, features_dir = tmp_path / "corpus", tmp_path / "features"
     chunks = build_corpus(model, tokenizer, CorpusConfig(num_conversations=conversations, chunk_size=4, batch_size=4,
-                                                         max_new_tokens=answer_tokens, instruction_tokens=8),
+                                                         max_new_tokens=answer_tokens, instruction_tokens=8,
+                                                         mix="stdlib"),
                           corpus_dir, features_dir=features_dir,
                           feature_layers=default_feature_layers(model.config.num_hidden_layers))
     return corpus_dir, features_dir, chunks
