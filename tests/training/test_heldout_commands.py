@@ -14,7 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from treeserve.cli.main import build_parser
-from treeserve.cli.make_corpus import add_arguments, run
+from treeserve.cli.make_corpus import add_arguments, corpus_config, run
+from treeserve.engine.training.corpus import (DEFAULT_CORPUS_DIR, CorpusConfig, build_corpus, chunk_stats,
+                                              corpus_summary)
+from treeserve.engine.training.corpus_card import card_text
 from treeserve.engine.training.eagle3 import load_corpus
 from treeserve.engine.training.heldout import split_library
 from treeserve.engine.training.sources.registry import SOURCES, load_library
@@ -106,9 +109,6 @@ def test_agreement_measures_held_out_prompts_beside_the_dev_prompts(tiny_target_
 def test_the_committed_corpus_resumes_with_its_original_mix():
     """The shipped corpus's recipe predates the broad mix: a bare `make-corpus` resumes it as 'stdlib' with its
     768-token prompts, while a fresh --out starts a broad corpus."""
-    from treeserve.cli.make_corpus import corpus_config
-    from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR
-
     parser, commands = build_parser()
     add_arguments(commands["make-corpus"])
     resumed = corpus_config(parser.parse_args(["make-corpus"]))
@@ -123,9 +123,6 @@ def test_a_broad_chunk_records_kinds_tokens_and_documents(tiny_target_dir, tmp_p
     """The tiny target answers one broad chunk: its stats hold the mix, the estimated and measured tokens per kind
     and the source documents (all from the training side), and the card reports the measured tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from treeserve.engine.training.corpus import CorpusConfig, build_corpus, chunk_stats, corpus_summary
-    from treeserve.engine.training.corpus_card import card_text
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)

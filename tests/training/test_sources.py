@@ -11,9 +11,10 @@ import pytest
 from treeserve.engine.training.sources import install, registry
 from treeserve.engine.training.sources.base import held_out, read_text
 from treeserve.engine.training.sources.documents import (folder_language, html_to_text, read_html_by_language,
-                                                         read_html_guides, rst_to_text)
+                                                         read_html_guides, read_plain_tree, rst_to_text)
 from treeserve.engine.training.sources.gettext_catalogs import parse_mo, parse_po, read_catalogs
 from treeserve.engine.training.sources.manpages import read_manpages, roff_to_text
+from treeserve.engine.training.sources.snapshot import fingerprint, load_snapshot, save_snapshot
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TREE = FIXTURES / "sources"
@@ -140,8 +141,6 @@ def test_roff_accents_and_translator_credits():
 
 
 def test_plain_tree_takes_a_few_files_per_package(tmp_path):
-    from treeserve.engine.training.sources.documents import read_plain_tree
-
     prose = "The pump waters one zone at a time, and the valves close when the soil is wet. " * 20
     for i in range(5):
         (tmp_path / "git").mkdir(exist_ok=True)
@@ -164,8 +163,6 @@ def test_handbook_pages_by_language_folder_without_navigation():
 
 
 def test_snapshot_round_trips_the_library_in_order(tmp_path):
-    from treeserve.engine.training.sources.snapshot import fingerprint, load_snapshot, save_snapshot
-
     library = registry.load_library(rebase=TREE)
     path = save_snapshot(library, tmp_path / "sources.jsonl.gz")
     again = load_snapshot(path)
