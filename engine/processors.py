@@ -44,12 +44,27 @@ def path_tokens(tree: TokenTree) -> tuple[list[int], list[int]]:
 def apply_processors(logits: Tensor, tree: TokenTree, context: list[int], processors: LogitsProcessors) -> Tensor:
     """logits [N, V] of `tree`'s nodes (row i: after node i) -> float32 logits with the penalties and biases of
     `processors` applied at every node from its own path; `context` ends with the tree's root."""
+    rows, toks = path_tokens(tree)
+    return _apply(logits, rows, toks, tree.depth.tolist(), context, processors)
+
+
+def apply_to_paths(logits: Tensor, paths: list[list[int]], context: list[int],
+                   processors: LogitsProcessors) -> Tensor:
+    """apply_processors for rows known by their paths (row i after context + paths[i]): a drafter's rows, fed a
+    few nodes at a time (engine/drafters/model_runner.py)."""
+    rows = [i for i, path in enumerate(paths) for _ in path]
+    return _apply(logits, rows, [t for path in paths for t in path], [len(p) for p in paths], context, processors)
+
+
+def _apply(logits: Tensor, rows: list[int], toks: list[int], depths: list[int], context: list[int],
+           processors: LogitsProcessors) -> Tensor:
+    """The processors on logits [N, V]: row i has also seen the tokens `toks[j]` where rows[j] == i, and
+    depths[i] of them."""
     out = logits.float().clone()
     if not processors.active:
         return out
     num, vocab = out.shape
     device = out.device
-    rows, toks = path_tokens(tree)
     path_rows = torch.tensor(rows, dtype=torch.long, device=device)
     path_toks = torch.tensor(toks, dtype=torch.long, device=device)
     if processors.logit_bias:
@@ -58,7 +73,7 @@ def apply_processors(logits: Tensor, tree: TokenTree, context: list[int], proces
         out[:, ids] += bias
     generated = len(context) - processors.prompt_tokens  # tokens generated before the root's row
     if processors.min_tokens and processors.stop_ids:
-        held = [i for i, d in enumerate(tree.depth.tolist()) if generated + d < processors.min_tokens]
+        held = [i for i, d in enumerate(depths) if generated + d < processors.min_tokens]
         if held:
             stops = torch.tensor(processors.stop_ids, dtype=torch.long, device=device)
             out[torch.tensor(held, device=device)[:, None], stops[None, :]] = float("-inf")

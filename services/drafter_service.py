@@ -66,7 +66,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             base = tree_config(method, "auto") if method != "autoregressive" else TreeConfig(method=method)
             config = wire.decode_tree_config(item.tree, base)
             request = DraftRequest(item.session_id, list(item.context), wire.decode_sampling(item.sampling),
-                                   config, int(item.seed), wire.hint(item), cache_scope=item.cache_scope)
+                                   config, int(item.seed), wire.hint(item), cache_scope=item.cache_scope,
+                                   processors=(wire.decode_processors(item.processors)
+                                               if item.HasField("processors") else None))
             out.append((request, read_delta(item, self.features) if item.HasField("features") else None))
         return out
 

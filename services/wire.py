@@ -265,6 +265,8 @@ def encode_draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -
     """A DraftItem; `features`: the rows the receiving replica lacks (services/features.py)."""
     item = pb.DraftItem(session_id=r.session_id, context=r.context, sampling=encode_sampling(r.sampling),
                         tree=encode_tree_config(r.tree), seed=r.seed % (1 << 64), cache_scope=r.cache_scope)
+    if r.processors is not None:
+        item.processors.CopyFrom(encode_processors(r.processors))
     if r.accepted_nodes is not None:
         item.has_accepted_nodes = True
         item.accepted_nodes.extend(r.accepted_nodes)

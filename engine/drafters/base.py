@@ -30,7 +30,7 @@ import torch
 
 from ..budget import BudgetChooser
 from ..methods import AUTOREGRESSIVE
-from ..requests import StepRecord, SamplingParams
+from ..requests import LogitsProcessors, StepRecord, SamplingParams
 from ..runners.cached_lm import CachedLM
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
@@ -52,6 +52,9 @@ class DraftRequest:
     accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
     features: torch.Tensor | None = None  # [len(context) - 1, H] target features of context[:-1] (EAGLE)
     cache_scope: str = ""  # the tenant's prefix-cache scope (engine/runners/kv_pages.py)
+    # the sequence's penalties and biases: applied to the drafter's rows too, each from its own path, so its trees
+    # propose what the penalised target will accept (the output never depends on them: engine/processors.py)
+    processors: LogitsProcessors | None = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -30,9 +31,10 @@ from torch import Tensor
 
 from ..builders.base import DraftOracle, RowSummary
 from ..c2t_classifier import top_entropy
-from ..requests import SamplingParams
+from ..requests import LogitsProcessors, SamplingParams
 from ..runners.cached_lm import CachedLM, ExtendRequest
 from ..runners.step_settings import StaticStepSettings
+from ..processors import apply_to_paths
 from ..sampling import sample_row, topk_rows, warp_probs
 from .models.base import DrafterModelFacts, runner_forward
 
@@ -60,6 +62,7 @@ class DrafterRunner:
         # [V_draft] target ids of the head's rows (None: the full vocabulary; arange(V_draft) for a causal LM
         # whose vocabulary lacks the target's padding rows)
         self.vocab_ids = facts.vocab_ids
+        self._head_of: Tensor | None = None  # [V] target id -> head row (V_draft where absent), built when needed
         self.reads_target_features = facts.reads_target_features
         self.projects_features = facts.projects_target_features
         # Width of the target features a request carries: fused layers for EAGLE-3, the hidden size otherwise.
@@ -73,11 +76,14 @@ class DrafterRunner:
 
     @_timed
     def begin(self, session_id: str, context: list[int], sampling: SamplingParams,
-              accepted_nodes: list[int] | None = None, features: Tensor | None = None, scope: str = ""
-              ) -> "SessionOracle":
+              accepted_nodes: list[int] | None = None, features: Tensor | None = None, scope: str = "",
+              processors: LogitsProcessors | None = None) -> "SessionOracle":
         """Start a session's step; `features` [len(context) - 1, H]: the target's features of context[:-1],
-        required by (and only read by) an EAGLE drafter; `scope`: the tenant's prefix-cache scope."""
+        required by (and only read by) an EAGLE drafter; `scope`: the tenant's prefix-cache scope; `processors`:
+        the request's penalties and biases, applied to the rows as the target applies them."""
         oracle = SessionOracle(self, session_id, sampling)
+        if processors is not None and processors.active:
+            oracle.processors, oracle.context = processors, context
         if not self.reads_target_features:
             self.lm.begin(session_id, context, accepted_nodes, scope)
             return oracle
@@ -144,20 +150,44 @@ class DrafterRunner:
         requests = []
         for oracle, ids, toks, pars in zip(oracles, nodes, tokens, parents):
             slots = []
-            for node, parent in zip(ids, pars):
+            for node, parent, token in zip(ids, pars, toks):
                 slots.append(-1 if parent < 0 else oracle.slot[parent])
                 oracle.slot[node] = len(oracle.slot)
+                if oracle.processors is not None:  # the tokens below the root the node's row has seen
+                    oracle.paths[node] = [] if parent < 0 else [*oracle.paths[parent], token]
             features = oracle.parent_features(pars) if self.reads_target_features else None
             requests.append(ExtendRequest(oracle.session_id, toks, slots, features))
         outputs = self.lm.extend_outputs(requests)
         out = []
         for oracle, ids, output in zip(oracles, nodes, outputs):
-            probs = warp_probs(output.logits, oracle.sampling)
+            logits = output.logits if oracle.processors is None else self._processed(output.logits, oracle, ids)
+            probs = warp_probs(logits, oracle.sampling)
             oracle.rows.update(zip(ids, probs.unbind(0)))
             if self.reads_target_features:
                 oracle.hidden.update(zip(ids, output.hidden[-len(ids):].unbind(0)))
             out.append(probs)
         return out
+
+
+    def _processed(self, logits: Tensor, oracle: "SessionOracle", ids: list[int]) -> Tensor:
+        """The session's penalties and biases on its fed rows [M, V_draft] (engine/processors.py), each row from
+        its node's path. A head over part of the vocabulary (`vocab_ids`) reads them in its own ids: the tokens
+        it lacks count in one extra column, dropped after, so that generated-token counts stay the target's."""
+        paths = [oracle.paths[n] for n in ids]
+        if self.vocab_ids is None:
+            return apply_to_paths(logits, paths, oracle.context, oracle.processors)
+        width = logits.shape[-1]
+        if self._head_of is None:
+            self._head_of = torch.full((self.vocab_size,), width, dtype=torch.long)
+            self._head_of[self.vocab_ids.cpu()] = torch.arange(width)
+        head = self._head_of.tolist()
+        p = oracle.processors
+        mapped = replace(p, logit_bias=tuple((head[t], b) for t, b in p.logit_bias if head[t] < width),
+                         stop_ids=tuple(head[t] for t in p.stop_ids if head[t] < width))
+        wide = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], dim=1)
+        out = apply_to_paths(wide, [[head[t] for t in path] for path in paths], [head[t] for t in oracle.context],
+                             mapped)
+        return out[:, :width]
 
 
 class SessionOracle(DraftOracle):
@@ -175,6 +205,11 @@ class SessionOracle(DraftOracle):
         # (extension, root); node id -> [H] predicted feature, read by its children
         self.context_features: Tensor | None = None
         self.hidden: dict[int, Tensor] = {}
+        # the request's penalties and biases, and what they read: the context and each fed node's path below the
+        # root (None: none, or a head they cannot index)
+        self.processors: LogitsProcessors | None = None
+        self.context: list[int] = []
+        self.paths: dict[int, list[int]] = {}
 
     def probs(self, tokens: Sequence[int], parents: Sequence[int], node_ids: Sequence[int]) -> Tensor:
         """Draft distributions [k, V] after each of `node_ids`, feeding those (and unfed ancestors) first."""

@@ -229,3 +229,41 @@ def test_processed_logprobs_are_those_of_the_drawn_distribution(pair):
             values, ids = want.topk(3)
             finite = [i for i, v in zip(ids.tolist(), values.tolist()) if v > float("-inf")]
             assert [i for i, v in lp.top if v > float("-inf")] == finite
+
+
+@pytest.mark.parametrize("head", [None, 40_000])
+def test_the_drafter_drafts_with_the_penalties(pair, head):
+    """The drafter's rows get the request's processors too (DraftRequest.processors), each from its own path: a row
+    equals the warp of the processed logits of the drafter's plain forward over context + path; a head over part of
+    the vocabulary (`head` rows, the rest absent) reads them in its own ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treeserve.engine.processors import apply_to_paths
+    from treeserve.engine.sampling import warp_probs
+
+    target, drafter = pair
+    vocab = target.model.config.vocab_size
+    if head is not None:  # a causal LM whose vocabulary is a prefix of the target's: vocab_ids = arange(head)
+        torch.manual_seed(3)
+        drafter = LlamaForCausalLM(LlamaConfig(vocab_size=head, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=512)).eval()
+    runner = DrafterRunner(drafter, vocab)
+    assert (runner.vocab_ids is None) == (head is None)
+    context = make_engine(pair, "chain", 4).encode_chat("Count: one two three")
+    eos = target.tokenizer.eos_token_id
+    processors = LogitsProcessors(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=2.0,
+                                  logit_bias=((300, 5.0), (45_000, 3.0), (eos, 2.0)), min_tokens=2,
+                                  prompt_tokens=len(context) - 2, stop_ids=(eos, 45_001))
+    sampling = SamplingParams(temperature=0.8)
+    oracle = runner.begin("s", context, sampling, processors=processors)
+    tokens, parents = [context[-1], 300, 301, 302, 300], [-1, 0, 1, 0, 2]
+    rows = oracle.probs(tokens, parents, [0, 1, 2, 3, 4])
+    for node, path in enumerate([[], [300], [300, 301], [302], [300, 301, 300]]):
+        with torch.inference_mode():
+            raw = drafter(torch.tensor([context + path])).logits[0, -1].float()
+        if head is not None:  # the absent ids at -inf: probability 0, whatever the processors do to them
+            raw = torch.cat([raw, torch.full((vocab - head,), float("-inf"))])
+        want = warp_probs(apply_to_paths(raw[None], [path], context, processors), sampling)[0]
+        assert torch.allclose(rows[node], want, atol=1e-5), node
+    runner.release("s")

@@ -47,3 +47,15 @@ def test_path_logprobs_round_trip():
     back = wire.decode_dists(pb.TargetDists.FromString(wire.encode_dists(dists).SerializeToString()))
     assert back.verified == dists.verified and back.logprobs == logprobs  # values exact in float32
     assert wire.decode_dists(wire.encode_dists(TargetDists(argmax=torch.tensor([3])))).logprobs is None
+
+
+def test_draft_items_carry_the_processors():
+    from treeserve.engine.drafters.base import DraftRequest
+    from treeserve.engine.tree_config import TreeConfig
+
+    processors = LogitsProcessors(repetition_penalty=1.5, logit_bias=((3, 1.0),), prompt_tokens=1, stop_ids=(2,))
+    item = wire.encode_draft_item(DraftRequest("s", [1, 5], SamplingParams(), TreeConfig(), 0, processors=processors))
+    item = pb.DraftItem.FromString(item.SerializeToString())
+    assert item.HasField("processors") and wire.decode_processors(item.processors) == processors
+    assert not wire.encode_draft_item(DraftRequest("s", [1, 5], SamplingParams(), TreeConfig(), 0)).HasField(
+        "processors")
