@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ..dev_prompts import REPO_ROOT
 from .broad_mix import BROAD_KINDS, NEW_KINDS
 from .corpus import CorpusConfig, corpus_summary
 from .heldout import split_library
@@ -60,6 +61,8 @@ def card_text(out: Path, library: SourceLibrary, config: CorpusConfig) -> str:
     train, evaluation = split_library(library, config.eval_fraction)
     kinds = [k for k in BROAD_KINDS if k not in config.exclude_kinds]
     totals = corpus_summary(out) if out.is_dir() else {}
+    # Commands name the corpus as a checkout-relative path where it lies in the checkout.
+    where = out.resolve().relative_to(REPO_ROOT) if out.resolve().is_relative_to(REPO_ROOT) else out
     lines = [
         f"# Corpus card: {out.name}",
         "",
@@ -102,10 +105,15 @@ def card_text(out: Path, library: SourceLibrary, config: CorpusConfig) -> str:
         "kinds from the reserved documents:",
         "",
         "```sh",
-        "treeserve make-corpus --held-out-eval heldout.jsonl --held-out-kinds translate retrieval_qa",
-        "treeserve train-eagle3 --corpus DIR --exclude-kinds translate retrieval_qa --out HELDOUT_DRAFTER",
-        "treeserve agreement --drafter HELDOUT_DRAFTER --also-prompts heldout.jsonl",
+        f"treeserve make-corpus --out {where} --held-out-eval {where}/heldout-translate-retrieval_qa.jsonl "
+        "--held-out-kinds translate retrieval_qa --held-out-prompts 40",
+        f"treeserve make-corpus --out {where}  # the corpus itself: resumable chunks (--device cuda on a GPU)",
+        f"treeserve train-eagle3 --corpus {where} --exclude-kinds translate retrieval_qa --out HELDOUT_DRAFTER",
+        f"treeserve agreement --drafter HELDOUT_DRAFTER --also-prompts {where}/heldout-translate-retrieval_qa.jsonl",
         "```",
+        "",
+        "`--sources-snapshot FILE` on any of the make-corpus commands reads the sources once into FILE (~55 MiB "
+        "gzipped here) and from it afterwards, on this machine or one without the packages.",
         "",
         "## Chunks generated",
         "",
