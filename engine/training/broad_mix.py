@@ -111,22 +111,23 @@ class BenchmarkGuard:
 
 def window(doc: Document, rng: random.Random, tokens: tuple[int, int]) -> str:
     """Whole paragraphs of `doc` from a random paragraph on, about min..max estimated tokens (less when the
-    document is shorter)."""
+    document is shorter; a first paragraph longer than the window is cut)."""
     paras = paragraphs(doc.text)
-    target = rng.randint(*tokens) * 4  # characters
+    sizes = [estimate_tokens(p) + 1 for p in paras]  # + the blank line that joins them
+    target = rng.randint(*tokens)
     # Start at a paragraph with enough text after it, so the window is not cut short by the document's end.
     left, starts = 0, []
     for i in range(len(paras) - 1, -1, -1):
-        left += len(paras[i]) + 2
+        left += sizes[i]
         if left >= target:
             starts.append(i)
     start = rng.choice(starts) if starts else 0
     taken, size = [], 0
-    for para in paras[start:]:
-        if size and size + len(para) > target:
+    for para, n in zip(paras[start:], sizes[start:]):
+        if size and size + n > target:
             break
-        taken.append(para[:target])
-        size += len(para) + 2
+        taken.append(para if n <= target else para[:len(para) * target // n])
+        size += min(n, target)
     return "\n\n".join(taken)
 
 

@@ -14,7 +14,7 @@ from treeserve.engine.training import broad_mix, heldout
 from treeserve.engine.training.broad_mix import BenchmarkGuard, MixSettings, MixSources, broad_prompt_mix
 from treeserve.engine.training.corpus import CorpusConfig, chunk_specs, recipe_fields
 from treeserve.engine.training.prompt_mix import evaluation_texts, normalise
-from treeserve.engine.training.sources.base import LANGUAGE_NAMES, Document, looks_english
+from treeserve.engine.training.sources.base import LANGUAGE_NAMES, Document, estimate_tokens, looks_english
 from treeserve.engine.training.sources.registry import SourceLibrary, load_library
 
 TREE = Path(__file__).resolve().parent / "fixtures" / "sources"
@@ -91,7 +91,7 @@ def test_kinds_are_balanced_by_tokens_not_prompts(library):
 def test_long_contexts_hold_500_to_2000_tokens(library):
     rng = random.Random(0)
     long_doc = next(d for d in library.documents if d.doc_id == "python_docs/long")
-    sizes = [len(broad_mix.window(long_doc, rng, (500, 2000))) // 4 for _ in range(50)]
+    sizes = [estimate_tokens(broad_mix.window(long_doc, rng, (500, 2000))) for _ in range(50)]
     assert 400 <= min(sizes) and max(sizes) <= 2000 and max(sizes) > 1000
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from treeserve.engine.training.sources import install, registry
-from treeserve.engine.training.sources.base import held_out, read_text
+from treeserve.engine.training.sources.base import estimate_tokens, held_out, read_text
 from treeserve.engine.training.sources.documents import (folder_language, html_to_text, read_html_by_language,
                                                          read_html_guides, read_plain_tree, rst_to_text)
 from treeserve.engine.training.sources.gettext_catalogs import parse_mo, parse_po, read_catalogs
@@ -168,3 +168,9 @@ def test_snapshot_round_trips_the_library_in_order(tmp_path):
     again = load_snapshot(path)
     assert again.documents == library.documents and again.pairs == library.pairs and again.missing == library.missing
     assert fingerprint(again)["gettext"] == len(library.pairs) and fingerprint(again)["manpages"] == 2
+
+
+def test_token_estimate_counts_non_latin_scripts_heavier():
+    assert estimate_tokens("a" * 320) == 100
+    assert estimate_tokens("я" * 100) == 120  # Cyrillic: about one token a character, not a quarter
+    assert estimate_tokens("") == 1
