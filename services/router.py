@@ -61,6 +61,15 @@ class _Job:
     done: bool = False
     result: GenerationResult | None = None
     status: str | None = None  # final status code name once the job left
+    # choices 1..n-1 of a request wait for choice 0's prefill (its first step): their own prefills then find the
+    # prompt's KV in the Target's prefix cache instead of computing it n times
+    after: "_Job | None" = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the job may join the batch (see `after`)."""
+        first = self.after
+        return first is None or first.done or (first.seq is not None and bool(first.seq.steps))
 
 
 @dataclass
@@ -269,7 +278,8 @@ class Router:
         jobs = []
         for i in range(n):
             one = request if i == 0 or request.seed is None else replace(request, seed=request.seed + i)
-            jobs.append(_Job(one, method, deadline=time.monotonic() + self.limits.request_timeout_s))
+            jobs.append(_Job(one, method, deadline=time.monotonic() + self.limits.request_timeout_s,
+                             after=jobs[0] if jobs else None))
         self._waiting.extend(jobs)
         self.metrics.queue_depth.set(len(self._waiting))
         self._wake.set()
@@ -298,8 +308,11 @@ class Router:
                                              f"request waited past its deadline of {self.limits.request_timeout_s:g} s"))
         while self._preempted and len(self._active) < min(self._preempted_room, self.limits.max_batch_size):
             self._active.append(self._preempted.pop(0))  # resumes from its context: nothing it emitted is lost
-        while not self._preempted and self._waiting and len(self._active) < self.limits.max_batch_size:
-            job = self._waiting.pop(0)
+        while not self._preempted and len(self._active) < self.limits.max_batch_size:
+            job = next((j for j in self._waiting if j.ready), None)
+            if job is None:
+                break
+            self._waiting.remove(job)
             job.seq = self.engine.start(job.request)
             # Unique across routers: the session id keys KV caches on shared replicas.
             job.seq.session_id = f"{self.router_id}-{uuid.uuid4().hex[:12]}"

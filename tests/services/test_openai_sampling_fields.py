@@ -259,6 +259,9 @@ def test_malformed_requests_are_refused_as_such_when_the_router_is_full(service,
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         stream.close()
+        deadline = time.monotonic() + 30
+        while router.in_flight and time.monotonic() < deadline:  # the closed stream's choices leave the batch
+            time.sleep(0.05)
 
 
 def test_processed_logprobs_through_both_apis(service, client, tiny_parts):
@@ -349,3 +352,26 @@ def test_unset_fields_take_the_models_defaults(tiny_parts):
         assert request.sampling.top_k == 40 and request.processors.repetition_penalty == 3.0
     finally:
         server.stop(0.5)
+
+
+def test_later_choices_reuse_the_first_ones_prefill(tiny_parts):
+    """n > 1: choices 1..n-1 join the batch after choice 0's prefill, so theirs start from the prompt's KV in the
+    Target's prefix cache (their stats' cached_tokens), and the output is the same (greedy: the target's)."""
+    from treeserve.engine.kv_settings import DEFAULT_PAGE_SIZE
+    from treeserve.services.api_server import start_api_server
+    from treeserve.services.router import Router
+
+    router = Router(tiny_parts.engine("c2t+lookup", 8), LimitsConfig(max_prompt_tokens=512, max_new_tokens=8,
+                                                                     max_concurrent_requests=4, max_batch_size=4))
+    server = start_api_server(router, ApiConfig(), SecurityConfig(), port=0)
+    try:
+        words = "Choices share one prefill of this prompt, which spans more than one page of the KV cache. " * 8
+        request = gen.GenerateRequest(chat=gen.ChatMessages(messages=[gen.ChatMessage(role="user", content=words)]),
+                                      max_new_tokens=6, n=3)
+        reply = _stub(server).Generate(request, timeout=60)
+    finally:
+        server.stop(0.5)
+    assert reply.choices[0].stats.prompt_tokens > DEFAULT_PAGE_SIZE
+    assert reply.choices[0].stats.cached_tokens == 0  # the router's first request
+    assert all(c.stats.cached_tokens >= DEFAULT_PAGE_SIZE for c in reply.choices[1:])
+    assert len({tuple(c.token_ids) for c in reply.choices}) == 1
