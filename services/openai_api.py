@@ -203,6 +203,7 @@ class OpenAIApi:
                     validator.prompt_from_ids(value)
                 validator.fields(fields.max_tokens, fields.temperature, fields.top_p, fields.top_k, fields.stop,
                                  fields.method, fields.budget, fields.stop_token_ids, fields.options)
+                validator.choices(fields.n)
             except RequestError:
                 parsed.append(True)  # a refusal of the request itself (a size: 413), not the concurrency limit's
                 raise

@@ -262,11 +262,11 @@ class Router:
         which scopes the prefix cache of a GenerateRequest (another front end's `parse` scopes its own)."""
         if n is None:
             n = (message.n or 1) if isinstance(message, gen.GenerateRequest) else 1
-        n = RequestValidator.choices(n)
         if check is not None:
             check()
         elif parse is None:  # the gRPC form: what can be refused without tokenising is, before the limit
             self.validator.precheck_proto(message)
+        n = self.validator.choices(n)
         await self.start()
         limit = self.limits.max_concurrent_requests
         if self.in_flight + n > limit:

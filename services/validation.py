@@ -255,10 +255,14 @@ class RequestValidator:
             raise RequestError(INVALID, f"top_logprobs: must lie in [0, {MAX_TOP_LOGPROBS}], got {value}")
         return value
 
-    @staticmethod
-    def choices(n: int) -> int:
+    def choices(self, n: int) -> int:
+        """n completions: in [1, MAX_CHOICES], and no more than the router ever holds at once (each is a request
+        in flight: more could never be admitted, so it is a size refusal, not a "retry later")."""
         if not 1 <= n <= MAX_CHOICES:
             raise RequestError(INVALID, f"n: must lie in [1, {MAX_CHOICES}], got {n}")
+        if n > self.limits.max_concurrent_requests:
+            raise RequestError(TOO_BIG, f"n: {n} completions exceed limits.max_concurrent_requests = "
+                                        f"{self.limits.max_concurrent_requests}")
         return n
 
     def tree(self, method: str | None, budget_tokens: int = 0):

@@ -246,6 +246,11 @@ def test_malformed_requests_are_refused_as_such_when_the_router_is_full(service,
         assert info.value.status_code == 413
         with pytest.raises(openai.RateLimitError):
             client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+        # more choices than the router ever holds: a size refusal (413), not "retry later"
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                           n=LIMITS.max_concurrent_requests + 1)
+        assert info.value.status_code == 413 and info.value.body["param"] == "n"
         for bad in (gen.GenerateRequest(text="hi", max_new_tokens=4, sampling=gen.SamplingParams(temperature=-1)),
                     gen.GenerateRequest(text="  ", max_new_tokens=4),
                     gen.GenerateRequest(token_ids=gen.TokenIds(ids=[10 ** 8]), max_new_tokens=4),
@@ -257,6 +262,10 @@ def test_malformed_requests_are_refused_as_such_when_the_router_is_full(service,
         with pytest.raises(grpc.RpcError) as info:
             _stub(server).Generate(gen.GenerateRequest(text="hi", max_new_tokens=4), timeout=60)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as info:
+            _stub(server).Generate(gen.GenerateRequest(text="hi", max_new_tokens=4, n=5), timeout=60)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_concurrent_requests" in \
+            info.value.details()
     finally:
         stream.close()
         deadline = time.monotonic() + 30
