@@ -2,7 +2,8 @@
 
 Scenarios, each against the service at --address (e.g. `treeserve serve --config deploy/local-cpu.yaml`):
 
-- multiturn: the dev set's two-turn prompts; turn 2 resends turn 1 and its answer as history. Each turn 2 is
+- multiturn: the dev set's two-turn prompts, turn 1 answered (up to --first-turn-tokens), then turn 2 resending
+  turn 1 and its answer as history. Each turn 2 is
   sent twice, with turn 1's cache salt (its history cached on the replica) and with a fresh salt (nothing of it
   cached: the cache off, on the same service under the same load): TTFT p50 of each and their ratio, outputs
   compared token for token.
@@ -58,12 +59,12 @@ def stream(stub, messages: list[tuple[str, str]], max_new_tokens: int, salt: str
             "cached": stats.cached_tokens if stats is not None else 0, "sent": sent}
 
 
-def multiturn(stub, count: int, max_new_tokens: int) -> dict:
+def multiturn(stub, count: int, first_turn_tokens: int, max_new_tokens: int) -> dict:
     two_turn = [p for p in load_prompts(DEV_PROMPTS, 240) if len(p["turns"]) > 1][:count]
     warm, cold, same, cached = [], [], 0, []
     for prompt in two_turn:
         salt = uuid.uuid4().hex
-        first = stream(stub, [("user", prompt["turns"][0])], max_new_tokens, salt)
+        first = stream(stub, [("user", prompt["turns"][0])], first_turn_tokens, salt)
         text = stub_text(stub, first["tokens"])
         history = [("user", prompt["turns"][0]), ("assistant", text), ("user", prompt["turns"][1])]
         on = stream(stub, history, max_new_tokens, salt)
@@ -108,7 +109,8 @@ def chunked(stub, streams: int, long_tokens: int, max_new_tokens: int) -> dict:
     for t in threads:
         t.start()
     time.sleep(8.0)  # every stream is decoding by now
-    words = " ".join(f"item{i}" for i in range(long_tokens))
+    tokenizer = STATE["tokenizer"]
+    words = tokenizer.decode(tokenizer.encode(" ".join(f"item{i}" for i in range(long_tokens)))[:long_tokens - 60])
     long = stream(stub, [("user", "Summarise this list in one line: " + words)], 8, uuid.uuid4().hex)
     arrived, first = long["sent"], long["sent"] + long["ttft"]
     for t in threads:
@@ -121,6 +123,7 @@ def chunked(stub, streams: int, long_tokens: int, max_new_tokens: int) -> dict:
     p95_before, p95_during = percentile(before, 95), percentile(during, 95)
     return {"streams": streams, "long_prompt_ttft_ms": 1e3 * long["ttft"], "itl_ms_p95_before": 1e3 * p95_before,
             "itl_ms_p95_during": 1e3 * p95_during, "ratio": p95_during / p95_before,
+            "itl_ms_max_before": 1e3 * max(before), "itl_ms_max_during": 1e3 * max(during),
             "gaps_before": len(before), "gaps_during": len(during)}
 
 
@@ -136,6 +139,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--long-tokens", type=int, default=1000)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--first-turn-tokens", type=int, default=256,
+                        help="the first turn's answer (the history a second turn resends) at most this long")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -147,7 +152,7 @@ def main() -> None:
     out = {}
     for name in args.scenarios:
         if name == "multiturn":
-            out[name] = multiturn(stub, args.multiturn_prompts, args.max_new_tokens)
+            out[name] = multiturn(stub, args.multiturn_prompts, args.first_turn_tokens, args.max_new_tokens)
         elif name == "system":
             out[name] = system_prompt(stub, args.system_requests, args.max_new_tokens)
         elif name == "chunked":

@@ -95,7 +95,7 @@ class Router:
     def __init__(self, engine: SpeculativeEngine, limits: LimitsConfig | None = None,
                  metrics: RouterMetrics | None = None, clients: Iterable[GroupedCaller | None] = (),
                  router_id: str | None = None, model_name: str = "treeserve",
-                 lane_of: Callable[[str], str] | None = None,
+                 lane_of: Callable[[str, tuple[str, list[int]]], str] | None = None,
                  sampling_defaults: SamplingDefaults = SamplingDefaults()):
         self.engine = engine
         self.limits = limits or LimitsConfig()
@@ -122,8 +122,9 @@ class Router:
         self._engine_lock = threading.Lock()
         self._retries_seen: dict[int, int] = {}
         self._run_ahead_seen = (0, 0)  # the drafter's run-ahead (hits, misses) counted so far
-        # session id -> its lane: the Target replica it is placed on (RemoteTarget.lane_of); in-process, one lane.
-        self.lane_of: Callable[[str], str] = lane_of or (lambda session_id: "")
+        # (session id, (cache scope, context)) -> its lane: the Target replica it is placed on, by prefix and load
+        # (RemoteTarget.lane_of); in-process, one lane.
+        self.lane_of: Callable[[str, tuple[str, list[int]]], str] = lane_of or (lambda session_id, prefix: "")
         self.steps = 0
 
     async def check_health(self) -> None:
@@ -352,7 +353,8 @@ class Router:
         lanes: dict[str, list[_Job]] = {}
         for job in self._active:
             if id(job) not in busy:
-                lanes.setdefault(self.lane_of(job.seq.session_id), []).append(job)
+                prefix = (job.request.cache_scope, job.seq.context)
+                lanes.setdefault(self.lane_of(job.seq.session_id, prefix), []).append(job)
         return lanes
 
     async def _step(self, jobs: list[_Job], lane: str) -> None:

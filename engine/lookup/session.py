@@ -50,17 +50,22 @@ class LookupSettings:
     copy_context_gain: float = field(default=0.5, metadata={
         "help": "auto budgets: steps whose lookup-only plan expects at least this many accepted tokens are measured "
                 "by a budget chooser of their own (what a tree size buys differs where there is something to copy)"})
-    shared_tokens: int = field(default=0, metadata={
-        "help": "0: off. Else the outputs of a drafter's recent requests, up to this many tokens, are indexed too "
-                "(SuffixDecoding's global tree; ~650 bytes per token at max_ngram 4): a node drafts from them "
-                "where their best candidate is more probable than its own context's. Output is unchanged, but decoding speed may reveal "
-                "what other requests recently generated: leave off where tenants must not learn of each other"})
+    shared_tokens: int = field(default=16384, metadata={
+        "help": "0: off. Else the outputs of a drafter's recent requests, up to this many tokens per tenant (cache "
+                "scope: API token and cache_salt), are indexed too (SuffixDecoding's global tree; ~650 bytes per "
+                "token at max_ngram 4): a node drafts from them where their best candidate is more probable than "
+                "its own context's. Output is unchanged; a request drafts only from its own tenant's outputs, so "
+                "its speed says nothing of another tenant's (a repeated request decoded 4.5x faster with it, "
+                "first requests and second turns 1.0x: docs/performance.md section 20)"})
+    shared_scopes: int = field(default=16, metadata={
+        "help": "tenants whose shared output index is kept (least recently used dropped): at most shared_tokens x "
+                "shared_scopes tokens indexed"})
     shared_min_match: int = field(default=2, metadata={
         "help": "shortest match in the shared outputs that is drafted from (a single token recurs everywhere)"})
 
     def __post_init__(self) -> None:
         for name in ("max_ngram", "max_positions", "max_match", "max_branches", "plan_nodes", "max_sessions",
-                     "shared_min_match"):
+                     "shared_min_match", "shared_scopes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"lookup.{name} must be an integer >= 1, got {value!r}")
@@ -268,7 +273,7 @@ class LookupSources:
         index = self._shared.pop(scope, None)
         if index is None:
             index = SharedOutputs(self.settings.shared_tokens, self.settings.max_ngram)
-            while len(self._shared) >= self.settings.max_sessions:
+            while len(self._shared) >= self.settings.shared_scopes:
                 self._shared.popitem(last=False)
         self._shared[scope] = index
         return index

@@ -38,7 +38,7 @@ class SpeculationConfig:
                                                    default="c2t_chain")
     lookup: LookupSettings = described(
         "copy-from-context drafting of the lookup methods (lookup, <method>+lookup): index sizes, calibration, "
-        "and the optional cross-request index of recent outputs (shared_tokens, off by default)",
+        "and the cross-request index of each tenant's recent outputs (shared_tokens; 0 = off)",
         default_factory=LookupSettings)
     run_ahead: bool = described(
         "the Drafter replica drafts the next step's trees, for the verification outcomes it expects, while the "

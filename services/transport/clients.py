@@ -64,9 +64,10 @@ class RemoteTarget(GroupedCaller):
     def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
         return self._sync(self.score_async(requests))
 
-    def lane_of(self, session_id: str) -> str:
-        """The router's lane of a session: the Target replica it is placed on ("" while none is live)."""
-        live = self.pool.pick(session_id)
+    def lane_of(self, session_id: str, prefix: tuple[str, list[int]] | None = None) -> str:
+        """The router's lane of a session: the Target replica it is placed on ("" while none is live); a new
+        session is placed by its `prefix` (cache scope, context) and the replicas' load (ReplicaPool.pick)."""
+        live = self.pool.pick(session_id, prefix=prefix)
         return live.endpoint.replica_id if live is not None else ""
 
 

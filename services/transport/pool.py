@@ -54,6 +54,10 @@ CLOSE_GRACE_S = 30.0
 # this many sessions beyond the least-loaded one (SGLang's cache-aware router balances with such an absolute
 # threshold): a lane that far ahead costs its streams more than the prefill the prefix saves.
 PREFIX_LOAD_MARGIN = 2
+# ... and only for a prefix worth a prefill: at least this many tokens and this share of the context (SGLang's
+# cache_threshold is 0.5). Every chat shares its template's opening: alone it would herd every session onto one lane.
+PREFIX_MIN_TOKENS = 64
+PREFIX_MIN_SHARE = 0.5
 
 
 def _hash(text: str) -> int:
@@ -109,7 +113,8 @@ class ReplicaPool:
         """The session's replica: the one it was placed on, while that one is live and not excluded; else (a new
         session, or its replica lost or full) a live replica not excluded, where it is placed from then on: the
         one holding the longest prefix of its `prefix` ((cache scope, context): services/transport/
-        prefix_affinity.py) unless it holds more than PREFIX_LOAD_MARGIN sessions beyond the least-loaded one;
+        prefix_affinity.py) when that prefix is worth a prefill (PREFIX_MIN_TOKENS, PREFIX_MIN_SHARE), unless it
+        holds more than PREFIX_LOAD_MARGIN sessions beyond the least-loaded one;
         else the one holding the fewest of this pool's sessions, ties broken by the consistent-hash ring (first
         point clockwise of hash(session)). Least-loaded placement gives every replica an equal share of a
         router's batch (the hash alone gave one of two Target replicas 5-7 of 8 sessions), and the router steps
@@ -130,7 +135,8 @@ class ReplicaPool:
             hashes = block_hashes(prefix[0], prefix[1][:-1], self.prefixes.block_tokens)
             within = [r for r in candidates if load[r] <= load[chosen] + PREFIX_LOAD_MARGIN]
             held = max(within, key=lambda r: (self.prefixes.matched(r, hashes), -load[r]))
-            if self.prefixes.matched(held, hashes):
+            matched = self.prefixes.matched(held, hashes) * self.prefixes.block_tokens
+            if matched >= max(PREFIX_MIN_TOKENS, PREFIX_MIN_SHARE * len(prefix[1])):
                 chosen = held
             self.prefixes.insert(chosen, hashes)
         self._placed[session_id] = chosen

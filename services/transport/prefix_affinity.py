@@ -16,8 +16,10 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-BLOCK_TOKENS = 64  # the default page size of the replicas' KV (engine/kv_settings.py)
-MAX_BLOCKS = 65536  # per replica: 4M tokens of prompts at 64 per block
+from treeserve.engine.kv_settings import DEFAULT_PAGE_SIZE
+
+BLOCK_TOKENS = DEFAULT_PAGE_SIZE  # the replicas' default KV page (engine/kv_settings.py): the unit they share
+MAX_BLOCKS = 262144  # per replica: 4M tokens of prompts at 16 per block
 
 
 def block_hashes(scope: str, tokens: list[int], block_tokens: int = BLOCK_TOKENS) -> list[bytes]:

@@ -50,8 +50,9 @@ def test_shared_outputs_keep_the_most_recent_within_the_cap():
     assert shared.index.tokens == list(range(181, 200)) + [SEPARATOR]
 
 
-def test_off_by_default_and_validated():
-    sources = LookupSources()
+def test_off_when_set_to_zero_and_validated():
+    assert LookupSources().shared() is not None  # on by default, per tenant
+    sources = LookupSources(LookupSettings(shared_tokens=0))
     assert sources.shared() is None
     finished(sources, "a", [1, 2], [3, 4, 5, 6])
     assert sources.session("b", [9, 4]).root_state() == NO_MATCH

@@ -218,8 +218,9 @@ def test_one_node_preset_guards(tmp_path, content, message):
 
 
 def test_cross_request_lookup_index_reaches_the_serve_config():
-    """Off in every preset; `speculation.lookupSharedTokens` turns on the drafter's index of recent outputs."""
-    assert serve_config(render(preset("cpu-demo"))).app.args.speculation.lookup.shared_tokens == 0
+    """On (per tenant) in every preset; `speculation.lookupSharedTokens` sizes the drafter's index of recent
+    outputs (0: off)."""
+    assert serve_config(render(preset("cpu-demo"))).app.args.speculation.lookup.shared_tokens == 16384
     objs = render(preset("cpu-demo"), sets=("speculation.method=c2t+lookup", "speculation.lookupSharedTokens=65536"))
     speculation = serve_config(objs).app.args.speculation
     assert (speculation.method, speculation.lookup.shared_tokens) == ("c2t+lookup", 65536)

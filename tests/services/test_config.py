@@ -43,7 +43,7 @@ def test_from_args_parses_sections():
                                 "drafter": {"kind": "parallel"}})
     assert args.target.dtype == "bfloat16" and args.speculation.budget == 32
     assert args.limits.max_batch_size == 2 and args.drafter.kind == "parallel"
-    assert args.speculation.lookup.shared_tokens == 0  # the cross-request lookup index is off unless asked for
+    assert args.speculation.lookup.shared_tokens == 16384  # each tenant's cross-request lookup index, by default
     speculation = {"method": "c2t+lookup", "lookup": {"shared_tokens": 65536, "max_ngram": 6}}
     lookup = AppConfig.from_args({"speculation": speculation}).speculation.lookup
     assert (lookup.shared_tokens, lookup.max_ngram) == (65536, 6)

@@ -67,9 +67,10 @@ def test_sessions_are_placed_on_the_least_loaded_replica_and_stay():
 def test_a_new_session_goes_where_its_prefix_is_unless_that_replica_is_loaded_past_the_margin():
     """Placement by prefix (services/transport/prefix_affinity.py): sessions sharing a system prompt follow the
     replica that was sent it, until it holds PREFIX_LOAD_MARGIN sessions more than the least-loaded; another
-    tenant's identical prompt, or one shorter than a block, is placed by load alone."""
+    tenant's identical prompt, or one whose shared part is too short to be worth a prefill, is placed by load
+    alone."""
     pool = _pool_of(["a", "b"])
-    system = list(range(1000, 1000 + 2 * BLOCK_TOKENS))
+    system = list(range(1000, 1000 + 8 * BLOCK_TOKENS))  # 128 tokens: worth a prefill (PREFIX_MIN_TOKENS)
     first = pool.pick("s0", prefix=("tenant", system + [1, 2])).endpoint.replica_id
     other = "b" if first == "a" else "a"
     placed = [pool.pick(f"s{i}", prefix=("tenant", system + [i, 7])).endpoint.replica_id for i in range(1, 4)]
@@ -82,6 +83,11 @@ def test_a_new_session_goes_where_its_prefix_is_unless_that_replica_is_loaded_pa
     away = fresh.pick("t1", prefix=("another tenant", system + [1])).endpoint.replica_id
     assert away != home  # no shared prefix across scopes: least loaded
     assert fresh.pick("t2", prefix=("tenant", system[:10])).endpoint.replica_id == home  # load 1 / 1: ring order
+    # A shared opening too short to be worth a prefill (a chat template's) leaves placement to the load.
+    short = _pool_of(["a", "b"])
+    opening = system[:3 * BLOCK_TOKENS]
+    first_short = short.pick("u0", prefix=("tenant", opening + [1] * 40)).endpoint.replica_id
+    assert short.pick("u1", prefix=("tenant", opening + [2] * 40)).endpoint.replica_id != first_short
     assert PREFIX_LOAD_MARGIN == 2
 
 
