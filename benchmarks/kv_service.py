@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--system-requests", type=int, default=8)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--long-tokens", type=int, default=1000)
+    parser.add_argument("--stream-tokens", type=int, default=192,
+                        help="chunked: tokens each decoding stream generates (long enough to span the prefill)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--first-turn-tokens", type=int, default=256,
                         help="the first turn's answer (the history a second turn resends) at most this long")
@@ -156,7 +158,7 @@ def main() -> None:
         elif name == "system":
             out[name] = system_prompt(stub, args.system_requests, args.max_new_tokens)
         elif name == "chunked":
-            out[name] = chunked(stub, args.streams, args.long_tokens, 4 * args.max_new_tokens)
+            out[name] = chunked(stub, args.streams, args.long_tokens, args.stream_tokens)
         else:
             raise SystemExit(f"unknown scenario {name!r}")
         print(name, json.dumps(out[name]), flush=True)

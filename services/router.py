@@ -517,8 +517,8 @@ class Router:
         its in-process runners."""
         try:
             if self.clients:
-                for client in self.clients:
-                    await client.release_async(seq.session_id)
+                for client in self.clients:  # what the session leaves cached guides the next turn's placement
+                    await client.release_async(seq.session_id, (seq.request.cache_scope, seq.context))
             else:
                 parts = [self.engine.target] + ([self.engine.drafter] if self.engine.drafter is not None else [])
                 for part in parts:

@@ -170,6 +170,6 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
         """RemoteTarget.features_listener: the router's rows of the session from `start` on were (re)computed."""
         self.feature_deltas.rewritten(session_id, start)
 
-    async def release_async(self, session_id: str) -> int:
+    async def release_async(self, session_id: str, prefix: tuple[str, list[int]] | None = None) -> int:
         self.feature_deltas.forget(session_id)
-        return await super().release_async(session_id)
+        return await super().release_async(session_id, prefix)

@@ -142,9 +142,13 @@ class ReplicaPool:
         self._placed[session_id] = chosen
         return self.live[chosen]
 
-    def forget(self, session_id: str) -> None:
-        """The session ended: it no longer counts toward its replica's load."""
-        self._placed.pop(session_id, None)
+    def forget(self, session_id: str, prefix: tuple[str, list[int]] | None = None) -> None:
+        """The session ended: it no longer counts toward its replica's load, and its final `prefix` (cache scope,
+        context: the prompt and the answer, which the replica keeps cached) is what that replica holds now: a
+        conversation's next turn goes there."""
+        replica = self._placed.pop(session_id, None)
+        if replica is not None and prefix is not None and replica in self.live:
+            self.prefixes.insert(replica, block_hashes(prefix[0], prefix[1], self.prefixes.block_tokens))
 
     def _rebuild_ring(self) -> None:
         self._ring = sorted((_hash(f"{rid}#{v}"), rid) for rid in self.live for v in range(self.virtual_nodes))
@@ -425,11 +429,12 @@ class GroupedCaller(LoopBridge):
         await asyncio.gather(*(run(rid, idx) for rid, idx in groups.items()))
         return results
 
-    async def release_async(self, session_id: str) -> int:
+    async def release_async(self, session_id: str, prefix: tuple[str, list[int]] | None = None) -> int:
         """Drop the session on every live replica (a retry may have moved it); returns how many held it. A
         background task: it waits for a busy replica (up to 30 s) rather than leave the session behind, and a
-        replica it misses frees the session once idle (SessionClock)."""
-        self.pool.forget(session_id)
+        replica it misses frees the session once idle (SessionClock). `prefix`: its final (cache scope, context),
+        cached where it ran (placement by prefix)."""
+        self.pool.forget(session_id, prefix)
         await self.pool.refresh()
         replies = await self.pool.broadcast("Release", pb.ReleaseRequest(session_ids=[session_id]), timeout_s=30.0)
         return sum(r.released for r in replies)

@@ -262,3 +262,17 @@ def test_each_lane_is_decided_apart_on_the_drafter_replica(tiny_parts):
         # The observations reported before each stream ended were credited (at most every step after the prefills).
         credited = sum(arm.steps for arm in chooser.arms.values())
         assert 0 < credited <= sum(steps) - 2
+
+
+def test_a_conversations_next_turn_follows_the_replica_its_history_is_cached_on():
+    """A finished session's whole context (prompt and answer) is recorded for its replica when it is released: the
+    second turn, resending both, goes there even though its first turn's prompt alone was too short to steer."""
+    pool = _pool_of(["a", "b"])
+    prompt = list(range(500, 500 + 2 * BLOCK_TOKENS))  # 32 tokens: not worth steering by itself
+    home = pool.pick("turn1", prefix=("t", prompt)).endpoint.replica_id
+    pool.pick("other", prefix=("t", [7] * 20))  # loads the other replica... and then leaves
+    pool.forget("other")
+    answer = list(range(900, 900 + 10 * BLOCK_TOKENS))
+    pool.forget("turn1", ("t", prompt + answer))
+    pool.pick("busy", prefix=("t", [8] * 20))  # one session on the least-loaded (ring-order) replica
+    assert pool.pick("turn2", prefix=("t", prompt + answer + [1, 2, 3])).endpoint.replica_id == home
