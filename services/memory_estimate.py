@@ -94,7 +94,9 @@ def kv_pool_bytes(facts: ModelFacts, tp: int, dtype_bytes: int, pages: int, page
 def kv_pages(model: ModelConfig, sessions: int) -> tuple[int, int]:
     """(pages, tokens per page) of one process's pool, as CachedLM.bound sizes it."""
     page = min(model.kv_page_tokens, model.max_context_tokens)
-    return -(-(model.kv_cache_tokens or sessions * model.max_context_tokens) // page), page
+    if model.kv_cache_tokens:
+        return -(-model.kv_cache_tokens // page), page
+    return sessions * -(-model.max_context_tokens // page), page
 
 
 def sessions_that_fit(pages: int, page_tokens: int, sessions: int, length: int) -> int:

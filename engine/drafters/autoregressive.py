@@ -220,7 +220,7 @@ class LocalDrafter(ModelDrafter):
 
     def _draft_hybrid(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding)."""
-        session = self.lookups.session(r.session_id, r.context, r.cache_scope)
+        session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
         settings = self.lookups.settings
         base = split_method(r.tree.method)[0]
         root, greedy = r.context[-1], r.sampling.is_greedy
@@ -296,7 +296,7 @@ class LocalDrafter(ModelDrafter):
             return None
         tree = ahead.tree
         if split_method(r.tree.method)[1]:
-            session = self.lookups.session(r.session_id, r.context, r.cache_scope)
+            session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
             if ahead.predictions is not None:
                 session.adopt(ahead.predictions)
         if state.ahead_chooser is not None:
@@ -329,7 +329,7 @@ class LocalDrafter(ModelDrafter):
             if not lookup:
                 chains.append(None)
                 continue
-            session = self.lookups.session(r.session_id, r.context, r.cache_scope)
+            session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
             tokens, joints = lookup_chain(session, self.batch_chain_depth, settings.chain_min_joint)
             confident = bool(joints) and joints[0] >= settings.skip_model_above
             chains.append(_CopyChain(tokens, joints, base != LOOKUP and not confident))

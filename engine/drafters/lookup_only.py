@@ -50,7 +50,7 @@ class LookupDrafter(DrafterBase):
 
     def _single(self, r: DraftRequest, lane: str) -> TokenTree | None:
         """Batch size 1: the lookup-only tree the chooser prices (or the request's budget of nodes)."""
-        session = self.lookups.session(r.session_id, r.context, r.cache_scope)
+        session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
         settings = self.lookups.settings
         auto = self.budget is not None and r.tree.budget_auto
         plan = plan_lookup(session, r.context[-1], settings.plan_nodes if auto else r.tree.budget, settings.min_value)
@@ -64,8 +64,9 @@ class LookupDrafter(DrafterBase):
         """A batched step: each request's most probable copy chain, cut across the batch where the target's cost
         curve is known."""
         settings = self.lookups.settings
-        chains = [lookup_chain(self.lookups.session(r.session_id, r.context, r.cache_scope), BATCH_CHAIN_DEPTH,
-                               settings.chain_min_joint) for r in requests]
+        sessions = [self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
+                    for r in requests]
+        chains = [lookup_chain(session, BATCH_CHAIN_DEPTH, settings.chain_min_joint) for session in sessions]
         if self.profile is not None:
             keep = allocate_copies([joints for _, joints in chains], batch_size, 1, float(batch_size), self.profile)
             chains = [(tokens[:n], joints[:n]) for (tokens, joints), n in zip(chains, keep)]

@@ -56,7 +56,8 @@ class LookupSettings:
                 "token at max_ngram 4): a node drafts from them where their best candidate is more probable than "
                 "its own context's. Output is unchanged; a request drafts only from its own tenant's outputs, so "
                 "its speed says nothing of another tenant's (a repeated request decoded 4.5x faster with it, "
-                "first requests and second turns 1.0x: docs/performance.md section 20)"})
+                "first requests and second turns 1.0x: docs/performance.md section 20). Greedy requests only: a "
+                "sampled output depends on the trees it was verified on, and a seed must give the same sample"})
     shared_scopes: int = field(default=16, metadata={
         "help": "tenants whose shared output index is kept (least recently used dropped): at most shared_tokens x "
                 "shared_scopes tokens indexed"})
@@ -278,11 +279,13 @@ class LookupSources:
         self._shared[scope] = index
         return index
 
-    def session(self, session_id: str, context: Sequence[int], scope: str = "") -> LookupSession:
-        """The session synced with `context` (created on first use, drafting from `scope`'s shared outputs)."""
+    def session(self, session_id: str, context: Sequence[int], scope: str = "", greedy: bool = True) -> LookupSession:
+        """The session synced with `context` (created on first use, drafting from `scope`'s shared outputs when
+        `greedy`: a sampled output depends on the trees it was verified on, so a seeded request must not draft from
+        what earlier requests left behind, or the same seed would give another sample)."""
         session = self._sessions.pop(session_id, None)
         if session is None:
-            session = LookupSession(self.settings, self.pooled, self.shared(scope))
+            session = LookupSession(self.settings, self.pooled, self.shared(scope) if greedy else None)
             while len(self._sessions) >= self.settings.max_sessions:
                 self._finish(self._sessions.popitem(last=False)[1])
         self._sessions[session_id] = session

@@ -190,7 +190,9 @@ class CachedLM:
         self.static_step = None
         max_pages = None
         if max_context_tokens is not None:
-            max_pages = -(-(kv_tokens or max_sessions * max_context_tokens) // page_size)
+            # Default: every session at full length fits (each rounded up to whole pages).
+            max_pages = (-(-kv_tokens // page_size) if kv_tokens
+                         else max_sessions * -(-max_context_tokens // page_size))
         self.pool = KVPool(page_size, max_pages, keep_features=self.keep_features)
         self.table = PageTable(page_size, self.prefix_caching)
         if max_pages is not None:

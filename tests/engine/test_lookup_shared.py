@@ -109,3 +109,12 @@ def test_a_tenant_drafts_only_from_its_own_tenants_outputs():
     assert sources.shared("tenant-a").outputs == 1 and sources.shared("tenant-b").outputs == 0
     assert sources.session("b", [8, 50, 51], scope="tenant-b").root_state() == NO_MATCH
     assert sources.session("c", [8, 50, 51], scope="tenant-a").root_state().shared
+
+
+def test_a_sampled_request_drafts_only_from_its_own_context():
+    """A seeded sampled output depends on the trees it was verified on: drafting from earlier requests' outputs
+    would make the same seed give another sample, so only greedy requests read the shared outputs."""
+    sources = LookupSources(LookupSettings(shared_tokens=1000, pooled_prior=1000.0))
+    finished(sources, "a", [1, 2, 3], [50, 51, 52, 53])
+    assert sources.session("greedy", [8, 50, 51]).root_state().shared
+    assert sources.session("sampled", [8, 50, 51], greedy=False).root_state() == NO_MATCH
