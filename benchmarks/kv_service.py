@@ -30,6 +30,7 @@ import uuid
 import grpc
 
 from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
+from treeserve.engine.models.loading import resolve_model_dir
 from treeserve.services.bench_service import inter_token_latencies, percentile
 from treeserve.services.client import open_channel
 from treeserve.v1 import generation_pb2 as gen
@@ -146,8 +147,6 @@ def main() -> None:
     parser.add_argument("--json-out")
     args = parser.parse_args()
     from transformers import AutoTokenizer
-
-    from treeserve.engine.models.loading import resolve_model_dir
 
     STATE["tokenizer"] = AutoTokenizer.from_pretrained(resolve_model_dir("default"), local_files_only=True)
     stub = gen_grpc.TreeServeStub(open_channel(args.address))

@@ -16,9 +16,10 @@ from families import pit_pvalue
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.models.loading import load_causal_lm
-from treeserve.engine.processors import apply_processors
+from treeserve.engine.processors import apply_processors, apply_to_paths
 from treeserve.engine.requests import GenerationRequest, LogitsProcessors, SamplingParams
 from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.sampling import warp_probs
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.tree_config import TreeConfig
@@ -207,7 +208,6 @@ def test_logprobs_equal_a_plain_forward(pair, method, budget, sampling):
 def test_processed_logprobs_are_those_of_the_drawn_distribution(pair):
     """processed_logprobs: each token's log-probability under the distribution it was drawn from, the reference
     processors' logits at its position, warped as the request samples (log_softmax of them when greedy)."""
-    from treeserve.engine.sampling import warp_probs
 
     target, _ = pair
     engine = make_engine(pair, "dyspec", 6)
@@ -237,9 +237,6 @@ def test_the_drafter_drafts_with_the_penalties(pair, head):
     equals the warp of the processed logits of the drafter's plain forward over context + path; a head over part of
     the vocabulary (`head` rows, the rest absent) reads them in its own ids."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from treeserve.engine.processors import apply_to_paths
-    from treeserve.engine.sampling import warp_probs
 
     target, drafter = pair
     vocab = target.model.config.vocab_size

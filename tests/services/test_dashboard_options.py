@@ -10,13 +10,14 @@ import socket
 import pytest
 
 from treeserve.cli.main import main
+from treeserve.cli.serve import add_console_arguments, dashboard_config
+from treeserve.engine.models import loading
+from treeserve.services import launch
 from treeserve.services.config import DashboardConfig
-from treeserve.services.launch import DEFAULT_CONFIG, _check_port_free
+from treeserve.services.launch import DEFAULT_CONFIG, _check_port_free, load_config
 
 
 def test_loopback_by_default_and_its_url():
-    from treeserve.cli.serve import add_console_arguments, dashboard_config
-
     parser = argparse.ArgumentParser()
     add_console_arguments(parser)
     config = dashboard_config(parser.parse_args([]))
@@ -67,8 +68,6 @@ def test_start_progress_reports_each_change_of_running_replicas(monkeypatch):
 
     from ray import serve
 
-    from treeserve.services import launch
-
     def app(router, drafter, target):
         return SimpleNamespace(applications={"treeserve": SimpleNamespace(deployments={
             "Router": SimpleNamespace(replica_states=router), "Drafter": SimpleNamespace(replica_states=drafter),
@@ -96,8 +95,6 @@ def test_start_progress_reports_each_change_of_running_replicas(monkeypatch):
 def test_a_first_start_says_it_converts_the_embedded_target(tmp_path, monkeypatch):
     """With an empty model cache load_config announces the one-off conversion (the first start's silent ~17 s
     here), then never again; a model directory needs none."""
-    from treeserve.engine.models import loading
-    from treeserve.services.launch import load_config
 
     monkeypatch.setattr(loading, "cache_root", lambda: tmp_path)
     converted = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from treeserve.engine.requests import StepRecord
 from treeserve.services import metrics as m
 
 
@@ -44,7 +45,6 @@ def test_disabled_metrics_are_explicit_no_ops():
 def test_draft_tokens_are_counted_by_source():
     """Per sequence and step: candidates from the drafter ("model") and copied from the context ("lookup"), and
     the accepted ones split as the request's statistics split them (GenerationResult.accepted_by_source)."""
-    from treeserve.engine.requests import StepRecord
 
     class Recording:
         def __init__(self):

@@ -11,8 +11,13 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+from treeserve.engine.kv_settings import DEFAULT_PAGE_SIZE  # noqa: E402
 from treeserve.engine.requests import GenerationRequest, LogitsProcessors, SamplingParams  # noqa: E402
-from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig  # noqa: E402
+from treeserve.services.api_server import start_api_server  # noqa: E402
+from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig, load_serve_config  # noqa: E402
+from treeserve.services.router import Router  # noqa: E402
+from treeserve.services.router_replica import sampling_defaults  # noqa: E402
+from treeserve.services.validation import SamplingDefaults  # noqa: E402
 from treeserve.v1 import generation_pb2 as gen  # noqa: E402
 from treeserve.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
 
@@ -24,9 +29,6 @@ CHAT = [{"role": "user", "content": "Repeat: the cat sat on the mat, the cat sat
 
 @pytest.fixture(scope="module")
 def service(tiny_parts):
-    from treeserve.services.api_server import start_api_server
-    from treeserve.services.router import Router
-
     engine = tiny_parts.engine("c2t+lookup", 8)
     router = Router(engine, LIMITS)
     server = start_api_server(router, ApiConfig(max_request_bytes=16 * 1024), SecurityConfig(), port=0, http_port=0)
@@ -309,10 +311,6 @@ def test_generation_config_defaults_are_read_as_vllm_reads_them(tiny_target_dir,
 
     from transformers import GenerationConfig
 
-    from treeserve.services.config import load_serve_config
-    from treeserve.services.router_replica import sampling_defaults
-    from treeserve.services.validation import SamplingDefaults
-
     assert SamplingDefaults.from_generation_config(GenerationConfig()) == SamplingDefaults()
     assert SamplingDefaults.from_generation_config(GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9)) == \
         SamplingDefaults(temperature=0.6, top_p=0.9)
@@ -330,9 +328,6 @@ def test_unset_fields_take_the_models_defaults(tiny_parts):
     """A Router whose model's generation config sets repetition_penalty 3 (and top_k 40): a request that leaves
     them unset decodes with them (greedy: the in-process engine's output with that penalty), one that sets them
     decodes with its own; /v1/models states the defaults; a gRPC request without SamplingParams takes them too."""
-    from treeserve.services.api_server import start_api_server
-    from treeserve.services.router import Router
-    from treeserve.services.validation import SamplingDefaults
 
     defaults = SamplingDefaults(top_k=40, repetition_penalty=3.0)
     router = Router(tiny_parts.engine("c2t+lookup", 8), LIMITS, sampling_defaults=defaults)
@@ -366,9 +361,6 @@ def test_unset_fields_take_the_models_defaults(tiny_parts):
 def test_later_choices_reuse_the_first_ones_prefill(tiny_parts):
     """n > 1: choices 1..n-1 join the batch after choice 0's prefill, so theirs start from the prompt's KV in the
     Target's prefix cache (their stats' cached_tokens), and the output is the same (greedy: the target's)."""
-    from treeserve.engine.kv_settings import DEFAULT_PAGE_SIZE
-    from treeserve.services.api_server import start_api_server
-    from treeserve.services.router import Router
 
     router = Router(tiny_parts.engine("c2t+lookup", 8), LimitsConfig(max_prompt_tokens=512, max_new_tokens=8,
                                                                      max_concurrent_requests=4, max_batch_size=4))

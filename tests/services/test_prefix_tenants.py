@@ -13,7 +13,9 @@ import grpc
 import pytest
 
 from treeserve.engine.kv_settings import KVSettings
+from treeserve.services.api_server import start_api_server
 from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig
+from treeserve.services.router import Router
 from treeserve.v1 import generation_pb2 as gen
 from treeserve.v1 import generation_pb2_grpc as gen_grpc
 
@@ -23,9 +25,6 @@ SYSTEM = "You are a helpful assistant for a garden shop. Refunds within thirty d
 
 @pytest.fixture(scope="module")
 def service(tiny_parts, tmp_path_factory):
-    from treeserve.services.api_server import start_api_server
-    from treeserve.services.router import Router
-
     token_file = tmp_path_factory.mktemp("tenants") / "tokens"
     token_file.write_text("\n".join(TOKENS) + "\n")
     engine = tiny_parts.engine()

@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from treeserve.engine.kv_settings import KVSettings
 from treeserve.engine.requests import GenerationRequest
 from treeserve.services.config import LimitsConfig
 from treeserve.v1 import generation_pb2 as gen
@@ -214,7 +215,6 @@ def test_streams_that_outgrow_the_kv_pages_are_preempted_and_resumed(make_local_
     the router takes the newest stream out of the batch and resumes it once another finished (docs/design.md
     section 10); every stream still equals in-process greedy decoding, nothing refused, nothing lost. A request
     that alone outgrows the pool is refused with RESOURCE_EXHAUSTED."""
-    from treeserve.engine.kv_settings import KVSettings
 
     reference = tiny_parts.engine()
     engine = tiny_parts.engine()

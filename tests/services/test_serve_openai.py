@@ -13,6 +13,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from treeserve.engine.requests import GenerationRequest, LogitsProcessors  # noqa: E402
 from treeserve.v1 import generation_pb2 as gen  # noqa: E402
 from treeserve.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
 from treeserve.v1 import internal_pb2 as pb  # noqa: E402
@@ -62,8 +63,6 @@ def test_logprobs_and_penalties_cross_the_replicas(serve_service, tiny_parts):
     the path's log-probabilities come back (services/wire.py): the output is the in-process engine's with the same
     penalties, and each token's log-probability a plain forward's within 1e-4."""
     import torch
-
-    from treeserve.engine.requests import GenerationRequest, LogitsProcessors
 
     engine = tiny_parts.engine()
     prompt = engine.encode_chat(CHAT)

@@ -4,9 +4,11 @@ log-probabilities, survive the protobuf round trip exactly (served == in-process
 import pytest
 import torch
 
+from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.requests import LogitsProcessors, SamplingParams, TokenLogprob
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.verify import TargetDists, VerifyResult
 from treeserve.services import wire
 from treeserve.v1 import internal_pb2 as pb
@@ -50,9 +52,6 @@ def test_path_logprobs_round_trip():
 
 
 def test_draft_items_carry_the_processors():
-    from treeserve.engine.drafters.base import DraftRequest
-    from treeserve.engine.tree_config import TreeConfig
-
     processors = LogitsProcessors(repetition_penalty=1.5, logit_bias=((3, 1.0),), prompt_tokens=1, stop_ids=(2,))
     item = wire.encode_draft_item(DraftRequest("s", [1, 5], SamplingParams(), TreeConfig(), 0, processors=processors))
     item = pb.DraftItem.FromString(item.SerializeToString())
