@@ -160,19 +160,22 @@ class SpeculativeEngine:
         chunk = self.prefill_chunk_tokens if any(s.steps for s in batch) else None  # others decode: chunk
         # A chunk step (or a step the target refused) verifies nothing: its sequences' generators go back to where
         # they were, so a seed gives the same output however the prompt was fed or the step retried.
-        states = [s.generator.get_state() for s in batch]
+        # (only a sampled sequence draws from its generator before verification: its verify seed)
+        states = [None if s.request.sampling.is_greedy else s.generator.get_state() for s in batch]
         try:
             dists = self.target.score([self.score_request(s, tree, chunk) for s, tree in zip(batch, trees)])
         except Exception:  # nothing was verified (e.g. no KV pages: the router preempts and retries the step)
             for s, state in zip(batch, states):
-                s.generator.set_state(state)
+                if state is not None:
+                    s.generator.set_state(state)
             raise
         if ahead is not None:
             ahead.result()
         recorder.scored()
         for s, tree, dist, state in zip(batch, trees, dists, states):
             if dist.prefill_remaining:  # a chunk of its prompt was fed: nothing to verify yet
-                s.generator.set_state(state)
+                if state is not None:
+                    s.generator.set_state(state)
                 self.keep_chunk_features(s, dist)
                 continue
             result = (verify_tree(tree, dist, s.request.sampling, s.generator) if dist.verified is None

@@ -1,5 +1,6 @@
 """Random multi-step plans of trees over several sessions, and running them through a CachedLM: what the
-static-step GPU tests (tests/gpu) compare between the eager forward, graph replays and fused ops."""
+static-step GPU tests (tests/gpu) compare between the eager forward, graph replays and fused ops; and an engine
+decoding one sequence beside another's chunked prefill (`decode_beside`)."""
 
 import random
 
@@ -30,3 +31,19 @@ def run_plan(lm: CachedLM, steps, hidden: bool):
             lm.begin(sid, context)
         out.append(lm.extend_outputs([ExtendRequest(sid, t, p) for sid, _, t, p in step], hidden=hidden))
     return out
+
+
+def decode_beside(engine, running, arriving) -> int:
+    """Chunked prefill: step `running` alone (its prefill), then with `arriving` until `arriving` has its first token
+    or `running` ends, asserting `running` emits on every step; then both to the end. Returns the steps that fed
+    `arriving` a chunk of its prompt without a token."""
+    engine.step([running])
+    chunks = 0
+    while not arriving.steps and running.finish is None:
+        before = len(running.emitted)
+        engine.step([running, arriving])
+        chunks += not arriving.steps
+        assert len(running.emitted) > before  # the running sequence decodes on every chunk step
+    while running.finish is None or arriving.finish is None:
+        engine.step([s for s in (running, arriving) if s.finish is None])
+    return chunks

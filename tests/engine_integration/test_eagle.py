@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from step_plans import decode_beside  # tests/step_plans.py
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
@@ -217,16 +218,7 @@ def test_prefix_cache_and_chunked_prefill_keep_the_features_exact(target, eagle_
     assert hit.cached_tokens >= 16 and hit.token_ids == reference(target.model, again, 12)
     running = engine.start(GenerationRequest(first, max_new_tokens=40))
     arriving = engine.start(GenerationRequest(list(reversed(again)), max_new_tokens=12))  # nothing cached
-    engine.step([running])
-    chunks = 0
-    while not arriving.steps and running.finish is None:
-        before = len(running.emitted)
-        engine.step([running, arriving])
-        chunks += not arriving.steps
-        assert len(running.emitted) > before  # the running sequence decodes on every chunk step
-    assert chunks >= len(again) // 8 - 1
-    while running.finish is None or arriving.finish is None:
-        engine.step([s for s in (running, arriving) if s.finish is None])
+    assert decode_beside(engine, running, arriving) >= len(again) // 8 - 1
     for s, prompt, n in ((running, first, 40), (arriving, list(reversed(again)), 12)):
         tokens = engine.result(s).token_ids
         assert tokens == reference(target.model, prompt, n)[:len(tokens)]

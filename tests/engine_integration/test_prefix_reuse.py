@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from families import pit_pvalue
+from step_plans import decode_beside  # tests/step_plans.py
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.kv_settings import KVSettings
@@ -113,16 +114,7 @@ def test_a_prompt_fed_in_chunks_beside_a_decoding_sequence_changes_no_output(pai
     long = GenerationRequest(long_prompt, max_new_tokens=10, sampling=sampling, seed=6)
     alone = [engine.generate([r])[0].token_ids for r in (short, long)]
     running, arriving = engine.start(short), engine.start(long)
-    engine.step([running])
-    chunks = 0
-    while not arriving.steps and running.finish is None:
-        before = len(running.emitted)
-        engine.step([running, arriving])
-        chunks += not arriving.steps
-        assert len(running.emitted) > before
-    assert chunks >= len(long_prompt) // 16 - 1
-    while running.finish is None or arriving.finish is None:
-        engine.step([s for s in (running, arriving) if s.finish is None])
+    assert decode_beside(engine, running, arriving) >= len(long_prompt) // 16 - 1
     assert [engine.result(running).token_ids, engine.result(arriving).token_ids] == alone
     if sampling.is_greedy:
         assert alone[1] == reference(pair[0].model, long_prompt, len(alone[1]))
