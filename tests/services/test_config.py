@@ -117,6 +117,10 @@ def test_serve_sections_are_ray_serves_own_models():
     ({"limits": {"max_prompt_tokens": 4000}}, "applications[0].args.limits: max_prompt_tokens + max_new_tokens"),
     ({"grpc": {"max_message_bytes": 1024}}, "applications[0].args.grpc.max_message_bytes"),
     ({"drafter": {"kind": "medusa"}}, "applications[0].args.drafter.kind"),
+    ({"drafter": {"path": "none"}}, "applications[0].args.speculation.method: c2t+lookup drafts with a drafter model"),
+    ({"target": {"kv_page_tokens": 0}}, "applications[0].args.target.kv_page_tokens: must be > 0"),
+    ({"target": {"kv_cache_tokens": -5}}, "applications[0].args.target.kv_cache_tokens"),
+    ({"limits": {"prefill_chunk_tokens": 0}}, "applications[0].args.limits.prefill_chunk_tokens"),
     ({"targt": {}}, "applications[0].args.targt: unknown field"),
 ])
 def test_bad_args_name_the_field(args, message):
