@@ -41,8 +41,13 @@ loop, in front of the same `Router` object. What that gives:
 - `presence_penalty`, `frequency_penalty`, `logit_bias` and vLLM's `repetition_penalty`, `min_tokens`,
   `ignore_eos` (engine/processors.py: applied at every tree node from its own path, so the output is the plain
   decoder's with them);
-- tools, response formats, echo, suffix, best_of > 1 and prediction are refused by name. `temperature` defaults
-  to OpenAI's 1.0; 0 is greedy decoding, whose output is the gRPC API's token for token.
+- completions' `echo`: the prompt's text before each choice's (the string as sent; token ids decoded as outputs
+  are), in the first streamed chunk of each choice; with `logprobs` it is refused (the prompt's log-probabilities
+  are not computed);
+- bodies are typed models (services/openai_models.py): a field of the wrong type is a 400 naming it; unknown fields
+  are ignored, as OpenAI's and vLLM's servers do; tools, response formats, chat's echo, suffix, best_of > 1 and
+  prediction are refused by name. `temperature` defaults to OpenAI's 1.0; 0 is greedy decoding, whose output is
+  the gRPC API's token for token.
 """
 
 from __future__ import annotations
@@ -223,7 +228,7 @@ class OpenAIApi:
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
-        fields = Fields(body, chat, self.router.validator.defaults)
+        fields = Fields.of(body, chat, self.router.validator.defaults)
         job = await self._submit(fields, bearer_token([(k.lower(), v) for k, v in request.headers.items()]))
         rid = request["rid"]
         created = int(time.time())
@@ -239,6 +244,7 @@ class OpenAIApi:
             raise
         self.metrics.record_request("OK", job.method)
         wants = fields.options.logprobs is not None
+        echo = self._echo(fields)
         choices = []
         for i, one in enumerate(reply.choices or [reply]):
             finish = FINISH.get(one.finish_reason, "stop")
@@ -247,11 +253,21 @@ class OpenAIApi:
                 choices.append({"index": i, "message": {"role": "assistant", "content": one.text},
                                 "finish_reason": finish, "logprobs": logprobs})
             else:
-                choices.append({"index": i, "text": one.text, "finish_reason": finish, "logprobs": logprobs})
+                choices.append({"index": i, "text": echo + one.text, "finish_reason": finish, "logprobs": logprobs})
         stats = [one.stats for one in reply.choices] or [reply.stats]
         return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
                                   "created": created, "model": self.model_id, "choices": choices,
                                   "usage": usage(reply.stats, job.method, stats)}, headers={REQUEST_ID_KEY: rid})
+
+    def _echo(self, fields: Fields) -> str:
+        """What completions' `echo` puts before each choice's text: the prompt string as sent, or its token ids
+        decoded as output tokens are (special tokens left out); "" without echo."""
+        kind, value = fields.prompt
+        if not fields.echo:
+            return ""
+        if kind == "text":
+            return value
+        return self.router.validator.engine.tokenizer.decode(value, skip_special_tokens=True)
 
     def _logprobs(self, logprobs, chat: bool, offset: int = 0) -> dict:
         """OpenAI's logprobs object of a choice (or a chunk's part of it): chat's `content` list of {token,
@@ -321,6 +337,10 @@ class OpenAIApi:
             if chat:
                 for index in range(fields.n):
                     await send(chunk(None, None, role=True, index=index))
+            elif fields.echo:  # the prompt first, as vLLM streams an echoed prompt
+                echo = self._echo(fields)
+                for index in range(fields.n):
+                    await send(chunk(echo, None, index=index))
             finished = []  # the final stats of each choice
             async for message in messages:
                 finish = FINISH.get(message.finish_reason) if message.finish_reason else None

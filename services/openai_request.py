@@ -1,10 +1,11 @@
-"""OpenAI request bodies checked into TreeServe's request fields, and OpenAI's error shape.
+"""OpenAI request bodies mapped onto TreeServe's request fields, and OpenAI's error shape.
 
-`Fields` reads a /v1/chat/completions or /v1/completions body: every field OpenAI's clients send is either
-mapped (messages / prompt, max_tokens, temperature, top_p, stop, stream, stream_options, n, seed, logprobs /
-top_logprobs, presence_penalty, frequency_penalty, logit_bias, vLLM's `top_k`, `stop_token_ids`,
-`repetition_penalty`, `min_tokens` and `ignore_eos`, the extra `treeserve` object) or, when TreeServe does not
-implement its meaning, refused by name unless it has its neutral value.
+`Fields.of(body, chat, defaults)` validates a /v1/chat/completions or /v1/completions body with its typed model
+(services/openai_models.py) and maps it onto the plain values `RequestValidator` takes (the gRPC API's fields):
+messages / prompt, max_tokens, temperature, top_p, top_k, stop, stop_token_ids, seed, n, penalties, logit_bias,
+min_tokens, ignore_eos, logprobs, cache_salt and the `treeserve` object; fields TreeServe does not implement are
+refused by name unless they hold a value that means "not used" (the models' `REFUSED`). Every refusal is an
+`ApiError` naming the field in its message and in `param`.
 `ApiError` carries the gRPC code (for the log line and the metric) and the HTTP status and OpenAI error type
 it is answered with (services/openai_api.py).
 """
@@ -12,14 +13,18 @@ it is answered with (services/openai_api.py).
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import replace
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from pydantic import ValidationError
 
 from treeserve.engine.requests import MAX_TOP_LOGPROBS
+from .openai_models import ChatCompletionBody, CommonBody, CompletionBody, field_at
 from .validation import OutputOptions, SamplingDefaults
+
+log = logging.getLogger("treeserve.api")
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 # HTTP status and OpenAI error type per gRPC code. RESOURCE_EXHAUSTED is 429 when the concurrency limit refused the
@@ -33,11 +38,8 @@ STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
 }
 TOO_LARGE = (413, "invalid_request_error")
-# Fields whose OpenAI meaning TreeServe does not implement: refused when set to anything but their neutral value.
-UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
-               "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
 ROLE_ALIASES = {"developer": "system"}
+# The validator's messages name the gRPC API's fields; the OpenAI field each one is.
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
                "sampling.top_k": "top_k", "stop_strings": "stop", "speculation.method": "treeserve.method",
                "speculation.budget_tokens": "treeserve.budget", "sampling.presence_penalty": "presence_penalty",
@@ -60,174 +62,132 @@ def error_body(message: str, type_: str, param: str | None, code: grpc.StatusCod
 
 
 def param_of(message: str) -> str | None:
+    """The OpenAI field a validator message ("<gRPC field>: ...") is about."""
     head = message.split(":", 1)[0].strip()
     if head.startswith("prompt"):
         return "prompt"
     return PARAM_NAMES.get(head, head if head.isidentifier() else None)
 
 
-# ================================================================================== request fields
-def _number(body: dict, name: str, default: float | None) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ApiError(INVALID, f"{name}: must be a number, got {json.dumps(value)[:40]}", name)
-    return float(value)
+# ================================================================================== bodies
+def read_body(body: dict, chat: bool) -> CommonBody:
+    """The body as its route's typed model; ApiError (400) naming the first offending field."""
+    model = ChatCompletionBody if chat else CompletionBody
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        raise _field_error(model, exc.errors()[0]) from None
+    for name, neutral in model.REFUSED.items():
+        if getattr(request, name) not in neutral:
+            allowed = " or ".join(json.dumps(v) for v in neutral if v is not None)
+            raise ApiError(INVALID, f"{name}: not supported by this server (leave it out"
+                                    f"{', or send ' + allowed if allowed else ''})", name)
+    if request.model_extra:  # OpenAI adds fields faster than servers follow: vLLM ignores unknown ones too
+        log.warning("OpenAI request fields ignored (unknown here): %s", ", ".join(sorted(request.model_extra)))
+    return request
 
 
-def _integer(body: dict, name: str, default: int | None, minimum: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(INVALID, f"{name}: must be an integer, got {json.dumps(value)[:40]}", name)
-    if minimum is not None and value < minimum:
-        raise ApiError(INVALID, f"{name}: must be >= {minimum}, got {value}", name)
-    return value
+def _field_error(model: type, error: dict) -> ApiError:
+    """One pydantic error as "<path>: <what the field must be>", `param` the path ("messages[0].content")."""
+    path, info = field_at(model, error["loc"])
+    if not path:
+        return ApiError(INVALID, f"request body: {error['msg']}")
+    kind = error["type"]
+    if kind == "value_error":  # a validator's own message
+        return ApiError(INVALID, f"{path}: {str(error['ctx']['error'])}", path)
+    if kind == "missing":
+        return ApiError(INVALID, f"{path}: required, must be {info.description}", path)
+    if kind == "extra_forbidden":
+        return ApiError(INVALID, f"{path}: unknown field {str(error['loc'][-1])[:40]!r}; must be {info.description}",
+                        path)
+    got = json.dumps(error.get("input"), default=str)
+    return ApiError(INVALID, f"{path}: must be {info.description}, got {got[:40]}", path)
 
 
-def _text_content(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(INVALID, f"messages[{i}].content: only text parts are supported", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(INVALID, f"messages[{i}].content: must be a string or a list of text parts", "messages")
-
-
+@dataclass(frozen=True)
 class Fields:
-    """The request body's fields, checked for type and shape (no tokenising: that happens once admitted)."""
+    """A request's fields as the plain values RequestValidator takes (no tokenising: that happens once admitted).
+    `prompt`: ("chat", [(role, content)]), ("text", str) or ("ids", [int])."""
 
-    def __init__(self, body: dict, chat: bool, defaults: SamplingDefaults = SamplingDefaults()):
+    prompt: tuple[str, Any]
+    n: int
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    stream: bool
+    include_usage: bool
+    cache_salt: str
+    method: str | None
+    budget: int
+    options: OutputOptions
+    echo: bool = False  # completions: the prompt's text before each choice's
+
+    @classmethod
+    def of(cls, body: dict, chat: bool, defaults: SamplingDefaults = SamplingDefaults()) -> "Fields":
         """`defaults`: what temperature, top_p, top_k and repetition_penalty take when the body leaves them unset
         (the model's generation config), before OpenAI's own defaults (1, 1, none, none)."""
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError(INVALID, "messages: must be a non-empty list of {role, content} objects", "messages")
-            turns = []
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    raise ApiError(INVALID, f"messages[{i}]: must be an object with a string role", "messages")
-                turns.append((ROLE_ALIASES.get(m["role"], m["role"]), _text_content(m.get("content"), i)))
-            self.prompt: Any = ("chat", turns)
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one prompt
-            if isinstance(prompt, str):
-                self.prompt = ("text", prompt)
-            elif (isinstance(prompt, list) and prompt
-                  and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-                self.prompt = ("ids", prompt)
-            else:
-                raise ApiError(INVALID, "prompt: must be a string or a list of token ids (one prompt per request)",
-                               "prompt")
-        self.n = _integer(body, "n", 1)  # its range is the router's check (services/validation.py)
-        for name, neutral in UNSUPPORTED.items():
-            if name in body and body[name] not in neutral:
-                raise ApiError(INVALID, f"{name}: not supported by this server", name)
-        response_format = body.get("response_format")
-        if response_format not in (None, {"type": "text"}):
-            raise ApiError(INVALID, "response_format: only {\"type\": \"text\"} is supported", "response_format")
-        self.max_tokens = _integer(body, "max_completion_tokens", None) if chat else None
-        if self.max_tokens is None:
-            self.max_tokens = _integer(body, "max_tokens", None)
-        self.temperature = _number(body, "temperature", _default(defaults.temperature, 1.0))
-        self.top_p = _number(body, "top_p", _default(defaults.top_p, 1.0))
-        self.top_k = _integer(body, "top_k", _default(defaults.top_k, 0))  # vLLM's extra sampling field
-        self.seed = _integer(body, "seed", None, minimum=0)
-        # vLLM's extra field: requests share cached KV only with the same API token and salt (its length is
-        # checked with the gRPC field's rule, services/validation.py cache_scope)
-        self.cache_salt = body.get("cache_salt") or ""
-        if not isinstance(self.cache_salt, str):
-            raise ApiError(INVALID, "cache_salt: must be a string", "cache_salt")
-        stop = body.get("stop")
-        if stop is None:
-            self.stop: list[str] = []
-        elif isinstance(stop, str):
-            self.stop = [stop]
-        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            self.stop = list(stop)
-        else:
-            raise ApiError(INVALID, "stop: must be a string or a list of strings", "stop")
-        # vLLM's extra field: token ids that end generation beside the model's EOS ids (range and count are
-        # checked with the gRPC field's rules, services/validation.py).
-        stop_token_ids = body.get("stop_token_ids")
-        if stop_token_ids is None:
-            self.stop_token_ids: list[int] = []
-        elif isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                      for t in stop_token_ids):
-            self.stop_token_ids = list(stop_token_ids)
-        else:
-            raise ApiError(INVALID, "stop_token_ids: must be a list of integer token ids", "stop_token_ids")
-        self.stream = body.get("stream", False)
-        if not isinstance(self.stream, bool) and self.stream is not None:
-            raise ApiError(INVALID, "stream: must be true or false", "stream")
-        self.stream = bool(self.stream)
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise ApiError(INVALID, "stream_options: must be an object", "stream_options")
-        self.include_usage = bool(options.get("include_usage", False))
-        extra = body.get("treeserve") or {}
-        if not isinstance(extra, dict) or set(extra) - {"method", "budget", "logprobs"}:
-            raise ApiError(INVALID, "treeserve: must be an object with optional fields method (a tree method name), "
-                                    "budget (draft tokens per step, 0 = server choice) and logprobs (\"raw\" or "
-                                    "\"processed\")", "treeserve")
-        if extra.get("logprobs", "raw") not in ("raw", "processed"):
-            raise ApiError(INVALID, "treeserve.logprobs: must be \"raw\" (the model's, before penalties and the "
-                                    "warp; the default) or \"processed\" (of the distribution drawn from)",
-                           "treeserve.logprobs")
-        self.method = extra.get("method")
-        if self.method is not None and not isinstance(self.method, str):
-            raise ApiError(INVALID, "treeserve.method: must be a string", "treeserve.method")
-        self.budget = _integer(extra, "budget", 0)
-        self.options = replace(_options(body, chat, _default(defaults.repetition_penalty, 1.0)),
-                               processed_logprobs=extra.get("logprobs") == "processed")
+        request = read_body(body, chat)
+        extra = request.treeserve
+        stop = request.stop
+        max_tokens = request.max_completion_tokens if chat else None
+        echo = bool(not chat and request.echo)
+        options = _options(request, chat, _default(defaults.repetition_penalty, 1.0))
+        if echo and options.logprobs is not None:
+            raise ApiError(INVALID, "echo: not supported together with logprobs (the prompt's log-probabilities are "
+                                    "not computed)", "echo")
+        return cls(prompt=_prompt(request, chat), n=_default(request.n, 1),
+                   max_tokens=request.max_tokens if max_tokens is None else max_tokens,
+                   temperature=_default(request.temperature, _default(defaults.temperature, 1.0)),
+                   top_p=_default(request.top_p, _default(defaults.top_p, 1.0)),
+                   top_k=_default(request.top_k, _default(defaults.top_k, 0)),
+                   seed=request.seed, stop=[stop] if isinstance(stop, str) else list(stop or ()),
+                   stop_token_ids=list(request.stop_token_ids or ()), stream=bool(request.stream),
+                   include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                   cache_salt=request.cache_salt or "", method=extra.method if extra else None,
+                   budget=_default(extra.budget if extra else None, 0), options=options, echo=echo)
 
 
 def _default(value, fallback):
     return fallback if value is None else value
 
 
-def _options(body: dict, chat: bool, repetition_penalty: float = 1.0) -> OutputOptions:
+def _prompt(request: CommonBody, chat: bool) -> tuple[str, Any]:
+    if chat:
+        return "chat", [(ROLE_ALIASES.get(m.role, m.role),
+                         m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
+                        for m in request.messages]
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(INVALID, f"prompt: one prompt per request, got a batch of {len(prompt)}", "prompt")
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        return "text", prompt
+    if not prompt:
+        raise ApiError(INVALID, "prompt: must be a string or a non-empty list of token ids", "prompt")
+    return "ids", list(prompt)
+
+
+def _options(request: CommonBody, chat: bool, repetition_penalty: float) -> OutputOptions:
     """Penalties, biases, ignore_eos and log-probabilities (ranges: RequestValidator.build's checks). Chat asks for
     log-probabilities with `logprobs: true` (+ `top_logprobs`), completions with `logprobs: <top count>`."""
-    bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict):
-        raise ApiError(INVALID, "logit_bias: must be an object of token id -> bias", "logit_bias")
-    logit_bias: dict[int, float] = {}
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise ApiError(INVALID, f"logit_bias: keys must be token ids, got {str(key)[:40]!r}", "logit_bias") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ApiError(INVALID, f"logit_bias: values must be numbers, got {json.dumps(value)[:40]}", "logit_bias")
-        logit_bias[token] = float(value)
     if chat:
-        wants = body.get("logprobs")
-        if wants is not None and not isinstance(wants, bool):
-            raise ApiError(INVALID, "logprobs: must be true or false", "logprobs")
-        top = _integer(body, "top_logprobs", None)
-        if top is not None and not wants:
+        if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(INVALID, "top_logprobs: needs logprobs set to true", "top_logprobs")
-        logprobs = (top or 0) if wants else None
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
-        logprobs = _integer(body, "logprobs", None)
+        logprobs = request.logprobs
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         name = "top_logprobs" if chat else "logprobs"
         raise ApiError(INVALID, f"{name}: must lie in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", name)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ApiError(INVALID, "ignore_eos: must be true or false", "ignore_eos")
-    return OutputOptions(presence_penalty=_number(body, "presence_penalty", 0.0),
-                         frequency_penalty=_number(body, "frequency_penalty", 0.0),
-                         repetition_penalty=_number(body, "repetition_penalty", repetition_penalty),
-                         logit_bias=logit_bias,
-                         min_tokens=_integer(body, "min_tokens", 0), ignore_eos=ignore_eos, logprobs=logprobs)
+    extra = request.treeserve
+    return OutputOptions(presence_penalty=_default(request.presence_penalty, 0.0),
+                         frequency_penalty=_default(request.frequency_penalty, 0.0),
+                         repetition_penalty=_default(request.repetition_penalty, repetition_penalty),
+                         logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()},
+                         min_tokens=_default(request.min_tokens, 0), ignore_eos=bool(request.ignore_eos),
+                         logprobs=logprobs, processed_logprobs=bool(extra and extra.logprobs == "processed"))

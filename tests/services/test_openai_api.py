@@ -106,6 +106,26 @@ def test_completions_prompt_is_continued_without_the_chat_template(http_service,
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
+def test_completions_echo_puts_the_prompt_before_the_completion(http_service, client, tiny_parts):
+    """`echo`: the prompt string (or its token ids decoded) before each choice's text, unary and streamed (the
+    prompt in each choice's first chunk); with logprobs it is refused by name."""
+    prompt = "The quick brown fox"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True, n=2)
+    assert [c.text for c in reply.choices] == [prompt + plain] * 2
+    assert reply.usage.completion_tokens == 2 * client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0).usage.completion_tokens
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text == prompt and "".join(c.choices[0].text for c in chunks) == prompt + plain
+    ids = tiny_parts.target.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert by_ids.choices[0].text == tiny_parts.target.tokenizer.decode(ids, skip_special_tokens=True) + plain
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, echo=True, logprobs=1)
+    assert info.value.body["param"] == "echo" and "together with logprobs" in info.value.body["message"]
+
+
 def test_extra_body_speculation_settings(http_service, client):
     _, server = http_service
     expected = _grpc(server, chat=_chat_proto(CHAT), max_new_tokens=16,
