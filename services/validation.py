@@ -40,6 +40,7 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_CHOICES = 16  # n: completions of one request, each a request of its own in the batch
 MAX_CACHE_SALT_CHARS = 256
 ROLES = ("system", "user", "assistant")
+PROMPT_UNSET = "prompt: set one of text, chat, token_ids or raw_text"
 # Characters per token far above any tokenizer's: text longer than this many characters per allowed token is
 # refused before it is tokenised (tokenising megabytes costs the router seconds).
 CHARS_PER_TOKEN_GUARD = 64
@@ -177,8 +178,9 @@ class RequestValidator:
                                             f"got {role[:32]!r}")
 
     def prompt_from_raw_text(self, text: str) -> list[int]:
-        """Text continued as it is, no chat template (the OpenAI completions API's `prompt`): the tokenizer's
-        own BOS where it adds one, special-token strings inside the text split into literal characters."""
+        """Text continued as it is, no chat template (the OpenAI completions API's `prompt`, the gRPC API's
+        `raw_text`): the tokenizer's own BOS where it adds one, special-token strings inside the text split into
+        literal characters."""
         if not text.strip():
             raise RequestError(INVALID, "prompt: text must not be empty")
         self._text_guard(len(text), "text")
@@ -344,8 +346,8 @@ class RequestValidator:
         prompt's form (set, non-empty, chat roles, token ids in the vocabulary) and every other field."""
         which = message.WhichOneof("prompt")
         if which is None:
-            raise RequestError(INVALID, "prompt: set one of text, chat or token_ids")
-        if which == "text" and not message.text.strip():
+            raise RequestError(INVALID, PROMPT_UNSET)
+        if which in ("text", "raw_text") and not getattr(message, which).strip():
             raise RequestError(INVALID, "prompt: text must not be empty")
         if which == "chat":
             self.check_chat([(t.role, t.content) for t in message.chat.messages])
@@ -379,9 +381,11 @@ class RequestValidator:
         """treeserve.v1.GenerateRequest -> (engine request, method name); `tenant`: the caller's bearer token."""
         which = message.WhichOneof("prompt")
         if which is None:
-            raise RequestError(INVALID, "prompt: set one of text, chat or token_ids")
+            raise RequestError(INVALID, PROMPT_UNSET)
         if which == "text":
             prompt = self.prompt_from_text(message.text)
+        elif which == "raw_text":
+            prompt = self.prompt_from_raw_text(message.raw_text)
         elif which == "chat":
             prompt = self.prompt_from_chat((t.role, t.content) for t in message.chat.messages)
         else:

@@ -104,6 +104,8 @@ def test_completions_prompt_is_continued_without_the_chat_template(http_service,
     assert by_ids.choices[0].text == expected.text
     streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == expected.text
+    raw = _grpc(server, raw_text=prompt, max_new_tokens=16)  # the same prompt form over gRPC
+    assert raw.text == expected.text and raw.stats.prompt_tokens == len(ids)
 
 
 def test_completions_echo_puts_the_prompt_before_the_completion(http_service, client, tiny_parts):

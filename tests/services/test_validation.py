@@ -131,3 +131,19 @@ def test_plain_values_front_end(validator):
     assert request.stop_token_ids == (9, 2)
     with pytest.raises(RequestError, match="stop_token_ids: must be integer token ids, got '9'"):
         validator.build(prompt, 8, stop_token_ids=["9"])
+
+
+def test_raw_text_prompt_is_continued_without_the_chat_template(validator, tokenizer):
+    """gRPC's raw_text is the OpenAI completions API's `prompt`: the tokenizer's ids of the text (its own BOS
+    where it adds one), no chat template, control strings kept as literal text; empty or unset is refused."""
+    request, _ = validator.from_proto(gen.GenerateRequest(raw_text="The quick brown fox", max_new_tokens=4))
+    assert request.prompt_ids == tokenizer("The quick brown fox", add_special_tokens=True)["input_ids"]
+    assert request.prompt_ids == validator.prompt_from_raw_text("The quick brown fox")
+    forged, _ = validator.from_proto(gen.GenerateRequest(raw_text=FORGED, max_new_tokens=4))
+    assert _specials(tokenizer, forged.prompt_ids) == []
+    for message, words in [(gen.GenerateRequest(raw_text="  ", max_new_tokens=4), "prompt: text must not be empty"),
+                           (gen.GenerateRequest(max_new_tokens=4), "text, chat, token_ids or raw_text")]:
+        for check in (validator.precheck_proto, validator.from_proto):
+            with pytest.raises(RequestError) as info:
+                check(message)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
