@@ -90,10 +90,16 @@ Placement. Every replica asks for a custom Ray resource that only the pods meant
   TreeServeDrafter: 1 per target pod with placement.drafter=targetWorkers, draftersPerPod per drafter pod
   TreeServeRouter: routersPerPod per pod of placement.router's group
 */}}
-{{- define "treeserve.drafterOnTarget" -}}{{ if eq .Values.placement.drafter "targetWorkers" }}true{{ end }}{{- end }}
+{{- /* A drafter model is configured: drafter.path "none", or no drafter section at all (`drafter: null`), means
+copy-from-context drafting alone, in the Router (services/config DrafterConfig.has_model): no Drafter deployment,
+and no pod, GPU, CPU or Ray resource is set aside for one. */}}
+{{- define "treeserve.hasDrafter" -}}{{ with .Values.drafter }}{{ if ne (toString .path) "none" }}true{{ end }}{{ end }}{{- end }}
+{{- define "treeserve.drafterOnTarget" -}}{{ if and (include "treeserve.hasDrafter" .) (eq .Values.placement.drafter "targetWorkers") }}true{{ end }}{{- end }}
+{{- define "treeserve.drafterOnDrafterWorkers" -}}{{ if and (include "treeserve.hasDrafter" .) (eq .Values.placement.drafter "drafterWorkers") }}true{{ end }}{{- end }}
 {{- define "treeserve.routerOnTarget" -}}{{ if eq .Values.placement.router "targetWorkers" }}true{{ end }}{{- end }}
+{{- /* The drafterWorkers group exists when something is placed there: drafters, routers or both. */}}
 {{- define "treeserve.drafterGroupEnabled" -}}
-{{- if or (eq .Values.placement.drafter "drafterWorkers") (eq .Values.placement.router "drafterWorkers") }}true{{ end }}
+{{- if or (include "treeserve.drafterOnDrafterWorkers" .) (eq .Values.placement.router "drafterWorkers") }}true{{ end }}
 {{- end }}
 {{- define "treeserve.routerGroup" -}}{{ ternary "target" "drafter" (eq .Values.placement.router "targetWorkers") }}{{- end }}
 
@@ -117,10 +123,10 @@ Placement. Every replica asks for a custom Ray resource that only the pods meant
 {{- $res := dict }}
 {{- if eq .group "target" }}
 {{- $_ := set $res "TreeServeTarget" 1 }}
-{{- if eq $v.placement.drafter "targetWorkers" }}{{ $_ := set $res "TreeServeDrafter" 1 }}{{ end }}
+{{- if include "treeserve.drafterOnTarget" .root }}{{ $_ := set $res "TreeServeDrafter" 1 }}{{ end }}
 {{- if eq $v.placement.router "targetWorkers" }}{{ $_ := set $res "TreeServeRouter" (int $v.placement.routersPerPod) }}{{ end }}
 {{- else }}
-{{- if eq $v.placement.drafter "drafterWorkers" }}{{ $_ := set $res "TreeServeDrafter" (int $v.placement.draftersPerPod) }}{{ end }}
+{{- if include "treeserve.drafterOnDrafterWorkers" .root }}{{ $_ := set $res "TreeServeDrafter" (int $v.placement.draftersPerPod) }}{{ end }}
 {{- if eq $v.placement.router "drafterWorkers" }}{{ $_ := set $res "TreeServeRouter" (int $v.placement.routersPerPod) }}{{ end }}
 {{- end }}
 {{- toJson $res }}
@@ -141,10 +147,10 @@ Placement. Every replica asks for a custom Ray resource that only the pods meant
 {{- if gt (int $v.target.tensorParallelSize) 1 }}
 {{- $m = add $m (mul (include "treeserve.millicores" $v.serve.target.cpusPerRank | int) (int $v.target.tensorParallelSize)) }}
 {{- end }}
-{{- if eq $v.placement.drafter "targetWorkers" }}{{ $m = add $m (include "treeserve.millicores" $v.serve.drafter.numCpus | int) }}{{ end }}
+{{- if include "treeserve.drafterOnTarget" .root }}{{ $m = add $m (include "treeserve.millicores" $v.serve.drafter.numCpus | int) }}{{ end }}
 {{- if eq $v.placement.router "targetWorkers" }}{{ $m = add $m (mul (include "treeserve.millicores" $v.serve.router.numCpus | int) (int $v.placement.routersPerPod)) }}{{ end }}
 {{- else }}
-{{- if eq $v.placement.drafter "drafterWorkers" }}{{ $m = add $m (mul (include "treeserve.millicores" $v.serve.drafter.numCpus | int) (int $v.placement.draftersPerPod)) }}{{ end }}
+{{- if include "treeserve.drafterOnDrafterWorkers" .root }}{{ $m = add $m (mul (include "treeserve.millicores" $v.serve.drafter.numCpus | int) (int $v.placement.draftersPerPod)) }}{{ end }}
 {{- if eq $v.placement.router "drafterWorkers" }}{{ $m = add $m (mul (include "treeserve.millicores" $v.serve.router.numCpus | int) (int $v.placement.routersPerPod)) }}{{ end }}
 {{- end }}
 {{- $m }}
@@ -165,7 +171,14 @@ replica with no pod to land on would stay pending forever).
 {{- fail (printf "target.tensorParallelSize=%d must divide target.%s=%d" $tp $key (int $heads)) }}
 {{- end }}
 {{- end }}
-{{- range $role := list "target" "drafter" }}
+{{- $drafter := include "treeserve.hasDrafter" . }}
+{{- $roles := ternary (list "target" "drafter") (list "target") (not (empty $drafter)) }}
+{{- if not $drafter }}
+{{- if not (has $v.speculation.method (list "lookup" "autoregressive")) }}
+{{- fail (printf "speculation.method=%s drafts with a drafter model, and there is none (drafter.path=none or no drafter section): use lookup (copies from the context) or autoregressive, or configure a drafter" $v.speculation.method) }}
+{{- end }}
+{{- end }}
+{{- range $role := $roles }}
 {{- $m := index $v $role }}
 {{- /* models shipped in the image: the target "default", its drafters "eagle3", "eagle", "distilled" and
 "parallel" ("default": the deprecated name of "distilled") */}}
@@ -180,9 +193,10 @@ replica with no pod to land on would stay pending forever).
 {{- fail (printf "%s.maxSessions=%d is below limits.maxBatchSize=%d: a full batch on one replica could never be scored" $role (int $m.maxSessions) (int $v.limits.maxBatchSize)) }}
 {{- end }}
 {{- end }}
-{{- /* GPUs */}}
+{{- /* GPUs (a drafter's only when there is one: without, serve.drafter and drafter.device are unused) */}}
 {{- $dg := float64 $v.serve.drafter.numGpus }}
-{{- if eq $v.drafter.device "cuda" }}
+{{- if not $drafter }}
+{{- else if eq $v.drafter.device "cuda" }}
 {{- if le $dg 0.0 }}
 {{- fail "drafter.device=cuda needs serve.drafter.numGpus > 0 (a GPU, or a share of one)" }}
 {{- end }}
@@ -217,7 +231,7 @@ replica with no pod to land on would stay pending forever).
 {{- if gt (int $v.serve.target.maxReplicas) (int $tw.maxReplicas) }}
 {{- fail (printf "serve.target.maxReplicas=%d exceeds ray.targetWorkers.maxReplicas=%d: each target replica needs a target pod of its own" (int $v.serve.target.maxReplicas) (int $tw.maxReplicas)) }}
 {{- end }}
-{{- range $d := list "drafter" "router" }}
+{{- range $d := ternary (list "drafter" "router") (list "router") (not (empty $drafter)) }}
 {{- $where := index $v.placement $d }}
 {{- $pods := int (index $v.ray $where).maxReplicas }}
 {{- $per := ternary 1 (int (index $v.placement (printf "%ssPerPod" $d))) (and (eq $d "drafter") (eq $where "targetWorkers")) }}
@@ -377,7 +391,11 @@ applications:
       target:
         {{- include "treeserve.modelArgs" (dict "m" $v.target "target" true) | nindent 8 }}
       drafter:
+        {{- if include "treeserve.hasDrafter" . }}
         {{- include "treeserve.modelArgs" (dict "m" $v.drafter "target" false) | nindent 8 }}
+        {{- else }}
+        path: none
+        {{- end }}
       speculation:
         method: {{ $v.speculation.method }}
         budget: {{ if eq (toString $v.speculation.budget) "auto" }}auto{{ else }}{{ int $v.speculation.budget }}{{ end }}
@@ -398,6 +416,7 @@ applications:
         port: {{ int $v.api.port }}
         max_request_bytes: {{ int64 $v.api.maxRequestBytes }}
         enable_reflection: {{ $v.api.enableReflection }}
+        generation_config: {{ $v.api.generationConfig }}
         {{- if $v.api.httpPort }}
         http_port: {{ int $v.api.httpPort }}
         {{- end }}
@@ -415,7 +434,9 @@ applications:
         allow_insecure: {{ and (not $v.security.tls.enabled) $v.security.allowInsecure }}
     deployments:
       {{- include "treeserve.deployment" (dict "name" "Router" "d" $v.serve.router "gpus" 0 "policy" "treeserve.services.app:router_autoscaling_policy" "resources" (dict "TreeServeRouter" 1)) | nindent 6 }}
+      {{- if include "treeserve.hasDrafter" . }}
       {{- include "treeserve.deployment" (dict "name" "Drafter" "d" $v.serve.drafter "gpus" (ternary $v.serve.drafter.numGpus 0 (eq $v.drafter.device "cuda")) "policy" "treeserve.services.app:session_autoscaling_policy" "resources" (dict "TreeServeDrafter" 1)) | nindent 6 }}
+      {{- end }}
       {{- if gt $tp 1 }}
       {{- include "treeserve.deployment" (dict "name" "Target" "d" $v.serve.target "gpus" 0 "policy" "treeserve.services.app:session_autoscaling_policy") | nindent 6 }}
         # A coordinator bundle (the pod's target slot) plus one bundle per TP rank, packed on one node (NCCL
