@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from treeserve.engine.requests import MAX_TOP_LOGPROBS
 from .openai_models import ChatCompletionBody, CommonBody, CompletionBody, field_at
-from .validation import OutputOptions, SamplingDefaults
+from .validation import ROLE_ALIASES, OutputOptions, SamplingDefaults
 
 log = logging.getLogger("treeserve.api")
 
@@ -38,7 +38,6 @@ STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
 }
 TOO_LARGE = (413, "invalid_request_error")
-ROLE_ALIASES = {"developer": "system"}
 # The validator's messages name the gRPC API's fields; the OpenAI field each one is.
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
                "sampling.top_k": "top_k", "stop_strings": "stop", "speculation.method": "treeserve.method",

@@ -40,6 +40,7 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_CHOICES = 16  # n: completions of one request, each a request of its own in the batch
 MAX_CACHE_SALT_CHARS = 256
 ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name of the system role (both APIs take it)
 PROMPT_UNSET = "prompt: set one of text, chat, token_ids or raw_text"
 # Characters per token far above any tokenizer's: text longer than this many characters per allowed token is
 # refused before it is tokenised (tokenising megabytes costs the router seconds).
@@ -350,7 +351,7 @@ class RequestValidator:
         if which in ("text", "raw_text") and not getattr(message, which).strip():
             raise RequestError(INVALID, "prompt: text must not be empty")
         if which == "chat":
-            self.check_chat([(t.role, t.content) for t in message.chat.messages])
+            self.check_chat(proto_turns(message.chat))
         if which == "token_ids":
             self.prompt_from_ids(message.token_ids.ids)
         self.fields(message.max_new_tokens, *self._proto_fields(message))
@@ -387,12 +388,17 @@ class RequestValidator:
         elif which == "raw_text":
             prompt = self.prompt_from_raw_text(message.raw_text)
         elif which == "chat":
-            prompt = self.prompt_from_chat((t.role, t.content) for t in message.chat.messages)
+            prompt = self.prompt_from_chat(proto_turns(message.chat))
         else:
             prompt = self.prompt_from_ids(message.token_ids.ids)
         temperature, top_p, top_k, stops, method, budget, stop_ids, options = self._proto_fields(message)
         return self.build(prompt, message.max_new_tokens, temperature, top_p, top_k, stops, message.sampling.seed or None,
                           method, budget, stop_ids, options, cache_scope(tenant, message.cache_salt))
+
+
+def proto_turns(chat) -> list[tuple[str, str]]:
+    """ChatMessages -> (role, content) turns, OpenAI's role aliases read as the roles they name."""
+    return [(ROLE_ALIASES.get(t.role, t.role), t.content) for t in chat.messages]
 
 
 def _method_names() -> dict[int, str]:

@@ -83,7 +83,7 @@ def test_a_malformed_completions_field_is_named(body, param, words):
     ("tools", [{"type": "function", "function": {"name": "f"}}], True), ("tool_choice", "auto", True),
     ("functions", [{"name": "f"}], True), ("function_call", "auto", True), ("echo", True, True),
     ("audio", {"voice": "x"}, True), ("modalities", ["text", "audio"], True),
-    ("response_format", {"type": "json_object"}, True), ("prediction", {"type": "content", "content": "x"}, True),
+    ("response_format", {"type": "json_object"}, True),
     ("suffix", "end", False), ("best_of", 2, False), ("response_format", {"type": "json_object"}, False),
 ])
 def test_unimplemented_fields_are_refused_by_name_unless_neutral(name, value, chat):

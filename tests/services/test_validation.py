@@ -147,3 +147,14 @@ def test_raw_text_prompt_is_continued_without_the_chat_template(validator, token
             with pytest.raises(RequestError) as info:
                 check(message)
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
+
+
+def test_developer_role_reads_as_system_in_both_apis(validator):
+    """OpenAI's "developer" role is its newer name of "system": gRPC chat takes it as the OpenAI API does."""
+    def chat(role):
+        return gen.GenerateRequest(chat=gen.ChatMessages(messages=[gen.ChatMessage(role=role, content="be terse"),
+                                                                   gen.ChatMessage(role="user", content="hi")]),
+                                   max_new_tokens=4)
+
+    validator.precheck_proto(chat("developer"))
+    assert validator.from_proto(chat("developer"))[0].prompt_ids == validator.from_proto(chat("system"))[0].prompt_ids
