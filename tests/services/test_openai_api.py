@@ -169,6 +169,10 @@ def test_models_and_health(http_service, client):
     (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids", "must lie in [0, "),
     (dict(extra_body={"stop_token_ids": [1] * 65}), "stop_token_ids", "at most 64"),
     (dict(extra_body={"stop_token_ids": "2"}), "stop_token_ids", "list of integer token ids"),
+    (dict(temperature="0.5"), "temperature", "must be a number"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]),
+     "messages[0].content", "other part types are not supported"),
+    (dict(extra_body={"treeserve": {"depth": 3}}), "treeserve", "unknown field 'depth'"),
 ])
 def test_invalid_requests_get_400_with_the_grpc_message(client, kw, param, words):
     request = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
@@ -179,6 +183,14 @@ def test_invalid_requests_get_400_with_the_grpc_message(client, kw, param, words
     assert info.value.status_code == 400 and words in error["message"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert error["code"] == "invalid_argument"
+
+
+def test_unknown_fields_are_ignored(client):
+    """As OpenAI's and vLLM's servers do: a field this server does not know changes nothing."""
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    assert client.chat.completions.create(**kw, extra_body={"reasoning_effort_x": "high", "metadata": {"a": "b"}}) \
+        .choices[0].message.content == plain
 
 
 def test_unknown_model_404_and_bad_json_400(http_service, client):
