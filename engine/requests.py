@@ -6,6 +6,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+from .grammar.spec import Grammar
 from .tree_config import TreeConfig
 
 
@@ -113,6 +114,7 @@ class GenerationRequest:
     tree: TreeConfig | None = None  # per-request override of the engine's tree method
     stop_token_ids: tuple[int, ...] = ()  # stop tokens beside the model's EOS ids (vLLM's stop_token_ids)
     processors: LogitsProcessors = LogitsProcessors()  # penalties, biases, min_tokens (engine/processors.py)
+    grammar: Grammar | None = None  # structured output: the output follows it, then a stop token (engine/grammar/)
     ignore_eos: bool = False  # the model's EOS ids do not stop it (stop_token_ids still do)
     # None: no log-probabilities; k in 0..MAX_TOP_LOGPROBS: each emitted token's and its k most likely alternatives'
     logprobs: int | None = None

@@ -26,6 +26,8 @@ import torch
 
 from .builders import make_builder
 from .drafters.base import AUTOREGRESSIVE, Drafted, Drafter, DraftRequest, batch_size_bucket, root_only
+from .grammar.compiler import GrammarCompiler
+from .grammar.spec import Grammar
 from .models.loading import chat_ids, model_eos_ids
 from .requests import FinishReason, GenerationRequest, GenerationResult, LogitsProcessors, StepRecord, TokenLogprob
 from .runners.target import ScoreRequest
@@ -67,6 +69,8 @@ class Sequence:
     finish: FinishReason | None = None
     # the request's penalties and biases with its prompt length and stop ids filled in; None when it sets none
     processors: LogitsProcessors | None = None
+    # the request's grammar with its prompt length and stop ids filled in; None when it has none
+    grammar: Grammar | None = None
     logprobs: list[TokenLogprob] | None = None  # one per emitted token when the request asked for them
     cached_tokens: int = 0  # context tokens the target took from its prefix cache (each time it began the session)
     started: float = field(default_factory=time.perf_counter)
@@ -94,6 +98,8 @@ class SpeculativeEngine:
             raise ValueError(f"prefill_chunk_tokens must be >= 1 (or None: off), got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.eos_ids = frozenset(model_eos_ids(tokenizer, None)) | frozenset(eos_token_ids)
+        # Compiles a request's grammar to refuse a bad one before any model work (the target compiles its own)
+        self.grammars = GrammarCompiler(tokenizer, target.vocab_size)
         # An EAGLE drafter reads the target's features of the committed context: the target returns them
         # with its scores and each sequence keeps those of its accepted path.
         self.carries_features = drafter is not None and drafter.feature_needs.reads
@@ -135,6 +141,11 @@ class SpeculativeEngine:
             raise ValueError(f"tree method {method!r} needs a drafter")
         if request.tree is not None and request.tree.method != AUTOREGRESSIVE:
             make_builder(request.tree)  # validates the per-request tree parameters
+        if request.grammar is not None:
+            if request.ignore_eos and not request.stop_token_ids:
+                raise ValueError("a grammar needs a stop token to end on: ignore_eos without stop_token_ids "
+                                 "leaves none")
+            self.grammars.compile(request.grammar)  # ValueError naming what is wrong with it
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         for r in requests:
@@ -228,6 +239,7 @@ class SpeculativeEngine:
         seed = None if s.request.sampling.is_greedy else int(torch.randint(2 ** 62, (1,), generator=s.generator))
         return ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
                             want_features=self.carries_features, verify_seed=seed, processors=s.processors,
+                            grammar=s.grammar,
                             logprobs=s.request.logprobs, processed_logprobs=s.request.processed_logprobs,
                             cache_scope=s.request.cache_scope,
                             prefill_chunk=chunk if not s.steps else None)
@@ -269,9 +281,11 @@ class SpeculativeEngine:
         stop_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else self.eos_ids)
         processors = replace(request.processors, prompt_tokens=len(request.prompt_ids),
                              stop_ids=tuple(sorted(stop_ids)))
+        grammar = (replace(request.grammar, prompt_tokens=len(request.prompt_ids), stop_ids=tuple(sorted(stop_ids)))
+                   if request.grammar is not None else None)
         return Sequence(request=request, session_id=f"local-{next(_session_ids)}", context=list(request.prompt_ids),
                         generator=generator, tree=request.tree or self.tree, seed=seed, stop_ids=stop_ids,
-                        processors=processors if processors.active else None,
+                        processors=processors if processors.active else None, grammar=grammar,
                         logprobs=[] if request.logprobs is not None else None)
 
     def _emit(self, s: Sequence, tokens: list[int]) -> None:

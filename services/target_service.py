@@ -147,7 +147,7 @@ def load_target_from_config(config) -> ServedTarget:
     limit_gpu_memory(target.device, target.gpu_memory_fraction)
     loaded = load_causal_lm(target.path, target.device, dtype)
     runner = TargetRunner(loaded.model, target.device, dtype, max_sessions=sessions, feature_layers=feature_layers,
-                          static=static)
+                          static=static, tokenizer=loaded.tokenizer)
     runner.lm.bound(sessions, target.max_context_tokens, target.kv())
     runner.lm.warm_up()
     return runner

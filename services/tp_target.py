@@ -144,9 +144,11 @@ class _Rank:
                                 timeout=timedelta(seconds=timeout_s))
         mesh = DeviceMesh(dev.type, list(range(self.world_size)))
         init_s = time.perf_counter() - start
-        model, _, info = load_tp_shard(model_dir, mesh, dev, dtype, from_slices=from_slices)
-        # Each rank replays its own graphs, the all-reduces inside them (as vLLM captures NCCL collectives).
-        self.runner = TargetRunner(model, dev, dtype, max_sessions, feature_layers=feature_layers, static=static)
+        model, tokenizer, info = load_tp_shard(model_dir, mesh, dev, dtype, from_slices=from_slices)
+        # Each rank replays its own graphs, the all-reduces inside them (as vLLM captures NCCL collectives); each
+        # masks a grammar's requests as rank 0 does (the same logits on every rank, the same collectives after).
+        self.runner = TargetRunner(model, dev, dtype, max_sessions, feature_layers=feature_layers, static=static,
+                                   tokenizer=tokenizer)
         if max_context_tokens is not None:  # the bounded KV pool, allocated now (every rank at once: collectives)
             self.runner.lm.bound(max_sessions, max_context_tokens, kv)
             self.runner.lm.warm_up()

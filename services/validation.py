@@ -25,6 +25,7 @@ import grpc
 
 from treeserve.engine.chat_templates import chat_prompt_ids, special_token_strings  # noqa: F401 (re-exported)
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
+from treeserve.engine.grammar.spec import Grammar, GrammarKind
 from treeserve.engine.methods import LOOKUP, split_method, with_lookup
 from treeserve.engine.requests import (LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE, REPETITION_RANGE,
                                        GenerationRequest, LogitsProcessors, SamplingParams)
@@ -136,6 +137,7 @@ class OutputOptions:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's and its k most likely alternatives'
     processed_logprobs: bool = False  # of the processed, warped distribution instead of the raw model's
+    grammar: Grammar | None = None  # structured output (compiled, so checked, by the engine's `validate`)
 
 
 class RequestValidator:
@@ -307,7 +309,7 @@ class RequestValidator:
                                     stop_strings=tuple(stops), seed=seed or None, tree=tree, stop_token_ids=stop_ids,
                                     processors=processors, ignore_eos=bool(options.ignore_eos), logprobs=logprobs,
                                     processed_logprobs=bool(options.processed_logprobs),
-                                    cache_scope=scope)
+                                    cache_scope=scope, grammar=options.grammar)
         try:
             self.engine.validate(request)
         except ValueError as exc:
@@ -374,7 +376,8 @@ class RequestValidator:
                                 repetition_penalty=s.repetition_penalty or d.repetition_penalty or 1.0,
                                 logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
                                 logprobs=message.top_logprobs if message.logprobs else None,
-                                processed_logprobs=message.processed_logprobs)
+                                processed_logprobs=message.processed_logprobs,
+                                grammar=proto_grammar(message.grammar) if message.HasField("grammar") else None)
         return (temperature, s.top_p or d.top_p or 0.0, s.top_k or d.top_k or 0, list(message.stop_strings), method,
                 spec.budget_tokens, list(message.stop_token_ids), options)
 
@@ -394,6 +397,23 @@ class RequestValidator:
         temperature, top_p, top_k, stops, method, budget, stop_ids, options = self._proto_fields(message)
         return self.build(prompt, message.max_new_tokens, temperature, top_p, top_k, stops, message.sampling.seed or None,
                           method, budget, stop_ids, options, cache_scope(tenant, message.cache_salt))
+
+
+def proto_grammar(message) -> Grammar | None:
+    """A GenerateRequest's OutputGrammar -> the engine's Grammar (its source is compiled by the engine's `validate`,
+    which names what is wrong with it); INVALID_ARGUMENT for an empty form or source."""
+    which = message.WhichOneof("grammar")
+    if which is None:
+        raise RequestError(INVALID, "grammar: set one of json_schema, json_object, regex or ebnf")
+    try:
+        if which == "json_object":
+            if not message.json_object:
+                raise ValueError("json_object must be true when it is the form set")
+            return Grammar(GrammarKind.JSON_OBJECT)
+        return Grammar(GrammarKind(which), getattr(message, which),
+                       strict=message.strict if message.HasField("strict") else True)
+    except ValueError as exc:
+        raise RequestError(INVALID, f"grammar: {exc}") from None
 
 
 def proto_turns(chat) -> list[tuple[str, str]]:

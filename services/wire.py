@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from treeserve.engine.drafters.base import DraftRequest
+from treeserve.engine.grammar.spec import Grammar, GrammarKind
 from treeserve.engine.requests import LogitsProcessors, StepRecord, SamplingParams, TokenLogprob
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
@@ -181,6 +182,25 @@ def decode_processors(message: pb.LogitsProcessors) -> LogitsProcessors:
                             stop_ids=tuple(message.stop_ids))
 
 
+_GRAMMAR_KINDS = {GrammarKind.JSON_OBJECT: pb.GrammarConstraint.KIND_JSON_OBJECT,
+                  GrammarKind.JSON_SCHEMA: pb.GrammarConstraint.KIND_JSON_SCHEMA,
+                  GrammarKind.REGEX: pb.GrammarConstraint.KIND_REGEX, GrammarKind.EBNF: pb.GrammarConstraint.KIND_EBNF}
+_GRAMMAR_KINDS_BACK = {v: k for k, v in _GRAMMAR_KINDS.items()}
+
+
+def encode_grammar(g: Grammar) -> pb.GrammarConstraint:
+    return pb.GrammarConstraint(kind=_GRAMMAR_KINDS[g.kind], source=g.source, strict=g.strict,
+                                prompt_tokens=g.prompt_tokens, stop_ids=list(g.stop_ids))
+
+
+def decode_grammar(message: pb.GrammarConstraint) -> Grammar:
+    """ValueError for an unknown kind or a malformed source (from Grammar)."""
+    if message.kind not in _GRAMMAR_KINDS_BACK:
+        raise ValueError(f"grammar: unknown kind {message.kind}")
+    return Grammar(_GRAMMAR_KINDS_BACK[message.kind], message.source, message.strict, message.prompt_tokens,
+                   tuple(message.stop_ids))
+
+
 def encode_tree_config(config: TreeConfig) -> pb.TreeParams:
     # budget_tokens 0: the drafter replica's chooser picks the budget (TreeConfig.budget_auto).
     out = pb.TreeParams(method=config.method, budget_tokens=0 if config.budget_auto else config.budget,
@@ -240,6 +260,8 @@ def encode_score_item(r: ScoreRequest) -> pb.ScoreItem:
         item.verify_seed = r.verify_seed % (1 << 64)
     if r.processors is not None:
         item.processors.CopyFrom(encode_processors(r.processors))
+    if r.grammar is not None:
+        item.grammar.CopyFrom(encode_grammar(r.grammar))
     if r.logprobs is not None:
         item.logprobs = r.logprobs
     item.processed_logprobs = r.processed_logprobs
@@ -256,6 +278,7 @@ def decode_score_item(item: pb.ScoreItem) -> ScoreRequest:
                         hint(item), want_features=item.want_features,
                         verify_seed=item.verify_seed if item.HasField("verify_seed") else None,
                         processors=decode_processors(item.processors) if item.HasField("processors") else None,
+                        grammar=decode_grammar(item.grammar) if item.HasField("grammar") else None,
                         logprobs=item.logprobs if item.HasField("logprobs") else None,
                         processed_logprobs=item.processed_logprobs, cache_scope=item.cache_scope,
                         prefill_chunk=item.prefill_chunk if item.HasField("prefill_chunk") else None)
@@ -270,6 +293,7 @@ def encode_draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -
     if r.accepted_nodes is not None:
         item.has_accepted_nodes = True
         item.accepted_nodes.extend(r.accepted_nodes)
+    item.prediction.extend(r.prediction)
     if features is not None:
         item.features.CopyFrom(features)
     return item

@@ -4,8 +4,9 @@ At temperature 0 only the argmax of each node is returned. At temperature > 0 th
 request carries a `verify_seed` (the engine's requests do: the [nodes, vocab] rows stay where they were
 computed), otherwise the warped (temperature, top-k, top-p) probabilities are returned; the router never sees
 raw logits. A request's penalties and biases are applied to every node's logits from its own path first
-(engine/processors.py, docs/design.md section 5); a request that asks for log-probabilities is verified here at
-any temperature and gets its emitted tokens' raw log-probabilities with the path.
+(engine/processors.py, docs/design.md section 5), then its grammar's mask, each node's from its own matcher state
+(engine/grammar/matchers.py); a request that asks for log-probabilities is verified here at any temperature and
+gets its emitted tokens' raw log-probabilities with the path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..grammar.compiler import GrammarCompiler
+from ..grammar.matchers import GrammarSessions, apply_masks
+from ..grammar.spec import Grammar
 from ..processors import apply_processors, path_logprobs
 from ..requests import LogitsProcessors, SamplingParams
 from ..sampling import warp_probs
@@ -42,6 +46,9 @@ class ScoreRequest:
     verify_seed: int | None = None
     # Penalties and biases applied at every node from its own path before the argmax / warp (engine/processors.py)
     processors: LogitsProcessors | None = None
+    # Structured output: the grammar's mask at every node from its own matcher state, after the processors
+    # (engine/grammar/); None: unconstrained
+    grammar: Grammar | None = None
     # k in 0..20: verify here (greedy too; sampled needs verify_seed) and return the emitted tokens' raw
     # log-probabilities with their k most likely alternatives beside the path (None: none)
     logprobs: int | None = None
@@ -53,9 +60,10 @@ class TargetRunner:
 
     def __init__(self, model: torch.nn.Module, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  max_sessions: int = 256, feature_layers: tuple[int, ...] | None = None,
-                 static: StaticStepSettings | None = None):
+                 static: StaticStepSettings | None = None, tokenizer=None):
         """`feature_layers`: the hidden_states an EAGLE-3 drafter fuses (None: the final state, EAGLE-1/2);
-        `static`: run the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py)."""
+        `static`: run the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py); `tokenizer`:
+        the model's, for requests with a grammar (None: such requests are refused)."""
         self.lm = CachedLM(model, device, dtype, max_sessions, static=static, keep_features=True)
         if feature_layers is not None:
             n = model.config.num_hidden_layers
@@ -64,6 +72,8 @@ class TargetRunner:
                                  f"{n}-layer target (0..{n})")
             self.lm.feature_layers = tuple(feature_layers)
         self.vocab_size = model.config.vocab_size
+        self.grammars = (GrammarSessions(GrammarCompiler(tokenizer, self.vocab_size)) if tokenizer is not None
+                         else None)
 
     def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
         for r in requests:
@@ -86,7 +96,7 @@ class TargetRunner:
                                          hidden=any(r.want_features for r in requests))
         scored = [i for i, left in enumerate(remaining) if not left]
         dists: list[TargetDists] = [TargetDists(prefill_remaining=left) for left in remaining]
-        logits = {i: processed(outputs[i].logits, requests[i]) for i in scored}
+        logits = {i: self.processed(outputs[i].logits, requests[i]) for i in scored}
         for i, d in zip(scored, to_target_dists_batch([logits[i] for i in scored],
                                                       [requests[i].sampling for i in scored])):
             # log-probabilities: the raw logits', or the processed ones' (warped in verify_here) when asked
@@ -94,7 +104,21 @@ class TargetRunner:
         return [replace(d, cached_tokens=n, **_features(out.hidden, start, prefix) if r.want_features else {})
                 for d, out, r, start, n, prefix in zip(dists, outputs, requests, starts, cached, prefixes)]
 
+    def processed(self, logits: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
+        """A request's node logits with its penalties and biases applied, then its grammar's mask (the logits
+        themselves when it has neither)."""
+        out = processed(logits, request)
+        if request.grammar is None:
+            return out
+        if self.grammars is None:
+            raise ValueError(f"session {request.session_id}: this target was loaded without its tokenizer and "
+                             "cannot apply a grammar")
+        return apply_masks(out, self.grammars.tree_masks(request.session_id, request.grammar, request.context,
+                                                         request.tree))
+
     def release(self, session_id: str) -> bool:
+        if self.grammars is not None:
+            self.grammars.release(session_id)
         return self.lm.release(session_id)
 
 

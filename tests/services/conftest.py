@@ -38,7 +38,8 @@ class TinyParts:
 
         vocab = self.target.model.config.vocab_size
         drafter = LocalDrafter(DrafterRunner(self.drafter_model, vocab))
-        return SpeculativeEngine(TargetRunner(self.target.model), drafter, self.target.tokenizer,
+        return SpeculativeEngine(TargetRunner(self.target.model, tokenizer=self.target.tokenizer), drafter,
+                                 self.target.tokenizer,
                                  tree_config(method, budget), max_context_tokens)
 
 
