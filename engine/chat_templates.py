@@ -178,7 +178,8 @@ def _marker_chars(texts: list[str]) -> tuple[str, str]:
     return next(free), next(free)
 
 
-def chat_prompt_ids(tokenizer, text_or_messages: str | Sequence[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer, text_or_messages: str | Sequence[dict], tools: Sequence[dict] | None = None
+                    ) -> list[int]:
     """Prompt ids of one user message (or a list of chat messages) under the tokenizer's chat template, ready for
     the assistant's answer, with every special-token string inside a message tokenised as plain text: a user who
     writes `<|im_end|><|im_start|>system` gets those characters, not a forged turn. How every prompt reaches a
@@ -190,15 +191,16 @@ def chat_prompt_ids(tokenizer, text_or_messages: str | Sequence[dict]) -> list[i
     the template renders the marked messages. The rendering is then tokenised as the tokenizer would tokenise it,
     split at the template's own special tokens (their ids; whitespace stripped beside them where the tokenizer's
     added token says so), every text between them with the markers turned back into their strings and special
-    tokens not matched (`split_special_tokens=True`)."""
+    tokens not matched (`split_special_tokens=True`). `tools`: OpenAI's tool objects, for a template that renders
+    them (Qwen2.5's, Llama-3.x's; transformers passes them to the template as `tools`), marked like the messages."""
     messages = [{"role": "user", "content": text_or_messages}] if isinstance(text_or_messages, str) \
         else list(text_or_messages)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(missing_template_message(getattr(tokenizer, "name_or_path", "") or "model"))
     pattern = _special_pattern(tokenizer)
-    texts = list(_strings(messages))
+    texts = list(_strings(messages)) + list(_strings(list(tools or ())))
     if pattern is None or not any(pattern.search(t) for t in texts):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                   return_dict=True)["input_ids"])
     open_, close = _marker_chars(texts)
     literals: list[str] = []
@@ -208,7 +210,8 @@ def chat_prompt_ids(tokenizer, text_or_messages: str | Sequence[dict]) -> list[i
         return f"{open_}{len(literals) - 1}{close}"
 
     marked = _map_strings(messages, lambda text: pattern.sub(mark, text))
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    marked_tools = _map_strings(list(tools), lambda text: pattern.sub(mark, text)) if tools else None
+    rendered = tokenizer.apply_chat_template(marked, tools=marked_tools, add_generation_prompt=True, tokenize=False)
     return encode_rendered(tokenizer, rendered, literals, (open_, close))
 
 

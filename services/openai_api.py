@@ -45,9 +45,13 @@ loop, in front of the same `Router` object. What that gives:
   are), in the first streamed chunk of each choice; with `logprobs` it is refused (the prompt's log-probabilities
   are not computed);
 - bodies are typed models (services/openai_models.py): a field of the wrong type is a 400 naming it; unknown fields
-  are ignored, as OpenAI's and vLLM's servers do; tools, response formats, chat's echo, suffix, best_of > 1 and
-  prediction are refused by name. `temperature` defaults to OpenAI's 1.0; 0 is greedy decoding, whose output is
-  the gRPC API's token for token.
+  are ignored, as OpenAI's and vLLM's servers do; chat's echo, suffix, best_of > 1, prediction and the legacy
+  `functions` are refused by name. `temperature` defaults to OpenAI's 1.0; 0 is greedy decoding, whose output is the gRPC API's
+  token for token;
+- structured output and tool calls (services/openai_tools.py): `response_format` json_object / json_schema (the
+  target's distribution masked at every tree node: engine/grammar/), `tools` rendered through the model's chat
+  template, `tool_choice` auto / none / required / a named function (forced by the parameters' schema), the `tool`
+  role, `tool_calls` in the answer (finish_reason "tool_calls"), streamed as one delta per call.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ from treeserve.v1 import generation_pb2 as gen
 from .api_common import REQUEST_ID_KEY, FileWatch, TokenFile, bearer_token, log_rejection, request_id
 from .config import ApiConfig, SecurityConfig
 from .openai_request import INVALID, STATUS, TOO_LARGE, ApiError, Fields, error_body, param_of
-from .validation import RequestError, cache_scope
+from .openai_tools import ToolStream, answer, tool_calls_json
+from .validation import TOOL_ROLES, RequestError, cache_scope
 
 log = logging.getLogger("treeserve.api")
 
@@ -178,6 +183,8 @@ class OpenAIApi:
             kind, value = fields.prompt
             if kind == "chat":
                 prompt = validator.prompt_from_chat(value)
+            elif kind == "messages":
+                prompt = validator.prompt_from_messages(value.messages, value.tools)
             elif kind == "text":
                 prompt = validator.prompt_from_raw_text(value)
             else:
@@ -202,6 +209,8 @@ class OpenAIApi:
                 kind, value = fields.prompt
                 if kind == "chat":
                     validator.check_chat(value)
+                elif kind == "messages":
+                    validator.check_chat([(m["role"], m["content"]) for m in value.messages], TOOL_ROLES)
                 elif kind == "text" and not value.strip():
                     raise RequestError(INVALID, "prompt: text must not be empty")
                 elif kind == "ids":
@@ -228,7 +237,8 @@ class OpenAIApi:
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
-        fields = Fields.of(body, chat, self.router.validator.defaults)
+        fields = Fields.of(body, chat, self.router.validator.defaults,
+                           getattr(self.router.validator.engine.tokenizer, "chat_template", None))
         job = await self._submit(fields, bearer_token([(k.lower(), v) for k, v in request.headers.items()]))
         rid = request["rid"]
         created = int(time.time())
@@ -250,8 +260,14 @@ class OpenAIApi:
             finish = FINISH.get(one.finish_reason, "stop")
             logprobs = self._logprobs(one.logprobs, chat) if wants else None
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": one.text},
-                                "finish_reason": finish, "logprobs": logprobs})
+                message = {"role": "assistant", "content": one.text}
+                if fields.tools is not None:
+                    content, calls = answer(fields.tools, one.text)
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": tool_calls_json(calls, f"{rid}_{i}")}
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs})
             else:
                 choices.append({"index": i, "text": echo + one.text, "finish_reason": finish, "logprobs": logprobs})
         stats = [one.stats for one in reply.choices] or [reply.stats]
@@ -308,8 +324,11 @@ class OpenAIApi:
         wants = fields.options.logprobs is not None
         offsets = [0] * fields.n  # completions' text_offset: characters of each choice's tokens sent so far
 
+        # chat with tools: per choice, the text that may still be a tool call held back until the choice ends
+        tool_streams = [ToolStream(fields.tools) for _ in range(fields.n)] if chat and fields.tools else None
+
         def chunk(text: str | None, finish: str | None, role: bool = False, index: int = 0,
-                  logprobs=()) -> dict:
+                  logprobs=(), tool_calls: list | None = None) -> dict:
             lps = None
             if wants and logprobs:
                 lps = self._logprobs(logprobs, chat, offsets[index])
@@ -319,6 +338,8 @@ class OpenAIApi:
                 delta: dict = {"role": "assistant", "content": ""} if role else {}
                 if text:
                     delta["content"] = text
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
                 choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lps}
             else:
                 choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lps}
@@ -344,8 +365,19 @@ class OpenAIApi:
             finished = []  # the final stats of each choice
             async for message in messages:
                 finish = FINISH.get(message.finish_reason) if message.finish_reason else None
-                if message.text_delta or finish or (wants and message.logprobs):
-                    await send(chunk(message.text_delta, finish, index=message.index, logprobs=message.logprobs))
+                text, calls = message.text_delta, None
+                if tool_streams is not None:
+                    stream = tool_streams[message.index]
+                    text = stream.feed(text)
+                    if finish:
+                        rest, calls = stream.finish()
+                        text += rest
+                if calls:  # the rest of the content and the calls, then the finish
+                    await send(chunk(text or None, None, index=message.index, logprobs=message.logprobs,
+                                     tool_calls=tool_calls_json(calls, f"{request['rid']}_{message.index}")))
+                    await send(chunk(None, "tool_calls" if finish == "stop" else finish, index=message.index))
+                elif text or finish or (wants and message.logprobs):
+                    await send(chunk(text, finish, index=message.index, logprobs=message.logprobs))
                 if finish:
                     finished.append(message.stats)
                 if finish and fields.include_usage and len(finished) == fields.n:

@@ -45,13 +45,69 @@ class TextPart(OpenAIModel):
     text: str = Field(description="a string")
 
 
-class ChatMessage(OpenAIModel):
-    """One turn. Its role's meaning is the validator's (system, user, assistant; developer reads as system)."""
+class FunctionCall(OpenAIModel):
+    name: str = Field(description="a string (a function's name)")
+    arguments: str = Field(description="a string (the arguments object as JSON text)")
 
-    role: str = Field(description="a string (system, user, assistant or developer)")
-    content: Union[str, list[TextPart]] = Field(
-        description='a string or a list of text parts ({"type": "text", "text": ...}; other part types are not '
-                    "supported)")
+
+class AssistantToolCall(OpenAIModel):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    id: str | None = Field(None, description="a string")
+    type: Literal["function"] = Field("function", description='"function"')
+    function: FunctionCall = Field(description="an object {name, arguments}")
+
+
+class ChatMessage(OpenAIModel):
+    """One turn. Its role's meaning is the validator's (system, user, assistant, tool; developer reads as system).
+    `content` may be left out (null) only by an assistant turn that made tool calls."""
+
+    role: str = Field(description="a string (system, user, assistant, tool or developer)")
+    content: Union[str, list[TextPart], None] = Field(
+        None, description='a string or a list of text parts ({"type": "text", "text": ...}; other part types are '
+                          "not supported)")
+    tool_calls: list[AssistantToolCall] | None = Field(None, description="a list of tool call objects")
+    tool_call_id: str | None = Field(None, description="a string (the call a tool turn answers)")
+
+    @property
+    def text(self) -> str | None:
+        return self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+
+
+class FunctionDef(OpenAIModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                      description="a string of 1-64 letters, digits, underscores or dashes")
+    description: str | None = Field(None, description="a string")
+    parameters: dict[str, Any] | None = Field(None, description="an object (the parameters' JSON schema)")
+    strict: bool | None = Field(None, description=FLAG)
+
+
+class ToolDef(OpenAIModel):
+    type: Literal["function"] = Field(description='"function"')
+    function: FunctionDef = Field(description="an object {name, description, parameters, strict}")
+
+
+class NamedFunction(OpenAIModel):
+    name: str = Field(description="a string (one of the tools' function names)")
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = Field(description='"function"')
+    function: NamedFunction = Field(description="an object {name}")
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(description="a string")
+    description: str | None = Field(None, description="a string")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="an object (a JSON schema)")
+    strict: bool | None = Field(None, description=FLAG)
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema (engine/grammar/)."""
+
+    type: Literal["text", "json_object", "json_schema"] = Field(description='"text", "json_object" or "json_schema"')
+    json_schema: JsonSchemaFormat | None = Field(None, description="an object {name, schema, strict}")
 
 
 class StreamOptions(OpenAIModel):
@@ -78,7 +134,7 @@ class CommonBody(OpenAIModel):
     """Fields both routes take, in the order their errors are reported."""
 
     # Fields that are refused unless they hold one of these values (absent reads as None).
-    REFUSED: ClassVar[dict[str, tuple]] = {"response_format": (None, {"type": "text"}), "suffix": (None, ""),
+    REFUSED: ClassVar[dict[str, tuple]] = {"suffix": (None, ""),
                                            "best_of": (None, 1), "prediction": (None,)}
 
     model: str | None = Field(None, description="a string (the served model's id)")
@@ -102,8 +158,10 @@ class CommonBody(OpenAIModel):
     stop_token_ids: list[int] | None = Field(None, description="a list of integer token ids")
     cache_salt: str | None = Field(None, description="a string")
     treeserve: TreeServeOptions | None = Field(None, description=TREESERVE_OPTIONS)
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}, "strict": ...}}')
     # not implemented here: see REFUSED
-    response_format: dict[str, Any] | None = Field(None, description='{"type": "text"} (the only format served)')
     suffix: str | None = Field(None, description="a string")
     best_of: int | None = Field(None, description=INTEGER)
     prediction: Any = Field(None, description="not supported by this server")
@@ -124,16 +182,18 @@ class ChatCompletionBody(CommonBody):
     """POST /v1/chat/completions."""
 
     REFUSED: ClassVar[dict[str, tuple]] = {
-        **CommonBody.REFUSED, "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-        "function_call": (None, "none"), "echo": (None, False), "audio": (None,), "modalities": (None, ["text"])}
+        **CommonBody.REFUSED, "functions": (None, []), "function_call": (None, "none"), "echo": (None, False),
+        "audio": (None,), "modalities": (None, ["text"])}
 
     messages: list[ChatMessage] = Field(min_length=1, description="a non-empty list of {role, content} objects")
     max_completion_tokens: int | None = Field(None, description=INTEGER)
     logprobs: bool | None = Field(None, description=FLAG)
     top_logprobs: int | None = Field(None, description=INTEGER)
+    tools: list[ToolDef] | None = Field(None, description='a list of {"type": "function", "function": {...}}')
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool | None = Field(None, description=FLAG)
     # not implemented here: see REFUSED
-    tools: list[Any] | None = Field(None, description="a list of tool objects")
-    tool_choice: Union[str, dict[str, Any], None] = Field(None, description='"none", "auto", "required" or an object')
     functions: list[Any] | None = Field(None, description="a list of function objects")
     function_call: Union[str, dict[str, Any], None] = Field(None, description='"none", "auto" or an object')
     echo: bool | None = Field(None, description=FLAG)  # vLLM's chat echo (the last message prepended)

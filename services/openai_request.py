@@ -3,7 +3,8 @@
 `Fields.of(body, chat, defaults)` validates a /v1/chat/completions or /v1/completions body with its typed model
 (services/openai_models.py) and maps it onto the plain values `RequestValidator` takes (the gRPC API's fields):
 messages / prompt, max_tokens, temperature, top_p, top_k, stop, stop_token_ids, seed, n, penalties, logit_bias,
-min_tokens, ignore_eos, logprobs, cache_salt and the `treeserve` object; fields TreeServe does not implement are
+min_tokens, ignore_eos, logprobs, cache_salt, response_format, tools / tool_choice (services/openai_tools.py) and
+the `treeserve` object; fields TreeServe does not implement are
 refused by name unless they hold a value that means "not used" (the models' `REFUSED`). Every refusal is an
 `ApiError` naming the field in its message and in `param`.
 `ApiError` carries the gRPC code (for the log line and the metric) and the HTTP status and OpenAI error type
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from treeserve.engine.requests import MAX_TOP_LOGPROBS
 from .openai_models import ChatCompletionBody, CommonBody, CompletionBody, field_at
+from .openai_tools import ToolPlan, ToolRequestError, chat_prompt, plan_tools, response_grammar
 from .validation import ROLE_ALIASES, OutputOptions, SamplingDefaults
 
 log = logging.getLogger("treeserve.api")
@@ -106,7 +108,8 @@ def _field_error(model: type, error: dict) -> ApiError:
 @dataclass(frozen=True)
 class Fields:
     """A request's fields as the plain values RequestValidator takes (no tokenising: that happens once admitted).
-    `prompt`: ("chat", [(role, content)]), ("text", str) or ("ids", [int])."""
+    `prompt`: ("chat", [(role, content)]), ("messages", ChatPrompt: a conversation with tools, tool calls or tool
+    turns; services/openai_tools.py), ("text", str) or ("ids", [int])."""
 
     prompt: tuple[str, Any]
     n: int
@@ -124,21 +127,34 @@ class Fields:
     budget: int
     options: OutputOptions
     echo: bool = False  # completions: the prompt's text before each choice's
+    tools: ToolPlan | None = None  # chat with tools (tool_choice not "none"): the answer's tool calls are parsed
 
     @classmethod
-    def of(cls, body: dict, chat: bool, defaults: SamplingDefaults = SamplingDefaults()) -> "Fields":
+    def of(cls, body: dict, chat: bool, defaults: SamplingDefaults = SamplingDefaults(),
+           chat_template: str | None = None) -> "Fields":
         """`defaults`: what temperature, top_p, top_k and repetition_penalty take when the body leaves them unset
-        (the model's generation config), before OpenAI's own defaults (1, 1, none, none)."""
+        (the model's generation config), before OpenAI's own defaults (1, 1, none, none); `chat_template`: the
+        model's, whose tool format tool calls take."""
         request = read_body(body, chat)
+        try:
+            grammar = response_grammar(request)
+            plan, forced = plan_tools(request, chat_template) if chat else (None, None)
+            if forced is not None and grammar is not None:
+                raise ToolRequestError("response_format", "cannot be combined with a forced tool call (tool_choice "
+                                                          "required or a named function)")
+            prompt = _prompt(request, chat, plan)
+        except ToolRequestError as exc:
+            raise ApiError(INVALID, str(exc), exc.param) from None
         extra = request.treeserve
         stop = request.stop
         max_tokens = request.max_completion_tokens if chat else None
         echo = bool(not chat and request.echo)
-        options = _options(request, chat, _default(defaults.repetition_penalty, 1.0))
+        options = replace(_options(request, chat, _default(defaults.repetition_penalty, 1.0)),
+                          grammar=forced or grammar)
         if echo and options.logprobs is not None:
             raise ApiError(INVALID, "echo: not supported together with logprobs (the prompt's log-probabilities are "
                                     "not computed)", "echo")
-        return cls(prompt=_prompt(request, chat), n=_default(request.n, 1),
+        return cls(prompt=prompt, n=_default(request.n, 1),
                    max_tokens=request.max_tokens if max_tokens is None else max_tokens,
                    temperature=_default(request.temperature, _default(defaults.temperature, 1.0)),
                    top_p=_default(request.top_p, _default(defaults.top_p, 1.0)),
@@ -147,18 +163,19 @@ class Fields:
                    stop_token_ids=list(request.stop_token_ids or ()), stream=bool(request.stream),
                    include_usage=bool(request.stream_options and request.stream_options.include_usage),
                    cache_salt=request.cache_salt or "", method=extra.method if extra else None,
-                   budget=_default(extra.budget if extra else None, 0), options=options, echo=echo)
+                   budget=_default(extra.budget if extra else None, 0), options=options, echo=echo, tools=plan)
 
 
 def _default(value, fallback):
     return fallback if value is None else value
 
 
-def _prompt(request: CommonBody, chat: bool) -> tuple[str, Any]:
+def _prompt(request: CommonBody, chat: bool, plan: ToolPlan | None = None) -> tuple[str, Any]:
     if chat:
-        return "chat", [(ROLE_ALIASES.get(m.role, m.role),
-                         m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
-                        for m in request.messages]
+        if plan is None and all(m.text is not None and m.role != "tool" and not m.tool_calls
+                                and m.tool_call_id is None for m in request.messages):
+            return "chat", [(ROLE_ALIASES.get(m.role, m.role), m.text) for m in request.messages]
+        return "messages", chat_prompt(request, plan, ROLE_ALIASES)
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:

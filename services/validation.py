@@ -17,6 +17,7 @@ and what its message says, and how a prompt becomes token ids.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -41,6 +42,7 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_CHOICES = 16  # n: completions of one request, each a request of its own in the batch
 MAX_CACHE_SALT_CHARS = 256
 ROLES = ("system", "user", "assistant")
+TOOL_ROLES = (*ROLES, "tool")  # with the OpenAI API's tool calls (prompt_from_messages)
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name of the system role (both APIs take it)
 PROMPT_UNSET = "prompt: set one of text, chat, token_ids or raw_text"
 # Characters per token far above any tokenizer's: text longer than this many characters per allowed token is
@@ -172,13 +174,21 @@ class RequestValidator:
         return chat_prompt_ids(self.engine.tokenizer, [{"role": r, "content": c} for r, c in turns])
 
     @staticmethod
-    def check_chat(turns: list[tuple[str, str]]) -> None:
+    def check_chat(turns: list[tuple[str, str]], roles: tuple[str, ...] = ROLES) -> None:
         if not turns or not any(content.strip() for _, content in turns):
             raise RequestError(INVALID, "prompt: chat must hold at least one non-empty message")
         for i, (role, _) in enumerate(turns):
-            if role not in ROLES:
-                raise RequestError(INVALID, f"prompt: chat.messages[{i}].role must be one of {', '.join(ROLES)}, "
+            if role not in roles:
+                raise RequestError(INVALID, f"prompt: chat.messages[{i}].role must be one of {', '.join(roles)}, "
                                             f"got {role[:32]!r}")
+
+    def prompt_from_messages(self, messages: list[dict], tools: list[dict]) -> list[int]:
+        """Chat messages as dicts (an assistant's `tool_calls`, `tool` turns: the OpenAI API's tool calls,
+        services/openai_tools.py) and the tools a template renders, under the chat template."""
+        turns = [(m["role"], m["content"]) for m in messages]
+        self.check_chat(turns, TOOL_ROLES)
+        self._text_guard(sum(len(c) for _, c in turns) + len(json.dumps(tools)), "chat")
+        return chat_prompt_ids(self.engine.tokenizer, messages, tools=tools or None)
 
     def prompt_from_raw_text(self, text: str) -> list[int]:
         """Text continued as it is, no chat template (the OpenAI completions API's `prompt`, the gRPC API's

@@ -54,7 +54,7 @@ def _refusal(body: dict, chat: bool = True) -> ApiError:
     ({"messages": ["hi"]}, "messages[0]", "messages[0]: must be a non-empty list of {role, content} objects"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role", "messages[0].role: required, must be a string"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content",
-     "messages[0].content: must be a string or a list of text parts"),
+     "messages[0].content: required (only an assistant turn with tool_calls may leave it out)"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content", "other part types are not supported"),
 ])
@@ -80,11 +80,9 @@ def test_a_malformed_completions_field_is_named(body, param, words):
 
 
 @pytest.mark.parametrize("name, value, chat", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}], True), ("tool_choice", "auto", True),
     ("functions", [{"name": "f"}], True), ("function_call", "auto", True), ("echo", True, True),
     ("audio", {"voice": "x"}, True), ("modalities", ["text", "audio"], True),
-    ("response_format", {"type": "json_object"}, True),
-    ("suffix", "end", False), ("best_of", 2, False), ("response_format", {"type": "json_object"}, False),
+    ("suffix", "end", False), ("best_of", 2, False),
 ])
 def test_unimplemented_fields_are_refused_by_name_unless_neutral(name, value, chat):
     base = {"messages": CHAT} if chat else {"prompt": "x"}
@@ -98,9 +96,9 @@ def test_unimplemented_fields_are_refused_by_name_unless_neutral(name, value, ch
 def test_unknown_fields_are_ignored_and_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="treeserve.api"):
         fields = Fields.of({"messages": CHAT, "temperature": 0, "metadata": {"a": "b"}, "store": True,
-                            "parallel_tool_calls": False}, chat=True)
+                            "verbosity": "low"}, chat=True)
     assert fields.temperature == 0.0
-    assert "metadata, parallel_tool_calls, store" in caplog.text
+    assert "metadata, store, verbosity" in caplog.text
 
 
 def test_a_full_body_maps_onto_the_request_fields():
