@@ -84,7 +84,7 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     if method != AUTOREGRESSIVE:
         drafter = build_local_drafter(drafter_path, target.model, device, drafter_torch_dtype, budget,
                                       drafter_kind=drafter_kind, lookup=lookup, target_dtype=torch_dtype,
-                                      static=static, cost_curve=cost_curve)
+                                      static=static, cost_curve=cost_curve, tokenizer=target.tokenizer)
     if drafter is not None and base == "opt_tree" and "delta" not in tree_overrides:
         # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens, whatever
         # the node budget (the profile is measured once per machine and cached).

@@ -228,7 +228,7 @@ class SpeculativeEngine:
     def draft_request(s: Sequence) -> DraftRequest:
         return DraftRequest(s.session_id, s.context, s.request.sampling, s.tree, s.seed + len(s.steps),
                             s.accepted_hint, s.features.rows if s.features else None, s.request.cache_scope,
-                            s.processors)
+                            s.processors, grammar=s.grammar)
 
     def score_request(self, s: Sequence, tree: TokenTree, chunk: int | None = None) -> ScoreRequest:
         """What the target scores for `s` this step: its context and tree, and the previous step's accepted

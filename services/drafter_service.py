@@ -16,6 +16,7 @@ import time
 
 import grpc
 import torch
+from transformers import AutoTokenizer
 
 from treeserve.engine.drafters.base import DraftRequest, ModelDrafter
 from treeserve.engine.drafters.loading import build_local_drafter
@@ -23,7 +24,7 @@ from treeserve.engine.drafters.models.compatibility import detect_layout
 from treeserve.engine.drafters.registry import drafter_dir
 from treeserve.engine.factory import parse_drafter_dtype, parse_dtype
 from treeserve.engine.methods import DEFAULT_METHOD
-from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.models.loading import load_causal_lm, resolve_model_dir
 from treeserve.engine.models.target_parts import load_target_parts
 from treeserve.engine.runners.kv_pool import KVPoolExhausted, limit_gpu_memory
 from treeserve.engine.runners.step_settings import default_static_step
@@ -68,7 +69,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             request = DraftRequest(item.session_id, list(item.context), wire.decode_sampling(item.sampling),
                                    config, int(item.seed), wire.hint(item), cache_scope=item.cache_scope,
                                    processors=(wire.decode_processors(item.processors)
-                                               if item.HasField("processors") else None))
+                                               if item.HasField("processors") else None),
+                                   grammar=wire.decode_grammar(item.grammar) if item.HasField("grammar") else None)
             out.append((request, read_delta(item, self.features) if item.HasField("features") else None))
         return out
 
@@ -175,8 +177,10 @@ def load_drafter_from_config(config) -> tuple[ModelDrafter, int]:
         # than beside it on its GPU share while it loads (a 32B target's embeddings and LM head are 3 GB).
         parts_device = "cpu" if _plain_causal_lm(config.drafter.path) else config.drafter.device
         target = load_target_parts(config.target.path, parts_device, target_dtype if dtype == "auto" else dtype)
+    # The target's tokenizer: a request's grammar masks the drafter's rows as the target's (engine/grammar/)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.target.path), local_files_only=True)
     drafter = build_local_drafter(config.drafter.path, target, config.drafter.device, dtype,
-                                  config.speculation.budget, drafter_kind=config.drafter.kind,
+                                  config.speculation.budget, drafter_kind=config.drafter.kind, tokenizer=tokenizer,
                                   lookup=config.speculation.lookup, target_dtype=target_dtype,
                                   static=default_static_step(config.drafter.device, config.drafter.cuda_graphs,
                                                              config.drafter.graph_memory_mib,

@@ -290,6 +290,8 @@ def encode_draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -
                         tree=encode_tree_config(r.tree), seed=r.seed % (1 << 64), cache_scope=r.cache_scope)
     if r.processors is not None:
         item.processors.CopyFrom(encode_processors(r.processors))
+    if r.grammar is not None:
+        item.grammar.CopyFrom(encode_grammar(r.grammar))
     if r.accepted_nodes is not None:
         item.has_accepted_nodes = True
         item.accepted_nodes.extend(r.accepted_nodes)

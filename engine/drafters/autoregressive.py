@@ -181,7 +181,8 @@ class LocalDrafter(ModelDrafter):
         trees: list[TokenTree | None] = [None] * len(speculative)
         if modelled:
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features,
-                                         r.cache_scope, r.processors) for r in (speculative[i] for i in modelled)]
+                                         r.cache_scope, r.processors, r.grammar)
+                       for r in (speculative[i] for i in modelled)]
             chains = draft_c2t_chains(self.runner, oracles, [speculative[i].context[-1] for i in modelled],
                                       self.classifier, self.batch_chain_beta, depth)
             for i, chain in zip(modelled, chains):
@@ -205,7 +206,7 @@ class LocalDrafter(ModelDrafter):
         if split_method(r.tree.method)[1]:
             return self._draft_hybrid(lane, state, r), 0
         oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features, r.cache_scope,
-                                   r.processors)
+                                   r.processors, r.grammar)
         builder = self.builder(r.tree)
         held = 0
         if self.budget is not None and r.tree.budget_auto:
@@ -242,7 +243,7 @@ class LocalDrafter(ModelDrafter):
             return builder.build(root, HybridOracle(None, session, self.runner.vocab_size, model_enabled=False),
                                  r.sampling, generator)
         model = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features, r.cache_scope,
-                                  r.processors)
+                                  r.processors, r.grammar)
         oracle = HybridOracle(model, session, self.runner.vocab_size, head_index=self._head_index)
         tree = builder.build(root, oracle, r.sampling, generator)
         state.last_step = (r, tree, builder, state.step_chooser)  # run-ahead trees mix copies in as this one
@@ -263,7 +264,8 @@ class LocalDrafter(ModelDrafter):
             return False
         state.ahead_chooser, state.ahead_builder = chooser, builder
         chain = [r.context[-1], *(int(tree.tokens[n]) for n in path)]
-        oracle = self.runner.begin(r.session_id, r.context, r.sampling, None, r.features, r.cache_scope, r.processors)
+        oracle = self.runner.begin(r.session_id, r.context, r.sampling, None, r.features, r.cache_scope, r.processors,
+                                   r.grammar)
         # A hybrid method's trees ahead mix in the copies the lookup finds after the guessed tokens, as its steps do.
         session = self.lookups.get(r.session_id) if split_method(r.tree.method)[1] else None
         base = len(chain)

@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from ..budget import BudgetChooser
+from ..grammar.spec import Grammar
 from ..methods import AUTOREGRESSIVE
 from ..requests import LogitsProcessors, StepRecord, SamplingParams
 from ..runners.cached_lm import CachedLM
@@ -55,6 +56,8 @@ class DraftRequest:
     # the sequence's penalties and biases: applied to the drafter's rows too, each from its own path, so its trees
     # propose what the penalised target will accept (the output never depends on them: engine/processors.py)
     processors: LogitsProcessors | None = None
+    # the sequence's grammar: masks the drafter's rows as the target's, each from its own path (engine/grammar/)
+    grammar: Grammar | None = None
 
 
 @dataclass

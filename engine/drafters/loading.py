@@ -67,7 +67,8 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
                         dtype: torch.dtype | str = torch.float32, budget: TreeBudget = AUTO_BUDGET,
                         classifier_path: str | None = "default", drafter_kind: str | None = None,
                         lookup: LookupSettings | None = None, target_dtype: torch.dtype | None = None,
-                        static: StaticStepSettings | None = None, cost_curve: str | None = None) -> ModelDrafter:
+                        static: StaticStepSettings | None = None, cost_curve: str | None = None,
+                        tokenizer=None) -> ModelDrafter:
     """The drafter of `drafter_kind` over the weights at `drafter_path`, for `target`; budget "auto" measures
     the hardware and chooses per step.
 
@@ -81,7 +82,8 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     classifier and `lookup`'s copy-from-context settings (None: the defaults). `static`: its drafter model's
     forwards (either kind) run as the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py),
     and budget "auto" measures the target on that step too; `cost_curve`: the target's curve from a `treeserve
-    profile` file of this target and device instead of measuring it."""
+    profile` file of this target and device instead of measuring it; `tokenizer`: the target's, for requests with a
+    grammar (the autoregressive drafter masks its rows as the target's: engine/grammar/)."""
     drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
     kind = kind_of(drafter_path, drafter_kind)
     target_dtype = target_dtype or next(target.parameters()).dtype
@@ -96,5 +98,6 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     chooser = _chooser(budget, target, model, device, target_dtype, dtype, static, cost_curve)
     if kind == PARALLEL_KIND:
         return ParallelTreeDrafter(model, target.config.vocab_size, device, dtype, budget=chooser, static=static)
-    return LocalDrafter(DrafterRunner(model, target.config.vocab_size, device, dtype, static=static),
-                         classifier=load_classifier(classifier_path, drafter_path), budget=chooser, lookup=lookup)
+    runner = DrafterRunner(model, target.config.vocab_size, device, dtype, static=static, tokenizer=tokenizer)
+    return LocalDrafter(runner, classifier=load_classifier(classifier_path, drafter_path), budget=chooser,
+                        lookup=lookup)

@@ -31,10 +31,13 @@ from torch import Tensor
 
 from ..builders.base import DraftOracle, RowSummary
 from ..c2t_classifier import top_entropy
+from ..grammar.compiler import GrammarCompiler
+from ..grammar.matchers import GrammarSessions, allowed_tokens
+from ..grammar.spec import Grammar
+from ..processors import apply_to_paths
 from ..requests import LogitsProcessors, SamplingParams
 from ..runners.cached_lm import CachedLM, ExtendRequest
 from ..runners.step_settings import StaticStepSettings
-from ..processors import apply_to_paths
 from ..sampling import sample_row, topk_rows, warp_probs
 from .models.base import DrafterModelFacts, runner_forward
 
@@ -54,10 +57,15 @@ def _timed(method):
 class DrafterRunner:
     def __init__(self, model: torch.nn.Module, target_vocab_size: int, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, max_sessions: int = 256,
-                 static: StaticStepSettings | None = None):
-        """`static`: run the drafter model's forwards as the static-shape step (engine/runners/static_step.py)."""
+                 static: StaticStepSettings | None = None, tokenizer=None):
+        """`static`: run the drafter model's forwards as the static-shape step (engine/runners/static_step.py);
+        `tokenizer`: the target's, for requests with a grammar (None: their rows are not masked)."""
         self.lm = CachedLM(model, device, dtype, max_sessions, static=static, drafter=runner_forward(model))
         self.vocab_size = target_vocab_size
+        # A request's grammar masks the drafter's rows as the target's (each from its node's path), so that its
+        # trees spend no node on a token the target's masked distribution gives probability 0
+        self.grammars = (GrammarSessions(GrammarCompiler(tokenizer, target_vocab_size)) if tokenizer is not None
+                         else None)
         facts = DrafterModelFacts.of(model, target_vocab_size)
         # [V_draft] target ids of the head's rows (None: the full vocabulary; arange(V_draft) for a causal LM
         # whose vocabulary lacks the target's padding rows)
@@ -77,13 +85,16 @@ class DrafterRunner:
     @_timed
     def begin(self, session_id: str, context: list[int], sampling: SamplingParams,
               accepted_nodes: list[int] | None = None, features: Tensor | None = None, scope: str = "",
-              processors: LogitsProcessors | None = None) -> "SessionOracle":
+              processors: LogitsProcessors | None = None, grammar: Grammar | None = None) -> "SessionOracle":
         """Start a session's step; `features` [len(context) - 1, H]: the target's features of context[:-1],
         required by (and only read by) an EAGLE drafter; `scope`: the tenant's prefix-cache scope; `processors`:
-        the request's penalties and biases, applied to the rows as the target applies them."""
+        the request's penalties and biases, and `grammar` its grammar, applied to the rows as the target applies
+        them."""
         oracle = SessionOracle(self, session_id, sampling)
         if processors is not None and processors.active:
             oracle.processors, oracle.context = processors, context
+        if grammar is not None and self.grammars is not None:
+            oracle.grammar, oracle.context = grammar, context
         if not self.reads_target_features:
             self.lm.begin(session_id, context, accepted_nodes, scope)
             return oracle
@@ -106,6 +117,8 @@ class DrafterRunner:
         return oracle
 
     def release(self, session_id: str) -> bool:
+        if self.grammars is not None:
+            self.grammars.release(session_id)
         return self.lm.release(session_id)
 
     @_timed
@@ -153,7 +166,7 @@ class DrafterRunner:
             for node, parent, token in zip(ids, pars, toks):
                 slots.append(-1 if parent < 0 else oracle.slot[parent])
                 oracle.slot[node] = len(oracle.slot)
-                if oracle.processors is not None:  # the tokens below the root the node's row has seen
+                if oracle.processors is not None or oracle.grammar is not None:  # what the node's row has seen
                     oracle.paths[node] = [] if parent < 0 else [*oracle.paths[parent], token]
             features = oracle.parent_features(pars) if self.reads_target_features else None
             requests.append(ExtendRequest(oracle.session_id, toks, slots, features))
@@ -161,6 +174,8 @@ class DrafterRunner:
         out = []
         for oracle, ids, output in zip(oracles, nodes, outputs):
             logits = output.logits if oracle.processors is None else self._processed(output.logits, oracle, ids)
+            if oracle.grammar is not None:
+                logits = self._masked(logits, oracle, ids)
             probs = warp_probs(logits, oracle.sampling)
             oracle.rows.update(zip(ids, probs.unbind(0)))
             if self.reads_target_features:
@@ -190,6 +205,18 @@ class DrafterRunner:
         return out[:, :width]
 
 
+    def _masked(self, logits: Tensor, oracle: "SessionOracle", ids: list[int]) -> Tensor:
+        """The session's grammar on its fed rows [M, V_draft], each row's mask from its node's path (a head over
+        part of the vocabulary reads its own columns; a row whose allowed tokens the head lacks stays as it is)."""
+        masks = self.grammars.path_masks(oracle.session_id, oracle.grammar, oracle.context,
+                                         [oracle.paths[n] for n in ids])
+        allowed = allowed_tokens(masks, self.vocab_size).to(logits.device)
+        allowed = allowed[:, self.vocab_ids.to(logits.device)] if self.vocab_ids is not None \
+            else allowed[:, :logits.shape[-1]]
+        allowed[~allowed.any(dim=1)] = True
+        return logits.float().masked_fill(~allowed, float("-inf"))
+
+
 class SessionOracle(DraftOracle):
     """`DraftOracle` for one session's current step (engine.builders.base.DraftOracle)."""
 
@@ -208,6 +235,7 @@ class SessionOracle(DraftOracle):
         # the request's penalties and biases, and what they read: the context and each fed node's path below the
         # root (None: none, or a head they cannot index)
         self.processors: LogitsProcessors | None = None
+        self.grammar: Grammar | None = None  # the request's grammar (None: none, or a runner without a tokenizer)
         self.context: list[int] = []
         self.paths: dict[int, list[int]] = {}
 

@@ -60,6 +60,24 @@ class GrammarSessions:
                                     tree.tokens.to(torch.int64).cpu(), masks)
         return masks
 
+    def path_masks(self, session_id: str, grammar: Grammar, context: list[int], paths: list[list[int]]) -> Tensor:
+        """Bitmask [M, ceil(V / 32)] int32 of rows known by their paths below the root (row i after context +
+        paths[i]): a drafter's rows, fed a few nodes at a time (engine/drafters/model_runner.py). A path the
+        grammar refuses leaves its row unmasked (the target will refuse its token; the row is never verified)."""
+        matcher = self._matcher_at(session_id, grammar, context[grammar.prompt_tokens:])
+        masks = torch.full((len(paths), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for row, path in enumerate(paths):
+            accepted = 0
+            for token in path:
+                if matcher.is_terminated() or not matcher.accept_token(token):
+                    break
+                accepted += 1
+            if accepted == len(path) and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(masks, row)
+            if accepted:
+                matcher.rollback(accepted)
+        return masks
+
     def release(self, session_id: str) -> None:
         with self._lock:
             self._sessions.pop(session_id, None)

@@ -50,9 +50,20 @@ def pair(tiny_target_dir, tiny_drafter_dir):
 
 def make_engine(pair, method: str, budget: int) -> SpeculativeEngine:
     target, drafter = pair
-    local = None if method == "autoregressive" else LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size))
+    local = None if method == "autoregressive" else LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size,
+                                                                                tokenizer=target.tokenizer))
     return SpeculativeEngine(TargetRunner(target.model, tokenizer=target.tokenizer), local, target.tokenizer,
                              TreeConfig(method=method, budget=budget or 1), 2048)
+
+
+def fresh_mask(compiled, tokens: list[int], eos: int, vocab: int) -> torch.Tensor:
+    """Bool [vocab]: what a new matcher fed `tokens` allows next."""
+    matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[eos])
+    for t in tokens:
+        assert matcher.accept_token(t)
+    mask = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(mask)
+    return allowed_tokens(mask, vocab)[0]
 
 
 def constrained_generate(model, compiled, prompt: list[int], n: int, eos: list[int]) -> list[int]:
@@ -201,3 +212,24 @@ def test_the_xgrammar_pins_agree():
     assert f"pip install -q --no-deps {pins}" in (root / "Makefile").read_text()
     assert f"pip install --no-deps {pins}" in (root / "Dockerfile").read_text()
     assert f"xgrammar=={version('xgrammar')}" in pins
+
+
+def test_the_drafter_drafts_from_masked_rows(pair):
+    """The drafter's rows are masked as the target's, each from its node's path: no probability on a token the
+    grammar forbids there, so its trees spend no node on one (engine/drafters/model_runner.py)."""
+    target, drafter = pair
+    tok = target.tokenizer
+    vocab = target.model.config.vocab_size
+    runner = DrafterRunner(drafter, vocab, tokenizer=tok)
+    output = tok.encode('{"name": "Rex", "kind": "')
+    grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(PET), prompt_tokens=2, stop_ids=(tok.eos_token_id,))
+    context = [1, 2, *output]
+    oracle = runner.begin("d", context, SamplingParams(temperature=1.0), grammar=grammar)
+    dog = tok.encode("dog")[0]
+    root, child = runner.extend_many([oracle], [[0, 1]], [[output[-1], dog]], [[-1, 0]])[0]
+    compiled = runner.grammars.compiler.compile(grammar)
+    for row, path in ((root, []), (child, [dog])):
+        allowed = fresh_mask(compiled, output + path, tok.eos_token_id, vocab)
+        assert float(row[~allowed].sum()) == 0.0 and abs(float(row[allowed].sum()) - 1.0) < 1e-4
+    runner.release("d")
+    assert len(runner.grammars) == 0

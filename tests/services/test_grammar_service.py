@@ -11,12 +11,13 @@ import grpc
 import pytest
 
 from test_remote_parts import Loop, _bind
+from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.grammar.spec import Grammar, GrammarKind
 from treeserve.engine.requests import GenerationRequest, SamplingParams
 from treeserve.engine.runners.target import ScoreRequest, TargetRunner
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.tree import TokenTree
-from treeserve.engine.tree_config import tree_config
+from treeserve.engine.tree_config import TreeConfig, tree_config
 from treeserve.services import wire
 from treeserve.services.target_service import TargetServicer
 from treeserve.services.transport.clients import RemoteTarget
@@ -40,6 +41,8 @@ def test_grammar_round_trip():
     for kind in GrammarKind:
         g = Grammar(kind, "" if kind == GrammarKind.JSON_OBJECT else "root ::= \"a\"")
         assert wire.decode_grammar(wire.encode_grammar(g)) == g
+    drafted = wire.encode_draft_item(DraftRequest("s", [1, 2, 5], SamplingParams(), TreeConfig(), 0, grammar=grammar))
+    assert wire.decode_grammar(drafted.grammar) == grammar
     plain = wire.decode_score_item(wire.encode_score_item(ScoreRequest("s", [5], TokenTree.build([5], [-1]),
                                                                        SamplingParams())))
     assert plain.grammar is None
