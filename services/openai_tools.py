@@ -18,15 +18,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-import grpc
-
 from treeserve.engine.grammar.spec import Grammar, GrammarKind
 from treeserve.engine.grammar.tool_calls import (HERMES_CLOSE, HERMES_OPEN, Function, ToolCall, ToolFormat,
                                                  ToolTemplate, forced_call_grammar, held_back, parse_tool_calls,
                                                  tool_template)
 from .openai_models import ChatCompletionBody, ChatMessage, NamedToolChoice
 
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
 # The tools' system prompt for a template without tools: Qwen2.5's template's words (its tool format's).
 TOOLS_PROMPT = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
                 "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each "
@@ -121,7 +118,7 @@ def chat_prompt(request: ChatCompletionBody, plan: ToolPlan | None, roles: dict[
         if m.text is None and not (role == "assistant" and m.tool_calls):
             raise ToolRequestError(f"messages[{i}].content", "required (only an assistant turn with tool_calls "
                                                              "may leave it out)")
-        messages.append(_native_message(m, role, i) if native else _text_message(m, role))
+        messages.append(_native_message(m, role, i) if native else _text_message(m, role, i))
     tools = [t.model_dump(exclude_none=True) for t in request.tools or []] if plan is not None else []
     if plan is not None and not native:
         listing = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
@@ -144,14 +141,14 @@ def _native_message(m: ChatMessage, role: str, index: int) -> dict:
     return out
 
 
-def _text_message(m: ChatMessage, role: str) -> dict:
+def _text_message(m: ChatMessage, role: str, index: int) -> dict:
     text = m.text or ""
     if role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
     if m.tool_calls:
-        calls = [f"{HERMES_OPEN}\n{json.dumps({'name': c.function.name, 'arguments': json.loads(c.function.arguments or '{}')}, ensure_ascii=False)}\n{HERMES_CLOSE}"
+        calls = [json.dumps({"name": c.function.name, "arguments": _arguments(c, index)}, ensure_ascii=False)
                  for c in m.tool_calls]
-        text = "\n".join(([text] if text else []) + calls)
+        text = "\n".join(([text] if text else []) + [f"{HERMES_OPEN}\n{call}\n{HERMES_CLOSE}" for call in calls])
     return {"role": role, "content": text}
 
 

@@ -1,9 +1,10 @@
 """Structured output over speculative trees (engine/grammar/): the grammar's mask at every tree node from that node's
 own matcher state. Each node's mask equals a fresh matcher's after the node's path; the greedy output is
 Hugging Face `generate`'s with xgrammar's transformers logits processor (the reference constrained decoder) for
-plain decoding, a chain, sampled trees and deterministic trees with copies, for a JSON schema, a regex and an EBNF
-grammar; sampled output follows the masked, warped target distribution (chi-square on the probability integral
-transforms); a bad grammar is refused before decoding, naming the problem."""
+sampled trees (a JSON schema, a regex and an EBNF grammar) and deterministic trees with copies (the schema); the
+drafter's rows are masked from each node's path too; sampled output follows the masked, warped target
+distribution (chi-square on the probability integral transforms); a bad grammar is refused before decoding, naming
+the problem."""
 
 from __future__ import annotations
 
@@ -112,9 +113,9 @@ def test_each_node_is_masked_from_its_own_path(pair):
     assert tree_links([-1, 0, 0, 1]) == ([1, 3, -1, -1], [-1, 2, -1, -1])
 
 
-# A sampled tree with every grammar kind; a chain and a deterministic tree with copies with the schema.
+# A sampled tree with every grammar kind; a deterministic tree with copies with the schema.
 @pytest.mark.parametrize("method,budget,names", [("dyspec", 6, ("json_schema", "regex", "ebnf")),
-                                                 ("chain", 3, ("json_schema",)), ("c2t+lookup", 8, ("json_schema",))])
+                                                 ("c2t+lookup", 8, ("json_schema",))])
 def test_greedy_equals_generate_with_xgrammar(pair, method, budget, names):
     target, _ = pair
     engine = make_engine(pair, method, budget)

@@ -105,7 +105,8 @@ def test_response_format_json_schema_parses_and_validates(embedded):
                   temperature=0, response_format={"type": "json_schema",
                                                   "json_schema": {"name": "c", "schema": schema, "strict": True}})
         if stream:
-            text = "".join(c.choices[0].delta.content or "" for c in embedded.chat.completions.create(**kw, stream=True))
+            chunks = embedded.chat.completions.create(**kw, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
         else:
             reply = embedded.chat.completions.create(**kw)
             text = reply.choices[0].message.content
