@@ -286,20 +286,23 @@ class BudgetChooser:
         ms = self.profile.target_time_ms(nodes + 1) * self.cost_scale
         return 1e3 * (1.0 + gain * self.lookup_factor) / ms
 
-    def next_hybrid(self, gains: list[float], model: bool = True, lane: str = "") -> tuple[int, int]:
+    def next_hybrid(self, gains: list[float], model: bool = True, lane: str = "",
+                    explore: bool = True) -> tuple[int, int]:
         """This step's (model budget, lookup-only nodes), at most one of them non-zero (both 0: plain decoding).
         `gains[n - 1]`: expected accepted tokens of the best n-node lookup-only tree (engine.lookup.LookupPlan).
         `model` False: no model drafter to weigh against (method "lookup"). Never holds plain steps. While the
         chooser still explores (its first `explore_steps` steps at each promising budget) the model budget is
         taken whatever the lookup offers: a lookup-only plan priced against no measurement would win every
-        step and the model budgets would never be measured."""
+        step and the model budgets would never be measured. `explore` False: not at this step (the output
+        follows the request's predicted output: an exploring model step there would cut a long copy chain
+        short, and what the model budgets earn is measured on other steps)."""
         nodes, best = 0, 0.0
         for n, gain in enumerate(gains, start=1):
             rate = self.lookup_rate(gain, n)
             if rate > best:
                 nodes, best = n, rate
         budget = self.choose() if model else 0
-        exploring = model and budget in self._to_explore and self.arms.get(budget, _Arm()).steps < self.explore_steps
+        exploring = explore and model and budget in self._to_explore and self.arms.get(budget, _Arm()).steps < self.explore_steps
         factor = self.acceptance_factor
         measured = [self.arms[b].rate_at(factor) for b in self.arms if self.arms[b].steps and (model or b == 0)]
         reference = max(measured, default=self.lookup_rate(0.0, 0))
@@ -311,10 +314,10 @@ class BudgetChooser:
         d.current = budget
         return budget, 0
 
-    def plan_hybrid(self, gains: list[float], model: bool = True, lane: str = "") -> DraftPlan:
+    def plan_hybrid(self, gains: list[float], model: bool = True, lane: str = "", explore: bool = True) -> DraftPlan:
         """This batch-1 hybrid step's decision for `lane` (`next_hybrid`) as a DraftPlan: a lookup-only tree, a model
         budget whose tree merges the lookup's candidates, or plain decoding (never held)."""
-        budget, nodes = self.next_hybrid(gains, model, lane)
+        budget, nodes = self.next_hybrid(gains, model, lane, explore)
         return DraftPlan(budget=budget, lookup_only=nodes > 0, lookup_nodes=nodes)
 
     def repeat(self, lane: str = "") -> None:

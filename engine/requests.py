@@ -124,6 +124,9 @@ class GenerationRequest:
     # Prefix-cache scope: KV of a prefix is shared only between requests of one scope (the services derive it
     # from the API token and the request's cache_salt; engine/runners/kv_pages.py)
     cache_scope: str = ""
+    # The client's prediction of the output (OpenAI's Predicted Outputs), tokenised: drafted from like the context,
+    # in order (engine/lookup/prediction.py); it never changes the output. () for none
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -162,6 +165,10 @@ class GenerationResult:
     wall_time_s: float
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when the request asked for them
     cached_tokens: int = 0  # prompt tokens whose KV the target took from its prefix cache (OpenAI's usage field)
+    # With a prediction (OpenAI's usage fields, engine/lookup/prediction.py `prediction_usage`): its tokens that
+    # appear in the output, in order, and the rest of them
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def mean_accepted_length(self) -> float:

@@ -28,6 +28,7 @@ from .builders import make_builder
 from .drafters.base import AUTOREGRESSIVE, Drafted, Drafter, DraftRequest, batch_size_bucket, root_only
 from .grammar.compiler import GrammarCompiler
 from .grammar.spec import Grammar
+from .lookup.prediction import prediction_usage
 from .models.loading import chat_ids, model_eos_ids
 from .requests import FinishReason, GenerationRequest, GenerationResult, LogitsProcessors, StepRecord, TokenLogprob
 from .runners.target import ScoreRequest
@@ -228,7 +229,7 @@ class SpeculativeEngine:
     def draft_request(s: Sequence) -> DraftRequest:
         return DraftRequest(s.session_id, s.context, s.request.sampling, s.tree, s.seed + len(s.steps),
                             s.accepted_hint, s.features.rows if s.features else None, s.request.cache_scope,
-                            s.processors, grammar=s.grammar)
+                            s.processors, s.request.prediction, grammar=s.grammar)
 
     def score_request(self, s: Sequence, tree: TokenTree, chunk: int | None = None) -> ScoreRequest:
         """What the target scores for `s` this step: its context and tree, and the previous step's accepted
@@ -321,10 +322,12 @@ class SpeculativeEngine:
         if s.finish == FinishReason.STOP_STRING:
             cut = min((text.find(x) for x in s.request.stop_strings if x in text), default=len(text))
             text = text[:cut]
+        accepted, rejected = prediction_usage(s.request.prediction, self.text_ids(s))
         return GenerationResult(token_ids=s.emitted, text=text, finish_reason=s.finish or FinishReason.LENGTH,
                                 steps=s.steps, prompt_tokens=len(s.request.prompt_ids),
                                 wall_time_s=time.perf_counter() - s.started, logprobs=s.logprobs,
-                                cached_tokens=min(s.cached_tokens, len(s.request.prompt_ids)))
+                                cached_tokens=min(s.cached_tokens, len(s.request.prompt_ids)),
+                                accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
 
 
 class CommittedFeatures:

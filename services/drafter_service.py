@@ -70,7 +70,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                    config, int(item.seed), wire.hint(item), cache_scope=item.cache_scope,
                                    processors=(wire.decode_processors(item.processors)
                                                if item.HasField("processors") else None),
-                                   grammar=wire.decode_grammar(item.grammar) if item.HasField("grammar") else None)
+                                   grammar=wire.decode_grammar(item.grammar) if item.HasField("grammar") else None,
+                                   prediction=tuple(item.prediction))
             out.append((request, read_delta(item, self.features) if item.HasField("features") else None))
         return out
 

@@ -45,8 +45,8 @@ loop, in front of the same `Router` object. What that gives:
   are), in the first streamed chunk of each choice; with `logprobs` it is refused (the prompt's log-probabilities
   are not computed);
 - bodies are typed models (services/openai_models.py): a field of the wrong type is a 400 naming it; unknown fields
-  are ignored, as OpenAI's and vLLM's servers do; chat's echo, suffix, best_of > 1, prediction and the legacy
-  `functions` are refused by name. `temperature` defaults to OpenAI's 1.0; 0 is greedy decoding, whose output is the gRPC API's
+  are ignored, as OpenAI's and vLLM's servers do; chat's echo, suffix, best_of > 1 and the legacy `functions` are
+  refused by name. `temperature` defaults to OpenAI's 1.0; 0 is greedy decoding, whose output is the gRPC API's
   token for token;
 - structured output and tool calls (services/openai_tools.py): `response_format` json_object / json_schema (the
   target's distribution masked at every tree node: engine/grammar/), `tools` rendered through the model's chat
@@ -406,10 +406,14 @@ class OpenAIApi:
 def usage(stats: gen.GenerationStats, method: str, choices: list[gen.GenerationStats] = ()) -> dict:
     """OpenAI's usage (completion tokens of every choice: `choices`' stats when n > 1), plus TreeServe's speculation
     statistics (of `stats`: the first choice's)."""
-    completion = sum(c.completion_tokens for c in choices) if choices else stats.completion_tokens
+    every = list(choices) or [stats]
+    completion = sum(c.completion_tokens for c in every)
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
             "total_tokens": stats.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": sum(c.accepted_prediction_tokens for c in every),
+                "rejected_prediction_tokens": sum(c.rejected_prediction_tokens for c in every)},
             "speculation": {"method": method, "steps": stats.steps,
                             "mean_accepted_length": round(stats.mean_accepted_length, 4),
                             "mean_tree_size_tokens": round(stats.mean_tree_size_tokens, 4),

@@ -126,6 +126,17 @@ class TreeServeOptions(OpenAIModel):
                           "distribution drawn from)")
 
 
+class PredictedContent(OpenAIModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to mostly repeat (the file an edit rewrites)."""
+
+    type: Literal["content"] = Field(description='"content"')
+    content: Union[str, list[TextPart]] = Field(description="a string or a list of text parts")
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 TREESERVE_OPTIONS = ('an object with optional fields method (a tree method name), budget (draft tokens per step, '
                      '0 = server choice) and logprobs ("raw" or "processed")')
 
@@ -135,7 +146,7 @@ class CommonBody(OpenAIModel):
 
     # Fields that are refused unless they hold one of these values (absent reads as None).
     REFUSED: ClassVar[dict[str, tuple]] = {"suffix": (None, ""),
-                                           "best_of": (None, 1), "prediction": (None,)}
+                                           "best_of": (None, 1)}
 
     model: str | None = Field(None, description="a string (the served model's id)")
     n: int | None = Field(None, description=INTEGER)
@@ -161,10 +172,11 @@ class CommonBody(OpenAIModel):
     response_format: ResponseFormat | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name": ..., "schema": {...}, "strict": ...}}')
+    prediction: PredictedContent | None = Field(
+        None, description='{"type": "content", "content": a string or a list of text parts}')
     # not implemented here: see REFUSED
     suffix: str | None = Field(None, description="a string")
     best_of: int | None = Field(None, description=INTEGER)
-    prediction: Any = Field(None, description="not supported by this server")
 
     @field_validator("logit_bias")
     @classmethod

@@ -206,4 +206,5 @@ def _options(request: CommonBody, chat: bool, repetition_penalty: float) -> Outp
                          repetition_penalty=_default(request.repetition_penalty, repetition_penalty),
                          logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()},
                          min_tokens=_default(request.min_tokens, 0), ignore_eos=bool(request.ignore_eos),
-                         logprobs=logprobs, processed_logprobs=bool(extra and extra.logprobs == "processed"))
+                         logprobs=logprobs, processed_logprobs=bool(extra and extra.logprobs == "processed"),
+                         prediction=request.prediction.text if request.prediction is not None else None)

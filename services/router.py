@@ -471,7 +471,9 @@ class Router:
                                    mean_tree_size_lookup_tokens=r.mean_tree_size_lookup,
                                    run_ahead_hits=sum(s.run_ahead_hit for s in r.steps),
                                    drafted_steps=sum(s.tree_size > 0 for s in r.steps),
-                                   cached_tokens=r.cached_tokens)
+                                   cached_tokens=r.cached_tokens,
+                                   accepted_prediction_tokens=r.accepted_prediction_tokens,
+                                   rejected_prediction_tokens=r.rejected_prediction_tokens)
 
     def _preempt(self, job: _Job, reason: Exception) -> None:
         """Take the newest job of a lane whose step found no KV pages out of the batch (vLLM's recompute

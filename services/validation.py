@@ -140,6 +140,8 @@ class OutputOptions:
     logprobs: int | None = None  # None: none; k: each token's and its k most likely alternatives'
     processed_logprobs: bool = False  # of the processed, warped distribution instead of the raw model's
     grammar: Grammar | None = None  # structured output (compiled, so checked, by the engine's `validate`)
+    # OpenAI's predicted output: text (tokenised by `build`, as the output would be) or token ids; None: none
+    prediction: str | list[int] | None = None
 
 
 class RequestValidator:
@@ -198,6 +200,25 @@ class RequestValidator:
             raise RequestError(INVALID, "prompt: text must not be empty")
         self._text_guard(len(text), "text")
         return list(self.engine.tokenizer(text, add_special_tokens=True, split_special_tokens=True)["input_ids"])
+
+    def prediction(self, value: str | list[int] | None) -> tuple[int, ...]:
+        """A predicted output's tokens (text: as the output would be tokenised, no special tokens; ids verbatim):
+        at most max_prompt_tokens of them, ids in the vocabulary."""
+        if value is None:
+            return ()
+        limit = self.limits.max_prompt_tokens
+        if isinstance(value, str):
+            if len(value) > limit * CHARS_PER_TOKEN_GUARD:
+                raise RequestError(TOO_BIG, f"prediction: text longer than the limit of {limit} tokens")
+            ids = list(self.engine.tokenizer.encode(value, add_special_tokens=False))
+        else:
+            ids = list(value)
+            vocab = self.engine.target.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise RequestError(INVALID, f"prediction: token ids must lie in [0, {vocab})")
+        if len(ids) > limit:
+            raise RequestError(TOO_BIG, f"prediction: {len(ids)} tokens exceed the limit of {limit}")
+        return tuple(ids)
 
     def prompt_from_ids(self, ids: Sequence[int]) -> list[int]:
         """Token ids, verbatim (special tokens included: the caller chose them)."""
@@ -319,7 +340,8 @@ class RequestValidator:
                                     stop_strings=tuple(stops), seed=seed or None, tree=tree, stop_token_ids=stop_ids,
                                     processors=processors, ignore_eos=bool(options.ignore_eos), logprobs=logprobs,
                                     processed_logprobs=bool(options.processed_logprobs),
-                                    cache_scope=scope, grammar=options.grammar)
+                                    cache_scope=scope, grammar=options.grammar,
+                                    prediction=self.prediction(options.prediction))
         try:
             self.engine.validate(request)
         except ValueError as exc:
@@ -387,7 +409,9 @@ class RequestValidator:
                                 logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
                                 logprobs=message.top_logprobs if message.logprobs else None,
                                 processed_logprobs=message.processed_logprobs,
-                                grammar=proto_grammar(message.grammar) if message.HasField("grammar") else None)
+                                grammar=proto_grammar(message.grammar) if message.HasField("grammar") else None,
+                                prediction=proto_prediction(message.prediction) if message.HasField("prediction")
+                                else None)
         return (temperature, s.top_p or d.top_p or 0.0, s.top_k or d.top_k or 0, list(message.stop_strings), method,
                 spec.budget_tokens, list(message.stop_token_ids), options)
 
@@ -407,6 +431,15 @@ class RequestValidator:
         temperature, top_p, top_k, stops, method, budget, stop_ids, options = self._proto_fields(message)
         return self.build(prompt, message.max_new_tokens, temperature, top_p, top_k, stops, message.sampling.seed or None,
                           method, budget, stop_ids, options, cache_scope(tenant, message.cache_salt))
+
+
+def proto_prediction(message) -> str | list[int] | None:
+    """A GenerateRequest's Prediction -> text or token ids (`RequestValidator.prediction` checks and tokenises);
+    an unset form is no prediction."""
+    which = message.WhichOneof("content")
+    if which == "text":
+        return message.text
+    return list(message.token_ids.ids) if which == "token_ids" else None
 
 
 def proto_grammar(message) -> Grammar | None:

@@ -295,6 +295,7 @@ def encode_draft_item(r: DraftRequest, features: pb.FeatureRows | None = None) -
     if r.accepted_nodes is not None:
         item.has_accepted_nodes = True
         item.accepted_nodes.extend(r.accepted_nodes)
+    item.prediction.extend(r.prediction)
     if features is not None:
         item.features.CopyFrom(features)
     return item

@@ -221,7 +221,7 @@ class LocalDrafter(ModelDrafter):
 
     def _draft_hybrid(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding)."""
-        session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
+        session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
         settings = self.lookups.settings
         base = split_method(r.tree.method)[0]
         root, greedy = r.context[-1], r.sampling.is_greedy
@@ -229,10 +229,11 @@ class LocalDrafter(ModelDrafter):
         builder = self.builder(r.tree)
         plan = DraftPlan()
         if auto:
-            lookup = plan_lookup(session, root, settings.plan_nodes, settings.min_value)
+            lookup = plan_lookup(session, root, session.plan_nodes, settings.min_value)
             gains = lookup.gains()
             state.step_chooser = self._hybrid_chooser(gains)
-            plan = state.step_chooser.plan_hybrid(gains, model=base != LOOKUP, lane=lane)
+            plan = state.step_chooser.plan_hybrid(gains, model=base != LOOKUP, lane=lane,
+                                                  explore=not session.follows_prediction)
             if plan.lookup_only:
                 return lookup.tree(plan.lookup_nodes, greedy)
             if plan.plain:
@@ -298,7 +299,7 @@ class LocalDrafter(ModelDrafter):
             return None
         tree = ahead.tree
         if split_method(r.tree.method)[1]:
-            session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
+            session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
             if ahead.predictions is not None:
                 session.adopt(ahead.predictions)
         if state.ahead_chooser is not None:
@@ -331,7 +332,7 @@ class LocalDrafter(ModelDrafter):
             if not lookup:
                 chains.append(None)
                 continue
-            session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
+            session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
             tokens, joints = lookup_chain(session, self.batch_chain_depth, settings.chain_min_joint)
             confident = bool(joints) and joints[0] >= settings.skip_model_above
             chains.append(_CopyChain(tokens, joints, base != LOOKUP and not confident))

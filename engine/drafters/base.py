@@ -56,6 +56,7 @@ class DraftRequest:
     # the sequence's penalties and biases: applied to the drafter's rows too, each from its own path, so its trees
     # propose what the penalised target will accept (the output never depends on them: engine/processors.py)
     processors: LogitsProcessors | None = None
+    prediction: tuple[int, ...] = ()  # the request's predicted output (engine/lookup/prediction.py); () for none
     # the sequence's grammar: masks the drafter's rows as the target's, each from its own path (engine/grammar/)
     grammar: Grammar | None = None
 

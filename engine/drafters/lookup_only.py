@@ -50,10 +50,10 @@ class LookupDrafter(DrafterBase):
 
     def _single(self, r: DraftRequest, lane: str) -> TokenTree | None:
         """Batch size 1: the lookup-only tree the chooser prices (or the request's budget of nodes)."""
-        session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
+        session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
         settings = self.lookups.settings
         auto = self.budget is not None and r.tree.budget_auto
-        plan = plan_lookup(session, r.context[-1], settings.plan_nodes if auto else r.tree.budget, settings.min_value)
+        plan = plan_lookup(session, r.context[-1], session.plan_nodes if auto else r.tree.budget, settings.min_value)
         nodes = r.tree.budget
         if auto:
             decision = self.budget.plan_hybrid(plan.gains(), model=False, lane=lane)
@@ -64,7 +64,7 @@ class LookupDrafter(DrafterBase):
         """A batched step: each request's most probable copy chain, cut across the batch where the target's cost
         curve is known."""
         settings = self.lookups.settings
-        sessions = [self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy)
+        sessions = [self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
                     for r in requests]
         chains = [lookup_chain(session, BATCH_CHAIN_DEPTH, settings.chain_min_joint) for session in sessions]
         if self.profile is not None:

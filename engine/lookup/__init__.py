@@ -28,6 +28,9 @@ suffix, counts every continuation of the match and expands the most probable one
 - `SharedOutputs` (optional, off by default: `LookupSettings.shared_tokens`): SuffixDecoding's global tree, an
   index of the drafter's recent requests' outputs bounded in tokens; a node drafts from them where their
   best candidate is more probable than its own context's, calibrated in buckets of their own.
+- `PredictedOutput`: the request's predicted output (OpenAI's Predicted Outputs) as a third index, read in order:
+  the output's position in it is tracked token by token and found again past an edit (nearest occurrence ahead),
+  so a node's candidate is the next predicted token, calibrated in buckets of its own.
 - `LookupPlan`: the lookup-only tree, best-first by path probability (SuffixDecoding's tree expansion), whose
   cumulative values are the expected accepted tokens the hardware-aware chooser prices a step without the
   model drafter by (engine/budget.py).
@@ -35,7 +38,8 @@ suffix, counts every continuation of the match and expands the most probable one
 Every lookup candidate is a deterministic function of the context, so verification stays lossless.
 
 Modules: suffix_index (the index, match states and candidate rows), session (per-request calibration and
-predictions, pooled prior, settings), shared_outputs (the cross-request index), trees (lookup-only trees and
+predictions, pooled prior, settings), shared_outputs (the cross-request index), prediction (the predicted
+output and OpenAI's usage counts of it), trees (lookup-only trees and
 chains). The package exports only the torch-free parts (the Serve config validates `speculation.lookup` without
 torch): import the trees from `lookup.trees`. The mixing oracle drives a drafter model, so it lives with the
 drafters (engine/drafters/hybrid_oracle.py).
@@ -43,10 +47,12 @@ drafters (engine/drafters/hybrid_oracle.py).
 
 from .session import (MATCH_BUCKETS, PRIOR_HIT, PRIORS, AheadLookup, LookupSession, LookupSettings, LookupSources,
                       LookupStats, match_bucket)
+from .prediction import PredictedOutput, prediction_usage
 from .shared_outputs import SharedOutputs
-from .suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
+from .suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, Origin, SuffixIndex
 
 __all__ = [
     "MATCH_BUCKETS", "PRIOR_HIT", "PRIORS", "NO_MATCH", "SEPARATOR", "AheadLookup", "LookupRow", "LookupSession",
-    "LookupSettings", "LookupSources", "LookupState", "LookupStats", "SharedOutputs", "SuffixIndex", "match_bucket",
+    "LookupSettings", "LookupSources", "LookupState", "LookupStats", "Origin", "PredictedOutput", "SharedOutputs",
+    "SuffixIndex", "match_bucket", "prediction_usage",
 ]

@@ -9,8 +9,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .prediction import PredictedOutput
 from .shared_outputs import SharedOutputs
-from .suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, SuffixIndex
+from .suffix_index import NO_MATCH, SEPARATOR, LookupRow, LookupState, Origin, SuffixIndex
 
 # Lower edges of the match-length buckets the calibration keeps, and the probability each starts from that
 # the target's next token is one of the candidates (rising with the match length, as prompt lookup's n-gram
@@ -20,12 +21,17 @@ PRIOR_HIT = (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.8)
 # The same for matches in other requests' outputs (SharedOutputs), calibrated apart: text another request
 # wrote predicts this one less than this request's own context does until measured otherwise.
 PRIOR_HIT_SHARED = (0.05, 0.1, 0.15, 0.25, 0.35, 0.45, 0.55, 0.6)
-PRIORS = PRIOR_HIT + PRIOR_HIT_SHARED  # calibration bucket -> prior hit rate
+# The request's predicted output (engine/lookup/prediction.py), by the run of output tokens that followed it: a
+# client sends one because it expects the answer to follow it, so it starts out trusted, and the more so along
+# a long run.
+PRIOR_HIT_PREDICTED = (0.5, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
+PRIORS = PRIOR_HIT + PRIOR_HIT_SHARED + PRIOR_HIT_PREDICTED  # calibration bucket -> prior hit rate
 
 
-def match_bucket(length: int, shared: bool = False) -> int:
-    """The calibration bucket of a match: by length, the shared outputs' buckets after the request's own."""
-    return max(0, bisect.bisect_right(MATCH_BUCKETS, length) - 1) + (len(MATCH_BUCKETS) if shared else 0)
+def match_bucket(length: int, origin: Origin = Origin.OWN) -> int:
+    """The calibration bucket of a match: by length, each source's buckets after the one before
+    (`Origin`: the request's own, the shared outputs', the prediction's)."""
+    return max(0, bisect.bisect_right(MATCH_BUCKETS, length) - 1) + len(MATCH_BUCKETS) * int(origin)
 
 
 @dataclass
@@ -63,10 +69,13 @@ class LookupSettings:
                 "shared_scopes tokens indexed"})
     shared_min_match: int = field(default=2, metadata={
         "help": "shortest match in the shared outputs that is drafted from (a single token recurs everywhere)"})
+    prediction_plan_nodes: int = field(default=64, metadata={
+        "help": "nodes of a lookup-only tree considered per step for a request with a predicted output (its "
+                "chains run long: a rewritten file follows its prediction for hundreds of tokens)"})
 
     def __post_init__(self) -> None:
         for name in ("max_ngram", "max_positions", "max_match", "max_branches", "plan_nodes", "max_sessions",
-                     "shared_min_match", "shared_scopes"):
+                     "shared_min_match", "shared_scopes", "prediction_plan_nodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"lookup.{name} must be an integer >= 1, got {value!r}")
@@ -104,10 +113,14 @@ class LookupStats:
 class LookupSession:
     """One request's index, calibration and last step's predictions (kept by the drafter across steps)."""
 
-    def __init__(self, settings: LookupSettings, pooled: LookupStats, shared: SharedOutputs | None = None) -> None:
+    def __init__(self, settings: LookupSettings, pooled: LookupStats, shared: SharedOutputs | None = None,
+                 prediction: Sequence[int] = ()) -> None:
         self.settings = settings
         self.pooled = pooled
         self.shared = shared  # other requests' recent outputs (None: off)
+        # the request's predicted output (None: it sent none)
+        self.prediction = (PredictedOutput(prediction, settings.max_ngram, settings.max_match)
+                           if prediction else None)
         self.index = SuffixIndex(settings.max_ngram)
         self.first_context = -1  # context length at the first sync: where this request's output starts
         self.hits = [0.0] * len(PRIORS)
@@ -141,7 +154,30 @@ class LookupSession:
         if len(context) > held:
             self.index.extend(context[held:])
             self._root_state = None
+            if self.prediction is not None:
+                self._follow_prediction(held)
         self._predicted_at = len(self.index)
+
+    def _follow_prediction(self, held: int) -> None:
+        """Move the prediction's position over the tokens indexed after the first `held` (0: the session
+        starts, or was rebuilt: placed afresh)."""
+        if held == 0:
+            self.prediction.restart(self.tail())
+            return
+        toks, span = self.index.tokens, self.settings.max_match + 1
+        for end in range(held + 1, len(toks) + 1):
+            self.prediction.advance(toks[end - 1], toks[max(0, end - span):end])
+
+    @property
+    def follows_prediction(self) -> bool:
+        """Whether the output stands at a known place in the request's predicted output and drafts from it."""
+        return self.root_state().origin == Origin.PREDICTED
+
+    @property
+    def plan_nodes(self) -> int:
+        """Nodes of a lookup-only tree this request considers per step."""
+        s = self.settings
+        return s.plan_nodes if self.prediction is None else max(s.plan_nodes, s.prediction_plan_nodes)
 
     def observe(self, bucket: int, hit: bool) -> None:
         self.hits[bucket] += float(hit)
@@ -176,30 +212,35 @@ class LookupSession:
 
     def root_state(self) -> LookupState:
         if self._root_state is None:
-            self._root_state = self._match(self.tail())
+            self._root_state = self._match(self.tail(), at_root=True)
         return self._root_state
 
     def state_after(self, path: Sequence[int]) -> LookupState:
         """The state of a node `path` tokens past the root, measured afresh (the tokens are not indexed)."""
         return self._match(self.tail(path))
 
-    def _match(self, tail: Sequence[int]) -> LookupState:
-        """The longest match of `tail` in this request's tokens or, with shared outputs, the longest there
-        (of at least shared_min_match tokens) when its best candidate is the more probable of the two under
-        the calibration (SuffixDecoding scores both trees' candidates and keeps the better)."""
+    def _match(self, tail: Sequence[int], at_root: bool = False) -> LookupState:
+        """The state whose best candidate is the most probable under the calibration (SuffixDecoding scores
+        its trees' candidates and keeps the better) among: the prediction's position (the tracked one
+        `at_root`, else found from `tail`), the longest match of `tail` in this request's tokens and, with
+        shared outputs, the longest there (of at least shared_min_match tokens). Ties go to the prediction,
+        then to the request's own tokens."""
         s = self.settings
+        found = []
+        if self.prediction is not None:
+            found.append(self.prediction.root_state() if at_root else self.prediction.state(tail))
         length, positions = self.index.longest_match(tail, s.max_positions, s.max_match)
-        own = LookupState(length, positions) if positions else NO_MATCH
-        if self.shared is None or own.length >= s.max_match:
-            return own
-        index = self.shared.index
-        length, positions = index.longest_match(tail, s.max_positions, s.max_match)
-        if not positions or length < s.shared_min_match:
-            return own
-        shared = LookupState(length, positions, index)
-        if not own.positions or self.row(shared).values[0] > self.row(own).values[0]:
-            return shared
-        return own
+        found.append(LookupState(length, positions) if positions else NO_MATCH)
+        if self.shared is not None and length < s.max_match:
+            index = self.shared.index
+            length, positions = index.longest_match(tail, s.max_positions, s.max_match)
+            if positions and length >= s.shared_min_match:
+                found.append(LookupState(length, positions, index, Origin.SHARED))
+        best, best_value = NO_MATCH, 0.0
+        for state in found:
+            if state.positions and (value := self.row(state).values[0]) > best_value:
+                best, best_value = state, value
+        return best
 
     def child_state(self, state: LookupState, token: int, path: Sequence[int]) -> LookupState:
         """The state after appending `token` to a node's sequence in `state` (`path`: the root path including
@@ -210,7 +251,7 @@ class LookupSession:
         kept = tuple(p + 1 for p in state.positions
                      if p + 1 < last and toks[p + 1] == token and toks[p + 2] != SEPARATOR)
         if kept:
-            return LookupState(min(state.length + 1, self.settings.max_match), kept, state.index)
+            return LookupState(min(state.length + 1, self.settings.max_match), kept, state.index, state.origin)
         return self._match(self.tail(path))
 
     def row(self, state: LookupState) -> LookupRow | None:
@@ -219,7 +260,7 @@ class LookupSession:
             return None
         toks = (state.index or self.index).tokens
         counts = Counter(toks[p + 1] for p in state.positions)
-        bucket = match_bucket(state.length, state.shared)
+        bucket = match_bucket(state.length, state.origin)
         scale = self.hit_rate(bucket) / len(state.positions)
         ranked = counts.most_common(self.settings.max_branches)
         values = tuple(scale * c for _, c in ranked)
@@ -279,13 +320,15 @@ class LookupSources:
         self._shared[scope] = index
         return index
 
-    def session(self, session_id: str, context: Sequence[int], scope: str = "", greedy: bool = True) -> LookupSession:
+    def session(self, session_id: str, context: Sequence[int], scope: str = "", greedy: bool = True,
+                prediction: Sequence[int] = ()) -> LookupSession:
         """The session synced with `context` (created on first use, drafting from `scope`'s shared outputs when
         `greedy`: a sampled output depends on the trees it was verified on, so a seeded request must not draft from
-        what earlier requests left behind, or the same seed would give another sample)."""
+        what earlier requests left behind, or the same seed would give another sample; and from the request's
+        `prediction` of its output, if it sent one)."""
         session = self._sessions.pop(session_id, None)
         if session is None:
-            session = LookupSession(self.settings, self.pooled, self.shared(scope) if greedy else None)
+            session = LookupSession(self.settings, self.pooled, self.shared(scope) if greedy else None, prediction)
             while len(self._sessions) >= self.settings.max_sessions:
                 self._finish(self._sessions.popitem(last=False)[1])
         self._sessions[session_id] = session

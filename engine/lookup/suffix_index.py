@@ -3,6 +3,7 @@ a tree node's match there looks like (`LookupState`) and proposes (`LookupRow`).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -38,6 +39,10 @@ class SuffixIndex:
                 else:
                     hit.append(end)
 
+    def ends(self, ngram: Sequence[int]) -> list[int]:
+        """Where `ngram` (at most max_ngram tokens) ends in the indexed tokens, ascending."""
+        return self._ends.get(tuple(ngram), [])
+
     def longest_match(self, tail: Sequence[int], max_positions: int, max_match: int) -> tuple[int, tuple[int, ...]]:
         """The longest suffix of `tail` (a sequence ending in a query position: the context's last tokens plus a
         tree path) that occurs in the indexed tokens followed by at least one more token: (its length, up to
@@ -69,19 +74,29 @@ class SuffixIndex:
         return best, tuple(keep)
 
 
+class Origin(enum.IntEnum):
+    """Which index a match is in: the request's own tokens, the tenant's recent outputs
+    (engine/lookup/shared_outputs.py) or the request's predicted output (engine/lookup/prediction.py)."""
+
+    OWN = 0
+    SHARED = 1
+    PREDICTED = 2
+
+
 @dataclass(frozen=True)
 class LookupState:
     """Where a node's sequence (context + root path) matches indexed tokens: the match length, the end
-    positions of its occurrences (each followed by a continuation) and the index they are in (None: the
-    request's own; else the shared index of recent outputs); length 0 = no match."""
+    positions of its occurrences (each followed by a continuation), the index they are in (None: the
+    request's own) and which source that index is; length 0 = no match."""
 
     length: int
     positions: tuple[int, ...]
     index: SuffixIndex | None = field(default=None, repr=False)
+    origin: Origin = Origin.OWN
 
     @property
     def shared(self) -> bool:
-        return self.index is not None
+        return self.origin == Origin.SHARED
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from treeserve.engine.lookup import (
     SEPARATOR,
     LookupSettings,
     LookupSources,
+    Origin,
     SharedOutputs,
     SuffixIndex,
     match_bucket,
@@ -69,7 +70,7 @@ def test_a_request_drafts_from_an_earlier_requests_output():
     root = session.root_state()
     assert root.shared and root.length == 2
     row = session.row(root)
-    assert row.tokens == (53,) and row.bucket == match_bucket(2, shared=True) == len(MATCH_BUCKETS) + 1
+    assert row.tokens == (53,) and row.bucket == match_bucket(2, Origin.SHARED) == len(MATCH_BUCKETS) + 1
     plan = plan_lookup(session, 52, max_nodes=8, min_value=1e-6)
     assert plan.tokens[1:] == [53, 54, 55]  # the copy follows the earlier output to its end, not past it
     # A longer match in the request's own context wins over the shared outputs.
@@ -82,7 +83,7 @@ def test_shared_matches_are_calibrated_apart():
     finished(sources, "a", [1], [20, 21, 22, 23])
     session = sources.session("b", [5, 20, 21])
     plan_lookup(session, 21, max_nodes=4, min_value=1e-6)  # predicts 22 at the root, from the shared outputs
-    bucket = match_bucket(2, shared=True)
+    bucket = match_bucket(2, Origin.SHARED)
     before, own_before = session.hit_rate(bucket), session.hit_rate(match_bucket(2))
     session.sync([5, 20, 21, 30])  # the target wrote 30, not the shared output's 22: a miss in the shared bucket
     assert session.trials[bucket] == 1 and session.hits[bucket] == 0 and session.hit_rate(bucket) < before

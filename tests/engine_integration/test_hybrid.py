@@ -93,8 +93,8 @@ def test_auto_budget_drafts_lookup_only_steps_and_stays_greedy_equal(pair, refer
     seen = []
     original = BudgetChooser.next_hybrid
 
-    def spy(self, gains, model=True, lane=""):  # every chooser the drafter asks (both contexts)
-        out = original(self, gains, model, lane)
+    def spy(self, gains, model=True, lane="", explore=True):  # every chooser the drafter asks (both contexts)
+        out = original(self, gains, model, lane, explore)
         seen.append(out)
         return out
 
