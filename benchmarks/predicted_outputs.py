@@ -83,10 +83,10 @@ def edit(code: str, rng: random.Random) -> tuple[str, str] | None:
     if not numbered:
         return None
     i = rng.choice(numbered)
-    old = NUMBER.search(lines[i]).group(1)
-    lines[i] = NUMBER.sub(str(int(old) + 1), lines[i], count=1)
-    return f"On the line `{lines[i].strip()}`, the number should be {int(old) + 1} (it is {old}): fix it.", \
-        "\n".join(lines)
+    line = lines[i]
+    old = NUMBER.search(line).group(1)
+    lines[i] = NUMBER.sub(str(int(old) + 1), line, count=1)
+    return f"On the line `{line.strip()}`, the number {old} should be {int(old) + 1}: fix it.", "\n".join(lines)
 
 
 def file_edits(tokenizer, count: int, seed: int = 0, max_code_tokens: int = 800) -> list[dict]:
