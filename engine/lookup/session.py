@@ -236,9 +236,12 @@ class LookupSession:
             length, positions = index.longest_match(tail, s.max_positions, s.max_match)
             if positions and length >= s.shared_min_match:
                 found.append(LookupState(length, positions, index, Origin.SHARED))
+        found = [state for state in found if state.positions]
+        if len(found) < 2:  # nothing to weigh (most nodes of a request without shared outputs or a prediction)
+            return found[0] if found else NO_MATCH
         best, best_value = NO_MATCH, 0.0
         for state in found:
-            if state.positions and (value := self.row(state).values[0]) > best_value:
+            if (value := self.row(state).values[0]) > best_value:
                 best, best_value = state, value
         return best
 
