@@ -52,6 +52,7 @@ setup(
     package_dir={name: folder for folder, name in FOLDERS.items()}
     | {"treeserve.v1": str((STUB_ROOT / "treeserve" / "v1").relative_to(ROOT))},
     # Shipped artifacts: the distilled, parallel and EAGLE drafters (engine/drafters/registry.py), each with its
-    # C2T classifier.
-    package_data={"treeserve.v1": ["*.pyi"], "treeserve.engine.drafters": ["weights/*/*"]},
+    # C2T classifier; known machines' measurements (engine/hardware/profile.py KNOWN_PROFILES).
+    package_data={"treeserve.v1": ["*.pyi"], "treeserve.engine.drafters": ["weights/*/*"],
+                  "treeserve.engine.hardware": ["known_profiles/*.json"]},
 )

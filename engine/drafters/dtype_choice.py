@@ -21,8 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..hardware.profile import machine_key, time_drafter_step
-from ..models.loading import cache_root
+from ..hardware.profile import machine_key, measurement_path, time_drafter_step
 from .models.base import runner_forward
 
 AUTO = "auto"
@@ -45,9 +44,9 @@ def fastest_dtype(load: Callable[[torch.dtype], torch.nn.Module], device: str, t
     if len(candidates) == 1:
         return candidates[0], loaded[candidates[0]]
     key = machine_key(device, "drafter-dtype", loaded[candidates[0]].config.to_json_string(), *map(str, candidates))
-    path = (cache_dir or cache_root() / "profiles") / f"drafter-dtype-{key}.json"
-    if path.is_file():
-        step_ms = json.loads(path.read_text())["step_ms"]
+    path, found = measurement_path(f"drafter-dtype-{key}.json", cache_dir)
+    if found is not None:
+        step_ms = json.loads(found.read_text())["step_ms"]
     else:
         loaded.update((dtype, load(dtype)) for dtype in candidates[1:])
         step_ms = {str(dtype): time_drafter_step(model, device, dtype, FRONTIER_NODES,

@@ -38,6 +38,20 @@ PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 BATCH_PROFILE_ROWS = (2, 4, 8, 16)
 BATCH_PROFILE_NODES = (1, 2, 4, 7)
 PROFILE_VERSION = "batch-1"  # bumped when a cached profile's contents change
+# Measurements of known machines shipped with the code (named as in the cache): a first start on such a machine
+# (the same model, step, dtype, core count, torch and layout: `machine_key`) serves at once instead of measuring
+# for tens of seconds first. The cache's own measurement, once there is one, wins.
+KNOWN_PROFILES = Path(__file__).resolve().parent / "known_profiles"
+
+
+def measurement_path(name: str, cache_dir: Path | None = None) -> tuple[Path, Path | None]:
+    """(where a measurement called `name` is cached, the file to read it from: the cache's, else a known
+    machine's, else None: measure it)."""
+    cached = (cache_dir or cache_root() / "profiles") / name
+    if cached.is_file():
+        return cached, cached
+    known = KNOWN_PROFILES / name
+    return cached, known if cache_dir is None and known.is_file() else None
 
 
 @dataclass
@@ -196,9 +210,9 @@ def measure_profile(target: torch.nn.Module, drafter: torch.nn.Module | None, de
         _time_drafter(profile, drafter, drafter_forward, device, drafter_dtype, curve.prefix, repeats, static)
         return profile
     key = _profile_key(target, drafter, device, dtype, drafter_dtype, static)
-    path = (cache_dir or cache_root() / "profiles") / f"{key}.json"
-    if path.is_file():
-        return HardwareProfile.from_json(json.loads(path.read_text()))
+    path, found = measurement_path(f"{key}.json", cache_dir)
+    if found is not None:
+        return HardwareProfile.from_json(json.loads(found.read_text()))
     context = [11 + (i % 97) for i in range(prefix_tokens + 1)]
     lm = CachedLM(target, device, dtype, static=static)
     profile = HardwareProfile({n: _time_extend(lm, context, n, repeats) for n in PROFILE_SIZES}, 0.0, prefix_tokens,

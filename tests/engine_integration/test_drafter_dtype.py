@@ -64,3 +64,34 @@ def test_bad_drafter_dtype_is_refused(tiny_target_dir, tiny_drafter_dir):
     with pytest.raises(ValueError, match="drafter dtype must be 'auto' or one of"):
         build_engine(str(tiny_target_dir), drafter_path=str(tiny_drafter_dir), method="chain", budget=2,
                      drafter_dtype="int8")
+
+
+def test_a_known_machines_measurement_is_read_when_the_cache_has_none(tiny_drafter_dir, tmp_path, monkeypatch):
+    """A first start on a machine whose measurement ships with the code (engine/hardware/known_profiles) times
+    nothing; the cache's own measurement, once made, wins over the shipped one; an explicit cache_dir (a test's,
+    a benchmark's) never reads the shipped ones."""
+    from treeserve.engine.hardware import profile
+    from treeserve.engine.models.loading import load_model
+
+    known, cache = tmp_path / "known", tmp_path / "cache"
+    monkeypatch.setattr(profile, "KNOWN_PROFILES", known)
+    monkeypatch.setenv("TREESERVE_CACHE", str(cache))
+    timed = []
+
+    def fake_step(model, device, dtype, nodes, forward=None):
+        timed.append(dtype)
+        return {torch.float32: 4.0, torch.bfloat16: 2.0}[dtype]
+
+    monkeypatch.setattr(dtype_choice, "time_drafter_step", fake_step)
+    load = lambda dtype: load_model(tiny_drafter_dir, "cpu", dtype)  # noqa: E731
+    assert fastest_dtype(load, "cpu", torch.float32, cache_dir=tmp_path / "explicit")[0] == torch.bfloat16
+    name = next((tmp_path / "explicit").iterdir()).name
+    known.mkdir()
+    (known / name).write_text('{"step_ms": {"torch.float32": 1.0, "torch.bfloat16": 3.0}, "nodes": 4}')
+    timed.clear()
+    assert fastest_dtype(load, "cpu", torch.float32)[0] == torch.float32 and timed == []  # the shipped one
+    assert profile.measurement_path(name) == (cache / "profiles" / name, known / name)
+    (cache / "profiles").mkdir(parents=True)
+    (cache / "profiles" / name).write_text('{"step_ms": {"torch.float32": 4.0, "torch.bfloat16": 2.0}, "nodes": 4}')
+    assert fastest_dtype(load, "cpu", torch.float32)[0] == torch.bfloat16 and timed == []  # the cache's wins
+    assert profile.measurement_path(name, tmp_path / "elsewhere") == (tmp_path / "elsewhere" / name, None)
