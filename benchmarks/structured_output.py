@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import urllib.request
 
@@ -132,6 +133,9 @@ def run_in_process(args) -> list[dict]:
             row["generate_equal"] = generate_reference(target.model, plain, ids, grammar, args.max_new_tokens) == \
                 row["plain"]["ids"] == row["hybrid"]["ids"]
         rows.append(row)
+        print(f"{len(rows)}/{len(CASES)} {prompt[:40]!r}: {row['hybrid']['tokens']} tokens, "
+              f"MAL {row['hybrid']['mal']:.2f}, valid {valid(row['hybrid']['text'], schema)}", file=sys.stderr,
+              flush=True)
     return rows
 
 
@@ -187,8 +191,10 @@ def main() -> None:
     parser.add_argument("--check-generate", action="store_true",
                         help="also compare with transformers' generate + xgrammar's logits processor")
     parser.add_argument("--http-address", help="a running service's OpenAI API (HOST:PORT) instead of in-process")
+    parser.add_argument("--cases", type=int, default=len(CASES), help="the first N schemas only")
     parser.add_argument("--json-out")
     args = parser.parse_args()
+    del CASES[args.cases:]
     rows = run_http(args) if args.http_address else run_in_process(args)
     schemas = [schema for _, schema in CASES]
     report = {"requests": len(rows),
