@@ -34,10 +34,9 @@ class PredictedOutput:
     the continuation of a match ending there), and the output's aligned position in them."""
 
     def __init__(self, tokens: Sequence[int], max_ngram: int, max_match: int) -> None:
-        self.tokens = tuple(int(t) for t in tokens)
         self.max_match = max_match
         self.index = SuffixIndex(max_ngram)
-        self.index.extend((SEPARATOR, *self.tokens))
+        self.index.extend((SEPARATOR, *tokens))
         self.anchor = 0  # index position of the output's last token; 0: the output has not left the start
         self.run = 0  # output tokens up to the anchor that followed the prediction in a row
         self.mark = 0  # where the output last surely stood (a lost output is looked for from here on)

@@ -6,6 +6,10 @@ import torch
 
 from treeserve.engine.drafters import dtype_choice
 from treeserve.engine.drafters.dtype_choice import candidate_dtypes, choose, fastest_dtype
+from treeserve.engine.factory import build_engine
+from treeserve.engine.hardware import profile
+from treeserve.engine.models.loading import load_model
+from treeserve.engine.requests import GenerationRequest
 
 
 def test_the_target_dtype_wins_unless_another_is_clearly_faster():
@@ -17,8 +21,6 @@ def test_the_target_dtype_wins_unless_another_is_clearly_faster():
 
 
 def test_fastest_dtype_measures_once_per_machine(tiny_drafter_dir, tmp_path, monkeypatch):
-    from treeserve.engine.models.loading import load_model
-
     loaded, timed = [], []
 
     def load(dtype):
@@ -41,9 +43,6 @@ def test_fastest_dtype_measures_once_per_machine(tiny_drafter_dir, tmp_path, mon
 
 @pytest.mark.parametrize("drafter_dtype", ["bfloat16", "auto"])
 def test_a_drafter_in_its_own_dtype_drafts_losslessly(tiny_target_dir, tiny_drafter_dir, drafter_dtype):
-    from treeserve.engine.factory import build_engine
-    from treeserve.engine.requests import GenerationRequest
-
     def greedy(engine) -> list[int]:
         request = GenerationRequest(prompt_ids=engine.encode_chat("Name three colours."), max_new_tokens=24)
         return engine.generate([request])[0].token_ids
@@ -59,8 +58,6 @@ def test_a_drafter_in_its_own_dtype_drafts_losslessly(tiny_target_dir, tiny_draf
 
 
 def test_bad_drafter_dtype_is_refused(tiny_target_dir, tiny_drafter_dir):
-    from treeserve.engine.factory import build_engine
-
     with pytest.raises(ValueError, match="drafter dtype must be 'auto' or one of"):
         build_engine(str(tiny_target_dir), drafter_path=str(tiny_drafter_dir), method="chain", budget=2,
                      drafter_dtype="int8")
@@ -70,9 +67,6 @@ def test_a_known_machines_measurement_is_read_when_the_cache_has_none(tiny_draft
     """A first start on a machine whose measurement ships with the code (engine/hardware/known_profiles) times
     nothing; the cache's own measurement, once made, wins over the shipped one; an explicit cache_dir (a test's,
     a benchmark's) never reads the shipped ones."""
-    from treeserve.engine.hardware import profile
-    from treeserve.engine.models.loading import load_model
-
     known, cache = tmp_path / "known", tmp_path / "cache"
     monkeypatch.setattr(profile, "KNOWN_PROFILES", known)
     monkeypatch.setenv("TREESERVE_CACHE", str(cache))
