@@ -24,7 +24,9 @@ from ..budget import BudgetChooser, DraftPlan, allocate_copies
 from ..builders import make_builder
 from ..builders.base import check_positive
 from ..c2t_classifier import C2TClassifier
+from ..grammar.drafts import StepGrammar
 from ..lookup import AheadLookup, LookupSession, LookupSettings, LookupSources
+from ..lookup.grammar_copies import GrammarCopies
 from ..lookup.trees import lookup_chain, merge_chains, plan_lookup
 from ..methods import LOOKUP, split_method
 from ..requests import StepRecord
@@ -222,6 +224,7 @@ class LocalDrafter(ModelDrafter):
     def _draft_hybrid(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
         """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding)."""
         session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
+        copies = self._copies(r, session)
         settings = self.lookups.settings
         base = split_method(r.tree.method)[0]
         root, greedy = r.context[-1], r.sampling.is_greedy
@@ -229,7 +232,7 @@ class LocalDrafter(ModelDrafter):
         builder = self.builder(r.tree)
         plan = DraftPlan()
         if auto:
-            lookup = plan_lookup(session, root, session.plan_nodes, settings.min_value)
+            lookup = plan_lookup(copies, root, session.plan_nodes, settings.min_value)
             gains = lookup.gains()
             state.step_chooser = self._hybrid_chooser(gains)
             plan = state.step_chooser.plan_hybrid(gains, model=base != LOOKUP, lane=lane,
@@ -241,11 +244,11 @@ class LocalDrafter(ModelDrafter):
             builder = BudgetChooser.resized(builder, plan.budget)
         generator = torch.Generator().manual_seed(r.seed)
         if base == LOOKUP:
-            return builder.build(root, HybridOracle(None, session, self.runner.vocab_size, model_enabled=False),
+            return builder.build(root, HybridOracle(None, copies, self.runner.vocab_size, model_enabled=False),
                                  r.sampling, generator)
         model = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features, r.cache_scope,
                                   r.processors, r.grammar)
-        oracle = HybridOracle(model, session, self.runner.vocab_size, head_index=self._head_index)
+        oracle = HybridOracle(model, copies, self.runner.vocab_size, head_index=self._head_index)
         tree = builder.build(root, oracle, r.sampling, generator)
         state.last_step = (r, tree, builder, state.step_chooser)  # run-ahead trees mix copies in as this one
         return tree
@@ -281,7 +284,8 @@ class LocalDrafter(ModelDrafter):
                 below = OffsetOracle(oracle, chain[:length + 1], length, base)
                 lookup = None if session is None else AheadLookup(session, chain[1:length + 1] + [bonus])
                 if lookup is not None:
-                    below = HybridOracle(below, lookup, self.runner.vocab_size, head_index=self._head_index)
+                    below = HybridOracle(below, self._copies(r, lookup, lookup.prefix), self.runner.vocab_size,
+                                         head_index=self._head_index)
                 ahead = builder.build(bonus, below, r.sampling, torch.Generator().manual_seed(r.seed + 1))
                 base += TREE_SPAN
                 if ahead.num_nodes > 1:
@@ -308,6 +312,15 @@ class LocalDrafter(ModelDrafter):
         state.last_step = (r, tree, state.ahead_builder, state.ahead_chooser)  # a hit drafts ahead again
         return tree
 
+    def _copies(self, r: DraftRequest, lookup: LookupSession | AheadLookup,
+                prefix: tuple[int, ...] = ()) -> LookupSession | AheadLookup | GrammarCopies:
+        """The request's copy source as its grammar sees it (engine/lookup/grammar_copies.py: copies it refuses cut,
+        the text it forces copied), `prefix`: the guessed tokens a tree drafted ahead stands after; the lookup
+        itself for a request without a grammar (or a runner without the target's tokenizer)."""
+        if r.grammar is None or self.runner.grammars is None:
+            return lookup
+        return GrammarCopies(lookup, StepGrammar(self.runner.grammars, r.session_id, r.grammar, r.context, prefix))
+
     def _hybrid_chooser(self, gains: list[float]) -> BudgetChooser:
         """The chooser measuring this hybrid step's context: `copy_budget` where the lookup-only plan expects
         at least `copy_context_gain` accepted tokens, else `budget`."""
@@ -333,7 +346,7 @@ class LocalDrafter(ModelDrafter):
                 chains.append(None)
                 continue
             session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
-            tokens, joints = lookup_chain(session, self.batch_chain_depth, settings.chain_min_joint)
+            tokens, joints = lookup_chain(self._copies(r, session), self.batch_chain_depth, settings.chain_min_joint)
             confident = bool(joints) and joints[0] >= settings.skip_model_above
             chains.append(_CopyChain(tokens, joints, base != LOOKUP and not confident))
         copies = [chain for chain in chains if chain is not None]

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..builders.base import DraftOracle, RowSummary
 from ..c2t_classifier import top_entropy
+from ..lookup.grammar_copies import GrammarCopies
 from ..lookup.session import AheadLookup, LookupSession
 from ..lookup.suffix_index import LookupRow, LookupState
 from ..lookup.trees import LookupPlan, plan_lookup
@@ -21,10 +22,12 @@ from .run_ahead import OffsetOracle
 
 
 class _Node:
-    __slots__ = ("state", "row", "path", "model", "top1")
+    __slots__ = ("state", "row", "path", "model", "inherit", "top1")
 
-    def __init__(self, state: LookupState, row: LookupRow | None, path: tuple[int, ...], model: bool) -> None:
+    def __init__(self, state: LookupState, row: LookupRow | None, path: tuple[int, ...], model: bool,
+                 inherit: bool) -> None:
         self.state, self.row, self.path, self.model = state, row, path, model
+        self.inherit = inherit  # whether the model drafts below it (again after a forced chain: `model` is off there)
         self.top1 = -1  # the model's most probable next token, once its row was read
 
 
@@ -32,11 +35,14 @@ class HybridOracle(DraftOracle):
     """DraftOracle (with `summarize`) over a model oracle and a LookupSession: rows are (1 - w) q + c where the
     node has lookup candidates c (w = sum c), q alone where it has none, c alone where the model gives no row
     (`model_backed` False: the model is off this step, or an ancestor or the node itself has a lookup candidate
-    at least `skip_model_above` probable). It is its own `lookup` (a builders.base.LookupSource): `candidates`,
-    `model_backed`, `model_probs` (sampled builders), `source_of` (PartialTree labels children) and `plan`
-    (lookup-only trees) read the same per-node state as its rows."""
+    at least `skip_model_above` probable; or the request's grammar forces the node's next tokens, copied for free as
+    a chain from it, below whose end the model drafts again: engine/lookup/grammar_copies.py). It is its own
+    `lookup` (a builders.base.LookupSource): `candidates`, `model_backed`, `model_probs` (sampled builders),
+    `source_of` (PartialTree labels children) and `plan` (lookup-only trees) read the same per-node state as its
+    rows."""
 
-    def __init__(self, model, session: LookupSession | AheadLookup, vocab_size: int, model_enabled: bool = True,
+    def __init__(self, model, session: LookupSession | AheadLookup | GrammarCopies, vocab_size: int,
+                 model_enabled: bool = True,
                  head_index: dict[int, int] | None = None) -> None:
         self.model = model  # a DraftOracle, or None for lookup-only drafting
         self.session = session
@@ -68,16 +74,18 @@ class HybridOracle(DraftOracle):
             parent = self._nodes[parents[n]]
             path = parent.path + (tokens[n],)
             state = self.session.child_state(parent.state, tokens[n], path)
-            self._nodes[n] = self._make(state, path, parent.model)
+            self._nodes[n] = self._make(state, path, parent.inherit)
         return self._nodes[pending[0] if pending else 0]
 
-    def _make(self, state: LookupState, path: tuple[int, ...], model: bool, root: bool = False) -> _Node:
+    def _make(self, state: LookupState, path: tuple[int, ...], inherit: bool, root: bool = False) -> _Node:
         row = self.session.row(state)
         if row is not None:
             self.session.predict(path, row)
-            if not root and row.values[0] >= self.settings.skip_model_above:
-                model = False
-        return _Node(state, row, path, model)
+            if not root and not state.forced and row.values[0] >= self.settings.skip_model_above:
+                inherit = False
+        # Where the grammar forces the next tokens the model's row is not needed: the forced chain is drafted as
+        # copies, and the model's first row below it feeds the chain in the same forward.
+        return _Node(state, row, path, inherit and not state.forced, inherit)
 
     def candidates(self, tokens: Sequence[int], parents: Sequence[int], node: int) -> LookupRow | None:
         return self._node(tokens, parents, node).row

@@ -83,7 +83,7 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     forwards (either kind) run as the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py),
     and budget "auto" measures the target on that step too; `cost_curve`: the target's curve from a `treeserve
     profile` file of this target and device instead of measuring it; `tokenizer`: the target's, for requests with a
-    grammar (the autoregressive drafter masks its rows as the target's: engine/grammar/)."""
+    grammar (the drafters mask their rows as the target's: engine/grammar/)."""
     drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
     kind = kind_of(drafter_path, drafter_kind)
     target_dtype = target_dtype or next(target.parameters()).dtype
@@ -97,7 +97,8 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
         raise ValueError(f"drafter dtype must be a torch dtype or {AUTO!r}, got {dtype!r}")
     chooser = _chooser(budget, target, model, device, target_dtype, dtype, static, cost_curve)
     if kind == PARALLEL_KIND:
-        return ParallelTreeDrafter(model, target.config.vocab_size, device, dtype, budget=chooser, static=static)
+        return ParallelTreeDrafter(model, target.config.vocab_size, device, dtype, budget=chooser, static=static,
+                                   tokenizer=tokenizer)
     runner = DrafterRunner(model, target.config.vocab_size, device, dtype, static=static, tokenizer=tokenizer)
     return LocalDrafter(runner, classifier=load_classifier(classifier_path, drafter_path), budget=chooser,
                         lookup=lookup)

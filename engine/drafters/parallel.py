@@ -15,6 +15,12 @@ Algorithm 1 token tree verification. Draft probabilities are not needed by that 
 
 Above batch size 1 (docs/design.md section 6) every sequence drafts a chain (top-1 of each position) cut where
 its joint probability drops below `batch_chain_min_joint`, all from the same single batched forward.
+
+A request with a grammar (docs/design.md section 5) masks q_1 with the grammar's state at the root, as the target
+masks the root's row; q_2.. belong to no single path, so the tree search checks each candidate against the
+grammar after its parent's path instead (xgrammar's accept / roll back from the session's matcher), taking the
+next-ranked token for one it refuses, from a wider candidate list: no node goes to a token the target's masked row
+gives probability 0.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ import torch
 from torch import Tensor
 
 from ..budget import BudgetChooser
+from ..grammar.compiler import GrammarCompiler
+from ..grammar.drafts import StepGrammar
+from ..grammar.matchers import GrammarSessions, allowed_tokens
 from ..requests import StepRecord
 from ..runners.cached_lm import CachedLM, ExtendRequest
 from ..runners.step_settings import StaticStepSettings
@@ -36,6 +45,11 @@ from .models.parallel import mask_ids
 from .parallel_tree_search import ParallelTreeSearch, search_for_config
 from .registry import PARALLEL_KIND
 
+# Candidates read per position for a request with a grammar, as a multiple of the search's width: the grammar
+# refuses some of q_2..'s top tokens after a given path (a JSON key's text after a value, say), and the search takes
+# the next-ranked ones in their place.
+GRAMMAR_WIDEN = 4
+
 
 class ParallelTreeDrafter(ModelDrafter):
     """The `Drafter` (engine/drafters/base.py) over a parallel drafter model: draft / observe / release."""
@@ -44,9 +58,10 @@ class ParallelTreeDrafter(ModelDrafter):
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, budget: BudgetChooser | None = None, max_sessions: int = 256,
-                 batch_chain_min_joint: float = 0.1, static: StaticStepSettings | None = None):
+                 batch_chain_min_joint: float = 0.1, static: StaticStepSettings | None = None, tokenizer=None):
         """`static`: run the drafter model's forwards as the static-shape step (engine/runners/static_step.py;
-        CUDA graphs on a GPU): its trunk through the lean decoder between the model's `lean_ends()`."""
+        CUDA graphs on a GPU): its trunk through the lean decoder between the model's `lean_ends()`; `tokenizer`:
+        the target's, for requests with a grammar (None: their trees are not checked against it)."""
         self.lm = CachedLM(model, device, dtype, max_sessions, static=static, drafter=model.runner_forward())
         self.vocab_size = target_vocab_size
         self.num_masks = int(model.num_masks)
@@ -56,6 +71,8 @@ class ParallelTreeDrafter(ModelDrafter):
         self.batch_chain_min_joint = batch_chain_min_joint
         self._searches: dict[str, ParallelTreeSearch] = {}
         self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
+        self.grammars = (GrammarSessions(GrammarCompiler(tokenizer, target_vocab_size)) if tokenizer is not None
+                         else None)
 
     @property
     def positions(self) -> int:
@@ -77,7 +94,24 @@ class ParallelTreeDrafter(ModelDrafter):
             self.lm.begin(r.session_id, r.context, scope=r.cache_scope)
         chain = list(range(-1, self.num_masks))
         logits = self.lm.extend([ExtendRequest(r.session_id, [r.context[-1], *self.masks], chain) for r in requests])
-        return [warp_probs(rows, r.sampling) for r, rows in zip(requests, logits)]
+        out = [warp_probs(rows, r.sampling) for r, rows in zip(requests, logits)]
+        for i, r in enumerate(requests):
+            if r.grammar is not None and self.grammars is not None:
+                out[i] = self._mask_first(r, out[i])
+        return out
+
+    def _mask_first(self, r: DraftRequest, rows: Tensor) -> Tensor:
+        """q_1 (row 0 of `rows` [k+1, V_draft]) with the tokens the grammar refuses at the root set to 0, and
+        renormalised (left as it is where the head holds none it allows)."""
+        masks = self.grammars.path_masks(r.session_id, r.grammar, r.context, [[]])
+        allowed = allowed_tokens(masks, self.vocab_size)[0, self.vocab_ids].to(rows.device)
+        first = rows[0] * allowed
+        total = float(first.sum())
+        if total <= 0.0:
+            return rows
+        rows = rows.clone()
+        rows[0] = first / total
+        return rows
 
     def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
         """One tree per request from one batched forward: the configured tree at batch size 1, chains that
@@ -91,7 +125,7 @@ class ParallelTreeDrafter(ModelDrafter):
         started, forward_seconds = time.perf_counter(), self.lm.forward_seconds
         self.last_positions = self.position_probs(drafted) if drafted else []
         rows = iter(self.last_positions)
-        trees = [root_only(r.context) if search is None else self._search(r.context[-1], next(rows), search)
+        trees = [root_only(r.context) if search is None else self._search(r, next(rows), search)
                  for r, search in zip(requests, searches)]
         return Drafted(trees, model_ms=(time.perf_counter() - started) * 1e3 if drafted else 0.0,
                        forward_ms=(self.lm.forward_seconds - forward_seconds) * 1e3,
@@ -115,12 +149,15 @@ class ParallelTreeDrafter(ModelDrafter):
             return BudgetChooser.resized(search, plan.budget), plan.held
         return search, 0
 
-    def _search(self, root: int, rows: Tensor, search: ParallelTreeSearch) -> TokenTree:
-        width = min(search.width, rows.shape[-1])
+    def _search(self, r: DraftRequest, rows: Tensor, search: ParallelTreeSearch) -> TokenTree:
+        grammar = (StepGrammar(self.grammars, r.session_id, r.grammar, r.context)
+                   if r.grammar is not None and self.grammars is not None else None)
+        width = min(search.width * (GRAMMAR_WIDEN if grammar is not None else 1), rows.shape[-1])
         values, index = torch.topk(rows, width, dim=-1)
         values, index = values.cpu(), index.cpu()  # vocab_ids live on the CPU, as the builders' summaries do
         tokens = self.vocab_ids[index]
-        return search.search(root, values.tolist(), tokens.tolist())
+        allowed = None if grammar is None else (lambda path, token: token in grammar.allowed(path, (token,)))
+        return search.search(r.context[-1], values.tolist(), tokens.tolist(), allowed)
 
     def observe(self, record: StepRecord, lane: str = "") -> None:
         """Feed a finished step's timing to the lane's budget chooser (it ignores steps it did not decide)."""
@@ -128,4 +165,6 @@ class ParallelTreeDrafter(ModelDrafter):
             self.budget.observe(record, lane)
 
     def release(self, session_id: str) -> bool:
+        if self.grammars is not None:
+            self.grammars.release(session_id)
         return self.lm.release(session_id)

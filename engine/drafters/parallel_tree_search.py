@@ -16,6 +16,10 @@ top tokens of each position instead of an oracle. Tree shapes (`TreeConfig.metho
   "dyspec_threshold" additionally stops at path probabilities below `threshold`.
 Children are deterministic top-ranked tokens, so every node is ChildDraw.TOP_K (point-mass verification).
 The budget chooser resizes a search as it resizes a builder (its `budget` field).
+
+A request with a grammar (docs/design.md section 5) passes `allowed`: a candidate the grammar refuses after its
+parent's path is skipped for the next-ranked one (its subtree with it), so no node goes to a token the target's
+masked row gives probability 0; `max_width` then counts the children kept.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 from ..builders.static import named_tree
 from ..tree import ChildDraw, TokenTree
 from ..tree_config import TreeConfig
 
 Path = tuple[int, ...]
+# Whether the request's grammar allows `token` after a node's path below the root (tokens, root excluded)
+Allowed = Callable[[tuple[int, ...], int], bool]
 
 
 @dataclass
@@ -63,19 +69,23 @@ class ParallelTreeSearch:
             return max(p[-1] for p in self.paths) + 1
         return min(self.max_width, self.budget)
 
-    def search(self, root_token: int, values: list[list[float]], tokens: list[list[int]]) -> TokenTree:
-        """values/tokens [D][w]: the ranked probabilities and tokens of q_1..q_D (descending)."""
+    def search(self, root_token: int, values: list[list[float]], tokens: list[list[int]],
+               allowed: Allowed | None = None) -> TokenTree:
+        """values/tokens [D][w]: the ranked probabilities and tokens of q_1..q_D (descending); `allowed`: the
+        request's grammar (None: none)."""
         depth = min(self.max_depth, len(values))
         if self.paths is not None:
-            return self._static(root_token, values, tokens, depth)
+            return self._static(root_token, values, tokens, depth, allowed)
         out_tokens, parents, log_joint = [root_token], [-1], [0.0]
+        paths: list[Path] = [()]  # each node's tokens below the root (what `allowed` reads)
+        kept = [0]  # children kept per node
         # Heap entries: (-path prob, tie-break, parent node, depth, rank, parent path prob).
         heap: list[tuple[float, int, int, int, int, float]] = []
         counter = 0
 
         def push(parent: int, d: int, rank: int, parent_prob: float) -> None:
             nonlocal counter
-            if d > depth or rank >= len(values[d - 1]) or rank >= self.max_width:
+            if d > depth or rank >= len(values[d - 1]) or kept[parent] >= self.max_width:
                 return
             prob = parent_prob * values[d - 1][rank]
             if prob <= 0.0 or prob < self.min_prob:
@@ -86,23 +96,34 @@ class ParallelTreeSearch:
         push(0, 1, 0, 1.0)
         while heap and len(out_tokens) - 1 < self.budget:
             neg, _, parent, d, rank, parent_prob = heapq.heappop(heap)
+            token = tokens[d - 1][rank]
+            if allowed is not None and not allowed(paths[parent], token):
+                push(parent, d, rank + 1, parent_prob)  # the next-ranked token in its place
+                continue
             node = len(out_tokens)
-            out_tokens.append(tokens[d - 1][rank])
+            out_tokens.append(token)
             parents.append(parent)
             log_joint.append(math.log(-neg))
+            paths.append(paths[parent] + (token,))
+            kept.append(0)
+            kept[parent] += 1
             push(node, d + 1, 0, -neg)  # first child
             push(parent, d, rank + 1, parent_prob)  # next sibling
         return TokenTree.build(out_tokens, parents, ChildDraw.TOP_K, log_joint)
 
-    def _static(self, root_token, values, tokens, depth) -> TokenTree:
+    def _static(self, root_token, values, tokens, depth, allowed: Allowed | None) -> TokenTree:
         out_tokens, parents, log_joint = [root_token], [-1], [0.0]
         node_of: dict[Path, int] = {(): 0}
+        below: dict[int, Path] = {0: ()}  # node -> its tokens below the root
         for path in sorted(self.paths, key=lambda p: (len(p), p)):
             d, rank = len(path), path[-1]
             parent = node_of.get(path[:-1])
             if d > depth or parent is None or rank >= len(values[d - 1]) or values[d - 1][rank] <= 0.0:
                 continue  # beyond the drafter's positions, or a zero-probability (warped away) token
+            if allowed is not None and not allowed(below[parent], tokens[d - 1][rank]):
+                continue  # refused by the grammar there: the node and its subtree are left out
             node_of[path] = len(out_tokens)
+            below[node_of[path]] = below[parent] + (tokens[d - 1][rank],)
             out_tokens.append(tokens[d - 1][rank])
             parents.append(parent)
             log_joint.append(log_joint[parent] + math.log(values[d - 1][rank]))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
@@ -67,16 +67,48 @@ class GrammarSessions:
         matcher = self._matcher_at(session_id, grammar, context[grammar.prompt_tokens:])
         masks = torch.full((len(paths), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
         for row, path in enumerate(paths):
-            accepted = 0
-            for token in path:
-                if matcher.is_terminated() or not matcher.accept_token(token):
-                    break
-                accepted += 1
+            accepted = _accept(matcher, path)
             if accepted == len(path) and not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(masks, row)
             if accepted:
                 matcher.rollback(accepted)
         return masks
+
+    def allowed(self, session_id: str, grammar: Grammar, context: list[int], path: Sequence[int],
+                tokens: Sequence[int]) -> frozenset[int]:
+        """Which of `tokens` the grammar allows after context + `path` (none after a path it refuses): a copy
+        source's candidates checked one by one (xgrammar's accept_token, then rollback)."""
+        matcher = self._matcher_at(session_id, grammar, context[grammar.prompt_tokens:])
+        depth = _accept(matcher, path)
+        ok = set()
+        if depth == len(path) and not matcher.is_terminated():
+            for token in tokens:
+                if matcher.accept_token(token):
+                    ok.add(token)
+                    matcher.rollback(1)
+        if depth:
+            matcher.rollback(depth)
+        return frozenset(ok)
+
+    def forced(self, session_id: str, grammar: Grammar, context: list[int], path: Sequence[int],
+               max_tokens: int) -> tuple[int, ...]:
+        """The text the grammar forces after context + `path` (xgrammar's jump-forward string), as at most
+        `max_tokens` tokens of the tokenizer's own encoding of it, cut at the first the grammar refuses (a
+        tokenization the matcher does not follow); () where it forces nothing."""
+        matcher = self._matcher_at(session_id, grammar, context[grammar.prompt_tokens:])
+        depth = _accept(matcher, path)
+        tokens: list[int] = []
+        if depth == len(path) and not matcher.is_terminated():
+            text = matcher.find_jump_forward_string()
+            if text:
+                encoded = self.compiler.tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+                for token in encoded:
+                    if not matcher.accept_token(token):
+                        break
+                    tokens.append(token)
+        if depth + len(tokens):
+            matcher.rollback(depth + len(tokens))
+        return tuple(tokens)
 
     def release(self, session_id: str) -> None:
         with self._lock:
@@ -112,6 +144,17 @@ class GrammarSessions:
                                  f"follow the request's {grammar.kind.value} grammar")
             held.append(token)
         return session.matcher
+
+
+def _accept(matcher: "xgr.GrammarMatcher", path: Sequence[int]) -> int:
+    """Feed `path` to the matcher up to the first token it refuses (or its end); returns how many it accepted (the
+    caller rolls them back)."""
+    accepted = 0
+    for token in path:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        accepted += 1
+    return accepted
 
 
 def tree_links(parents: list[int]) -> tuple[list[int], list[int]]:

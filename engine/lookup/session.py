@@ -25,12 +25,16 @@ PRIOR_HIT_SHARED = (0.05, 0.1, 0.15, 0.25, 0.35, 0.45, 0.55, 0.6)
 # client sends one because it expects the answer to follow it, so it starts out trusted, and the more so along
 # a long run.
 PRIOR_HIT_PREDICTED = (0.5, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
-PRIORS = PRIOR_HIT + PRIOR_HIT_SHARED + PRIOR_HIT_PREDICTED  # calibration bucket -> prior hit rate
+# Tokens a request's grammar forces (engine/lookup/grammar_copies.py), by how many of the forced chain are left
+# (1: its last token): the grammar allows nothing else, so only the tokenization can differ from the target's,
+# and that mostly at the chain's end, where the model's token may run on into the free text after it.
+PRIOR_HIT_FORCED = (0.6, 0.85, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9)
+PRIORS = PRIOR_HIT + PRIOR_HIT_SHARED + PRIOR_HIT_PREDICTED + PRIOR_HIT_FORCED  # calibration bucket -> prior hit rate
 
 
 def match_bucket(length: int, origin: Origin = Origin.OWN) -> int:
     """The calibration bucket of a match: by length, each source's buckets after the one before
-    (`Origin`: the request's own, the shared outputs', the prediction's)."""
+    (`Origin`: the request's own, the shared outputs', the prediction's, the grammar's forced text)."""
     return max(0, bisect.bisect_right(MATCH_BUCKETS, length) - 1) + len(MATCH_BUCKETS) * int(origin)
 
 
@@ -294,6 +298,9 @@ class AheadLookup:
 
     def row(self, state: LookupState) -> LookupRow | None:
         return self.session.row(state)
+
+    def hit_rate(self, bucket: int) -> float:
+        return self.session.hit_rate(bucket)
 
     def predict(self, path: tuple[int, ...], row: LookupRow) -> None:
         self.predictions[path] = (frozenset(row.tokens), row.bucket)

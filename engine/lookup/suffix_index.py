@@ -76,23 +76,29 @@ class SuffixIndex:
 
 class Origin(enum.IntEnum):
     """Which index a match is in: the request's own tokens, the tenant's recent outputs
-    (engine/lookup/shared_outputs.py) or the request's predicted output (engine/lookup/prediction.py)."""
+    (engine/lookup/shared_outputs.py) or the request's predicted output (engine/lookup/prediction.py); or, for
+    FORCED, no index: the text the request's grammar forces next (engine/lookup/grammar_copies.py)."""
 
     OWN = 0
     SHARED = 1
     PREDICTED = 2
+    FORCED = 3
 
 
 @dataclass(frozen=True)
 class LookupState:
     """Where a node's sequence (context + root path) matches indexed tokens: the match length, the end
     positions of its occurrences (each followed by a continuation), the index they are in (None: the
-    request's own) and which source that index is; length 0 = no match."""
+    request's own) and which source that index is; length 0 = no match. A request with a grammar adds what it
+    says at the node (engine/lookup/grammar_copies.py): the tokens it forces next, and which of the match's
+    candidates it allows."""
 
     length: int
     positions: tuple[int, ...]
     index: SuffixIndex | None = field(default=None, repr=False)
     origin: Origin = Origin.OWN
+    forced: tuple[int, ...] = ()  # the grammar's forced tokens after the node (the first is its candidate)
+    allowed: frozenset[int] | None = None  # the match's candidates the grammar allows (None: no grammar)
 
     @property
     def shared(self) -> bool:

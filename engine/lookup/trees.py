@@ -11,7 +11,11 @@ from typing import ClassVar, Sequence
 import torch
 
 from ..tree import ChildDraw, Source, TokenTree
-from .session import LookupSession
+from .grammar_copies import GrammarCopies
+from .session import AheadLookup, LookupSession
+
+# What the lookup-only plan and the copy chains read: a request's session, or the same seen through its grammar
+CopySource = LookupSession | AheadLookup | GrammarCopies
 
 
 @dataclass
@@ -50,7 +54,7 @@ class LookupPlan:
             torch.tensor([0] + [int(Source.LOOKUP)] * (n - 1), dtype=torch.uint8) if n > 1 else None)
 
 
-def plan_lookup(session: LookupSession, root_token: int, max_nodes: int, min_value: float) -> LookupPlan:
+def plan_lookup(session: CopySource, root_token: int, max_nodes: int, min_value: float) -> LookupPlan:
     """Best-first lookup-only tree of up to `max_nodes` draft nodes with path probability >= min_value; every
     expanded node's candidates are remembered for calibration."""
     tokens, parents, values = [root_token], [-1], [1.0]
@@ -104,7 +108,7 @@ class LookupTreeBuilder:
         return oracle.lookup.plan(root_token, self.budget, self.min_value).tree(self.budget, sampling.is_greedy)
 
 
-def lookup_chain(session: LookupSession, max_length: int, min_joint: float) -> tuple[list[int], list[float]]:
+def lookup_chain(session: CopySource, max_length: int, min_joint: float) -> tuple[list[int], list[float]]:
     """The most probable copy chain from the root (top candidate at each node) while its path probability stays
     >= min_joint: (tokens, path probabilities). Batched steps draft it for free next to the model's chain."""
     state = session.root_state()

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import xgrammar as xgr
-from transformers import LogitsProcessorList
-from xgrammar.contrib.hf import LogitsProcessor as XgrammarProcessor
 
 from families import pit_pvalue
+from grammar_trees import constrained_generate
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.grammar.compiler import XGRAMMAR_INSTALL, GrammarCompiler
@@ -65,14 +64,6 @@ def fresh_mask(compiled, tokens: list[int], eos: int, vocab: int) -> torch.Tenso
     mask = xgr.allocate_token_bitmask(1, vocab)
     matcher.fill_next_token_bitmask(mask)
     return allowed_tokens(mask, vocab)[0]
-
-
-def constrained_generate(model, compiled, prompt: list[int], n: int, eos: list[int]) -> list[int]:
-    """The reference: transformers' greedy `generate` with xgrammar's own logits processor."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                             pad_token_id=0, logits_processor=LogitsProcessorList([XgrammarProcessor(compiled)]))
-    return out[0, len(prompt):].tolist()
 
 
 def test_each_node_is_masked_from_its_own_path(pair):

@@ -1,0 +1,123 @@
+"""Trees that obey the grammar (issue 59 item 2; engine/lookup/grammar_copies.py, engine/grammar/drafts.py): the
+copy source's candidates that the grammar refuses are dropped, the text it forces is drafted as a copy chain of its
+own calibration buckets (no drafter row on it), the lookup-only plan the budget chooser prices carries that chain,
+and every node of a hybrid tree is a token the grammar allows after its parent's path, with the greedy output still
+constrained decoding's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from grammar_trees import constrained_generate, nodes_allowed, record_trees
+from test_grammar import PET, fresh_mask, make_engine
+from treeserve.engine.grammar.compiler import GrammarCompiler
+from treeserve.engine.grammar.drafts import StepGrammar
+from treeserve.engine.grammar.matchers import GrammarSessions
+from treeserve.engine.grammar.spec import Grammar, GrammarKind
+from treeserve.engine.lookup import LookupSources, Origin, match_bucket
+from treeserve.engine.lookup.grammar_copies import GrammarCopies
+from treeserve.engine.lookup.session import PRIOR_HIT_FORCED
+from treeserve.engine.lookup.trees import plan_lookup
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.tree import Source
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target_dir, tiny_drafter_dir):
+    return load_causal_lm(tiny_target_dir), load_causal_lm(tiny_drafter_dir).model
+
+
+def copies_at(tok, vocab: int, prompt: list[int], output: list[int]):
+    """(the grammar view, the lookup session seen through it, the session itself) of a PET request whose context
+    is prompt + output."""
+    grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(PET), prompt_tokens=len(prompt),
+                      stop_ids=(tok.eos_token_id,))
+    sessions = GrammarSessions(GrammarCompiler(tok, vocab))
+    context = prompt + output
+    view = StepGrammar(sessions, "s", grammar, context)
+    session = LookupSources().session("s", context)
+    return view, GrammarCopies(session, view), session, grammar
+
+
+def test_forced_text_is_a_copy_chain_of_its_own_buckets(pair):
+    """After '{"' the schema forces 'name": "': its tokens, the tokenizer's own, are the chain the root copies,
+    each calibrated in the FORCED buckets by the tokens left (the prior first); below the chain's end the grammar
+    forces nothing and the node's candidates are the lookup's again. The lookup-only plan carries the chain."""
+    target, _ = pair
+    tok = target.tokenizer
+    prompt = tok.encode("Describe a pet.")
+    output = tok.encode('{"')
+    view, copies, session, _ = copies_at(tok, target.model.config.vocab_size, prompt, output)
+    forced = tok.encode('name": "')
+    assert view.forced(()) == tuple(forced) and len(forced) >= 2
+    assert session.hit_rate(match_bucket(1, Origin.FORCED)) == pytest.approx(PRIOR_HIT_FORCED[0])
+    state, path = copies.root_state(), ()
+    for i, token in enumerate(forced):
+        row = copies.row(state)
+        left = len(forced) - i
+        assert row.tokens == (token,) and state.forced == tuple(forced[i:])
+        assert row.bucket == match_bucket(left, Origin.FORCED)
+        assert row.values[0] == pytest.approx(session.hit_rate(row.bucket))
+        path = path + (token,)
+        state = copies.child_state(state, token, path)
+    assert state.forced == ()  # the name's text is the model's to write
+    plan = plan_lookup(copies, output[-1], 8, 0.02)
+    assert plan.tokens[1:len(forced) + 1] == forced and plan.parents[1:len(forced) + 1] == list(range(len(forced)))
+    assert plan.gains()[len(forced) - 1] > 1.0  # what the chooser prices a lookup-only step by
+    # scored at the next sync like any copy: the emitted tokens follow the chain
+    session.sync(prompt + output + forced[:2])
+    assert session.observed >= 2 and session.hits[match_bucket(len(forced), Origin.FORCED)] == 1.0
+
+
+def test_copies_the_grammar_refuses_are_cut(pair):
+    """The prompt continues 'kind": "' with 'dog' and with 'zebra': at a root ending in 'kind": "' both are the
+    lookup's candidates, and only 'dog' (an enum value) is left once the grammar has seen them."""
+    target, _ = pair
+    tok = target.tokenizer
+    vocab = target.model.config.vocab_size
+    prompt = tok.encode('Examples: "kind": "zebra" and "kind": "dog" and "kind": "zebra".')
+    output = tok.encode('{"name": "Rex", "kind": "')
+    _, copies, session, grammar = copies_at(tok, vocab, prompt, output)
+    raw = session.row(session.root_state())
+    row = copies.row(copies.root_state())
+    dog = tok.encode('dog')[0]
+    allowed = fresh_mask(GrammarCompiler(tok, vocab).compile(grammar), output, tok.eos_token_id, vocab)
+    assert raw is not None and any(not bool(allowed[t]) for t in raw.tokens)
+    assert row is not None and set(row.tokens) < set(raw.tokens)
+    assert all(bool(allowed[t]) for t in row.tokens) and dog in row.tokens
+    assert all(not bool(allowed[t]) for t in set(raw.tokens) - set(row.tokens))
+    assert row.total == pytest.approx(sum(row.values))
+
+
+def test_hybrid_trees_obey_the_grammar_and_copy_forced_text(pair):
+    """Through the engine (c2t+lookup, a context holding JSON to copy): every drafted node is a token the grammar
+    allows after its parent's path, a tree whose root the grammar forces text after copies it from the root as
+    LOOKUP nodes (no model row there), and the greedy output is transformers' generate with xgrammar's processor."""
+    target, _ = pair
+    engine = make_engine(pair, "c2t+lookup", 10)
+    tok = target.tokenizer
+    prompt = engine.encode_chat('Like {"name": "Tom", "kind": "cat", "legs": 4}, describe a pet as JSON.')
+    grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(PET))
+    trees = record_trees(engine)
+    result = engine.generate([GenerationRequest(prompt, max_new_tokens=30, grammar=grammar)])[0]
+    eos = sorted(engine.eos_ids)
+    compiled = engine.grammars.compile(grammar)
+    assert result.token_ids == constrained_generate(target.model, compiled, prompt, 30, eos)
+    chains = 0
+    for context, tree in trees:
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=eos)
+        assert all(matcher.accept_token(t) for t in context[len(prompt):])
+        if matcher.is_terminated():
+            continue
+        forced = tok.encode(matcher.find_jump_forward_string(), add_special_tokens=False)
+        if len(forced) >= 2:  # e.g. 'name": "' after '{"': copied from the root as a chain of LOOKUP nodes
+            assert tree.token_list[1:3] == forced[:2] and tree.parent_list[1:3] == [0, 1]
+            assert int(tree.sources[1]) == int(tree.sources[2]) == int(Source.LOOKUP)
+            chains += 1
+    checked = nodes_allowed(trees, len(prompt), compiled, eos, tok)
+    assert checked > len(trees) and chains >= 2
+
