@@ -26,6 +26,9 @@ from .speculative_engine import SpeculativeEngine
 from .tree_config import AUTO_BUDGET, TreeBudget, tree_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# With run-ahead, a session whose drafter cache lags its context by more than this (a prompt; a long stretch decoded
+# plainly) catches up on the run-ahead thread instead of inside a step (speculation.catch_up_beside_tokens served).
+CATCH_UP_BESIDE_TOKENS = 64
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -60,7 +63,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     (engine/runners/static_step.py); False keeps the models' own eager forwards. `fused_ops`: that step's norms,
     rotary embedding and SiLU run as compiled fused kernels (engine/runners/fused_ops.py). `cost_curve`: budget "auto"
     reads the target's cost curve from this `treeserve profile` file (of this target, device and dtype).
-    `run_ahead`: the drafter drafts the next step's trees on a thread while the target scores
+    `run_ahead`: the drafter drafts the next step's trees on a thread while the target scores, and on that thread
+    catches up on what a session's drafting lagged by more than CATCH_UP_BESIDE_TOKENS (a prompt)
     (engine/drafters/run_ahead.py; pays where the drafter has cores or a device of its own). `prefix_caching`:
     the target and the drafter start a request from the longest prefix of it they hold (engine/runners/kv_pages.py)."""
     torch_dtype = parse_dtype(dtype)
@@ -84,7 +88,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     if method != AUTOREGRESSIVE:
         drafter = build_local_drafter(drafter_path, target.model, device, drafter_torch_dtype, budget,
                                       drafter_kind=drafter_kind, lookup=lookup, target_dtype=torch_dtype,
-                                      static=static, cost_curve=cost_curve, tokenizer=target.tokenizer)
+                                      static=static, cost_curve=cost_curve, tokenizer=target.tokenizer,
+                                      catch_up_beside=CATCH_UP_BESIDE_TOKENS if run_ahead else None)
     if drafter is not None and base == "opt_tree" and "delta" not in tree_overrides:
         # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens, whatever
         # the node budget (the profile is measured once per machine and cached).

@@ -168,7 +168,7 @@ class SpeculativeEngine:
         recorder = StepRecorder(batch, self.drafter, lane)
         trees, call = self.draft(batch, lane)
         recorder.drafted(call)
-        ahead = self._ahead.submit(self.drafter.draft_ahead, lane) if self._ahead and call else None
+        ahead = self._ahead.submit(self._beside_score, lane) if self._ahead and call else None
         chunk = self.prefill_chunk_tokens if any(s.steps for s in batch) else None  # others decode: chunk
         # A chunk step (or a step the target refused) verifies nothing: its sequences' generators go back to where
         # they were, so a seed gives the same output however the prompt was fed or the step retried.
@@ -195,6 +195,12 @@ class SpeculativeEngine:
             self.commit(s, tree, dist, result)
             recorder.verified(s, tree, result)
         recorder.finish()
+
+    def _beside_score(self, lane: str) -> None:
+        """The drafter's work while the target scores the lane's step: the catch-up of sessions its call left lagging,
+        then the next step's trees drafted ahead."""
+        self.drafter.catch_up(lane)
+        self.drafter.draft_ahead(lane)
 
     def draft(self, batch: list[Sequence], lane: str = "") -> tuple[list[TokenTree], Drafted | None]:
         """One TokenTree per sequence (the root alone for autoregressive decoding, a held plain step, or a

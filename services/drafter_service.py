@@ -98,17 +98,20 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             call = self.drafter.draft(requests, max(message.router_batch_size, len(message.items)), message.lane)
         finally:
             if self.features is not None:  # rows of sessions whose KV cache the drafter evicted go with it
-                self.features.retain(set(self.session_ids()))
+                # (this call's sessions stay: one left to catch up beside the step has no KV cache here yet)
+                self.features.retain(set(self.session_ids()) | {r.session_id for r in requests})
         self.kv_metrics.record(self.drafter.lm)
         return pb.DraftResponse(trees=[wire.encode_tree(t) for t in call.trees],
                                 draft_ms=(time.perf_counter() - started) * 1e3,
                                 draft_model_ms=call.model_ms, draft_forward_ms=call.forward_ms,
                                 plain_steps_held=call.hold_steps, run_ahead_hits=call.run_ahead_hits,
-                                run_ahead_misses=call.run_ahead_misses)
+                                run_ahead_misses=call.run_ahead_misses, catching_up=call.catching_up)
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:
         try:
             response = await self.worker.run(self._draft, request)
+            if response.catching_up:  # the lagging sessions' catch-up, while the Target scores this step
+                self.worker.submit(self.drafter.catch_up, request.lane)
             if self.run_ahead and response.trees:
                 self.worker.submit(self.drafter.draft_ahead, request.lane)
             return response
@@ -183,6 +186,7 @@ def load_drafter_from_config(config) -> tuple[ModelDrafter, int]:
     drafter = build_local_drafter(config.drafter.path, target, config.drafter.device, dtype,
                                   config.speculation.budget, drafter_kind=config.drafter.kind, tokenizer=tokenizer,
                                   lookup=config.speculation.lookup, target_dtype=target_dtype,
+                                  catch_up_beside=config.speculation.catch_up_beside_tokens,
                                   static=default_static_step(config.drafter.device, config.drafter.cuda_graphs,
                                                              config.drafter.graph_memory_mib,
                                                              max_rows=config.kv_sessions("drafter"),

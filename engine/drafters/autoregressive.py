@@ -16,7 +16,7 @@ chain joins its C2T chain in one tree (or replaces it where the lookup is confid
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from ..lookup.grammar_copies import GrammarCopies
 from ..lookup.trees import lookup_chain, merge_chains, plan_lookup
 from ..methods import LOOKUP, split_method
 from ..requests import StepRecord
+from ..runners.kv_pool import KVPoolExhausted
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
 from ..lanes import Lanes
@@ -77,6 +78,9 @@ class DraftLane:
     last_step: tuple[DraftRequest, TokenTree, object, BudgetChooser | None] | None = None
     ahead_chooser: BudgetChooser | None = None
     ahead_builder: object = None
+    # Requests of the lane's last draft call whose drafter cache lagged their context (`LocalDrafter.catch_up_beside`):
+    # their catch-up forward runs in `catch_up`, beside the target's score of that step.
+    catching_up: list[DraftRequest] = field(default_factory=list)
 
 
 class LocalDrafter(ModelDrafter):
@@ -87,7 +91,16 @@ class LocalDrafter(ModelDrafter):
 
     def __init__(self, runner: DrafterRunner, classifier: C2TClassifier | None = None,
                  budget: BudgetChooser | None = None, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5,
-                 lookup: LookupSettings | None = None):
+                 lookup: LookupSettings | None = None, catch_up_beside: int | None = None):
+        """`catch_up_beside`: a session whose drafter cache lags its context by more than this many tokens (a prompt
+        the drafter has not read, a stretch decoded plainly) is drafted this step without the model (its copies only,
+        or nothing), and its catch-up forward is left to `catch_up`, which the caller runs while the target scores
+        the step; so a long prompt's drafter prefill never lengthens a step of the batch (issue 60). None: the
+        catch-up runs inline, in the step's first drafter forward (a caller with nothing running beside the
+        target)."""
+        if catch_up_beside is not None and catch_up_beside < 0:
+            raise ValueError(f"catch_up_beside must be >= 0 (or None: inline), got {catch_up_beside}")
+        self.catch_up_beside = catch_up_beside
         self.runner = runner
         # Copy-from-context drafting (methods "lookup", "<builder>+lookup"): per-session suffix indexes.
         self.lookups = LookupSources(lookup)
@@ -152,13 +165,15 @@ class LocalDrafter(ModelDrafter):
         state.step_chooser = self.budget
         state.last_step = None  # set again below only by a batch-1 step that drafted with the model
         batch = batch_size or len(requests)
+        lagging = self._lagging(speculative)
+        state.catching_up = [r for r in speculative if r.session_id in lagging]
         drafted: list[TokenTree | None] = []  # one per speculative request (None: the root alone)
         held = 0  # steps after this one that the deciding chooser already decided are plain decoding
         if speculative and batch > 1:
-            drafted, held = self._draft_batch(lane, state, speculative, batch)
+            drafted, held = self._draft_batch(lane, state, speculative, batch, lagging)
         elif speculative:
             (r,) = speculative
-            tree, held = self._draft_single(lane, state, r)
+            tree, held = self._draft_single(lane, state, r, r.session_id not in lagging)
             drafted = [tree]
         trees = iter(drafted)
         return Drafted([(next(trees) if r.tree.method != AUTOREGRESSIVE else None) or root_only(r.context)
@@ -166,12 +181,41 @@ class LocalDrafter(ModelDrafter):
                        model_ms=(self.runner.seconds - runner_seconds) * 1e3,
                        forward_ms=(self.runner.lm.forward_seconds - forward_seconds) * 1e3,
                        hold_steps=held, run_ahead_hits=self.run_ahead.hits - hits,
-                       run_ahead_misses=self.run_ahead.misses - misses)
+                       run_ahead_misses=self.run_ahead.misses - misses, catching_up=len(lagging))
+
+    def _lagging(self, requests: list[DraftRequest]) -> set[str]:
+        """Sessions among `requests` whose model drafting waits for their catch-up (`catch_up_beside`)."""
+        if self.catch_up_beside is None:
+            return set()
+        return {r.session_id for r in requests if split_method(r.tree.method)[0] != LOOKUP
+                and self.runner.lm.lag(r.session_id, len(r.context)) > self.catch_up_beside}
+
+    def catch_up(self, lane: str = "") -> int:
+        """Feed the drafter what its lagging sessions of the lane's last draft call missed, all in one batched
+        forward (each session's unread context, then its root): run while the target scores that step, so their
+        next step drafts without the wait. A session released meanwhile is skipped; the KV pool being full leaves
+        the catch-up to the session's next drafted step (inline, as without `catch_up_beside`). Returns the
+        sessions caught up."""
+        state = self.lanes[lane]
+        pending, state.catching_up = state.catching_up, []
+        if not pending:
+            return 0
+        try:
+            oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features,
+                                         r.cache_scope) for r in pending]
+            self.runner.extend_many(oracles, [[0]] * len(pending), [[r.context[-1]] for r in pending],
+                                    [[-1]] * len(pending))
+        except KVPoolExhausted:
+            return 0
+        return len(pending)
 
     def _draft_batch(self, lane: str, state: DraftLane, speculative: list[DraftRequest],
-                     batch_size: int) -> tuple[list[TokenTree | None], int]:
+                     batch_size: int, lagging: set[str]) -> tuple[list[TokenTree | None], int]:
         """A batched step: a C2T chain per request at the step's depth, joined by (or, where the lookup is
-        confident or alone, replaced by) the request's copy chain; and the plain steps its plan holds after it."""
+        confident or alone, replaced by) the request's copy chain; and the plain steps its plan holds after it.
+        Requests in `lagging` take their copy chain alone (their model catches up beside the step)."""
+        if len(lagging) == len(speculative):  # nothing the model can draft: no decision made, none credited
+            return [None] * len(speculative), 0
         plan = self._batch_plan(lane, state, batch_size, speculative)
         # Copy chains cost no drafter forward: each row keeps the part that pays for its target time at this batch
         # size (`allocate_copies`) when the step takes copies: with model chains, or alone (LOOKUP_ONLY, an arm of
@@ -179,7 +223,8 @@ class LocalDrafter(ModelDrafter):
         depth = plan.budget
         copies = ([None] * len(speculative) if plan.plain
                   else self._lookup_chains(state, speculative, batch_size, depth))
-        modelled = [i for i, copy in enumerate(copies) if depth > 0 and (copy is None or copy.modelled)]
+        modelled = [i for i, copy in enumerate(copies) if depth > 0 and (copy is None or copy.modelled)
+                    and speculative[i].session_id not in lagging]
         trees: list[TokenTree | None] = [None] * len(speculative)
         if modelled:
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features,
@@ -198,15 +243,19 @@ class LocalDrafter(ModelDrafter):
         # The lookup is checked every step: a step that copies holds no plain steps.
         return trees, 0 if any(copy is not None for copy in copies) else plan.held
 
-    def _draft_single(self, lane: str, state: DraftLane, r: DraftRequest) -> tuple[TokenTree | None, int]:
+    def _draft_single(self, lane: str, state: DraftLane, r: DraftRequest,
+                      model_ready: bool = True) -> tuple[TokenTree | None, int]:
         """Batch size 1: the tree drafted ahead for this context, else a hybrid method's tree, else the builder's
         at the chooser's budget (None: plain decoding); and the plain steps its plan holds after it (a hybrid step
-        holds none: the lookup is checked every step)."""
+        holds none: the lookup is checked every step). `model_ready` False: the model catches up beside this step
+        and drafts nothing in it."""
         ahead = self._ahead_hit(lane, state, r)
         if ahead is not None:
             return ahead, 0
         if split_method(r.tree.method)[1]:
-            return self._draft_hybrid(lane, state, r), 0
+            return self._draft_hybrid(lane, state, r, model_ready), 0
+        if not model_ready:
+            return None, 0
         oracle = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features, r.cache_scope,
                                    r.processors, r.grammar)
         builder = self.builder(r.tree)
@@ -221,12 +270,13 @@ class LocalDrafter(ModelDrafter):
         state.last_step = (r, tree, builder, state.step_chooser)
         return tree, held
 
-    def _draft_hybrid(self, lane: str, state: DraftLane, r: DraftRequest) -> TokenTree | None:
-        """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding)."""
+    def _draft_hybrid(self, lane: str, state: DraftLane, r: DraftRequest, model_ready: bool = True) -> TokenTree | None:
+        """Batch size 1, a lookup method: the tree the chooser's decision calls for (None: plain decoding); copies
+        alone while the model catches up (`model_ready` False)."""
         session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
         copies = self._copies(r, session)
         settings = self.lookups.settings
-        base = split_method(r.tree.method)[0]
+        base = split_method(r.tree.method)[0] if model_ready else LOOKUP
         root, greedy = r.context[-1], r.sampling.is_greedy
         auto = self.budget is not None and r.tree.budget_auto
         builder = self.builder(r.tree)
@@ -398,5 +448,8 @@ class LocalDrafter(ModelDrafter):
 
     def release(self, session_id: str) -> bool:
         self.run_ahead.drop(session_id)
+        for lane in self.lanes:
+            state = self.lanes[lane]
+            state.catching_up = [r for r in state.catching_up if r.session_id != session_id]
         looked = self.lookups.release(session_id)
         return self.runner.release(session_id) or looked

@@ -74,6 +74,7 @@ class Drafted:
     hold_steps: int = 0
     run_ahead_hits: int = 0  # of these trees, those drafted ahead while the lane's previous step was scored
     run_ahead_misses: int = 0  # trees drafted ahead for these requests whose context did not come true
+    catching_up: int = 0  # requests whose model drafting waited for their catch-up (`Drafter.catch_up`)
 
 
 def root_only(context: list[int]) -> TokenTree:
@@ -125,6 +126,11 @@ class Drafter(Protocol):
         (engine/drafters/run_ahead.py); False when there was nothing to draft ahead."""
         ...
 
+    def catch_up(self, lane: str = "") -> int:
+        """Feed the drafter the context the lane's last call left it to catch up on (`Drafted.catching_up`), while
+        the target scores that step; returns the sessions caught up."""
+        ...
+
     def release(self, session_id: str) -> bool:
         """Free the session's state; True if there was any."""
         ...
@@ -147,6 +153,10 @@ class DrafterBase:
     def draft_ahead(self, lane: str = "") -> bool:
         """Nothing to draft ahead by default (drafters without run-ahead)."""
         return False
+
+    def catch_up(self, lane: str = "") -> int:
+        """Nothing left to catch up on by default (drafters that catch up inline)."""
+        return 0
 
     def release(self, session_id: str) -> bool:
         raise NotImplementedError

@@ -68,7 +68,7 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
                         classifier_path: str | None = "default", drafter_kind: str | None = None,
                         lookup: LookupSettings | None = None, target_dtype: torch.dtype | None = None,
                         static: StaticStepSettings | None = None, cost_curve: str | None = None,
-                        tokenizer=None) -> ModelDrafter:
+                        tokenizer=None, catch_up_beside: int | None = None) -> ModelDrafter:
     """The drafter of `drafter_kind` over the weights at `drafter_path`, for `target`; budget "auto" measures
     the hardware and chooses per step.
 
@@ -83,7 +83,9 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
     forwards (either kind) run as the static-shape step (CUDA graphs on a GPU; engine/runners/static_step.py),
     and budget "auto" measures the target on that step too; `cost_curve`: the target's curve from a `treeserve
     profile` file of this target and device instead of measuring it; `tokenizer`: the target's, for requests with a
-    grammar (the drafters mask their rows as the target's: engine/grammar/)."""
+    grammar (the drafters mask their rows as the target's: engine/grammar/); `catch_up_beside`: the autoregressive
+    drafter leaves a session lagging its context by more than this many tokens to catch up beside the target's score
+    (`LocalDrafter.catch_up`; None: inline)."""
     drafter_path = canonical_name(drafter_path, drafter_kind)  # the deprecated "default" warns once, here
     kind = kind_of(drafter_path, drafter_kind)
     target_dtype = target_dtype or next(target.parameters()).dtype
@@ -101,4 +103,4 @@ def build_local_drafter(drafter_path: str, target: torch.nn.Module, device: str 
                                    tokenizer=tokenizer)
     runner = DrafterRunner(model, target.config.vocab_size, device, dtype, static=static, tokenizer=tokenizer)
     return LocalDrafter(runner, classifier=load_classifier(classifier_path, drafter_path), budget=chooser,
-                        lookup=lookup)
+                        lookup=lookup, catch_up_beside=catch_up_beside)

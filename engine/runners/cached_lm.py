@@ -388,6 +388,12 @@ class CachedLM:
         cache.committed = cache.committed[:common]
         cache.extension = list(prefix[common:])
 
+    def lag(self, session_id: str, context_length: int) -> int:
+        """Context tokens before the root of a `context_length`-token context that the session's cache does not hold
+        (all of them for a session new here; an upper bound by the previous step's accepted nodes otherwise)."""
+        cache = self.sessions.get(session_id)
+        return context_length - 1 - (len(cache.committed) if cache is not None else 0)
+
     # ------------------------------------------------------------------ forward
     def extension_length(self, session_id: str) -> int:
         """Context tokens the session's next forward feeds before its new nodes (after `begin`)."""

@@ -44,9 +44,16 @@ class SpeculationConfig:
         "the Drafter replica drafts the next step's trees, for the verification outcomes it expects, while the "
         "Target scores the current step (greedy requests at batch size 1); a step whose context matches one is "
         "answered at once. Output is unchanged (engine/drafters/run_ahead.py)", default=True)
+    catch_up_beside_tokens: Optional[int] = described(
+        "a session whose Drafter cache lags its context by more than this many tokens (a prompt the Drafter has not "
+        "read, a stretch decoded plainly) drafts its copies alone for one step while the Drafter reads the rest "
+        "beside the Target's score, so a long prompt's drafter prefill never lengthens a step; null: read inline, in "
+        "the step (engine/drafters/autoregressive.py LocalDrafter.catch_up)", default=64)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         parse_budget(self.budget, f"{path}.budget", maximum=1024)
+        if self.catch_up_beside_tokens is not None and self.catch_up_beside_tokens < 0:
+            raise ValueError(f"{path}.catch_up_beside_tokens must be >= 0 or null, got {self.catch_up_beside_tokens}")
 
 
 @dataclass

@@ -76,21 +76,25 @@ class RecordingDrafter(DrafterServicer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.received: list[tuple[str, int, int, int]] = []
+        self.catching_up = 0  # sessions the replica's answers left to catch up beside the step
 
     def _draft(self, message: pb.DraftRequest) -> pb.DraftResponse:
         self.received += [(i.session_id, len(i.context), i.features.start, i.features.rows)
                           for i in message.items if i.HasField("features")]
-        return super()._draft(message)
+        response = super()._draft(message)
+        self.catching_up += response.catching_up
+        return response
 
 
 class Replicas:
     """Two Target replicas and one EAGLE Drafter replica on their own grpc.aio servers."""
 
-    def __init__(self, parts, eagle):
+    def __init__(self, parts, eagle, catch_up_beside: int | None = None):
         self.targets = [TargetServicer(TargetRunner(parts.target.model)) for _ in range(2)]
         self.target_servers = [ReplicaServer(pb_grpc.add_TargetServicer_to_server, s, host="127.0.0.1").start()
                                for s in self.targets]
-        self.drafter = RecordingDrafter(LocalDrafter(DrafterRunner(eagle, _vocab(parts))), _vocab(parts))
+        self.drafter = RecordingDrafter(LocalDrafter(DrafterRunner(eagle, _vocab(parts)),
+                                                     catch_up_beside=catch_up_beside), _vocab(parts))
         self.drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, self.drafter,
                                             host="127.0.0.1").start()
 
@@ -189,6 +193,35 @@ def test_remote_batches_match_in_process(tiny_parts, eagle, replicas, remote, tr
     _check_deltas(replicas.drafter.received, full_sends=0)
     assert engine.drafter.feature_resends == 0
     assert not replicas.drafter.features.session_ids and not engine.drafter.feature_deltas.session_ids
+
+
+def test_a_replica_catching_up_beside_the_step_matches_in_process(tiny_parts, eagle):
+    """A Drafter replica whose sessions lag past `catch_up_beside` (every prompt here) answers them with the root
+    alone, reads their context on its worker after the answer (while the Target scores), and drafts them the
+    next step; greedy output at batch 1 and 3 equals the in-process engine's, and the feature deltas stay deltas."""
+    replicas = Replicas(tiny_parts, eagle, catch_up_beside=12)  # above any lag a dyspec-8 step leaves
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        target, drafter = replicas.clients(_vocab(tiny_parts))
+        for client in (target, drafter):
+            client.bind_loop(loop)
+        tree = tree_config("dyspec", 8)
+        engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree, 2048)
+        local = local_engine(tiny_parts, eagle, tree)
+        prompts = [local.encode_chat(p) for p in PROMPTS]
+        for n in (1, 3):
+            requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
+            results = engine.generate(requests)
+            assert [r.token_ids for r in results] == [r.token_ids for r in local.generate(requests)]
+            assert all(r.steps[1].tree_size == 0 and any(s.tree_size for s in r.steps[2:]) for r in results)
+        assert replicas.drafter.catching_up == 1 + 3
+        _check_deltas(replicas.drafter.received, full_sends=0)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        replicas.stop()
 
 
 def test_drafter_replica_losing_rows_gets_them_again(tiny_parts, eagle, replicas, remote):

@@ -401,6 +401,7 @@ applications:
         budget: {{ if eq (toString $v.speculation.budget) "auto" }}auto{{ else }}{{ int $v.speculation.budget }}{{ end }}
         batch_method: {{ $v.speculation.batchMethod }}
         run_ahead: {{ $v.speculation.runAhead }}
+        catch_up_beside_tokens: {{ if kindIs "invalid" $v.speculation.catchUpBesideTokens }}null{{ else }}{{ int $v.speculation.catchUpBesideTokens }}{{ end }}
         lookup:
           shared_tokens: {{ int $v.speculation.lookupSharedTokens }}
       limits:
