@@ -153,6 +153,7 @@ class StepRecord:
     accepted_lookup: int = 0
     accepted_both: int = 0
     run_ahead_hit: bool = False  # the tree was drafted ahead while the previous step was scored
+    catch_up: bool = False  # the model drafted nothing: the drafter caught up on the context beside this step
 
 
 @dataclass

@@ -64,7 +64,8 @@ class StepRecorder:
                                   tree_size_lookup=size_lookup + size_both, accepted_lookup=accepted_lookup,
                                   accepted_both=accepted_both,
                                   # Run-ahead serves batch-1 steps only: a hit of the call was this sequence's.
-                                  run_ahead_hit=bool(call and call.run_ahead_hits) and tree.num_nodes > 1))
+                                  run_ahead_hit=bool(call and call.run_ahead_hits) and tree.num_nodes > 1,
+                                  catch_up=bool(call) and s.session_id in call.catching_up))
 
     def finish(self) -> None:
         """Share the verification time among the records and report them to the drafter."""

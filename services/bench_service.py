@@ -70,6 +70,7 @@ class StreamRecord:
     steps: int = 0  # target forwards (stats)
     drafted_steps: int | None = 0  # of which steps with a tree (stats; None: the API does not report it)
     run_ahead_hits: int | None = 0  # of which trees drafted ahead (stats; None: not reported)
+    catch_up_steps: int | None = 0  # steps whose drafter caught up on unread context beside them (stats)
     step_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # mean draft, score, verify ms of its steps (stats)
     ended: float = 0.0
     text: str = ""  # OpenAI: the streamed text
@@ -124,6 +125,8 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
     reported = api == "grpc"  # the OpenAI API's usage has no drafted steps nor run-ahead hits
     drafted = None if not reported or any(r.drafted_steps is None for r in ok) else sum(r.drafted_steps for r in ok)
     hits = None if not reported or any(r.run_ahead_hits is None for r in ok) else sum(r.run_ahead_hits for r in ok)
+    catch_ups = (None if not reported or any(r.catch_up_steps is None for r in ok)
+                 else sum(r.catch_up_steps for r in ok))
     return {"api": api, "streams": streams, "requests": len(records), "errors": sum(errors.values()),
             "error_codes": errors,
             "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s else 0.0,
@@ -136,6 +139,9 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
             "tree_size": sum(r.tree_size * r.steps for r in ok) / steps,
             "plain_step_share": float("nan") if drafted is None else 1 - drafted / steps,
             "run_ahead_hit_rate": float("nan") if hits is None or drafted is None else hits / max(1, drafted),
+            # Steps whose drafting waited for the Drafter to read unread context (prompts, stretches decoded plainly)
+            # beside them: what resuming drafting cost (engine/drafters/autoregressive.py `catch_up`).
+            "catch_up_steps": float("nan") if catch_ups is None else catch_ups,
             # Where a step's time goes, as the Router timed it: the Draft call, the Target's Score, verification.
             **{f"{part}_ms": sum(r.step_ms[k] * r.steps for r in ok) / steps if reported else float("nan")
                for k, part in enumerate(("draft", "score", "verify"))},
@@ -216,6 +222,7 @@ def _grpc_session(address: str, prompts: list[list[int]], max_new_tokens: int, a
                             record.mal, record.tree_size, record.steps = (stats.mean_accepted_length,
                                                                           stats.mean_tree_size_tokens, stats.steps)
                             record.drafted_steps, record.run_ahead_hits = stats.drafted_steps, stats.run_ahead_hits
+                            record.catch_up_steps = stats.catch_up_steps
                             record.step_ms = (stats.mean_draft_ms, stats.mean_score_ms, stats.mean_verify_ms)
                 except grpc.RpcError as exc:
                     record.error = exc.code().name
@@ -430,7 +437,7 @@ def _openai_call(connection: http.client.HTTPConnection, headers: dict, record: 
             record.mal = float(spec.get("mean_accepted_length") or 0.0)
             record.tree_size = float(spec.get("mean_tree_size_tokens") or 0.0)
             record.steps = int(spec.get("steps") or 0)
-        record.drafted_steps = record.run_ahead_hits = None  # not in the OpenAI API's usage
+        record.drafted_steps = record.run_ahead_hits = record.catch_up_steps = None  # not in the OpenAI API's usage
         record.arrivals, record.token_count = chunk_arrivals(
             chunks, usage["completion_tokens"] if usage else None, prefixes)
 
@@ -478,6 +485,10 @@ def measure(address: str, prompts: list[list[int]], references: list[tuple[list[
     return levels
 
 
+def _count(value: float) -> str:
+    return "n/a" if value != value else str(int(value))
+
+
 def _share(value: float) -> str:
     return "n/a" if value != value else f"{value:.0%}"
 
@@ -501,7 +512,7 @@ def service_table(levels: list[dict], title: str):
     table = Table(title=title, caption=caption)
     for col in ("streams", "requests", "errors", "tokens", "agg tok/s", "tok/s per stream", "TTFT p50 ms",
                 "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "MAL", "draft tok/step", "plain steps",
-                "run-ahead hits", "step ms draft / score / verify",
+                "run-ahead hits", "catch-up steps", "step ms draft / score / verify",
                 "= in-process greedy (text)" if by_text else "= in-process greedy"):
         table.add_column(col, justify="right")
     for lv in levels:
@@ -511,5 +522,6 @@ def service_table(levels: list[dict], title: str):
                       f"{lv['tokens_per_s']:.1f}", f"{lv['stream_tokens_per_s']:.1f}", f"{lv['ttft_ms_p50']:.0f}",
                       f"{lv['ttft_ms_p95']:.0f}", f"{lv['itl_ms_p50']:.0f}", f"{lv['itl_ms_p95']:.0f}",
                       f"{lv['mal']:.2f}", f"{lv.get('tree_size', 0.0):.2f}", _share(lv.get('plain_step_share', 0.0)),
-                      _share(lv.get('run_ahead_hit_rate', 0.0)), _step_ms(lv), f"{equal}/{lv['greedy_compared']}{ties}")
+                      _share(lv.get('run_ahead_hit_rate', 0.0)), _count(lv.get("catch_up_steps", 0)), _step_ms(lv),
+                      f"{equal}/{lv['greedy_compared']}{ties}")
     return table

@@ -105,7 +105,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 draft_ms=(time.perf_counter() - started) * 1e3,
                                 draft_model_ms=call.model_ms, draft_forward_ms=call.forward_ms,
                                 plain_steps_held=call.hold_steps, run_ahead_hits=call.run_ahead_hits,
-                                run_ahead_misses=call.run_ahead_misses, catching_up=call.catching_up)
+                                run_ahead_misses=call.run_ahead_misses, catching_up=list(call.catching_up))
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:
         try:

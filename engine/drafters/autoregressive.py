@@ -181,7 +181,8 @@ class LocalDrafter(ModelDrafter):
                        model_ms=(self.runner.seconds - runner_seconds) * 1e3,
                        forward_ms=(self.runner.lm.forward_seconds - forward_seconds) * 1e3,
                        hold_steps=held, run_ahead_hits=self.run_ahead.hits - hits,
-                       run_ahead_misses=self.run_ahead.misses - misses, catching_up=len(lagging))
+                       run_ahead_misses=self.run_ahead.misses - misses,
+                       catching_up=tuple(r.session_id for r in state.catching_up))
 
     def _lagging(self, requests: list[DraftRequest]) -> set[str]:
         """Sessions among `requests` whose model drafting waits for their catch-up (`catch_up_beside`)."""

@@ -74,7 +74,8 @@ class Drafted:
     hold_steps: int = 0
     run_ahead_hits: int = 0  # of these trees, those drafted ahead while the lane's previous step was scored
     run_ahead_misses: int = 0  # trees drafted ahead for these requests whose context did not come true
-    catching_up: int = 0  # requests whose model drafting waited for their catch-up (`Drafter.catch_up`)
+    # sessions whose model drafting waited for their catch-up this call (`Drafter.catch_up`)
+    catching_up: tuple[str, ...] = ()
 
 
 def root_only(context: list[int]) -> TokenTree:

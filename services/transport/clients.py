@@ -142,7 +142,7 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
             call.forward_ms = max(call.forward_ms, reply.draft_forward_ms)
             call.run_ahead_hits += reply.run_ahead_hits
             call.run_ahead_misses += reply.run_ahead_misses
-            call.catching_up += reply.catching_up
+            call.catching_up += tuple(reply.catching_up)
             holds.append(reply.plain_steps_held)
             self.run_ahead_hits += reply.run_ahead_hits
             self.run_ahead_misses += reply.run_ahead_misses

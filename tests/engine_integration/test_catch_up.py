@@ -50,7 +50,7 @@ def test_a_prompt_is_read_beside_the_step_then_drafted(pair):
     engine.step([seq])  # the prefill: the root alone, the drafter not called
     assert drafter.runner.lm.lag(seq.session_id, len(seq.context)) == len(seq.context) - 1
     engine.step([seq])  # the drafter lags the whole prompt: no model drafts, its catch-up runs beside the score
-    assert seq.steps[-1].tree_size == 0
+    assert seq.steps[-1].tree_size == 0 and seq.steps[-1].catch_up
     assert drafter.runner.lm.lag(seq.session_id, len(seq.context)) <= 2  # read all but the step's own tokens
     engine.step([seq])
     assert seq.steps[-1].tree_size > 0  # drafted at once: nothing left to read inline
@@ -89,7 +89,7 @@ def test_a_parked_batch_row_resumes_without_stalling_the_batch(pair):
     batch = [running, arriving]
     engine.step(batch)  # the arrival's prefill; the running row drafts
     lagging = drafter.draft([engine.draft_request(s) for s in batch], 2)
-    assert lagging.catching_up == 1 and lagging.trees[1].num_nodes == 1  # the arrival: its catch-up pending
+    assert lagging.catching_up == (arriving.session_id,) and lagging.trees[1].num_nodes == 1  # the arrival: its catch-up pending
     assert drafter.catch_up() == 1
     assert drafter.runner.lm.lag(arriving.session_id, len(arriving.context)) <= 1
     while any(s.finish is None for s in batch):
@@ -103,7 +103,7 @@ def test_a_released_session_is_not_caught_up(pair):
     engine, drafter = engine_for(pair, TreeConfig(method="c2t", budget=4))
     context = engine.encode_chat(PROMPT)
     drafted = drafter.draft([DraftRequest("gone", context, SamplingParams(), TreeConfig(method="c2t", budget=4), 0)])
-    assert drafted.catching_up == 1
+    assert drafted.catching_up == ("gone",)
     drafter.release("gone")
     assert drafter.catch_up() == 0 and "gone" not in drafter.session_ids()
 

@@ -82,7 +82,7 @@ class RecordingDrafter(DrafterServicer):
         self.received += [(i.session_id, len(i.context), i.features.start, i.features.rows)
                           for i in message.items if i.HasField("features")]
         response = super()._draft(message)
-        self.catching_up += response.catching_up
+        self.catching_up += len(response.catching_up)
         return response
 
 
@@ -216,6 +216,7 @@ def test_a_replica_catching_up_beside_the_step_matches_in_process(tiny_parts, ea
             results = engine.generate(requests)
             assert [r.token_ids for r in results] == [r.token_ids for r in local.generate(requests)]
             assert all(r.steps[1].tree_size == 0 and any(s.tree_size for s in r.steps[2:]) for r in results)
+            assert [[s.catch_up for s in r.steps[:3]] for r in results] == [[False, True, False]] * n
         assert replicas.drafter.catching_up == 1 + 3
         _check_deltas(replicas.drafter.received, full_sends=0)
     finally:
