@@ -93,11 +93,12 @@ class LocalDrafter(ModelDrafter):
                  budget: BudgetChooser | None = None, batch_chain_depth: int = 6, batch_chain_beta: float = 0.5,
                  lookup: LookupSettings | None = None, catch_up_beside: int | None = None):
         """`catch_up_beside`: a session whose drafter cache lags its context by more than this many tokens (a prompt
-        the drafter has not read, a stretch decoded plainly) is drafted this step without the model (its copies only,
-        or nothing), and its catch-up forward is left to `catch_up`, which the caller runs while the target scores
-        the step; so a long prompt's drafter prefill never lengthens a step of the batch (issue 60). None: the
-        catch-up runs inline, in the step's first drafter forward (a caller with nothing running beside the
-        target)."""
+        the drafter has not read, a stretch decoded plainly) and that the step's plan has the model draft for is
+        drafted without the model this step (its copies only, or nothing), and its catch-up forward is left to
+        `catch_up`, which the caller runs while the target scores the step; so a long prompt's drafter prefill never
+        lengthens a step of the batch (issue 60). A session the plan does not have the model draft for is left as it
+        is (parked: it costs the drafter no forward until it does). None: the catch-up runs inline, in the step's
+        first drafter forward (a caller with nothing running beside the target)."""
         if catch_up_beside is not None and catch_up_beside < 0:
             raise ValueError(f"catch_up_beside must be >= 0 (or None: inline), got {catch_up_beside}")
         self.catch_up_beside = catch_up_beside
@@ -166,7 +167,7 @@ class LocalDrafter(ModelDrafter):
         state.last_step = None  # set again below only by a batch-1 step that drafted with the model
         batch = batch_size or len(requests)
         lagging = self._lagging(speculative)
-        state.catching_up = [r for r in speculative if r.session_id in lagging]
+        state.catching_up = []  # those of `lagging` the model would draft for: set by the paths below
         drafted: list[TokenTree | None] = []  # one per speculative request (None: the root alone)
         held = 0  # steps after this one that the deciding chooser already decided are plain decoding
         if speculative and batch > 1:
@@ -214,9 +215,8 @@ class LocalDrafter(ModelDrafter):
                      batch_size: int, lagging: set[str]) -> tuple[list[TokenTree | None], int]:
         """A batched step: a C2T chain per request at the step's depth, joined by (or, where the lookup is
         confident or alone, replaced by) the request's copy chain; and the plain steps its plan holds after it.
-        Requests in `lagging` take their copy chain alone (their model catches up beside the step)."""
-        if len(lagging) == len(speculative):  # nothing the model can draft: no decision made, none credited
-            return [None] * len(speculative), 0
+        Requests in `lagging` that the plan has the model draft for take their copy chain alone, and catch up beside
+        the step; the others stay as they are (parked: a session the model does not draft for costs it nothing)."""
         plan = self._batch_plan(lane, state, batch_size, speculative)
         # Copy chains cost no drafter forward: each row keeps the part that pays for its target time at this batch
         # size (`allocate_copies`) when the step takes copies: with model chains, or alone (LOOKUP_ONLY, an arm of
@@ -224,8 +224,9 @@ class LocalDrafter(ModelDrafter):
         depth = plan.budget
         copies = ([None] * len(speculative) if plan.plain
                   else self._lookup_chains(state, speculative, batch_size, depth))
-        modelled = [i for i, copy in enumerate(copies) if depth > 0 and (copy is None or copy.modelled)
-                    and speculative[i].session_id not in lagging]
+        wanted = [i for i, copy in enumerate(copies) if depth > 0 and (copy is None or copy.modelled)]
+        modelled = [i for i in wanted if speculative[i].session_id not in lagging]
+        state.catching_up = [speculative[i] for i in wanted if speculative[i].session_id in lagging]
         trees: list[TokenTree | None] = [None] * len(speculative)
         if modelled:
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features,
@@ -253,6 +254,8 @@ class LocalDrafter(ModelDrafter):
         ahead = self._ahead_hit(lane, state, r)
         if ahead is not None:
             return ahead, 0
+        if not model_ready:
+            state.catching_up = [r]
         if split_method(r.tree.method)[1]:
             return self._draft_hybrid(lane, state, r, model_ready), 0
         if not model_ready:

@@ -10,17 +10,20 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from treeserve.engine.budget import BudgetChooser
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
-from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.hardware.profile import HardwareProfile
+from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import GenerationRequest, SamplingParams
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.sampling import warp_probs
 from treeserve.engine.speculative_engine import SpeculativeEngine
-from treeserve.engine.tree_config import TreeConfig
+from treeserve.engine.tree_config import TreeConfig, tree_config
 
 BESIDE = 16  # tokens of lag past which a session catches up beside the step
+PROFILE = HardwareProfile({1: 40.0, 2: 43.0, 4: 60.0, 8: 72.0, 16: 80.0, 32: 92.0, 64: 140.0}, 3.0, 128)
 PROMPT = "Tell me a long story about a fox who lived by a river, and what it saw there every morning."
 
 
@@ -97,6 +100,19 @@ def test_a_parked_batch_row_resumes_without_stalling_the_batch(pair):
     for s, prompt in zip(batch, (prompts[1], prompts[0])):
         assert s.emitted == greedy(target.model, prompt, 20)[:len(s.emitted)]
         engine.release(s)
+
+
+def test_a_parked_session_costs_the_drafter_nothing(pair):
+    """A batch whose chooser decides plain decoding (a batched chooser measures plain decoding first): its lagging
+    sessions are not caught up (no forward, no KV cache here) until a step has the model draft for them."""
+    target, drafter_model = pair
+    drafter = LocalDrafter(DrafterRunner(drafter_model, target.model.config.vocab_size),
+                           budget=BudgetChooser(PROFILE), catch_up_beside=BESIDE)
+    tree = tree_config("c2t", "auto")
+    contexts = [chat_ids(target.tokenizer, p) for p in (PROMPT, "List three rivers of Europe and their lengths.")]
+    drafted = drafter.draft([DraftRequest(f"s{i}", c, SamplingParams(), tree, 0) for i, c in enumerate(contexts)], 2)
+    assert all(t.num_nodes == 1 for t in drafted.trees) and drafted.catching_up == ()
+    assert drafter.catch_up() == 0 and drafter.session_ids() == [] and drafter.runner.seconds == 0.0
 
 
 def test_a_released_session_is_not_caught_up(pair):
