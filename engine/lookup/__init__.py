@@ -31,6 +31,9 @@ suffix, counts every continuation of the match and expands the most probable one
 - `PredictedOutput`: the request's predicted output (OpenAI's Predicted Outputs) as a third index, read in order:
   the output's position in it is tracked token by token and found again past an edit (nearest occurrence ahead),
   so a node's candidate is the next predicted token, calibrated in buckets of its own.
+- `GrammarCopies`: a request with a grammar (structured output) sees its copies through it: candidates the grammar
+  refuses at a node are dropped, and the text it forces there (xgrammar's jump-forward string, tokenized) is a copy
+  chain of its own (`Origin.FORCED`, calibrated in buckets of its own), drafted without a model row.
 - `LookupPlan`: the lookup-only tree, best-first by path probability (SuffixDecoding's tree expansion), whose
   cumulative values are the expected accepted tokens the hardware-aware chooser prices a step without the
   model drafter by (engine/budget.py).
@@ -39,8 +42,8 @@ Every lookup candidate is a deterministic function of the context, so verificati
 
 Modules: suffix_index (the index, match states and candidate rows), session (per-request calibration and
 predictions, pooled prior, settings), shared_outputs (the cross-request index), prediction (the predicted
-output and OpenAI's usage counts of it), trees (lookup-only trees and
-chains). The package exports only the torch-free parts (the Serve config validates `speculation.lookup` without
+output and OpenAI's usage counts of it), grammar_copies (the copies a grammar allows and forces), trees
+(lookup-only trees and chains). The package exports only the torch-free parts (the Serve config validates `speculation.lookup` without
 torch): import the trees from `lookup.trees`. The mixing oracle drives a drafter model, so it lives with the
 drafters (engine/drafters/hybrid_oracle.py).
 """

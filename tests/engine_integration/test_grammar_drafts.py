@@ -2,7 +2,8 @@
 copy source's candidates that the grammar refuses are dropped, the text it forces is drafted as a copy chain of its
 own calibration buckets (no drafter row on it), the lookup-only plan the budget chooser prices carries that chain,
 and every node of a hybrid tree is a token the grammar allows after its parent's path, with the greedy output still
-constrained decoding's."""
+constrained decoding's and the sampled output following the masked target (chi-square); a request without a grammar
+drafts as before."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import xgrammar as xgr
 
 from grammar_trees import constrained_generate, nodes_allowed, record_trees
-from test_grammar import PET, fresh_mask, make_engine
+from families import pit_pvalue
+from test_grammar import PET, Masked, fresh_mask, make_engine
 from treeserve.engine.grammar.compiler import GrammarCompiler
 from treeserve.engine.grammar.drafts import StepGrammar
 from treeserve.engine.grammar.matchers import GrammarSessions
@@ -22,7 +24,12 @@ from treeserve.engine.lookup.grammar_copies import GrammarCopies
 from treeserve.engine.lookup.session import PRIOR_HIT_FORCED
 from treeserve.engine.lookup.trees import plan_lookup
 from treeserve.engine.models.loading import load_causal_lm
-from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.requests import GenerationRequest, SamplingParams
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.tree import Source
 
 
@@ -121,3 +128,41 @@ def test_hybrid_trees_obey_the_grammar_and_copy_forced_text(pair):
     checked = nodes_allowed(trees, len(prompt), compiled, eos, tok)
     assert checked > len(trees) and chains >= 2
 
+
+
+def test_sampled_hybrid_with_forced_copies_follows_the_masked_target(pair):
+    """Forced and grammar-cut copies are deterministic children of DySpec's sampled parents, tested first by the
+    point-mass rule (docs/design.md section 5): the sampled output still follows the masked, warped target."""
+    target, _ = pair
+    engine = make_engine(pair, "dyspec+lookup", 6)
+    trees = record_trees(engine)
+    prompt = engine.encode_chat('Like {"name": "Tom", "kind": "cat", "legs": 4}, describe a pet as JSON.')
+    grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(PET))
+    sampling = SamplingParams(temperature=1.0, top_p=0.95)
+    outputs, accepted = [], 0
+    for seed in range(6):
+        result = engine.generate([GenerationRequest(prompt, 20, sampling=sampling, seed=seed, grammar=grammar)])[0]
+        outputs.append(result.token_ids)
+        accepted += sum(s.accepted for s in result.steps)
+    copies = sum(int((tree.sources == int(Source.LOOKUP)).sum()) for _, tree in trees if tree.sources is not None)
+    assert copies >= 6 and accepted > 0  # '{"name": "' at least, once per request
+    masked = Masked(target.model, engine.grammars.compile(grammar), len(prompt), sorted(engine.eos_ids))
+    pvalue, tokens = pit_pvalue(masked, prompt, outputs, sampling)
+    assert tokens >= 6 * 10 and pvalue > 1e-3
+
+
+def test_requests_without_a_grammar_draft_the_same_trees(pair):
+    """A drafter that reads grammars (given the target's tokenizer) drafts a request without one exactly as a drafter
+    that cannot: the same trees step by step, the same output."""
+    target, drafter = pair
+    vocab = target.model.config.vocab_size
+    prompt = target.tokenizer.encode("one two three four. one two three four. one two")
+    runs = []
+    for tokenizer in (target.tokenizer, None):
+        engine = SpeculativeEngine(TargetRunner(target.model, tokenizer=target.tokenizer),
+                                   LocalDrafter(DrafterRunner(drafter, vocab, tokenizer=tokenizer)), target.tokenizer,
+                                   TreeConfig(method="c2t+lookup", budget=10), 2048)
+        trees = record_trees(engine)
+        result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
+        runs.append((result.token_ids, [(t.token_list, t.parent_list) for _, t in trees]))
+    assert runs[0] == runs[1] and len(runs[0][1]) > 1
