@@ -139,7 +139,8 @@ def test_a_follow_up_with_the_tools_result_completes(embedded):
 @pytest.mark.parametrize("family", ["llama3", "qwen2.5"])
 def test_forced_calls_on_the_families_shipped_templates(family, tmp_path_factory):
     """The tools reach the prompt through the family's own template (Llama-3.3 lists them in the first user turn,
-    Qwen2.5 in its system turn) and the forced call comes back in its format, parsed into tool_calls."""
+    Qwen2.5 in its system turn) and the forced call comes back in its format, parsed into tool_calls; `auto` streams
+    what it answers whole; a follow-up with the tool's result completes."""
     spec = make_family_model(FAMILIES[family], tmp_path_factory.mktemp(family) / "target", hidden=32)
     engine = build_engine(target=load_causal_lm(spec.path), method="autoregressive")
     router, server, client = serve(engine)
@@ -158,6 +159,12 @@ def test_forced_calls_on_the_families_shipped_templates(family, tmp_path_factory
                                            stream, max_tokens=150)
             assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
             check_call(calls[0], {"get_weather": WEATHER})
+        # auto: the model decides; streamed, its answer is the one a single reply gives (text or parsed calls)
+        whole = client.chat.completions.create(model="treeserve", messages=ASK, tools=[WEATHER], max_tokens=24,
+                                               temperature=0, tool_choice="auto").choices[0]
+        calls, finish, content = forced_call(client, [WEATHER], "auto", True, max_tokens=24)
+        assert finish == whole.finish_reason and content == (whole.message.content or "")
+        assert [c.function.name for c in calls] == [c.function.name for c in whole.message.tool_calls or ()]
         call = client.chat.completions.create(model="treeserve", messages=ASK, tools=[WEATHER], max_tokens=150,
                                               temperature=0, tool_choice="required").choices[0].message.tool_calls[0]
         follow = ASK + [{"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
