@@ -62,6 +62,12 @@ MAX_HOLD_DOUBLINGS = 4  # a batched chooser's plain hold grows to plain_hold_ste
 EARLY_STOP_BELOW = 0.85
 STEP_TIME_WINDOW = 64  # recent step times per budget whose median is its step cost
 LOOKUP_ONLY = -1  # `BudgetChooser.current` of a step drafted by the lookup source alone
+# A batched step's predicted time stays within this multiple of a plain step's at its rows (`max_step_cost`): each
+# stream's inter-token latency under load stays within ~1.2x plain decoding's (issue 60), whatever a deeper chain or
+# more copies would add in tokens per second. Served on the 2-core CPU with long prompts, copies let the hybrid's
+# 16-stream steps run 1.6x plain ones' (742 against 464 ms) for 1.2x the throughput, ITL p95 990 against 602 ms.
+# On a flat (GPU) curve the ceiling leaves chains of several tokens a row.
+BATCH_STEP_COST = 1.2
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,11 @@ class BudgetChooser:
                 "decoding's by this factor: for a batch, what drafting costs beyond its own steps' wall time (the "
                 "drafter's catch-up at each switch, its load on cores or a device that other lanes' targets share) "
                 "is not in its measured rate"})
+    max_step_cost: float = field(default=0.0, metadata={
+        "help": "a batched chooser's ceiling on a step's predicted time, as a multiple of a plain step's at its rows "
+                "(the target's forward and the drafter's): deeper chains are never chosen, however many tokens they "
+                "would bring, so that each stream's inter-token latency stays near plain decoding's under load "
+                "(0 = no ceiling)"})
     revisit: float = field(default=0.05, metadata={"help": "chance of re-measuring a rival budget"})
     revisit_min_steps: int = field(default=10, metadata={
         "help": "a measured budget stays a revisit candidate until it has this many steps ..."})
@@ -178,11 +189,13 @@ class BudgetChooser:
             raise ValueError(f"max_budget must be >= 1, got {self.max_budget}")
         if self.plain_margin < 1.0:
             raise ValueError(f"plain_margin must be >= 1, got {self.plain_margin}")
+        if self.max_step_cost and self.max_step_cost < 1.0:
+            raise ValueError(f"max_step_cost must be >= 1 (or 0: none), got {self.max_step_cost}")
         if not 0.0 <= self.recent_decay < 1.0 or self.recent_prior <= 0:
             raise ValueError(f"recent_decay must lie in [0, 1) and recent_prior be > 0, got "
                              f"{self.recent_decay}, {self.recent_prior}")
         self._rng = random.Random(self.seed)
-        self.candidates = [b for b in CANDIDATE_BUDGETS if b <= self.max_budget]
+        self.candidates = [b for b in CANDIDATE_BUDGETS if b <= self.max_budget and self.within_step_cost(b)]
         rates = {b: self.predicted_rate(b) for b in self.candidates}
         ranked = sorted(self.candidates, key=rates.get, reverse=True)
         promising = [b for b in ranked[:4] if rates[b] >= self.explore_within * rates[ranked[0]]]
@@ -194,13 +207,23 @@ class BudgetChooser:
         self._to_explore = list(dict.fromkeys([*first, *sorted(b for b in promising if b > 0)] if self.rows > 1
                                               else [*promising, 0]))
 
+    def step_ms(self, budget: int) -> float:
+        """Predicted ms of a step of `rows` chain-like trees of `budget` nodes: the target's forward of rows x (budget
+        + 1) tokens and budget + 1 drafter forwards of `rows` rows (none for 0)."""
+        drafting = self.profile.drafter_time_ms(self.rows) * (budget + (budget > 0))
+        return self.profile.target_time_ms(budget + 1, self.rows) + drafting
+
+    def within_step_cost(self, budget: int) -> bool:
+        """Whether a step at `budget` is predicted within `max_step_cost` times a plain step (batch 1: always)."""
+        return (self.rows <= 1 or not self.max_step_cost or budget <= 0
+                or self.step_ms(budget) <= self.max_step_cost * self.step_ms(0))
+
     def predicted_rate(self, budget: int) -> float:
         """Tokens/s of `rows` chain-like trees of `budget` nodes under a geometric acceptance prior: the target's
         forward of rows x (budget + 1) tokens and budget + 1 drafter forwards of `rows` rows (none for 0)."""
         a = self.prior_acceptance
         tokens = self.rows * sum(a ** d for d in range(budget + 1))
-        drafting = self.profile.drafter_time_ms(self.rows) * (budget + (budget > 0))
-        return 1e3 * tokens / (self.profile.target_time_ms(budget + 1, self.rows) + drafting)
+        return 1e3 * tokens / self.step_ms(budget)
 
     def choose(self) -> int:
         for budget in self._to_explore:
@@ -382,7 +405,7 @@ class BudgetChooser:
 
 
 def allocate_copies(joints: list[list[float]], rows: int, base_nodes: float, base_tokens: float,
-                    profile: HardwareProfile) -> list[int]:
+                    profile: HardwareProfile, max_step_cost: float = 0.0) -> list[int]:
     """How many nodes of each row's copy chain a batched step takes: OPT-Tree's criterion across the batch.
 
     `joints[i]`: row i's copy chain's path probabilities (non-increasing: the expected accepted tokens each
@@ -391,16 +414,18 @@ def allocate_copies(joints: list[list[float]], rows: int, base_nodes: float, bas
     probability first across rows, while it raises the step's expected tokens per ms,
     (tokens + p) / T(nodes + 1) > tokens / T(nodes), with T the measured forward of `rows` rows (spread evenly).
     So at a batch size where the forward's cost grows with every token, only confident copies are sent, and
-    none when nothing pays (a plain step)."""
+    none when nothing pays (a plain step). `max_step_cost` (> 0): nor any that would take the forward past that
+    multiple of a plain step's (one token a row), as the chooser's ceiling on its depths (`BudgetChooser.max_step_cost`)."""
     taken = [0] * len(joints)
     tokens, extra = base_tokens, 0
     cost = lambda n: profile.target_time_ms(base_nodes + n / rows, rows)  # noqa: E731
+    ceiling = max_step_cost * profile.target_time_ms(1, rows) if max_step_cost else float("inf")
     while True:
         heads = [(chain[taken[i]], i) for i, chain in enumerate(joints) if taken[i] < len(chain)]
         if not heads:
             return taken
         p, i = max(heads)
-        if (tokens + p) / cost(extra + 1) <= tokens / cost(extra):
+        if (tokens + p) / cost(extra + 1) <= tokens / cost(extra) or cost(extra + 1) > ceiling:
             return taken
         taken[i] += 1
         tokens += p

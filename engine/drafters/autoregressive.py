@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..budget import BudgetChooser, DraftPlan, allocate_copies
+from ..budget import BATCH_STEP_COST, BudgetChooser, DraftPlan, allocate_copies
 from ..builders import make_builder
 from ..builders.base import check_positive
 from ..c2t_classifier import C2TClassifier
@@ -410,7 +410,7 @@ class LocalDrafter(ModelDrafter):
             arm = chooser.arms.get(depth)
             expected = arm.tokens / arm.steps if arm is not None and arm.steps else float(batch_size)
             keep = allocate_copies([copy.joints for copy in copies], batch_size, 1 + depth, expected,
-                                   chooser.profile)
+                                   chooser.profile, chooser.max_step_cost)
             for copy, n in zip(copies, keep):
                 copy.tokens, copy.joints = copy.tokens[:n], copy.joints[:n]
         return chains
@@ -437,7 +437,8 @@ class LocalDrafter(ModelDrafter):
             self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
                                                            explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies,
                                                            explore_steps=BATCH_EXPLORE_STEPS,
-                                                           plain_margin=BATCH_PLAIN_MARGIN)
+                                                           plain_margin=BATCH_PLAIN_MARGIN,
+                                                           max_step_cost=BATCH_STEP_COST)
         state.batch_chooser = self.batch_budgets[bucket]
         return state.batch_chooser.plan(lane)
 

@@ -12,7 +12,7 @@ sends the request's budget of the most probable nodes. No model: no KV cache, no
 
 from __future__ import annotations
 
-from ..budget import BudgetChooser, allocate_copies
+from ..budget import BATCH_STEP_COST, BudgetChooser, allocate_copies
 from ..hardware.profile import HardwareProfile
 from ..lookup import LookupSettings, LookupSources
 from ..lookup.trees import lookup_chain, merge_chains, plan_lookup
@@ -68,7 +68,8 @@ class LookupDrafter(DrafterBase):
                     for r in requests]
         chains = [lookup_chain(session, BATCH_CHAIN_DEPTH, settings.chain_min_joint) for session in sessions]
         if self.profile is not None:
-            keep = allocate_copies([joints for _, joints in chains], batch_size, 1, float(batch_size), self.profile)
+            keep = allocate_copies([joints for _, joints in chains], batch_size, 1, float(batch_size), self.profile,
+                                   BATCH_STEP_COST)
             chains = [(tokens[:n], joints[:n]) for (tokens, joints), n in zip(chains, keep)]
         return [merge_chains(r.context[-1], [], [], tokens, joints, r.sampling.is_greedy) if tokens else None
                 for r, (tokens, joints) in zip(requests, chains)]

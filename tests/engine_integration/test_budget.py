@@ -215,6 +215,25 @@ def test_copies_are_allocated_across_the_batch_where_they_pay():
     assert allocate_copies([[0.99, 0.98]], 4, 1, 4.0, steep) == [0]  # a token costs a plain token's share
 
 
+def test_a_step_cost_ceiling_bounds_copies_and_depths():
+    """`max_step_cost`: however many tokens they would bring, no copies past the ceiling on a step's predicted time
+    (a plain step's times the ceiling), nor chain depths predicted past it; a batch-1 chooser has no ceiling."""
+    middle = batched_profile(per_token_ms=2.0, fixed_ms=40.0, drafter_ms=2.0)
+    chains = [[0.99, 0.98, 0.97], [0.99, 0.98], [0.99]]
+    free = allocate_copies(chains, 4, 1, 4.0, middle)
+    capped = allocate_copies(chains, 4, 1, 4.0, middle, max_step_cost=1.1)
+    plain = middle.target_time_ms(1, 4)
+    assert sum(capped) < sum(free) == 6
+    assert middle.target_time_ms(1 + sum(capped) / 4, 4) <= 1.1 * plain < middle.target_time_ms(1 + (sum(capped) + 1) / 4, 4)
+    chooser = BudgetChooser(middle, max_budget=6, rows=4, max_step_cost=1.3)
+    assert chooser.candidates and all(chooser.step_ms(b) <= 1.3 * chooser.step_ms(0) for b in chooser.candidates)
+    assert max(chooser.candidates) < max(BudgetChooser(middle, max_budget=6, rows=4).candidates)
+    assert BudgetChooser(middle, max_budget=6, max_step_cost=1.01).candidates == \
+        BudgetChooser(middle, max_budget=6).candidates
+    with pytest.raises(ValueError, match="max_step_cost"):
+        BudgetChooser(middle, rows=4, max_step_cost=0.5)
+
+
 def test_a_batched_chooser_measures_plain_first_and_drops_losing_depths_early():
     """Priced optimistically (a flat curve) but truly slower: plain decoding is measured first, and each depth is
     abandoned after EARLY_STOP_STEPS steps clearly below it, well before its explore_steps."""
