@@ -333,7 +333,9 @@ class LocalDrafter(ModelDrafter):
             # The drafter's distribution after the guessed path (chain node `length`, fed once for all guesses).
             top = oracle.summarize(chain[:length + 1], [-1, *range(length)], [length],
                                    BONUS_CANDIDATES + len(rejected), False)
-            bonuses = [int(t) for t in top.tokens[0].tolist() if int(t) not in rejected][:BONUS_CANDIDATES]
+            # a token of probability 0 is no guess (top-k pads with them where a grammar or a warp leaves fewer)
+            bonuses = [int(t) for t, q in zip(top.tokens[0].tolist(), top.values[0].tolist())
+                       if q > 0.0 and int(t) not in rejected][:BONUS_CANDIDATES]
             for bonus in bonuses:
                 below = OffsetOracle(oracle, chain[:length + 1], length, base)
                 lookup = None if session is None else AheadLookup(session, chain[1:length + 1] + [bonus])
