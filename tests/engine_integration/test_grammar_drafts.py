@@ -166,3 +166,41 @@ def test_requests_without_a_grammar_draft_the_same_trees(pair):
         result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
         runs.append((result.token_ids, [(t.token_list, t.parent_list) for _, t in trees]))
     assert runs[0] == runs[1] and len(runs[0][1]) > 1
+
+
+def test_trees_drafted_ahead_and_batched_copy_chains_obey_the_grammar(pair):
+    """Run-ahead trees (drafted below a guessed path and bonus token: the grammar is asked after that prefix) and
+    batched steps' copy chains see the copies through the grammar too: every node allowed, outputs still
+    constrained decoding's."""
+    target, drafter = pair
+    tok = target.tokenizer
+    vocab = target.model.config.vocab_size
+    local = LocalDrafter(DrafterRunner(drafter, vocab, tokenizer=tok))
+    engine = SpeculativeEngine(TargetRunner(target.model, tokenizer=tok), local, tok,
+                               TreeConfig(method="c2t+lookup", budget=10), 2048, run_ahead=True)
+    ahead = []
+    draft_ahead = local.draft_ahead
+
+    def spy(lane=""):
+        done = draft_ahead(lane)
+        ahead.extend((list(a.context), a.tree) for trees in local.run_ahead.trees.values() for a in trees)
+        return done
+
+    local.draft_ahead = spy
+    grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(PET))
+    eos = sorted(engine.eos_ids)
+    compiled = engine.grammars.compile(grammar)
+    prompts = [engine.encode_chat('Like {"name": "Tom", "kind": "cat", "legs": 4}, describe a pet as JSON.'),
+               engine.encode_chat('A dog, as JSON like {"name": "Rex", "kind": "dog", "legs": 4}.')]
+    single = engine.generate([GenerationRequest(prompts[0], max_new_tokens=30, grammar=grammar)])[0]
+    assert single.token_ids == constrained_generate(target.model, compiled, prompts[0], 30, eos)
+    assert ahead
+    assert nodes_allowed(ahead, len(prompts[0]), compiled, eos, tok) > len(ahead)
+    trees = record_trees(engine)
+    batched = engine.generate([GenerationRequest(p, max_new_tokens=30, grammar=grammar) for p in prompts])
+    for prompt, result in zip(prompts, batched):
+        assert result.token_ids == constrained_generate(target.model, compiled, prompt, 30, eos)
+    assert any(int(s.batch_size) == 2 for s in batched[0].steps)
+    drafted = [(c, t) for c, t in trees if t.num_nodes > 1]
+    first = [(c, t) for c, t in drafted if c[:len(prompts[0])] == prompts[0]]
+    assert first and nodes_allowed(first, len(prompts[0]), compiled, eos, tok) > 0
