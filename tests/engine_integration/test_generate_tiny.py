@@ -111,7 +111,8 @@ def test_batched_chain_depth_is_chosen_per_batch_size_and_stays_lossless(pair):
     from treeserve.engine.hardware.profile import HardwareProfile
 
     target, drafter = pair
-    profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0}, 5.0, 128)
+    # Flat enough that every depth stays within the batched chooser's step-cost ceiling (BATCH_STEP_COST)
+    profile = HardwareProfile({1: 40.0, 2: 40.5, 4: 41.0, 8: 42.0, 16: 43.0, 32: 44.0}, 0.5, 128)
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size),
                          budget=BudgetChooser(profile, max_budget=8, explore_steps=1), batch_chain_depth=4)
     engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
