@@ -65,7 +65,8 @@ class StepRecorder:
                                   accepted_both=accepted_both,
                                   # Run-ahead serves batch-1 steps only: a hit of the call was this sequence's.
                                   run_ahead_hit=bool(call and call.run_ahead_hits) and tree.num_nodes > 1,
-                                  catch_up=bool(call) and s.session_id in call.catching_up))
+                                  catch_up=bool(call) and (s.session_id in call.catching_up
+                                                           or s.session_id in call.features_wanted)))
 
     def finish(self) -> None:
         """Share the verification time among the records and report them to the drafter."""

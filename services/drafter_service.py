@@ -92,6 +92,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             if delta is not None:
                 rows, start = delta
                 request.features = self.features.write(request.session_id, start, rows)
+            elif self.features is not None:  # rows withheld: what is held, which the drafter may find short
+                request.features = self.features.rows(request.session_id)
             requests.append(request)
         try:
             # The router's whole batch shares one target forward, however many of its sequences hash here.
@@ -105,7 +107,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 draft_ms=(time.perf_counter() - started) * 1e3,
                                 draft_model_ms=call.model_ms, draft_forward_ms=call.forward_ms,
                                 plain_steps_held=call.hold_steps, run_ahead_hits=call.run_ahead_hits,
-                                run_ahead_misses=call.run_ahead_misses, catching_up=list(call.catching_up))
+                                run_ahead_misses=call.run_ahead_misses, catching_up=list(call.catching_up),
+                                features_wanted=list(call.features_wanted))
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:
         try:

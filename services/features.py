@@ -9,7 +9,11 @@ Over gRPC they travel in three legs, all here:
 2. Router -> Drafter replica: sending all rows every step would cost len(context) x H floats (32 MB at 1k
    tokens for H = 8192) where a step adds a few rows. `FeatureDeltas` (the router's drafter client) keeps,
    per session and replica address, how many rows that replica holds and sends only the rows after them; rows
-   the target recomputed (a Target replica rebuilt the session) are marked unsent (`rewritten`).
+   the target recomputed (a Target replica rebuilt the session) are marked unsent (`rewritten`). A long
+   context's rows (more than `UNASKED_ROWS` unsent) go only once a replica asks for them
+   (DraftResponse.features_wanted): a session the drafter copies for or decodes plainly never needs them, and
+   sixteen long prompts arriving at once would otherwise send ~100 MB (6 MB each at 900 tokens of SmolLM2's
+   EAGLE-3 rows) inside the steps that stream their first tokens (issue 60).
 3. On the Drafter replica `FeatureStore` holds each session's rows like a cache (freed on Release and when the
    drafter evicts the session's KV cache); `read_delta` checks a delta against the context and the width. A
    delta that starts past the rows held (restart, scale-out, retry on another replica, eviction) is never
@@ -66,25 +70,41 @@ def sends_features(request: DraftRequest) -> bool:
     return request.features is not None and request.tree.method != AUTOREGRESSIVE
 
 
-class FeatureDeltas:
-    """The router's record of which feature rows each Drafter replica holds, per session and replica address."""
+# Unsent rows a session's delta may carry before a replica asked for them: a short prompt's rows go at once (the
+# drafter reads them in its first step, as in-process), a long one's wait for DraftResponse.features_wanted. 256
+# rows of SmolLM2's EAGLE-3 features are 1.8 MB, ~10 ms to encode and send.
+UNASKED_ROWS = 256
 
-    def __init__(self) -> None:
+
+class FeatureDeltas:
+    """The router's record of which feature rows each Drafter replica holds, per session and replica address,
+    and of the sessions whose rows a replica asked for."""
+
+    def __init__(self, unasked_rows: int = UNASKED_ROWS) -> None:
         self._held: dict[str, dict[str, int]] = {}  # session -> replica address -> rows [0, n) it holds
+        self._wanted: set[str] = set()  # sessions whose rows go however many are unsent
+        self.unasked_rows = unasked_rows
         self.resends = 0  # sessions whose rows a replica lacked and were sent again from 0
 
     def rows_for(self, request: DraftRequest, address: str, full: bool) -> pb.FeatureRows | None:
-        """The rows the replica at `address` lacks (from the count it holds on; from 0 when `full`), or None."""
+        """The rows the replica at `address` lacks (from the count it holds on; from 0 when `full`), or None: none
+        to send, or more than `unasked_rows` of them for a session no replica asked for."""
         if not sends_features(request):
             return None
         held = self._held.get(request.session_id, {}).get(address, 0)
         start = 0 if full else min(held, request.features.shape[0])
+        if (not full and request.features.shape[0] - start > self.unasked_rows
+                and request.session_id not in self._wanted):
+            return None
         return encode_features(request.features[start:], start)
+
+    def want(self, session_ids) -> None:
+        """A replica asked for these sessions' rows: they go with the next call, and every call after it."""
+        self._wanted.update(session_ids)
 
     def sent(self, request: DraftRequest, address: str) -> None:
         """The replica at `address` answered a Draft that carried the request's rows: it holds them all now."""
-        if sends_features(request):
-            self._held.setdefault(request.session_id, {})[address] = request.features.shape[0]
+        self._held.setdefault(request.session_id, {})[address] = request.features.shape[0]
 
     def rewritten(self, session_id: str, start: int) -> None:
         """The router's rows of the session from context position `start` on were (re)computed: no replica
@@ -95,6 +115,7 @@ class FeatureDeltas:
 
     def forget(self, session_id: str) -> None:
         self._held.pop(session_id, None)
+        self._wanted.discard(session_id)
 
     @property
     def session_ids(self) -> list[str]:
@@ -130,6 +151,11 @@ class FeatureStore:
         except ValueError as exc:
             raise ValueError(f"session {session_id}: {exc}") from None
         return held.rows
+
+    def rows(self, session_id: str) -> torch.Tensor | None:
+        """A view of the session's rows held (None: none)."""
+        held = self._sessions.get(session_id)
+        return held.rows if held is not None else None
 
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None

@@ -176,6 +176,10 @@ class LocalDrafter(ModelDrafter):
             (r,) = speculative
             tree, held = self._draft_single(lane, state, r, r.session_id not in lagging)
             drafted = [tree]
+        # A request without its target features (a remote router withholds a long context's rows until asked)
+        # cannot be caught up: it asks for them instead, and catches up once they come with its next call.
+        wanted = tuple(r.session_id for r in state.catching_up if not self._has_features(r))
+        state.catching_up = [r for r in state.catching_up if self._has_features(r)]
         trees = iter(drafted)
         return Drafted([(next(trees) if r.tree.method != AUTOREGRESSIVE else None) or root_only(r.context)
                         for r in requests],
@@ -183,14 +187,21 @@ class LocalDrafter(ModelDrafter):
                        forward_ms=(self.runner.lm.forward_seconds - forward_seconds) * 1e3,
                        hold_steps=held, run_ahead_hits=self.run_ahead.hits - hits,
                        run_ahead_misses=self.run_ahead.misses - misses,
-                       catching_up=tuple(r.session_id for r in state.catching_up))
+                       catching_up=tuple(r.session_id for r in state.catching_up), features_wanted=wanted)
 
     def _lagging(self, requests: list[DraftRequest]) -> set[str]:
-        """Sessions among `requests` whose model drafting waits for their catch-up (`catch_up_beside`)."""
-        if self.catch_up_beside is None:
-            return set()
+        """Sessions among `requests` whose model drafting waits for their catch-up (`catch_up_beside`), or for the
+        target features their request lacks."""
+        beside = self.catch_up_beside
         return {r.session_id for r in requests if split_method(r.tree.method)[0] != LOOKUP
-                and self.runner.lm.lag(r.session_id, len(r.context)) > self.catch_up_beside}
+                and (not self._has_features(r)
+                     or (beside is not None and self.runner.lm.lag(r.session_id, len(r.context)) > beside))}
+
+    def _has_features(self, r: DraftRequest) -> bool:
+        """Whether `r` carries what the model needs of the target: the features of its whole context[:-1] (for an
+        EAGLE drafter; any request otherwise)."""
+        return (not self.runner.reads_target_features
+                or (r.features is not None and r.features.shape[0] >= len(r.context) - 1))
 
     def catch_up(self, lane: str = "") -> int:
         """Feed the drafter what its lagging sessions of the lane's last draft call missed, all in one batched

@@ -76,6 +76,9 @@ class Drafted:
     run_ahead_misses: int = 0  # trees drafted ahead for these requests whose context did not come true
     # sessions whose model drafting waited for their catch-up this call (`Drafter.catch_up`)
     catching_up: tuple[str, ...] = ()
+    # sessions the model would have drafted for (or caught up) but whose target features the request lacked (a
+    # remote router sends a long context's rows only when asked): the caller supplies them with the next call
+    features_wanted: tuple[str, ...] = ()
 
 
 def root_only(context: list[int]) -> TokenTree:

@@ -21,7 +21,7 @@ from treeserve.engine.tree import TokenTree
 from treeserve.engine.verify import TargetDists
 from treeserve.v1 import internal_pb2 as pb
 from .. import wire
-from ..features import FeatureDeltas
+from ..features import UNASKED_ROWS, FeatureDeltas
 from .pool import GroupedCaller, LiveReplica, NoReplicaError, ReplicaPool, Retry
 
 log = logging.getLogger("treeserve.grpc")
@@ -76,9 +76,9 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
     tree (one autoregressive step): it costs time, never tokens.
 
     With `feature_needs.reads` (an EAGLE drafter) each DraftRequest carries the target's features of its
-    context; `feature_deltas` sends each replica only the rows it lacks. A replica that lacks the rows a delta
-    builds on lists the session in `features_missing`, and the call is sent again with that session's rows
-    from 0 (services/features.py).
+    context; `feature_deltas` sends each replica only the rows it lacks, a long context's only once a replica
+    asked for them (`features_wanted`). A replica that lacks the rows a delta builds on lists the session in
+    `features_missing`, and the call is sent again with that session's rows from 0 (services/features.py).
 
     Lanes: a replica keeps each lane's budget choosers and last step apart (engine/drafters/base.py); this client
     names its lanes with a key of its own in front, so that two routers' lanes on one Target replica stay apart
@@ -87,10 +87,10 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
     wait_for_live = False  # a step without a drafter is still a step: never wait for one
 
     def __init__(self, pool: ReplicaPool, call_timeout_s: float = 60.0, retry_timeout_s: float = 2.0,
-                 feature_needs: FeatureNeeds = NO_FEATURES):
+                 feature_needs: FeatureNeeds = NO_FEATURES, unasked_rows: int = UNASKED_ROWS):
         super().__init__(pool, call_timeout_s, retry_timeout_s)
         self.feature_needs = feature_needs  # reads: the engine then scores with want_features
-        self.feature_deltas = FeatureDeltas()
+        self.feature_deltas = FeatureDeltas(unasked_rows)
         self._observations: list[pb.StepObservation] = []
         self._observed = threading.Lock()
         self.fallbacks = 0
@@ -117,8 +117,8 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
             address = live.endpoint.address
             resend: set[str] = set()  # sessions whose features go from position 0
             while True:
-                items = [wire.encode_draft_item(r, deltas.rows_for(r, address, r.session_id in resend))
-                         for r in group]
+                rows = [deltas.rows_for(r, address, r.session_id in resend) for r in group]
+                items = [wire.encode_draft_item(r, delta) for r, delta in zip(group, rows)]
                 message = pb.DraftRequest(items=items, observations=observations,
                                           router_batch_size=batch_size or len(requests), lane=self.lane_key(lane))
                 reply = await live.stub.Draft(message, timeout=self.call_timeout_s)
@@ -135,14 +135,17 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
                 resend |= missing
             if len(reply.trees) != len(group):
                 raise Retry(f"replica returned {len(reply.trees)} trees for {len(group)} requests")
-            for r in group:
-                deltas.sent(r, address)
+            for r, delta in zip(group, rows):
+                if delta is not None:
+                    deltas.sent(r, address)
+            deltas.want(reply.features_wanted)
             # Several replicas draft apart, at once: the step waited for the slowest.
             call.model_ms = max(call.model_ms, reply.draft_model_ms)
             call.forward_ms = max(call.forward_ms, reply.draft_forward_ms)
             call.run_ahead_hits += reply.run_ahead_hits
             call.run_ahead_misses += reply.run_ahead_misses
             call.catching_up += tuple(reply.catching_up)
+            call.features_wanted += tuple(reply.features_wanted)
             holds.append(reply.plain_steps_held)
             self.run_ahead_hits += reply.run_ahead_hits
             self.run_ahead_misses += reply.run_ahead_misses

@@ -26,7 +26,7 @@ from treeserve.engine.requests import SamplingParams
 from treeserve.services import wire
 from treeserve.services.config import LimitsConfig
 from treeserve.services.drafter_service import DrafterServicer
-from treeserve.services.features import encode_features
+from treeserve.services.features import UNASKED_ROWS, encode_features
 from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
 from treeserve.services.transport.discovery import static_discovery
 from treeserve.services.transport.pool import ReplicaPool
@@ -76,13 +76,17 @@ class RecordingDrafter(DrafterServicer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.received: list[tuple[str, int, int, int]] = []
+        self.items: list[tuple[str, bool]] = []  # (session, whether it carried features) of every item
         self.catching_up = 0  # sessions the replica's answers left to catch up beside the step
+        self.wanted = 0  # sessions the replica's answers asked the features of
 
     def _draft(self, message: pb.DraftRequest) -> pb.DraftResponse:
         self.received += [(i.session_id, len(i.context), i.features.start, i.features.rows)
                           for i in message.items if i.HasField("features")]
+        self.items += [(i.session_id, i.HasField("features")) for i in message.items]
         response = super()._draft(message)
         self.catching_up += len(response.catching_up)
+        self.wanted += len(response.features_wanted)
         return response
 
 
@@ -98,13 +102,13 @@ class Replicas:
         self.drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, self.drafter,
                                             host="127.0.0.1").start()
 
-    def clients(self, vocab: int) -> tuple[RemoteTarget, RemoteDrafter]:
+    def clients(self, vocab: int, unasked_rows: int = UNASKED_ROWS) -> tuple[RemoteTarget, RemoteDrafter]:
         target = RemoteTarget(ReplicaPool("Target", pb_grpc.TargetStub,
                                           static_discovery([s.address for s in self.target_servers]), cooldown_s=60),
                               vocab, retry_timeout_s=20)
         drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub,
                                             static_discovery([self.drafter_server.address])),
-                                feature_needs=FeatureNeeds(reads=True))
+                                feature_needs=FeatureNeeds(reads=True), unasked_rows=unasked_rows)
         target.features_listener = drafter.features_rewritten
         return target, drafter
 
@@ -219,6 +223,42 @@ def test_a_replica_catching_up_beside_the_step_matches_in_process(tiny_parts, ea
             assert [[s.catch_up for s in r.steps[:3]] for r in results] == [[False, True, False]] * n
         assert replicas.drafter.catching_up == 1 + 3
         _check_deltas(replicas.drafter.received, full_sends=0)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        replicas.stop()
+
+
+def test_long_contexts_features_go_only_when_the_replica_asks(tiny_parts, eagle):
+    """Contexts longer than the client's `unasked_rows` (every prompt here) reach the Drafter replica without their
+    features; the replica answers them with the root alone and asks for the rows (`features_wanted`), gets them in
+    full with the next call, catches up beside that step and drafts after it. Greedy output at batch 1 and 3
+    equals the in-process engine's, and the deltas after the first send stay deltas."""
+    replicas = Replicas(tiny_parts, eagle, catch_up_beside=12)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        target, drafter = replicas.clients(_vocab(tiny_parts), unasked_rows=4)
+        for client in (target, drafter):
+            client.bind_loop(loop)
+        tree = tree_config("dyspec", 8)
+        engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree, 2048)
+        local = local_engine(tiny_parts, eagle, tree)
+        prompts = [local.encode_chat(p) for p in PROMPTS]
+        for n in (1, 3):
+            requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
+            results = engine.generate(requests)
+            assert [r.token_ids for r in results] == [r.token_ids for r in local.generate(requests)]
+            assert all(any(s.tree_size for s in r.steps[3:]) for r in results)
+        one = replicas.drafter.items[:4]  # the batch-1 request: asked, sent in full and caught up, then deltas
+        assert [carried for _, carried in one] == [False, True, True, True]
+        for session in {s for s, _ in replicas.drafter.items}:
+            carried = [c for s, c in replicas.drafter.items if s == session]
+            assert not carried[0] and any(carried)  # never sent before the replica asked
+        assert replicas.drafter.wanted == 1 + 3 and replicas.drafter.catching_up >= 1
+        _check_deltas(replicas.drafter.received, full_sends=0)
+        assert drafter.feature_resends == 0
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
