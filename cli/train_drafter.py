@@ -10,7 +10,8 @@ from pathlib import Path
 
 from treeserve.engine.drafters.models.eagle import is_eagle_drafter
 from treeserve.engine.drafters.registry import SHIPPED
-from treeserve.engine.models.loading import cache_root, load_causal_lm
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.models.paths import cache_root
 from treeserve.engine.training.distill_data import DistillDataConfig, build_distill_data, load_distill_data
 from treeserve.engine.training.drafter import DrafterTrainConfig, train_drafter
 from treeserve.engine.training.eagle import EagleTrainConfig, target_features, train_eagle

@@ -13,7 +13,8 @@ from treeserve.engine.devices import check_device, device_name
 from treeserve.engine.drafters.models.compatibility import default_feature_layers
 from treeserve.engine.drafters.models.eagle3 import is_eagle3_drafter
 from treeserve.engine.drafters.registry import SHIPPED
-from treeserve.engine.models.loading import cache_root, load_causal_lm
+from treeserve.engine.models.loading import load_causal_lm
+from treeserve.engine.models.paths import cache_root
 from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, compute_chunk_features, corpus_summary, features_path
 from treeserve.engine.training.broad_mix import BROAD_KINDS
 from treeserve.engine.training.eagle3 import Eagle3TrainConfig, load_corpus, train_eagle3

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treeserve.engine.drafters.registry import SHIPPED, canonical_name, drafter_dir
+from treeserve.engine.models.paths import needs_conversion
 from treeserve.engine.tree_config import parse_budget
 from .host_priority import REPLICA_SYSTEM_CONFIG, deprioritise_control_plane
 
@@ -99,13 +100,14 @@ def _prepare_target(args, progress=None):
     that Ray and Serve start meanwhile (start_service waits for it before the replicas load it; every replica would
     otherwise wait on the same conversion, or, on a joined cluster, convert for itself). Returns its Future, or
     None when there is nothing to convert."""
-    from treeserve.engine.models.loading import needs_conversion, resolve_model_dir_in_background
-
     if not needs_conversion(args.target.path):
         return None
     if progress is not None:
         progress("first start: converting the target's GGUF to safetensors, once (into the model cache), "
                  "while Ray starts ...")
+    # Only a conversion needs torch: a start with nothing to convert never loads it in this process.
+    from treeserve.engine.models.loading import resolve_model_dir_in_background
+
     return resolve_model_dir_in_background(args.target.path)
 
 

@@ -24,8 +24,8 @@ import torch
 
 from ..devices import device_name
 from ..models.attention import GROUPED_ATTENTION
-from ..models.loading import cache_root
 from ..models.packed_linear import LAYOUT_VERSION
+from ..models.paths import cache_root
 from ..runners.cached_lm import CachedLM, DrafterForward, ExtendRequest
 from ..runners.step_settings import StaticStepSettings
 from .cost_curve import CostCurve, interpolate_ms

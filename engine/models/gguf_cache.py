@@ -31,30 +31,11 @@ from pathlib import Path
 
 import torch
 
-SOURCE_FILE = "treeserve-source.json"
-# Raised when the conversion's output would differ for the same GGUF (another dtype, other files): older
-# directories are then converted again.
-CONVERTER_VERSION = 1
+from .paths import SOURCE_FILE, gguf_stamp, is_current
 
 # transformers looks the two gguf callables up at call time; they are swapped for shared ones only while a
 # conversion runs, one conversion per process at a time.
 _SWAP_LOCK = threading.Lock()
-
-
-def gguf_stamp(gguf_path: Path) -> dict:
-    """What identifies the GGUF a directory was converted from, without reading its ~100 MB."""
-    stat = gguf_path.stat()
-    return {"gguf": gguf_path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "converter": CONVERTER_VERSION}
-
-
-def is_current(gguf_path: Path, out_dir: Path) -> bool:
-    """Whether `out_dir` holds a finished conversion of `gguf_path` as it is now."""
-    try:
-        stamp = json.loads((out_dir / SOURCE_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return (out_dir / "config.json").is_file() and stamp == gguf_stamp(gguf_path)
 
 
 def ensure_converted(gguf_path: Path, out_dir: Path) -> Path:

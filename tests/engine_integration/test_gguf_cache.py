@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from treeserve.engine.models import gguf_cache, loading
-from treeserve.engine.models.gguf_cache import SOURCE_FILE, ensure_converted, gguf_stamp, is_current
+from treeserve.engine.models.gguf_cache import ensure_converted
+from treeserve.engine.models.paths import SOURCE_FILE, default_gguf_path, gguf_stamp, is_current, needs_conversion
 
 
 @pytest.fixture
@@ -84,10 +85,10 @@ def test_callers_at_once_wait_for_one_conversion(tmp_path, fake_conversions):
 
 def test_needs_conversion_follows_the_stamp(tmp_path, monkeypatch, fake_conversions):
     gguf = _model_file(tmp_path)
-    monkeypatch.setattr(loading, "cache_root", lambda: tmp_path / "cache")
-    assert loading.needs_conversion(gguf)
+    monkeypatch.setenv("TREESERVE_CACHE", str(tmp_path / "cache"))
+    assert needs_conversion(gguf)
     model_dir = loading.resolve_model_dir(gguf)
-    assert model_dir.parent == tmp_path / "cache" / "models" and not loading.needs_conversion(gguf)
+    assert model_dir.parent == tmp_path / "cache" / "models" and not needs_conversion(gguf)
     assert loading.resolve_model_dir(gguf) == model_dir and len(fake_conversions) == 1
 
 
@@ -106,7 +107,7 @@ def test_the_cached_model_is_the_one_transformers_reads_from_the_gguf(default_mo
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    gguf = loading.default_gguf_path()
+    gguf = default_gguf_path()
     assert loading.resolve_model_dir("default") == default_model_dir and is_current(gguf, default_model_dir)
     cached = loading.load_causal_lm("default")
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -12,8 +12,8 @@ import pytest
 
 from treeserve.cli.main import main
 from treeserve.cli.serve import add_console_arguments, dashboard_config
-from treeserve.engine.models import gguf_cache, loading
-from treeserve.engine.models.gguf_cache import SOURCE_FILE, gguf_stamp
+from treeserve.engine.models import gguf_cache
+from treeserve.engine.models.paths import SOURCE_FILE, gguf_stamp, needs_conversion
 from treeserve.services import launch
 from treeserve.services.config import DashboardConfig
 from treeserve.services.launch import DEFAULT_CONFIG, _check_port_free, load_config
@@ -105,7 +105,7 @@ def test_a_first_start_says_it_converts_the_embedded_target(tmp_path, monkeypatc
         (out / SOURCE_FILE).write_text(json.dumps(gguf_stamp(gguf)))
         return out
 
-    monkeypatch.setattr(loading, "cache_root", lambda: tmp_path)
+    monkeypatch.setenv("TREESERVE_CACHE", str(tmp_path))
     converted: list = []
     monkeypatch.setattr(gguf_cache, "convert_gguf", convert)
     args = load_config(str(DEFAULT_CONFIG), method="autoregressive").app.args
@@ -116,4 +116,4 @@ def test_a_first_start_says_it_converts_the_embedded_target(tmp_path, monkeypatc
     assert len(lines) == 1 and "converting the target's GGUF" in lines[0] and len(converted) == 1
     assert launch._prepare_target(args, lines.append) is None  # cached: nothing to convert or say
     assert len(lines) == 1 and len(converted) == 1
-    assert not loading.needs_conversion(tmp_path / "models" / "smollm2-135m-instruct")
+    assert not needs_conversion(tmp_path / "models" / "smollm2-135m-instruct")
