@@ -6,8 +6,8 @@ import collections
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
+from chi_square import next_token_pvalue  # tests/chi_square.py
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.base import DraftRequest
@@ -16,7 +16,6 @@ from treeserve.engine.drafters.run_ahead import AheadTree, RunAheadStore, likely
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.sampling import warp_probs
 from treeserve.engine.requests import SamplingParams
 from treeserve.engine.speculative_engine import SpeculativeEngine
 from treeserve.engine.tree import TokenTree
@@ -129,14 +128,7 @@ def test_sampled_requests_draft_nothing_ahead_and_follow_the_target(pair):
         result = engine.generate([GenerationRequest(prompt, max_new_tokens=3, sampling=sampling, seed=seed)])[0]
         counts[result.token_ids[0]] += 1
     assert drafter.run_ahead.hits == drafter.run_ahead.misses == 0 and not drafter.draft_ahead()
-    with torch.inference_mode():
-        logits = target.model(torch.tensor([prompt])).logits[0, -1].float()
-    exact = warp_probs(logits[None], sampling)[0]
-    support = exact.nonzero().flatten().tolist()
-    assert set(counts) <= set(support)
-    expected = [float(exact[t]) for t in support]
-    scale = draws / sum(expected)
-    assert chisquare([counts[t] for t in support], [e * scale for e in expected]).pvalue > 1e-3
+    assert next_token_pvalue(target.model, prompt, counts, sampling) > 1e-3
 
 
 def test_the_draft_request_of_a_hit_keeps_the_lookup_in_step(pair):

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from treeserve.engine.drafters.models.parallel import ParallelDrafterModel
+from treeserve.engine.models.loading import load_causal_lm
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 
@@ -21,8 +24,6 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_target_dir):
-    from treeserve.engine.models.loading import load_causal_lm
-
     return load_causal_lm(tiny_target_dir)
 
 
@@ -30,8 +31,6 @@ def make_parallel_drafter(target_model, layers=(0,), vocab_size: int = 4096, num
                           noise: float = 0.5):
     """A parallel drafter from the tiny target's layers with a random sub-vocabulary (specials included) and
     randomised [MASK] embeddings, so mask outputs differ from the plain next-token output."""
-    from treeserve.engine.drafters.models.parallel import ParallelDrafterModel
-
     gen = torch.Generator().manual_seed(seed)
     vocab = target_model.config.vocab_size
     ids = torch.randperm(vocab, generator=gen)[:vocab_size]
@@ -45,3 +44,13 @@ def make_parallel_drafter(target_model, layers=(0,), vocab_size: int = 4096, num
 @pytest.fixture(scope="session")
 def parallel_drafter(tiny_target):
     return make_parallel_drafter(tiny_target.model)
+
+
+@pytest.fixture(scope="session")
+def parallel_drafter_dir(tmp_path_factory, tiny_target):
+    """A saved parallel drafter of the tiny target's own layers, without mask noise: position 1 agrees with the
+    target always, the mask positions sometimes."""
+    out = tmp_path_factory.mktemp("parallel") / "pd"
+    make_parallel_drafter(tiny_target.model, layers=(0, 1), vocab_size=tiny_target.model.config.vocab_size,
+                          noise=0.0).save(out)
+    return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_parallel_drafter
 from treeserve.engine.budget import DraftPlan
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.parallel import ParallelTreeDrafter
@@ -20,15 +19,6 @@ from treeserve.engine.training.parallel import ParallelTrainConfig, train_parall
 METHODS = [("chain", 5), ("static", 16), ("opt_tree", 12), ("dyspec", 24), ("eagle2", 8)]
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory, tiny_target):
-    out = tmp_path_factory.mktemp("parallel") / "pd"
-    # Same layers as the target: position 1 agrees always, the mask positions sometimes.
-    make_parallel_drafter(tiny_target.model, layers=(0, 1), vocab_size=tiny_target.model.config.vocab_size,
-                          noise=0.0).save(out)
-    return out
-
-
 @torch.inference_mode()
 def reference(model, prompt_ids, n):
     out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
@@ -37,8 +27,8 @@ def reference(model, prompt_ids, n):
 
 
 @pytest.mark.parametrize(("method", "budget"), METHODS)
-def test_greedy_equals_target_generate(tiny_target, drafter_dir, method, budget):
-    engine = build_engine(drafter_path=str(drafter_dir), method=method, budget=budget, target=tiny_target,
+def test_greedy_equals_target_generate(tiny_target, parallel_drafter_dir, method, budget):
+    engine = build_engine(drafter_path=str(parallel_drafter_dir), method=method, budget=budget, target=tiny_target,
                           drafter_kind="parallel", static_tree="eagle1_25")
     assert isinstance(engine.drafter, ParallelTreeDrafter)
     accepted = 0
@@ -55,8 +45,8 @@ def test_greedy_equals_target_generate(tiny_target, drafter_dir, method, budget)
     assert not engine.drafter.lm.sessions  # released
 
 
-def test_batch_and_sampling(tiny_target, drafter_dir):
-    engine = build_engine(drafter_path=str(drafter_dir), method="opt_tree", budget=8, target=tiny_target,
+def test_batch_and_sampling(tiny_target, parallel_drafter_dir):
+    engine = build_engine(drafter_path=str(parallel_drafter_dir), method="opt_tree", budget=8, target=tiny_target,
                           drafter_kind="parallel")
     prompts = [engine.encode_chat(p) for p in ["Hello there", "Write a poem about rain", "Why?"]]
     results = engine.generate([GenerationRequest(p, max_new_tokens=n) for p, n in zip(prompts, [10, 14, 6])])
@@ -69,9 +59,10 @@ def test_batch_and_sampling(tiny_target, drafter_dir):
     assert len(sampled.token_ids) == 12
 
 
-def test_bad_kind_rejected(tiny_target, drafter_dir):
+def test_bad_kind_rejected(tiny_target, parallel_drafter_dir):
     with pytest.raises(ValueError, match="drafter_kind"):
-        build_engine(drafter_path=str(drafter_dir), method="chain", budget=4, target=tiny_target, drafter_kind="x")
+        build_engine(drafter_path=str(parallel_drafter_dir), method="chain", budget=4, target=tiny_target,
+                     drafter_kind="x")
 
 
 def test_training_runs_and_saves(tmp_path, tiny_target):
@@ -122,18 +113,18 @@ def test_train_drafter_cli_kind_parallel(tmp_path, tiny_target, tiny_target_dir)
     assert len(model.vocab_ids) == 700 and model.num_masks == 4
 
 
-def test_parallel_directory_is_recognised(tiny_target, drafter_dir):
+def test_parallel_directory_is_recognised(tiny_target, parallel_drafter_dir):
     from treeserve.engine.drafters.loading import build_local_drafter
 
-    drafter = build_local_drafter(str(drafter_dir), tiny_target.model, budget=4)
+    drafter = build_local_drafter(str(parallel_drafter_dir), tiny_target.model, budget=4)
     assert isinstance(drafter, ParallelTreeDrafter)
 
 
-def test_dev_agreement_per_position(tiny_target, drafter_dir):
+def test_dev_agreement_per_position(tiny_target, parallel_drafter_dir):
     from treeserve.engine.drafters.models.loading import load_parallel_drafter
     from treeserve.engine.training.parallel import dev_agreement
 
-    drafter = load_parallel_drafter(str(drafter_dir), tiny_target.model)
+    drafter = load_parallel_drafter(str(parallel_drafter_dir), tiny_target.model)
     result = dev_agreement(tiny_target.model, tiny_target.tokenizer, drafter,
                            [{"turns": ["Tell me a story."]}, {"turns": ["2+2=?"]}], max_new_tokens=10)
     assert result["positions"] == [20, 18, 16, 14, 12]
@@ -141,7 +132,7 @@ def test_dev_agreement_per_position(tiny_target, drafter_dir):
     assert all(a <= b for a, b in zip(result["top1_by_position"], result["top4_by_position"]))
 
 
-def test_agreement_command_kind_parallel(tiny_target, tiny_target_dir, drafter_dir, tmp_path, capsys):
+def test_agreement_command_kind_parallel(tiny_target, tiny_target_dir, parallel_drafter_dir, tmp_path, capsys):
     """`treeserve agreement --kind parallel` prints dev_agreement's per-position numbers for one drafter."""
     import json
 
@@ -156,12 +147,12 @@ def test_agreement_command_kind_parallel(tiny_target, tiny_target_dir, drafter_d
     argv = ["agreement", "--kind", "parallel", "--target", str(tiny_target_dir), "--prompts", str(prompts),
             "--num-prompts", "2", "--max-new-tokens", "10", "--threads", "1"]
     capsys.readouterr()
-    assert main([*argv, "--drafter", str(drafter_dir)]) == 0
+    assert main([*argv, "--drafter", str(parallel_drafter_dir)]) == 0
     printed = json.loads(capsys.readouterr().out)
-    drafter = load_parallel_drafter(str(drafter_dir), tiny_target.model)
+    drafter = load_parallel_drafter(str(parallel_drafter_dir), tiny_target.model)
     assert printed == dev_agreement(tiny_target.model, tiny_target.tokenizer, drafter, load_prompts(prompts, 2),
                                     max_new_tokens=10)
-    assert main([*argv, "--drafter", str(drafter_dir), str(drafter_dir)]) == 2
+    assert main([*argv, "--drafter", str(parallel_drafter_dir), str(parallel_drafter_dir)]) == 2
     assert "exactly one --drafter" in capsys.readouterr().err
 
 

@@ -10,7 +10,6 @@ import json
 import pytest
 import xgrammar as xgr
 
-from conftest import make_parallel_drafter
 from grammar_trees import constrained_generate, nodes_allowed, record_trees
 from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.drafters.parallel import ParallelTreeDrafter
@@ -25,17 +24,9 @@ SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "parr
           "required": ["kind", "legs"]}
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory, tiny_target):
-    out = tmp_path_factory.mktemp("parallel_grammar") / "pd"
-    make_parallel_drafter(tiny_target.model, layers=(0, 1), vocab_size=tiny_target.model.config.vocab_size,
-                          noise=0.0).save(out)
-    return out
-
-
 @pytest.mark.parametrize(("method", "budget"), [("opt_tree", 12), ("static", 16)])
-def test_parallel_trees_obey_the_grammar(tiny_target, drafter_dir, method, budget):
-    engine = build_engine(drafter_path=str(drafter_dir), method=method, budget=budget, target=tiny_target,
+def test_parallel_trees_obey_the_grammar(tiny_target, parallel_drafter_dir, method, budget):
+    engine = build_engine(drafter_path=str(parallel_drafter_dir), method=method, budget=budget, target=tiny_target,
                           drafter_kind="parallel", static_tree="eagle1_25")
     assert isinstance(engine.drafter, ParallelTreeDrafter) and engine.drafter.grammars is not None
     trees = record_trees(engine)
@@ -48,10 +39,10 @@ def test_parallel_trees_obey_the_grammar(tiny_target, drafter_dir, method, budge
     assert nodes_allowed(trees, len(prompt), compiled, eos, tiny_target.tokenizer) > len(trees)
 
 
-def test_the_first_position_is_masked_at_the_root(tiny_target, drafter_dir):
+def test_the_first_position_is_masked_at_the_root(tiny_target, parallel_drafter_dir):
     """q_1 after '{"kind": "' holds mass only on what the enum allows there; a request without a grammar keeps the
     drafter's own row."""
-    engine = build_engine(drafter_path=str(drafter_dir), method="opt_tree", budget=8, target=tiny_target,
+    engine = build_engine(drafter_path=str(parallel_drafter_dir), method="opt_tree", budget=8, target=tiny_target,
                           drafter_kind="parallel")
     drafter = engine.drafter
     tok = tiny_target.tokenizer
