@@ -17,7 +17,7 @@ from pathlib import Path
 
 from treeserve.engine.dev_prompts import DEV_PROMPTS, REPO_ROOT
 from treeserve.engine.devices import check_device
-from treeserve.engine.drafters.models.compatibility import default_feature_layers
+from treeserve.engine.drafters.models.formats import default_feature_layers
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.models.paths import cache_root
 from treeserve.engine.training.broad_mix import BROAD_KINDS, BenchmarkGuard

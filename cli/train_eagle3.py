@@ -10,8 +10,8 @@ from pathlib import Path
 
 from treeserve.engine.dev_prompts import REPO_ROOT
 from treeserve.engine.devices import check_device, device_name
-from treeserve.engine.drafters.models.compatibility import default_feature_layers
 from treeserve.engine.drafters.models.eagle3 import is_eagle3_drafter
+from treeserve.engine.drafters.models.formats import default_feature_layers
 from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.models.paths import cache_root

@@ -5,6 +5,8 @@ inside functions included, relative ones resolved), parsed with ast:
   command layer cli/; only cli/ parses command lines (argparse).
 - Inside engine/, floors that import only downward (a floor may import its own floor and those below), and no
   import cycle among its packages and top-level modules.
+- No import cycle among the modules of engine/, services/ and cli/, function-local imports included (a module's
+  import of a package it lies in is no edge: Python imports that package first).
 - TreeServe's own modules are imported at module level (in engine/, only its torch-free modules may import one
   inside a function), except where the imported module brings one of the
   optional heavy dependencies (HEAVY) that the importing module does without: the CLI's commands load torch or
@@ -33,8 +35,8 @@ FORBIDDEN = {
 FLOORS: tuple[tuple[str, ...], ...] = (
     # 0. settings and requests, torch-free: what the Serve config, the wire format and the CLI's options read
     ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
-     "drafters.models.compatibility", "lookup", "lookup.session", "lookup.suffix_index", "lookup.shared_outputs",
-     "hardware.cost_curve", "lanes", "kv_settings", "grammar.spec", "models.paths"),
+     "drafters.models.compatibility", "drafters.models.formats", "lookup", "lookup.session", "lookup.suffix_index",
+     "lookup.shared_outputs", "hardware.cost_curve", "lanes", "kv_settings", "grammar.spec", "models.paths"),
     # 1. token trees, sampling, penalties, verification and the C2T classifier: pure functions over tensors
     ("tree", "sampling", "processors", "verify", "acceptance", "c2t_classifier", "grammar"),
     # 2. models and the runners that keep their KV caches; what a step costs on this machine
@@ -56,8 +58,8 @@ HEAVY = ("torch", "transformers", "ray", "grpc", "numpy", "safetensors")
 # TreeServe's, where the function needs it): the Serve config validates drafters and lookup settings with them,
 # and the CLI builds its options from them, in processes that never load a model.
 TORCH_FREE = ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
-              "drafters.models.compatibility", "lookup", "lookup.session", "hardware.cost_curve", "bench.options",
-              "kv_settings", "grammar.spec", "models.paths")
+              "drafters.models.compatibility", "drafters.models.formats", "lookup", "lookup.session",
+              "hardware.cost_curve", "bench.options", "kv_settings", "grammar.spec", "models.paths")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -128,7 +130,7 @@ def unit(name: str) -> str:
     return name.split(".")[0]
 
 
-def cycles(edges: list[tuple[str, str, str]]) -> list[list[str]]:
+def cycles(edges: list[tuple[str, str, str]], unit=unit) -> list[list[str]]:
     """Strongly connected components of more than one unit (Tarjan)."""
     graph = defaultdict(set)
     for source, target, _ in edges:
@@ -194,6 +196,49 @@ def all_modules() -> dict[str, Path]:
     return {module_name(p): p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))}
 
 
+def module_import_edges(modules: dict[str, Path], root: Path = ROOT) -> list[tuple[str, str, str]]:
+    """(importing module, imported module, "file:line") for every import of one of `modules` (files of a checkout's
+    `root`) by another, those inside functions included; a `from package import name` counts as the package when
+    `name` is no module of it, and a module importing a package it lies in is left out."""
+    edges = []
+    for source, path in modules.items():
+        for line, name, _ in imports(path, root):
+            target = name
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            edge = (source, target, f"{path.relative_to(root)}:{line}")
+            if target and not (source + ".").startswith(target + ".") and edge not in edges:
+                edges.append(edge)
+    return edges
+
+
+def cycle_through(component: list[str], edges: list[tuple[str, str, str]]) -> list[str]:
+    """One cycle inside a strongly connected component, as "module (file:line of its import of the next)" from its
+    first module round to that module again."""
+    inside = set(component)
+    where = {(s, t): w for s, t, w in reversed(edges)}
+    graph = defaultdict(list)
+    for source, target, _ in edges:
+        if source in inside and target in inside:
+            graph[source].append(target)
+    start, path, seen = component[0], [component[0]], {component[0]}
+
+    def walk(v: str) -> bool:
+        for w in graph[v]:
+            if w == start:
+                return True
+            if w not in seen:
+                seen.add(w)
+                path.append(w)
+                if walk(w):
+                    return True
+                path.pop()
+        return False
+
+    walk(start)
+    return [f"{v} ({where[v, w]})" for v, w in zip(path, path[1:] + [start])] + [start]
+
+
 def heavy_closure(modules: dict[str, Path]) -> dict[str, frozenset[str]]:
     """The HEAVY dependencies each module loads at import: its module-level imports, its packages' and those of
     the TreeServe modules it imports, transitively."""
@@ -232,6 +277,12 @@ def heavy_closure(modules: dict[str, Path]) -> dict[str, frozenset[str]]:
     for name in modules:
         visit(name, frozenset())
     return closure
+
+
+def test_no_import_cycle_among_modules():
+    edges = module_import_edges(all_modules())
+    found = [" -> ".join(cycle_through(component, edges)) for component in cycles(edges, unit=lambda name: name)]
+    assert not found, "\n".join(found)
 
 
 def test_own_modules_are_imported_at_module_level():
@@ -284,3 +335,23 @@ def test_the_check_sees_every_import_form(tmp_path):
 def test_cycles_are_found():
     edges = [("a.x", "b", ""), ("b", "c.y", ""), ("c.z", "a", ""), ("d", "a", "")]
     assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles(edges, unit=lambda name: name) == []  # between modules none: a.x -> b, but a (not a.x) <- c.z
+
+
+def test_module_cycles_are_found_and_printed(tmp_path):
+    """A function-local import closes a cycle as a module-level one does; a submodule importing its own package
+    (`from . import x`) closes none."""
+    root = tmp_path / "engine"
+    (root / "drafters").mkdir(parents=True)
+    files = {"__init__.py": "", "drafters/__init__.py": "from . import a\n",
+             "drafters/a.py": "from . import b\nfrom .. import tree\n",
+             "drafters/b.py": "def late():\n    from .a import x\n", "tree.py": ""}
+    for name, text in files.items():
+        (root / name).write_text(text)
+    modules = {module_name(p, tmp_path): p for p in sorted(root.rglob("*.py"))}
+    edges = module_import_edges(modules, tmp_path)
+    component, = cycles(edges, unit=lambda name: name)
+    assert component == ["treeserve.engine.drafters.a", "treeserve.engine.drafters.b"]
+    assert cycle_through(component, edges) == ["treeserve.engine.drafters.a (engine/drafters/a.py:1)",
+                                               "treeserve.engine.drafters.b (engine/drafters/b.py:2)",
+                                               "treeserve.engine.drafters.a"]

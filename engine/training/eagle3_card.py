@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ..dev_prompts import REPO_ROOT
-from ..drafters.models.compatibility import feature_layers_from_config
+from ..drafters.models.formats import feature_layers_from_config
 from ..drafters.registry import SHIPPED
 
 

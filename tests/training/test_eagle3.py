@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter, is_eagle3_drafter
-from treeserve.engine.drafters.models.compatibility import default_feature_layers
+from treeserve.engine.drafters.models.formats import default_feature_layers
 from treeserve.engine.training.corpus import CorpusConfig, build_corpus, compute_chunk_features
 from treeserve.engine.training.eagle3 import Eagle3TrainConfig, load_corpus, logits, train_eagle3, unroll
 

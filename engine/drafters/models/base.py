@@ -30,7 +30,7 @@ from torch import nn
 from ...models.loading import portable_path
 from ...runners.cached_lm import DrafterForward
 from ...runners.lean_decoder import LeanEnds
-from .compatibility import DRAFTER_KEY
+from .formats import DRAFTER_KEY
 
 _EMBED_KEY = "model.embed_tokens.weight"
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from ...models.hf_cache import cache_argument, returned_cache
 from .base import DrafterModel
-from .compatibility import DRAFTER_KEY
+from .formats import DRAFTER_KEY
 
 EAGLE_KIND = "eagle"
 

@@ -52,8 +52,8 @@ from torch import nn
 
 from ...models.attention import grouped_attention
 from .base import DrafterModel
-from .compatibility import (DRAFTER_KEY, EAGLE3_ARCHITECTURE, default_feature_layers, feature_layers_from_config,
-                            fit_problem)
+from .formats import (DRAFTER_KEY, EAGLE3_ARCHITECTURE, default_feature_layers, feature_layers_from_config,
+                      fit_problem)
 from .eagle import EagleOutput
 
 class Eagle3Attention(nn.Module):

@@ -15,10 +15,11 @@ from torch import nn
 
 from ...models.loading import load_model, resolve_model_dir
 from ..registry import PARALLEL_KIND, SHIPPED, canonical_name, drafter_dir
-from .compatibility import check_drafter, detect_layout, EAGLE3_ARCHITECTURE, PARALLEL_KEY, feature_layers_from_config
+from .compatibility import check_drafter, detect_layout
 from .distilled import RestrictedVocabDrafter
 from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter
+from .formats import EAGLE3_ARCHITECTURE, PARALLEL_KEY, feature_layers_from_config
 from .parallel import ParallelDrafterModel, is_parallel_drafter
 from .published_eagle import PublishedEagleDrafter
 

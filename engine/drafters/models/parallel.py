@@ -35,7 +35,7 @@ from torch import nn
 from ...models.hf_cache import cache_argument, returned_cache
 from ...runners.lean_decoder import LeanEnds
 from .base import DrafterModel, DrafterOutput
-from .compatibility import PARALLEL_KEY
+from .formats import PARALLEL_KEY
 
 DEFAULT_NUM_MASKS = 4
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compatibility import weight_files
+from .formats import weight_files
 from .eagle import EagleDrafter
 
 _IGNORED = ("embed_tokens.weight",)  # the target's embeddings, stored by EAGLE's trainer
