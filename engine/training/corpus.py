@@ -13,7 +13,10 @@ does not keep 47 finished rows computing. Batches are formed from length-sorted 
 Chunks: `<out>/chunk-NNNNN.safetensors` holds `tokens` [T] (uint16 for vocabularies under 65,536, else int32), `seq_offsets` [S+1] int64 and
 `answer_mask` [T] uint8 (1 at target-written answer tokens) for the chunk's conversations, with the
 conversation kinds and generation statistics in its metadata. Chunk i's prompts depend only on (seed, i),
-so an interrupted run continues with the first missing chunk; a chunk is written atomically.
+and its sampling on one generator seeded from (seed, i) and threaded through its batches, so an interrupted run
+continues with the first missing chunk; a chunk is written atomically. Within it the unit of resumption is a
+batch: each decoded batch is saved at once under `<out>/partial/` with the generator's state after it
+(partial_chunk.py), and a resumed chunk reuses them, equal to one made without interruption (timings aside).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ..models.loading import chat_ids
 from . import prompt_mix
 from .broad_mix import BROAD_KINDS, BenchmarkGuard, MixSettings, MixSources, broad_prompt_mix, tokens_by_kind
 from .heldout import split_library
+from .partial_chunk import ChunkBatches, partial_dir, remove_partial
 from .prompts import clean_instruction
 from .sources.registry import SourceLibrary
 from .sources.snapshot import fingerprint
@@ -51,7 +55,8 @@ class CorpusConfig:
     """Size and mix of the self-distillation corpus."""
 
     num_conversations: int = field(default=12_000, metadata={"help": "conversations in the whole corpus (before deduplication)"})
-    chunk_size: int = field(default=400, metadata={"help": "conversations per chunk file (the unit of resumption)"})
+    chunk_size: int = field(default=400, metadata={"help": "conversations per chunk file (committed one by one; an "
+                                                           "interrupted chunk resumes from its saved batches)"})
     batch_size: int = field(default=48, metadata={"help": "rows decoded together (KV-cached, finished rows leave the batch)"})
     max_new_tokens: int = field(default=320, metadata={"help": "longest answer per turn, in tokens"})
     # 2,304: the broad mix's long documents (up to 2,000 tokens) with their instruction and a second turn's
@@ -197,18 +202,28 @@ def _choose(logits: torch.Tensor, temps: torch.Tensor, generator: torch.Generato
 
 def generate_all(model, prompts: list[list[int]], temperatures: list[float], config: CorpusConfig,
                  eos_ids: set[int], pad_id: int, generator: torch.Generator, desc: str,
-                 max_new_tokens: int | None = None, feature_layers: tuple[int, ...] | None = None):
+                 max_new_tokens: int | None = None, feature_layers: tuple[int, ...] | None = None,
+                 saved: ChunkBatches | None = None, phase: str = ""):
     """`decode_batch` over length-sorted batches, results in the order of `prompts` (with the captured
-    features as a second list when `feature_layers` is given)."""
+    features as a second list when `feature_layers` is given). With `saved`, each batch of `phase` is taken
+    from there when it was saved by an interrupted run, else saved once decoded."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[list[int]] = [[] for _ in prompts]
     features: list[torch.Tensor | None] = [None for _ in prompts]
-    for start in tqdm(range(0, len(order), config.batch_size), desc=desc, leave=False):
+    limit = max_new_tokens or config.max_new_tokens
+    for batch, start in enumerate(tqdm(range(0, len(order), config.batch_size), desc=desc, leave=False)):
         rows = order[start:start + config.batch_size]
-        outs = decode_batch(model, [prompts[i] for i in rows], max_new_tokens or config.max_new_tokens,
-                            [temperatures[i] for i in rows], eos_ids, pad_id, generator, feature_layers)
+        batch_prompts, batch_temps = [prompts[i] for i in rows], [temperatures[i] for i in rows]
+        key = saved.key(phase, batch_prompts, batch_temps, limit, generator) if saved is not None else ""
+        done = saved.load(phase, batch, key, generator) if saved is not None else None
+        if done is None:
+            began = time.time()
+            outs = decode_batch(model, batch_prompts, limit, batch_temps, eos_ids, pad_id, generator, feature_layers)
+            done = outs if feature_layers is not None else (outs, None)
+            if saved is not None:
+                saved.save(phase, batch, key, *done, generator, time.time() - began)
+        outs, feats = done
         if feature_layers is not None:
-            outs, feats = outs
             for i, f in zip(rows, feats):
                 features[i] = f
         for i, out in zip(rows, outs):
@@ -236,9 +251,12 @@ def chunk_specs(config: CorpusConfig, index: int, exclude: frozenset[str],
 
 def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_instructions: set[str],
                    exclude: frozenset[str], feature_layers: tuple[int, ...] | None = None,
-                   sources: MixSources | None = None) -> tuple[dict[str, torch.Tensor], dict, torch.Tensor | None]:
+                   sources: MixSources | None = None,
+                   partial: Path | None = None) -> tuple[dict[str, torch.Tensor], dict, torch.Tensor | None]:
     """Chunk `index`: self-written instructions, first answers, follow-up answers; tensors, metadata and
-    (with `feature_layers`) the target features of every token, [T, (len(feature_layers) + 1) * H] float16."""
+    (with `feature_layers`) the target features of every token, [T, (len(feature_layers) + 1) * H] float16.
+    With `partial` (`partial_chunk.partial_dir`), every batch is saved there once decoded, and the batches an
+    interrupted run saved are reused."""
     specs = chunk_specs(config, index, exclude, sources)
     estimated = tokens_by_kind(specs, config.mix_settings())
     device = next(model.parameters()).device
@@ -247,13 +265,14 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
     eos_ids = {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])}
     eos_ids.discard(None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    saved = ChunkBatches(partial, device, feature_layers, eos_ids, pad_id) if partial is not None else None
     started = time.time()
     generated = 0
 
     meta_rows = [i for i, s in enumerate(specs) if s.kind == prompt_mix.SELF_INSTRUCT]
     written = generate_all(model, [chat_ids(tokenizer, specs[i].first_turn) for i in meta_rows],
                            [1.0] * len(meta_rows), config, eos_ids, pad_id, generator, "instructions",
-                           config.instruction_tokens)
+                           config.instruction_tokens, saved=saved, phase="instructions")
     generated += sum(map(len, written))
     dropped = set()
     for i, tokens in zip(meta_rows, written):
@@ -272,7 +291,7 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
 
     firsts = [prompt_of([{"role": "user", "content": s.first_turn}]) for s in specs]
     answers = generate_all(model, firsts, [s.temperature for s in specs], config, eos_ids, pad_id, generator,
-                           f"chunk {index} answers", feature_layers=feature_layers)
+                           f"chunk {index} answers", feature_layers=feature_layers, saved=saved, phase="answers")
     if feature_layers is not None:
         answers, first_features = answers
     sequences = [(p, a) for p, a in zip(firsts, answers)]
@@ -281,7 +300,8 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
                           {"role": "assistant", "content": tokenizer.decode(_strip_eos(answers[i], eos_ids))},
                           {"role": "user", "content": specs[i].follow_up}]) for i in follow_rows]
     second_answers = generate_all(model, seconds, [specs[i].temperature for i in follow_rows], config, eos_ids,
-                                  pad_id, generator, f"chunk {index} follow-ups", feature_layers=feature_layers)
+                                  pad_id, generator, f"chunk {index} follow-ups", feature_layers=feature_layers,
+                                  saved=saved, phase="follow-ups")
     if feature_layers is not None:
         second_answers, second_features = second_answers
     generated += sum(map(len, answers)) + sum(map(len, second_answers))
@@ -297,7 +317,8 @@ def generate_chunk(model, tokenizer, config: CorpusConfig, index: int, seen_inst
         tokens += prompt + answer
         answer_mask += [0] * len(prompt) + [1] * len(answer)
         offsets.append(len(tokens))
-    seconds_taken = time.time() - started
+    # A resumed chunk's time is what its batches took, the interrupted runs' included.
+    seconds_taken = time.time() - started + (saved.reused_seconds if saved is not None else 0.0)
     answer_tokens = sum(answer_mask)
     stats = {"chunk": index, "conversations": len(specs), "sequences": len(sequences), "kinds": kinds,
              "temperatures": temps, "answer_tokens": answer_tokens, "generated_tokens": generated,
@@ -376,12 +397,14 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
     for index in progress:
         path = chunk_path(out, index)
         if path.is_file():
+            remove_partial(out, index)  # a run that died between writing the chunk and removing them
             continue
         if max_chunks is not None and made >= max_chunks:
             break
         before = set(seen)
         tensors, stats, features = generate_chunk(model, tokenizer, config, index, seen, exclude,
-                                                  feature_layers if features_dir is not None else None, sources)
+                                                  feature_layers if features_dir is not None else None, sources,
+                                                  partial_dir(out, index))
         stats["instruction_keys"] = sorted(seen - before)
         stats["sources"] = made_from  # what the broad mix drew from: chunk i's prompts depend on it
         if features is not None:
@@ -389,6 +412,7 @@ def build_corpus(model, tokenizer, config: CorpusConfig, out: Path, exclude: fro
         tmp = path.with_suffix(".partial")
         save_file(tensors, str(tmp), metadata={"stats": json.dumps(stats)})
         os.replace(tmp, path)
+        remove_partial(out, index)
         made += 1
         progress.set_postfix(tokens_per_s=stats["tokens_per_second"], answer_tokens=stats["answer_tokens"])
     return [chunk_path(out, i) for i in range(n_chunks) if chunk_path(out, i).is_file()]

@@ -1,8 +1,10 @@
 """Self-distillation corpus: batched KV-cached decoding equals plain greedy decoding row by row; chunks
-resume; the prompt mix is deterministic, diverse and free of evaluation prompts."""
+resume, an interrupted chunk batch by batch; the prompt mix is deterministic, diverse and free of evaluation
+prompts."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -10,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treeserve.engine.training import prompt_mix
-from treeserve.engine.training.corpus import CorpusConfig, build_corpus, chunk_stats, decode_batch
+from treeserve.engine.models.loading import chat_ids
+from treeserve.engine.training import corpus, prompt_mix
+from treeserve.engine.training.corpus import CorpusConfig, build_corpus, chunk_path, chunk_stats, decode_batch
+from treeserve.engine.training.partial_chunk import partial_dir
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +152,80 @@ def test_make_corpus_resumes_the_recipe_on_disk(tmp_path):
     assert given.max_new_tokens == 64 and given.batch_size == 8
     with pytest.raises(ValueError, match="batch-size"):
         corpus_config(parser.parse_args(["make-corpus", "--out", str(tmp_path), "--batch-size", "0"]))
+
+
+class _Died(Exception):
+    """What the patched decoder raises: a make-corpus process killed between two batches."""
+
+
+@pytest.fixture(scope="module")
+def stopping(tiny):
+    """The tiny target with an untied random head (a tied one over random embeddings repeats the prompt's last
+    token forever) whose EOS row is swapped with the fifth token it writes, so answers stop after four tokens
+    and get their follow-up turns."""
+    model, tokenizer = tiny
+    stopping = copy.deepcopy(model)
+    head = torch.randn(stopping.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+    stopping.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
+    stopping.config.tie_word_embeddings = False
+    fifth = decode_batch(stopping, [chat_ids(tokenizer, "Write a poem.")], 5, [0.0], set(), 0)[0][4]
+    eos = tokenizer.eos_token_id
+    stopping.lm_head.weight[[eos, fifth]] = stopping.lm_head.weight[[fifth, eos]]
+    return stopping, tokenizer
+
+
+def test_an_interrupted_chunk_resumes_from_its_saved_batches(stopping, tmp_path, monkeypatch):
+    """A run killed after any batch (self-written instructions, answers or follow-ups) loses only the batch it
+    was decoding: resumed again and again, one new batch each time, the chunk and its captured features equal
+    an uninterrupted run's, sampled rows included, and its saved batches are gone."""
+    model, tokenizer = stopping
+    config = CorpusConfig(num_conversations=10, chunk_size=10, batch_size=2, max_new_tokens=8, instruction_tokens=6,
+                          multi_turn_fraction=0.6, sampled_fraction=0.5, mix="stdlib", max_prompt_tokens=768)
+    layers = (1, 2)
+    real = corpus.decode_batch
+    decoded = []
+
+    def build(out):
+        return build_corpus(model, tokenizer, config, out, features_dir=out / "features", feature_layers=layers)
+
+    def counted(*args, **kwargs):
+        decoded.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(corpus, "decode_batch", counted)
+    whole = build(tmp_path / "whole")[0]
+    batches = len(decoded)
+
+    allowed = []
+
+    def one_batch_then_die(*args, **kwargs):
+        if not allowed:
+            raise _Died
+        allowed.pop()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(corpus, "decode_batch", one_batch_then_die)
+    out = tmp_path / "resumed"
+    phases = set()
+    runs = 0
+    while not chunk_path(out, 0).is_file() and runs <= batches:
+        allowed.append(1)
+        runs += 1
+        try:
+            build(out)
+        except _Died:
+            phases |= {p.name.rsplit("-", 1)[0] for p in partial_dir(out, 0).iterdir()}
+    assert runs == batches  # no saved batch was decoded again
+    assert phases == {"instructions", "answers", "follow-ups"}
+    assert not (out / "partial").exists()
+
+    resumed = chunk_path(out, 0)
+    got, expected = load_file(str(resumed)), load_file(str(whole))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    timings = ("seconds", "tokens_per_second")
+    stats, reference = chunk_stats(resumed), chunk_stats(whole)
+    assert {k: v for k, v in stats.items() if k not in timings} == {k: v for k, v in reference.items()
+                                                                    if k not in timings}
+    assert any(t > 0 for t in stats["temperatures"]) and any(k.endswith("+follow_up") for k in stats["kinds"])
+    got, expected = (load_file(str(p / "features" / whole.name)) for p in (out, tmp_path / "whole"))
+    assert all(torch.equal(got[k], expected[k]) for k in ("features", "last_hidden"))
