@@ -61,6 +61,7 @@ class StreamRecord:
     """One GenerateStream call (or streaming /v1/completions request) as the client saw it."""
 
     index: int  # prompt index
+    prompt_tokens: int = 0
     sent: float = 0.0  # perf_counter at the call
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens) per message with tokens
     token_ids: list[int] = field(default_factory=list)  # gRPC: the streamed ids
@@ -71,6 +72,7 @@ class StreamRecord:
     drafted_steps: int | None = 0  # of which steps with a tree (stats; None: the API does not report it)
     run_ahead_hits: int | None = 0  # of which trees drafted ahead (stats; None: not reported)
     catch_up_steps: int | None = 0  # steps whose drafter caught up on unread context beside them (stats)
+    cached_tokens: int | None = 0  # prompt tokens whose KV the prefix cache held (stats; None: not reported)
     step_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # mean draft, score, verify ms of its steps (stats)
     ended: float = 0.0
     text: str = ""  # OpenAI: the streamed text
@@ -127,6 +129,8 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
     hits = None if not reported or any(r.run_ahead_hits is None for r in ok) else sum(r.run_ahead_hits for r in ok)
     catch_ups = (None if not reported or any(r.catch_up_steps is None for r in ok)
                  else sum(r.catch_up_steps for r in ok))
+    cached = None if any(r.cached_tokens is None for r in ok) else sum(r.cached_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
     return {"api": api, "streams": streams, "requests": len(records), "errors": sum(errors.values()),
             "error_codes": errors,
             "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s else 0.0,
@@ -142,6 +146,8 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
             # Steps whose drafting waited for the Drafter to read unread context (prompts, stretches decoded plainly)
             # beside them: what resuming drafting cost (engine/drafters/autoregressive.py `catch_up`).
             "catch_up_steps": float("nan") if catch_ups is None else catch_ups,
+            # Prompt tokens the prefix cache held (a level's latency reads differently with its prompts cached).
+            "prompt_cached_share": float("nan") if cached is None or not prompt_tokens else cached / prompt_tokens,
             # Where a step's time goes, as the Router timed it: the Draft call, the Target's Score, verification.
             **{f"{part}_ms": sum(r.step_ms[k] * r.steps for r in ok) / steps if reported else float("nan")
                for k, part in enumerate(("draft", "score", "verify"))},
@@ -161,7 +167,7 @@ def stream_round(address: str, prompts: list[list[int]], max_new_tokens: int, ap
     (OpenAI only): per prompt, `text_prefixes` of its greedy reference, which give each chunk's token count."""
     if api not in SERVICE_APIS:
         raise ValueError(f"api: one of {', '.join(SERVICE_APIS)}, got {api!r}")
-    records = [StreamRecord(i) for i in range(len(prompts))]
+    records = [StreamRecord(i, prompt_tokens=len(p)) for i, p in enumerate(prompts)]
     streams = min(streams or len(prompts), len(prompts))
     barrier = threading.Barrier(streams + 1)
     queue = iter(records)
@@ -222,7 +228,7 @@ def _grpc_session(address: str, prompts: list[list[int]], max_new_tokens: int, a
                             record.mal, record.tree_size, record.steps = (stats.mean_accepted_length,
                                                                           stats.mean_tree_size_tokens, stats.steps)
                             record.drafted_steps, record.run_ahead_hits = stats.drafted_steps, stats.run_ahead_hits
-                            record.catch_up_steps = stats.catch_up_steps
+                            record.catch_up_steps, record.cached_tokens = stats.catch_up_steps, stats.cached_tokens
                             record.step_ms = (stats.mean_draft_ms, stats.mean_score_ms, stats.mean_verify_ms)
                 except grpc.RpcError as exc:
                     record.error = exc.code().name
@@ -438,6 +444,8 @@ def _openai_call(connection: http.client.HTTPConnection, headers: dict, record: 
             record.tree_size = float(spec.get("mean_tree_size_tokens") or 0.0)
             record.steps = int(spec.get("steps") or 0)
         record.drafted_steps = record.run_ahead_hits = record.catch_up_steps = None  # not in the OpenAI API's usage
+        details = usage.get("prompt_tokens_details") if usage else None
+        record.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else None
         record.arrivals, record.token_count = chunk_arrivals(
             chunks, usage["completion_tokens"] if usage else None, prefixes)
 
@@ -512,7 +520,7 @@ def service_table(levels: list[dict], title: str):
     table = Table(title=title, caption=caption)
     for col in ("streams", "requests", "errors", "tokens", "agg tok/s", "tok/s per stream", "TTFT p50 ms",
                 "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "MAL", "draft tok/step", "plain steps",
-                "run-ahead hits", "catch-up steps", "step ms draft / score / verify",
+                "run-ahead hits", "catch-up steps", "prompt cached", "step ms draft / score / verify",
                 "= in-process greedy (text)" if by_text else "= in-process greedy"):
         table.add_column(col, justify="right")
     for lv in levels:
@@ -522,6 +530,7 @@ def service_table(levels: list[dict], title: str):
                       f"{lv['tokens_per_s']:.1f}", f"{lv['stream_tokens_per_s']:.1f}", f"{lv['ttft_ms_p50']:.0f}",
                       f"{lv['ttft_ms_p95']:.0f}", f"{lv['itl_ms_p50']:.0f}", f"{lv['itl_ms_p95']:.0f}",
                       f"{lv['mal']:.2f}", f"{lv.get('tree_size', 0.0):.2f}", _share(lv.get('plain_step_share', 0.0)),
-                      _share(lv.get('run_ahead_hit_rate', 0.0)), _count(lv.get("catch_up_steps", 0)), _step_ms(lv),
+                      _share(lv.get('run_ahead_hit_rate', 0.0)), _count(lv.get("catch_up_steps", 0)),
+                      _share(lv.get("prompt_cached_share", float("nan"))), _step_ms(lv),
                       f"{equal}/{lv['greedy_compared']}{ties}")
     return table
