@@ -230,26 +230,37 @@ def _point_mass_step(
     return None, picked[0]
 
 
-def _mixed_step(
-    p: Tensor, q: Tensor, kids: list[int], kid_tokens: list[int], kid_p: list[float], lookup: list[bool],
-    uniforms: list[float]
+def _residual_step(
+    p: Tensor, q: Tensor, kids: list[int], kid_tokens: list[int], kid_p: list[float], uniforms: list[float],
+    lookup: list[bool] | None = None
 ) -> tuple[int | None, int]:
-    """A WITHOUT_REPLACEMENT node with lookup children (module docstring): point-mass stages for those,
-    SpecInfer stages for the sampled ones, whose D starts as q without the lookup tokens. R is kept
-    unnormalised as in `_residual_step` (R = Rr / sR), D likewise (Dr / sD); both live in this thread's
-    scratch rows (`_float64_rows`) and are updated in place."""
+    """A WITHOUT_REPLACEMENT node: DySpec Algorithm 3 (SpecInfer's multi-round rule) for the sampled children,
+    and for lookup children (`lookup[i]`, module docstring) point-mass stages on the current R, the sampled
+    ones' D then starting as q without the lookup tokens. kid_p[i] = p[kid_tokens[i]]. Returns (accepted child
+    or None, emitted token if none).
+
+    Algorithm 3 renormalises R and D after every rejection. Here both stay unnormalised with
+    their sums kept as Python floats: with R = Rr / sR and D = Dr / sD,
+    norm(max(R - D, 0)) = norm(max(Rr - (sR / sD) Dr, 0)), one fused vector update per rejection;
+    D[x] for a sibling is q[x] / sD unless x was drawn before (then 0), a scalar. Without lookup children no
+    vector work happens before the first rejection, so an accepted first child costs no pass over V; Rr and Dr
+    live in this thread's scratch rows (`_float64_rows`) and are updated in place."""
     kid_q = _values_at(q, kid_tokens)
-    looked = {tok: qv for tok, qv, is_lookup in zip(kid_tokens, kid_q, lookup) if is_lookup}
-    resid, scratch_q, resid_at, draft_at = _float64_rows(p, q)
-    resid_sum = float(resid.sum())
-    draft: Tensor | None = None  # Dr, used from the first rejected sampled child on
+    looked = {tok: qv for tok, qv, is_lookup in zip(kid_tokens, kid_q, lookup) if is_lookup} if lookup else {}
+    resid: Tensor | None = None  # Rr, float64; None while R is still p (sR = 1)
+    resid_at = draft_at = None  # numpy views of Rr and of q's float64 copy
+    resid_sum = 1.0
+    if looked:  # a lookup stage zeroes R at its token, so R is kept from the start
+        resid, scratch_q, resid_at, draft_at = _float64_rows(p, q)
+        resid_sum = float(resid.sum())
+    draft: Tensor | None = None  # Dr: q without the lookup and rejected tokens, from the first sampled rejection
     draft_sum = 1.0 - sum(looked.values())
     rejected: set[int] = set()
     for i, (kid, tok) in enumerate(zip(kids, kid_tokens)):
         if tok in rejected:  # a duplicate of a rejected sibling: R[tok] = 0 (and D[tok] = 0)
             continue
-        r = float(resid_at[tok]) / resid_sum
-        if lookup[i]:
+        r = kid_p[i] if resid_at is None else float(resid_at[tok]) / resid_sum
+        if looked and lookup[i]:
             if uniforms.pop() < r:
                 return kid, tok
             resid_sum -= float(resid_at[tok])
@@ -262,6 +273,9 @@ def _mixed_step(
                 continue
             if uniforms.pop() * d < r:
                 return kid, tok
+            # Rejected: R <- norm(max(R - D, 0)); D[tok] <- 0, D <- norm(D).
+            if resid is None:  # first rejection: R = p, D = q (both taken as normalised, sums 1)
+                resid, scratch_q, resid_at, draft_at = _float64_rows(p, q)
             if draft is None:
                 draft = scratch_q
                 if looked:
@@ -274,50 +288,6 @@ def _mixed_step(
         if resid_sum <= 0.0:  # only float error: fall back to the target distribution
             resid.copy_(p)
             resid_sum = float(resid.sum())
-    return None, _draw(resid, uniforms)
-
-
-def _residual_step(
-    p: Tensor, q: Tensor, kids: list[int], kid_tokens: list[int], kid_p: list[float], uniforms: list[float]
-) -> tuple[int | None, int]:
-    """DySpec Algorithm 3 at one node (SpecInfer's multi-round rule); kid_p[i] = p[kid_tokens[i]].
-    Returns (accepted child or None, emitted token if none).
-
-    Algorithm 3 renormalises R and D after every rejection. Here both stay unnormalised with
-    their sums kept as Python floats: with R = Rr / sR and D = Dr / sD,
-    norm(max(R - D, 0)) = norm(max(Rr - (sR / sD) Dr, 0)), one fused vector update per rejection;
-    D[x] for a sibling is q[x] / sD unless x was drawn before (then 0), a scalar. No vector work
-    happens before the first rejection, so an accepted first child costs no pass over V; from the first
-    rejection on, Rr and Dr live in this thread's scratch rows (`_float64_rows`) and are updated in place."""
-    kid_q = _values_at(q, kid_tokens)
-    resid: Tensor | None = None  # Rr, float64; None while R is still p (sR = 1)
-    resid_sum = 1.0
-    draft: Tensor | None = None  # Dr = q with the rejected tokens zeroed, float64
-    resid_at = draft_at = None  # numpy views of Rr and Dr
-    draft_sum = 1.0
-    rejected: dict[int, float] = {}
-    for i, (kid, tok) in enumerate(zip(kids, kid_tokens)):
-        if tok in rejected:  # duplicate of a rejected sibling: D[tok] = 0, it cannot have been drawn
-            continue
-        d = kid_q[i] / draft_sum
-        if d <= 0.0:
-            continue
-        r = kid_p[i] if resid_at is None else float(resid_at[tok]) / resid_sum
-        if uniforms.pop() * d < r:
-            return kid, tok
-        # Rejected: R <- norm(max(R - D, 0)); D[tok] <- 0, D <- norm(D).
-        if resid is None:  # first rejection: R = p, D = q (both taken as normalised, sums 1)
-            resid, draft, resid_at, draft_at = _float64_rows(p, q)
-        resid.add_(draft, alpha=-resid_sum / draft_sum).clamp_(min=0.0)
-        resid_sum = float(resid.sum())
-        if resid_sum <= 0.0:  # only float error: fall back to the target distribution
-            resid.copy_(p)
-            resid_sum = float(resid.sum())
-        rejected[tok] = kid_q[i]
-        draft_at[tok] = 0.0
-        draft_sum -= kid_q[i]
-        if draft_sum <= 1e-12:  # D exhausted: no sibling can follow
-            break
     return None, _draw(p if resid is None else resid, uniforms)
 
 
@@ -342,10 +312,8 @@ def verify_tree(tree: TokenTree, target: TargetDists, sampling: SamplingParams, 
         kid_tokens = [tokens[k] for k in kids]
         kid_p = _values_at(p, kid_tokens)
         lookup = None if sources is None else [sources[k] != 0 for k in kids]
-        if draw[node] == ChildDraw.WITHOUT_REPLACEMENT and lookup is not None and any(lookup):
-            chosen, token = _mixed_step(p, tree.draft_row(node), kids, kid_tokens, kid_p, lookup, uniforms)
-        elif draw[node] == ChildDraw.WITHOUT_REPLACEMENT:
-            chosen, token = _residual_step(p, tree.draft_row(node), kids, kid_tokens, kid_p, uniforms)
+        if draw[node] == ChildDraw.WITHOUT_REPLACEMENT:
+            chosen, token = _residual_step(p, tree.draft_row(node), kids, kid_tokens, kid_p, uniforms, lookup)
         else:
             chosen, token = _point_mass_step(p, kids, kid_tokens, kid_p, uniforms)
         out.append(token)
