@@ -218,6 +218,21 @@ class BudgetChooser:
         return (self.rows <= 1 or not self.max_step_cost or budget <= 0
                 or self.step_ms(budget) <= self.max_step_cost * self.step_ms(0))
 
+    def within_measured_cost(self, budget: int) -> bool:
+        """Whether `budget`'s measured steps took at most `max_step_cost` times plain decoding's (medians of their
+        recent steps; true until both have EARLY_STOP_STEPS of them). The profile prices a step before it runs
+        (`within_step_cost`); this is what it cost at this load: copies' longer forwards over long contexts, and the
+        drafter's catch-up and run-ahead on cores the target shares. Served on the 2-core CPU with long prompts at 8
+        streams, steps the profile put within 1.2x took 1.5x plain ones' (ITL p95 1.26-1.33x; performance.md
+        section 26)."""
+        if self.rows <= 1 or not self.max_step_cost or budget == 0:
+            return True
+        arm, plain = self.arms.get(budget), self.arms.get(0)
+        if (arm is None or plain is None or len(arm.step_seconds) < EARLY_STOP_STEPS
+                or len(plain.step_seconds) < EARLY_STOP_STEPS):
+            return True
+        return statistics.median(arm.step_seconds) <= self.max_step_cost * statistics.median(plain.step_seconds)
+
     def predicted_rate(self, budget: int) -> float:
         """Tokens/s of `rows` chain-like trees of `budget` nodes under a geometric acceptance prior: the target's
         forward of rows x (budget + 1) tokens and budget + 1 drafter forwards of `rows` rows (none for 0)."""
@@ -229,7 +244,7 @@ class BudgetChooser:
         for budget in self._to_explore:
             if self.arms.get(budget, _Arm()).steps < self.explore_steps and not self._losing(budget):
                 return budget
-        measured = [b for b in self.arms if self.arms[b].steps]
+        measured = [b for b in self.arms if self.arms[b].steps and self.within_measured_cost(b)]
         factor = self.acceptance_factor
         best = max(measured, key=lambda b: self.arms[b].rate_at(factor) * (self.plain_margin if b == 0 else 1.0))
         if self._rng.random() < self.revisit:

@@ -219,8 +219,7 @@ class SpeculativeEngine:
         call: nothing drafts, or the lane holds plain decoding)."""
         if self.drafter is None:
             return None, []
-        drafting = [i for i, s in enumerate(batch) if s.steps and s.tree.method != AUTOREGRESSIVE
-                    and not (self.carries_features and s.features is None)]
+        drafting = [i for i, s in enumerate(batch) if s.steps and s.tree.method != AUTOREGRESSIVE]
         if not drafting:
             return None, []
         bucket, held = self._plain_hold.get(lane, (0, 0))
@@ -244,8 +243,14 @@ class SpeculativeEngine:
         probabilities never leave the process that computed them. `chunk`: the prefill chunk of a sequence not
         yet prefilled (see `prefill_chunk_tokens`)."""
         seed = None if s.request.sampling.is_greedy else int(torch.randint(2 ** 62, (1,), generator=s.generator))
+        held = len(s.features) if s.features is not None else 0
+        # The target keeps every row's features; they come back once the drafter would read them (a remote one
+        # asks for a long context's), with the rows this sequence lacks.
+        withheld = self.carries_features and not self.drafter.wants_features(s.session_id, len(s.context) - 1 - held)
         return ScoreRequest(s.session_id, s.context, tree, s.request.sampling, s.accepted_hint,
-                            want_features=self.carries_features, verify_seed=seed, processors=s.processors,
+                            want_features=self.carries_features, features_withheld=withheld,
+                            features_from=held if self.carries_features else None,
+                            verify_seed=seed, processors=s.processors,
                             grammar=s.grammar,
                             logprobs=s.request.logprobs, processed_logprobs=s.request.processed_logprobs,
                             cache_scope=s.request.cache_scope,
@@ -263,7 +268,7 @@ class SpeculativeEngine:
         of it for an EAGLE drafter, and the emitted tokens (which may finish the sequence)."""
         s.accepted_hint = result.accepted_nodes
         s.cached_tokens += dist.cached_tokens
-        if self.carries_features:
+        if self.carries_features and dist.features is not None:  # none while withheld
             s.features = s.features or CommittedFeatures()
             s.features.commit(tree, dist, result.accepted_nodes)
         before = len(s.emitted)

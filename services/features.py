@@ -98,6 +98,10 @@ class FeatureDeltas:
             return None
         return encode_features(request.features[start:], start)
 
+    def wanted(self, session_id: str) -> bool:
+        """Whether a replica asked for the session's rows."""
+        return session_id in self._wanted
+
     def want(self, session_ids) -> None:
         """A replica asked for these sessions' rows: they go with the next call, and every call after it."""
         self._wanted.update(session_ids)

@@ -267,6 +267,9 @@ def encode_score_item(r: ScoreRequest) -> pb.ScoreItem:
     item.processed_logprobs = r.processed_logprobs
     if r.prefill_chunk is not None:
         item.prefill_chunk = r.prefill_chunk
+    item.features_withheld = r.features_withheld
+    if r.features_from is not None:
+        item.features_from = r.features_from
     return item
 
 
@@ -275,7 +278,8 @@ def decode_score_item(item: pb.ScoreItem) -> ScoreRequest:
     if not item.context:
         raise ValueError(f"session {item.session_id}: empty context")
     return ScoreRequest(item.session_id, list(item.context), decode_tree(item.tree), decode_sampling(item.sampling),
-                        hint(item), want_features=item.want_features,
+                        hint(item), want_features=item.want_features, features_withheld=item.features_withheld,
+                        features_from=item.features_from if item.HasField("features_from") else None,
                         verify_seed=item.verify_seed if item.HasField("verify_seed") else None,
                         processors=decode_processors(item.processors) if item.HasField("processors") else None,
                         grammar=decode_grammar(item.grammar) if item.HasField("grammar") else None,

@@ -135,6 +135,11 @@ class Drafter(Protocol):
         the target scores that step; returns the sessions caught up."""
         ...
 
+    def wants_features(self, session_id: str, missing_rows: int) -> bool:
+        """Whether the session's target features, `missing_rows` of which the caller does not hold yet, should come
+        back from the target this step (a remote drafter asks for a long context's only when it would read them)."""
+        ...
+
     def release(self, session_id: str) -> bool:
         """Free the session's state; True if there was any."""
         ...
@@ -161,6 +166,10 @@ class DrafterBase:
     def catch_up(self, lane: str = "") -> int:
         """Nothing left to catch up on by default (drafters that catch up inline)."""
         return 0
+
+    def wants_features(self, session_id: str, missing_rows: int) -> bool:
+        """Always, by default: a drafter in this process reads them where they are, at no transfer cost."""
+        return True
 
     def release(self, session_id: str) -> bool:
         raise NotImplementedError

@@ -278,10 +278,10 @@ class CachedLM:
         """Context tokens the session took from cached blocks when it began here (0 after its first forward)."""
         return self.sessions[session_id].adopted
 
-    def prefix_features(self, session_id: str) -> Tensor | None:
-        """[cached_prefix, F] the kept features of the session's cached prefix (None: none kept)."""
-        cache = self.sessions[session_id]
-        return self.pool.read_features(cache.pages, cache.adopted)
+    def kept_features(self, session_id: str, start: int, end: int) -> Tensor | None:
+        """[end - start, F] the kept features of the session's context positions [start, end) (None: not all
+        kept)."""
+        return self.pool.read_features(self.sessions[session_id].pages, end, start)
 
     def _adopt_prefix(self, cache: SessionCache, prefix: list[int], features: bool) -> None:
         """Start a new session from the longest chain of cached blocks spelling a prefix of `prefix`."""

@@ -179,11 +179,11 @@ class KVPool:
             self.features[pages, offsets] = rows.to(self.features.dtype)
         self.feature_valid[pages, offsets] = rows is not None
 
-    def read_features(self, table: list[int], count: int) -> Tensor | None:
-        """[count, F] features of a session's logical slots [0, count); None when any is not valid."""
-        if self.features is None or count == 0:
+    def read_features(self, table: list[int], count: int, start: int = 0) -> Tensor | None:
+        """[count - start, F] features of a session's logical slots [start, count); None when any is not valid."""
+        if self.features is None or count <= start:
             return None
-        pages, offsets = self.locate(table, list(range(count)))
+        pages, offsets = self.locate(table, list(range(start, count)))
         pages, offsets = pages.to(self.features.device), offsets.to(self.features.device)
         if not bool(self.feature_valid[pages, offsets].all()):
             return None

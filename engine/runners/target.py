@@ -37,6 +37,12 @@ class ScoreRequest:
     sampling: SamplingParams
     accepted_nodes: list[int] | None = None  # previous step's accepted nodes (compaction hint)
     want_features: bool = False  # also return the target's features of the fed rows (for an EAGLE drafter)
+    # With want_features: the features are computed and kept beside the KV, but returned only when asked. Withheld:
+    # none this step (nobody reads them yet: a remote drafter that has not asked for a long context's rows).
+    # `features_from`: the kept rows from this context position up to the first fed row come back too (the rows
+    # the caller lacks); None: those of the cached prefix the session began from, if any.
+    features_withheld: bool = False
+    features_from: int | None = None
     cache_scope: str = ""  # the tenant's prefix-cache scope (engine/runners/kv_pages.py)
     # Chunked prefill: when more context tokens than this are still to be fed, feed only this many and score no
     # tree (TargetDists.prefill_remaining says how many are left). None: feed them all and score the tree.
@@ -84,9 +90,11 @@ class TargetRunner:
         # Context position of each request's first fed row: the extension starts after the kept cache.
         starts = [len(r.context) - 1 - self.lm.extension_length(r.session_id) for r in requests]
         cached = [self.lm.cached_prefix(r.session_id) for r in requests]
-        # A session that began from a cached prefix gets the prefix's kept features too: its router holds none.
-        prefixes = [self.lm.prefix_features(r.session_id) if r.want_features and n else None
-                    for r, n in zip(requests, cached)]
+        returned = [r.want_features and not r.features_withheld for r in requests]
+        # The kept rows the caller lacks before the first fed one: a cached prefix's (its router holds none), or
+        # a stretch whose features were withheld.
+        prefixes = [self._kept(r, start, n) if back else None
+                    for r, start, n, back in zip(requests, starts, cached, returned)]
         # Context tokens each request leaves unfed this step (chunked prefill): > 0 scores no tree.
         remaining = [max(0, self.lm.extension_length(r.session_id) - r.prefill_chunk)
                      if r.prefill_chunk is not None else 0 for r in requests]
@@ -101,8 +109,19 @@ class TargetRunner:
                                                       [requests[i].sampling for i in scored])):
             # log-probabilities: the raw logits', or the processed ones' (warped in verify_here) when asked
             dists[i] = verify_here(requests[i], d, logits[i] if requests[i].processed_logprobs else outputs[i].logits)
-        return [replace(d, cached_tokens=n, **_features(out.hidden, start, prefix) if r.want_features else {})
-                for d, out, r, start, n, prefix in zip(dists, outputs, requests, starts, cached, prefixes)]
+        return [replace(d, cached_tokens=n, **_features(out.hidden, start, prefix) if back else {})
+                for d, out, back, start, n, prefix in zip(dists, outputs, returned, starts, cached, prefixes)]
+
+    def _kept(self, r: ScoreRequest, start: int, cached: int) -> torch.Tensor | None:
+        """The kept features of context positions [r.features_from, start) (from 0 after a cached prefix when
+        features_from is None); ValueError when they are not all kept (they would leave a gap in the caller's rows)."""
+        begin = (0 if cached else start) if r.features_from is None else min(r.features_from, start)
+        if begin >= start:
+            return None
+        rows = self.lm.kept_features(r.session_id, begin, start)
+        if rows is None:
+            raise ValueError(f"session {r.session_id}: the features of positions [{begin}, {start}) are not kept")
+        return rows
 
     def processed(self, logits: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
         """A request's node logits with its penalties and biases applied, then its grammar's mask (the logits

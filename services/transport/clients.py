@@ -50,7 +50,8 @@ class RemoteTarget(GroupedCaller):
             reply = await live.stub.Score(message, timeout=self.call_timeout_s)
             if len(reply.dists) != len(group):
                 raise Retry(f"replica returned {len(reply.dists)} results for {len(group)} trees")
-            if any(r.want_features and not d.HasField("features") for r, d in zip(group, reply.dists)):
+            if any(r.want_features and not r.features_withheld and not d.HasField("features")
+                   for r, d in zip(group, reply.dists)):
                 raise Retry("replica returned no features for an item that asked for them")
             return [wire.decode_dists(d) for d in reply.dists]
 
@@ -169,6 +170,11 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
         observation = wire.encode_observation(record, self.lane_key(lane))
         with self._observed:  # lanes report from threads of their own
             self._observations.append(observation)
+
+    def wants_features(self, session_id: str, missing_rows: int) -> bool:
+        """A long context's features come from the Target only once a replica asked for them (`features_wanted`);
+        a short one's, and every delta after, at once (as `feature_deltas` sends them on)."""
+        return missing_rows <= self.feature_deltas.unasked_rows or self.feature_deltas.wanted(session_id)
 
     def features_rewritten(self, session_id: str, start: int) -> None:
         """RemoteTarget.features_listener: the router's rows of the session from `start` on were (re)computed."""

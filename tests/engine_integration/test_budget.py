@@ -234,6 +234,20 @@ def test_a_step_cost_ceiling_bounds_copies_and_depths():
         BudgetChooser(middle, rows=4, max_step_cost=0.5)
 
 
+def test_a_depth_measured_past_the_step_cost_ceiling_is_not_chosen_however_many_tokens_it_brings():
+    """Priced within the ceiling (a flat curve) but measured at 1.5x a plain step (the drafter's work on shared
+    cores): the depth brings more tokens per second, and without a ceiling it is what the chooser keeps; with
+    `max_step_cost` 1.2 it keeps plain decoding once both are measured, so each stream's ITL stays near plain's."""
+    flat = batched_profile(per_token_ms=0.01, fixed_ms=40.0, drafter_ms=2.0)
+    truth = batched_profile(per_token_ms=2.5, fixed_ms=40.0, drafter_ms=2.0)  # depth 1 of 8 rows: 1.5x plain
+    for ceiling, kept in ((0.0, 1), (1.2, 0)):
+        chooser = BudgetChooser(flat, max_budget=1, rows=8, plain_hold_steps=0, revisit=0.0, max_step_cost=ceiling)
+        assert 1 in chooser.candidates  # the profile predicts it within the ceiling
+        chosen = run_batched(chooser, 60, 8, truth, accept=0.9)
+        assert 1 in chosen and chosen[-20:] == [kept] * 20
+    assert chooser.within_measured_cost(0) and not chooser.within_measured_cost(1)
+
+
 def test_a_batched_chooser_measures_plain_first_and_drops_losing_depths_early():
     """Priced optimistically (a flat curve) but truly slower: plain decoding is measured first, and each depth is
     abandoned after EARLY_STOP_STEPS steps clearly below it, well before its explore_steps."""

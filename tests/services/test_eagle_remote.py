@@ -90,11 +90,25 @@ class RecordingDrafter(DrafterServicer):
         return response
 
 
+class RecordingTarget(TargetServicer):
+    """Records (session, feature rows returned) of every scored item that asked for features."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.returned: list[tuple[str, int]] = []
+
+    def _score(self, message: pb.ScoreRequest) -> pb.ScoreResponse:
+        response = super()._score(message)
+        self.returned += [(i.session_id, d.features.rows if d.HasField("features") else 0)
+                          for i, d in zip(message.items, response.dists) if i.want_features]
+        return response
+
+
 class Replicas:
     """Two Target replicas and one EAGLE Drafter replica on their own grpc.aio servers."""
 
     def __init__(self, parts, eagle, catch_up_beside: int | None = None):
-        self.targets = [TargetServicer(TargetRunner(parts.target.model)) for _ in range(2)]
+        self.targets = [RecordingTarget(TargetRunner(parts.target.model)) for _ in range(2)]
         self.target_servers = [ReplicaServer(pb_grpc.add_TargetServicer_to_server, s, host="127.0.0.1").start()
                                for s in self.targets]
         self.drafter = RecordingDrafter(LocalDrafter(DrafterRunner(eagle, _vocab(parts)),
@@ -230,10 +244,12 @@ def test_a_replica_catching_up_beside_the_step_matches_in_process(tiny_parts, ea
 
 
 def test_long_contexts_features_go_only_when_the_replica_asks(tiny_parts, eagle):
-    """Contexts longer than the client's `unasked_rows` (every prompt here) reach the Drafter replica without their
-    features; the replica answers them with the root alone and asks for the rows (`features_wanted`), gets them in
-    full with the next call, catches up beside that step and drafts after it. Greedy output at batch 1 and 3
-    equals the in-process engine's, and the deltas after the first send stay deltas."""
+    """Contexts longer than the client's `unasked_rows` (every prompt here): the Target replicas keep their features
+    but return none, and they reach the Drafter replica without them; the replica answers them with the root alone
+    and asks for the rows (`features_wanted`); that step's Score (after its Draft) brings the whole context's rows
+    back, the next
+    Draft carries them in full, the replica catches up beside that step and drafts after it. Greedy output at batch
+    1 and 3 equals the in-process engine's, and the deltas after the first send stay deltas."""
     replicas = Replicas(tiny_parts, eagle, catch_up_beside=12)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -253,6 +269,10 @@ def test_long_contexts_features_go_only_when_the_replica_asks(tiny_parts, eagle)
             assert all(any(s.tree_size for s in r.steps[3:]) for r in results)
         one = replicas.drafter.items[:4]  # the batch-1 request: asked, sent in full and caught up, then deltas
         assert [carried for _, carried in one] == [False, True, True, True]
+        returned = [rows for target in replicas.targets for session, rows in target.returned if session == one[0][0]]
+        # The prefill returned none; the step the replica asked in (its Draft comes before the Score) the whole
+        # context's; then each step's few rows.
+        assert returned[0] == 0 and returned[1] >= len(prompts[0]) and all(0 < rows <= 16 for rows in returned[2:])
         for session in {s for s, _ in replicas.drafter.items}:
             carried = [c for s, c in replicas.drafter.items if s == session]
             assert not carried[0] and any(carried)  # never sent before the replica asked
