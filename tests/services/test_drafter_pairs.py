@@ -191,13 +191,3 @@ def test_drafter_replica_with_a_fixed_budget_loads_only_the_targets_parts(target
     request = DraftRequest("s", context, SamplingParams(), tree_config("dyspec", 6), 0, features=features)
     assert local.draft([request]).trees[0].token_list == full.draft([request]).trees[0].token_list
     assert isinstance(local.runner.lm.model, torch.nn.Module) and not isinstance(local.runner.lm.model, TargetParts)
-
-
-def test_drafter_check_constants_match_the_modules():
-    from treeserve.engine.drafters.models import compatibility as drafter_check
-    from treeserve.engine.drafters.models.compatibility import DRAFTER_KEY
-    from treeserve.engine.drafters.models.compatibility import EAGLE3_ARCHITECTURE
-    from treeserve.engine.drafters.models.compatibility import PARALLEL_KEY
-
-    assert (drafter_check.DRAFTER_KEY, drafter_check.EAGLE3_ARCHITECTURE, drafter_check.PARALLEL_KEY) == \
-        (DRAFTER_KEY, EAGLE3_ARCHITECTURE, PARALLEL_KEY)
