@@ -154,6 +154,7 @@ class StepRecord:
     accepted_both: int = 0
     run_ahead_hit: bool = False  # the tree was drafted ahead while the previous step was scored
     catch_up: bool = False  # the model drafted nothing: the drafter caught up on the context beside this step
+    catch_up_ms: float = 0.0  # this sequence's share of the drafter's catch-up forwards reported with this step
 
 
 @dataclass

@@ -66,7 +66,8 @@ class StepRecorder:
                                   # Run-ahead serves batch-1 steps only: a hit of the call was this sequence's.
                                   run_ahead_hit=bool(call and call.run_ahead_hits) and tree.num_nodes > 1,
                                   catch_up=bool(call) and (s.session_id in call.catching_up
-                                                           or s.session_id in call.features_wanted)))
+                                                           or s.session_id in call.features_wanted),
+                                  catch_up_ms=call.catch_up_ms / len(self.batch) if call else 0.0))
 
     def finish(self) -> None:
         """Share the verification time among the records and report them to the drafter."""

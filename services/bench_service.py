@@ -73,6 +73,7 @@ class StreamRecord:
     run_ahead_hits: int | None = 0  # of which trees drafted ahead (stats; None: not reported)
     catch_up_steps: int | None = 0  # steps whose drafter caught up on unread context beside them (stats)
     cached_tokens: int | None = 0  # prompt tokens whose KV the prefix cache held (stats; None: not reported)
+    catch_up_ms: float | None = 0.0  # its share of the Drafter's catch-up forwards (stats; None: not reported)
     step_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # mean draft, score, verify ms of its steps (stats)
     ended: float = 0.0
     text: str = ""  # OpenAI: the streamed text
@@ -129,6 +130,8 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
     hits = None if not reported or any(r.run_ahead_hits is None for r in ok) else sum(r.run_ahead_hits for r in ok)
     catch_ups = (None if not reported or any(r.catch_up_steps is None for r in ok)
                  else sum(r.catch_up_steps for r in ok))
+    catch_up_ms = (None if not reported or any(r.catch_up_ms is None for r in ok)
+                   else sum(r.catch_up_ms for r in ok))
     cached = None if any(r.cached_tokens is None for r in ok) else sum(r.cached_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     return {"api": api, "streams": streams, "requests": len(records), "errors": sum(errors.values()),
@@ -146,6 +149,9 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
             # Steps whose drafting waited for the Drafter to read unread context (prompts, stretches decoded plainly)
             # beside them: what resuming drafting cost (engine/drafters/autoregressive.py `catch_up`).
             "catch_up_steps": float("nan") if catch_ups is None else catch_ups,
+            # ... and what those catch-ups cost the Drafter, summed over the level's requests (beside the steps: the
+            # cores or device it shares with the Target, not the step's wall time).
+            "catch_up_ms": float("nan") if catch_up_ms is None else catch_up_ms,
             # Prompt tokens the prefix cache held (a level's latency reads differently with its prompts cached).
             "prompt_cached_share": float("nan") if cached is None or not prompt_tokens else cached / prompt_tokens,
             # Where a step's time goes, as the Router timed it: the Draft call, the Target's Score, verification.
@@ -229,6 +235,7 @@ def _grpc_session(address: str, prompts: list[list[int]], max_new_tokens: int, a
                                                                           stats.mean_tree_size_tokens, stats.steps)
                             record.drafted_steps, record.run_ahead_hits = stats.drafted_steps, stats.run_ahead_hits
                             record.catch_up_steps, record.cached_tokens = stats.catch_up_steps, stats.cached_tokens
+                            record.catch_up_ms = stats.catch_up_ms
                             record.step_ms = (stats.mean_draft_ms, stats.mean_score_ms, stats.mean_verify_ms)
                 except grpc.RpcError as exc:
                     record.error = exc.code().name
@@ -443,7 +450,8 @@ def _openai_call(connection: http.client.HTTPConnection, headers: dict, record: 
             record.mal = float(spec.get("mean_accepted_length") or 0.0)
             record.tree_size = float(spec.get("mean_tree_size_tokens") or 0.0)
             record.steps = int(spec.get("steps") or 0)
-        record.drafted_steps = record.run_ahead_hits = record.catch_up_steps = None  # not in the OpenAI API's usage
+        # not in the OpenAI API's usage
+        record.drafted_steps = record.run_ahead_hits = record.catch_up_steps = record.catch_up_ms = None
         details = usage.get("prompt_tokens_details") if usage else None
         record.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else None
         record.arrivals, record.token_count = chunk_arrivals(
@@ -497,6 +505,11 @@ def _count(value: float) -> str:
     return "n/a" if value != value else str(int(value))
 
 
+def _catch_ups(level: dict) -> str:
+    steps, ms = level.get("catch_up_steps", 0), level.get("catch_up_ms", float("nan"))
+    return _count(steps) if ms != ms else f"{_count(steps)} / {ms:.0f}"
+
+
 def _share(value: float) -> str:
     return "n/a" if value != value else f"{value:.0%}"
 
@@ -520,7 +533,7 @@ def service_table(levels: list[dict], title: str):
     table = Table(title=title, caption=caption)
     for col in ("streams", "requests", "errors", "tokens", "agg tok/s", "tok/s per stream", "TTFT p50 ms",
                 "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "MAL", "draft tok/step", "plain steps",
-                "run-ahead hits", "catch-up steps", "prompt cached", "step ms draft / score / verify",
+                "run-ahead hits", "catch-up steps / ms", "prompt cached", "step ms draft / score / verify",
                 "= in-process greedy (text)" if by_text else "= in-process greedy"):
         table.add_column(col, justify="right")
     for lv in levels:
@@ -530,7 +543,7 @@ def service_table(levels: list[dict], title: str):
                       f"{lv['tokens_per_s']:.1f}", f"{lv['stream_tokens_per_s']:.1f}", f"{lv['ttft_ms_p50']:.0f}",
                       f"{lv['ttft_ms_p95']:.0f}", f"{lv['itl_ms_p50']:.0f}", f"{lv['itl_ms_p95']:.0f}",
                       f"{lv['mal']:.2f}", f"{lv.get('tree_size', 0.0):.2f}", _share(lv.get('plain_step_share', 0.0)),
-                      _share(lv.get('run_ahead_hit_rate', 0.0)), _count(lv.get("catch_up_steps", 0)),
+                      _share(lv.get('run_ahead_hit_rate', 0.0)), _catch_ups(lv),
                       _share(lv.get("prompt_cached_share", float("nan"))), _step_ms(lv),
                       f"{equal}/{lv['greedy_compared']}{ties}")
     return table

@@ -108,7 +108,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 draft_model_ms=call.model_ms, draft_forward_ms=call.forward_ms,
                                 plain_steps_held=call.hold_steps, run_ahead_hits=call.run_ahead_hits,
                                 run_ahead_misses=call.run_ahead_misses, catching_up=list(call.catching_up),
-                                features_wanted=list(call.features_wanted))
+                                features_wanted=list(call.features_wanted), catch_up_ms=call.catch_up_ms)
 
     async def Draft(self, request: pb.DraftRequest, context) -> pb.DraftResponse:
         try:

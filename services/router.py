@@ -472,6 +472,7 @@ class Router:
                                    run_ahead_hits=sum(s.run_ahead_hit for s in r.steps),
                                    drafted_steps=sum(s.tree_size > 0 for s in r.steps),
                                    catch_up_steps=sum(s.catch_up for s in r.steps),
+                                   catch_up_ms=sum(s.catch_up_ms for s in r.steps),
                                    cached_tokens=r.cached_tokens,
                                    accepted_prediction_tokens=r.accepted_prediction_tokens,
                                    rejected_prediction_tokens=r.rejected_prediction_tokens)

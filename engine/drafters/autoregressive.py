@@ -16,6 +16,7 @@ chain joins its C2T chain in one tree (or replaces it where the lookup is confid
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,7 @@ class DraftLane:
     # Requests of the lane's last draft call whose drafter cache lagged their context (`LocalDrafter.catch_up_beside`):
     # their catch-up forward runs in `catch_up`, beside the target's score of that step.
     catching_up: list[DraftRequest] = field(default_factory=list)
+    catch_up_seconds: float = 0.0  # wall time of `catch_up` since the lane's last draft call reported it
 
 
 class LocalDrafter(ModelDrafter):
@@ -163,6 +165,7 @@ class LocalDrafter(ModelDrafter):
         hits, misses = self.run_ahead.hits, self.run_ahead.misses
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
         state = self.lanes[lane]
+        caught_up_ms, state.catch_up_seconds = state.catch_up_seconds * 1e3, 0.0
         state.step_chooser = self.budget
         state.last_step = None  # set again below only by a batch-1 step that drafted with the model
         batch = batch_size or len(requests)
@@ -187,7 +190,8 @@ class LocalDrafter(ModelDrafter):
                        forward_ms=(self.runner.lm.forward_seconds - forward_seconds) * 1e3,
                        hold_steps=held, run_ahead_hits=self.run_ahead.hits - hits,
                        run_ahead_misses=self.run_ahead.misses - misses,
-                       catching_up=tuple(r.session_id for r in state.catching_up), features_wanted=wanted)
+                       catching_up=tuple(r.session_id for r in state.catching_up), features_wanted=wanted,
+                       catch_up_ms=caught_up_ms)
 
     def _lagging(self, requests: list[DraftRequest]) -> set[str]:
         """Sessions among `requests` whose model drafting waits for their catch-up (`catch_up_beside`), or for the
@@ -213,6 +217,7 @@ class LocalDrafter(ModelDrafter):
         pending, state.catching_up = state.catching_up, []
         if not pending:
             return 0
+        started = time.perf_counter()
         try:
             oracles = [self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features,
                                          r.cache_scope) for r in pending]
@@ -220,6 +225,8 @@ class LocalDrafter(ModelDrafter):
                                     [[-1]] * len(pending))
         except KVPoolExhausted:
             return 0
+        finally:
+            state.catch_up_seconds += time.perf_counter() - started
         return len(pending)
 
     def _draft_batch(self, lane: str, state: DraftLane, speculative: list[DraftRequest],

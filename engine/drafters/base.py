@@ -79,6 +79,7 @@ class Drafted:
     # sessions the model would have drafted for (or caught up) but whose target features the request lacked (a
     # remote router sends a long context's rows only when asked): the caller supplies them with the next call
     features_wanted: tuple[str, ...] = ()
+    catch_up_ms: float = 0.0  # the lane's catch-up forwards since its previous call (`Drafter.catch_up`), ms
 
 
 def root_only(context: list[int]) -> TokenTree:

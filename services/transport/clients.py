@@ -147,6 +147,7 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
             call.run_ahead_misses += reply.run_ahead_misses
             call.catching_up += tuple(reply.catching_up)
             call.features_wanted += tuple(reply.features_wanted)
+            call.catch_up_ms += reply.catch_up_ms
             holds.append(reply.plain_steps_held)
             self.run_ahead_hits += reply.run_ahead_hits
             self.run_ahead_misses += reply.run_ahead_misses

@@ -44,14 +44,15 @@ def test_level_summary_counts_errors_and_equality():
 def test_level_summary_weighs_step_times_by_steps():
     """The step-time breakdown is per step over the level: a request of 30 steps counts three times one of 10."""
     short = StreamRecord(0, token_ids=[1], ended=1.0, steps=10, step_ms=(10.0, 100.0, 1.0), mal=4.0,
-                         catch_up_steps=1, prompt_tokens=100, cached_tokens=96)
+                         catch_up_steps=1, prompt_tokens=100, cached_tokens=96, catch_up_ms=40.0)
     long = StreamRecord(1, token_ids=[1], ended=1.0, steps=30, step_ms=(30.0, 200.0, 2.0), mal=1.0,
-                        catch_up_steps=2, prompt_tokens=300, cached_tokens=0)
+                        catch_up_steps=2, prompt_tokens=300, cached_tokens=0, catch_up_ms=2.5)
     level = summarize_level(2, [short, long], wall_s=1.0, check=GreedyCheck())
     assert (level["draft_ms"], level["score_ms"], level["verify_ms"]) == pytest.approx((25.0, 175.0, 1.75))
     # MAL pooled as the in-process bench does: (40 + 30) tokens over 40 steps, not the mean of 4.0 and 1.0.
     assert level["mal"] == pytest.approx(70 / 40)
     assert level["catch_up_steps"] == 3  # steps that waited for the drafter to read unread context, summed
+    assert level["catch_up_ms"] == pytest.approx(42.5) and "3 / 42" in _rendered(service_table([level], "t"))
     assert level["prompt_cached_share"] == pytest.approx(96 / 400)  # prompt tokens, not requests
     assert "25 / 175 / 1.8" in _rendered(service_table([level], "t"))
     assert math.isnan(summarize_level(2, [short], 1.0, GreedyCheck(), "openai")["draft_ms"])  # not in its usage

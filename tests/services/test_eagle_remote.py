@@ -235,6 +235,8 @@ def test_a_replica_catching_up_beside_the_step_matches_in_process(tiny_parts, ea
             assert [r.token_ids for r in results] == [r.token_ids for r in local.generate(requests)]
             assert all(r.steps[1].tree_size == 0 and any(s.tree_size for s in r.steps[2:]) for r in results)
             assert [[s.catch_up for s in r.steps[:3]] for r in results] == [[False, True, False]] * n
+            # The catch-up forward beside step 1 is reported with step 2, shared among the batch's records.
+            assert [bool(s.catch_up_ms) for s in results[0].steps[:3]] == [False, False, True]
         assert replicas.drafter.catching_up == 1 + 3
         _check_deltas(replicas.drafter.received, full_sends=0)
     finally:
