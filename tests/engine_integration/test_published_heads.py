@@ -374,3 +374,23 @@ def test_causal_lm_drafter_with_missing_weights_or_another_tokenizer_is_refused(
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="tokenizer differs"):
         load_drafter(str(other), model)
+
+
+def test_a_passed_weight_check_is_remembered_until_the_file_changes(target, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from treeserve.engine.drafters.models import compatibility
+
+    monkeypatch.setenv("TREESERVE_CACHE", str(tmp_path / "cache"))
+    model = target.model
+    facts = {**model.config.to_dict(), "_path": None}
+    path = write_eagle3(tmp_path / "head", model)
+    check_drafter(facts, path)
+    assert len(list((tmp_path / "cache" / "checks").iterdir())) == 1
+    with monkeypatch.context() as patched:
+        patched.setattr(compatibility, "expected_weights", lambda *_: pytest.fail("a remembered pass was checked again"))
+        check_drafter(facts, path)
+    state = load_file(str(path / "model.safetensors"))
+    write_eagle3(path, model, state={k: v for k, v in state.items() if k != "midlayer.hidden_norm.weight"})
+    with pytest.raises(ValueError, match="missing"):
+        check_drafter(facts, path)

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ...models.paths import cache_root
 from .formats import (DRAFTER_KEY, EAGLE3_ARCHITECTURE, PARALLEL_KEY, feature_layers_from_config, fit_problem,
                       weight_files)
 
@@ -40,6 +42,8 @@ LAYOUT_NAMES = {
     "causal_lm": "causal LM sharing the target's vocabulary",
 }
 FEATURE_LAYOUTS = ("eagle3", "eagle", "treeserve_eagle")
+# Raised when _check_weight_shapes checks something new: the passes remembered before it are checked again.
+WEIGHT_CHECK_VERSION = 1
 # Layouts a config can declare for a drafter whose files are not readable where it is validated.
 DECLARABLE = ("eagle", "eagle3")
 
@@ -353,12 +357,43 @@ def expected_weights(raw: Mapping[str, Any], layout: str, vocab: int, layers: in
 
 
 def _check_weights(model_dir: Path, raw, layout: str, vocab: int, hidden: int, layers: int) -> None:
-    import torch
-
+    """The weight file's names and shapes against the ones its config.json needs. Building the head on the meta
+    device imports torch and transformers' Llama modules (~3 s on a 2-core box), in processes that load no model
+    (`treeserve serve` before Ray starts) and again in every replica; so a pass is remembered in the model cache,
+    keyed by the file's path, size and mtime and the facts checked, and a start over the same files skips it
+    (loading still checks the real tensors)."""
     files = weight_files(model_dir)
     if not files:
         raise ValueError("its directory holds neither model.safetensors nor pytorch_model.bin")
-    shapes, d2t = _weight_shapes(files[0])
+    passed = _passed_mark(files[0], raw, layout, vocab, hidden, layers)
+    if passed is not None and passed.is_file():
+        return
+    _check_weight_shapes(files[0], raw, layout, vocab, layers)
+    if passed is not None:
+        try:
+            passed.parent.mkdir(parents=True, exist_ok=True)
+            partial = passed.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(str(files[0]) + "\n")
+            os.replace(partial, passed)
+        except OSError:  # a read-only cache: checked again next time
+            pass
+
+
+def _passed_mark(weights: Path, raw, layout: str, vocab: int, hidden: int, layers: int) -> Path | None:
+    """Where a passed weight check of these facts and this file is marked (None: the file cannot be stat'ed)."""
+    try:
+        stat = weights.stat()
+    except OSError:
+        return None
+    facts = json.dumps([WEIGHT_CHECK_VERSION, str(weights.resolve()), stat.st_size, stat.st_mtime_ns,
+                        dict(raw), layout, vocab, hidden, layers], sort_keys=True, default=str)
+    return cache_root() / "checks" / f"drafter-weights-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.ok"
+
+
+def _check_weight_shapes(weights: Path, raw, layout: str, vocab: int, layers: int) -> None:
+    import torch
+
+    shapes, d2t = _weight_shapes(weights)
     embedded = shapes.pop("embed_tokens.weight", None)  # the target's embeddings, saved by EAGLE's trainers
     raw = dict(raw)
     if layout == "eagle" and "bias" not in raw:
