@@ -16,9 +16,10 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from treeserve.engine.drafters.models.loading import load_drafter, target_feature_layers
+from treeserve.engine.drafters.models import compatibility
 from treeserve.engine.drafters.models.compatibility import check_drafter, detect_layout
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.factory import build_engine
@@ -377,10 +378,6 @@ def test_causal_lm_drafter_with_missing_weights_or_another_tokenizer_is_refused(
 
 
 def test_a_passed_weight_check_is_remembered_until_the_file_changes(target, tmp_path, monkeypatch):
-    from safetensors.torch import load_file
-
-    from treeserve.engine.drafters.models import compatibility
-
     monkeypatch.setenv("TREESERVE_CACHE", str(tmp_path / "cache"))
     model = target.model
     facts = {**model.config.to_dict(), "_path": None}

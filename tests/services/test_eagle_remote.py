@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -213,22 +214,34 @@ def test_remote_batches_match_in_process(tiny_parts, eagle, replicas, remote, tr
     assert not replicas.drafter.features.session_ids and not engine.drafter.feature_deltas.session_ids
 
 
-def test_a_replica_catching_up_beside_the_step_matches_in_process(tiny_parts, eagle):
-    """A Drafter replica whose sessions lag past `catch_up_beside` (every prompt here) answers them with the root
-    alone, reads their context on its worker after the answer (while the Target scores), and drafts them the
-    next step; greedy output at batch 1 and 3 equals the in-process engine's, and the feature deltas stay deltas."""
-    replicas = Replicas(tiny_parts, eagle, catch_up_beside=12)  # above any lag a dyspec-8 step leaves
+@contextmanager
+def catching_up(parts, eagle, unasked_rows: int = UNASKED_ROWS):
+    """Replicas whose Drafter catches sessions up beside the step (`catch_up_beside` 12: above any lag a dyspec-8
+    step leaves), an engine over their clients on a loop thread, the in-process engine and the encoded PROMPTS ->
+    (replicas, engine, its drafter client, local engine, prompts)."""
+    replicas = Replicas(parts, eagle, catch_up_beside=12)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
-        target, drafter = replicas.clients(_vocab(tiny_parts))
+        target, drafter = replicas.clients(_vocab(parts), unasked_rows=unasked_rows)
         for client in (target, drafter):
             client.bind_loop(loop)
         tree = tree_config("dyspec", 8)
-        engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree, 2048)
-        local = local_engine(tiny_parts, eagle, tree)
-        prompts = [local.encode_chat(p) for p in PROMPTS]
+        engine = SpeculativeEngine(target, drafter, parts.target.tokenizer, tree, 2048)
+        local = local_engine(parts, eagle, tree)
+        yield replicas, engine, drafter, local, [local.encode_chat(p) for p in PROMPTS]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        replicas.stop()
+
+
+def test_a_replica_catching_up_beside_the_step_matches_in_process(tiny_parts, eagle):
+    """A Drafter replica whose sessions lag past `catch_up_beside` (every prompt here) answers them with the root
+    alone, reads their context on its worker after the answer (while the Target scores), and drafts them the
+    next step; greedy output at batch 1 and 3 equals the in-process engine's, and the feature deltas stay deltas."""
+    with catching_up(tiny_parts, eagle) as (replicas, engine, drafter, local, prompts):
         for n in (1, 3):
             requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
             results = engine.generate(requests)
@@ -239,31 +252,15 @@ def test_a_replica_catching_up_beside_the_step_matches_in_process(tiny_parts, ea
             assert [bool(s.catch_up_ms) for s in results[0].steps[:3]] == [False, False, True]
         assert replicas.drafter.catching_up == 1 + 3
         _check_deltas(replicas.drafter.received, full_sends=0)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        replicas.stop()
 
 
 def test_long_contexts_features_go_only_when_the_replica_asks(tiny_parts, eagle):
     """Contexts longer than the client's `unasked_rows` (every prompt here): the Target replicas keep their features
     but return none, and they reach the Drafter replica without them; the replica answers them with the root alone
     and asks for the rows (`features_wanted`); that step's Score (after its Draft) brings the whole context's rows
-    back, the next
-    Draft carries them in full, the replica catches up beside that step and drafts after it. Greedy output at batch
-    1 and 3 equals the in-process engine's, and the deltas after the first send stay deltas."""
-    replicas = Replicas(tiny_parts, eagle, catch_up_beside=12)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        target, drafter = replicas.clients(_vocab(tiny_parts), unasked_rows=4)
-        for client in (target, drafter):
-            client.bind_loop(loop)
-        tree = tree_config("dyspec", 8)
-        engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree, 2048)
-        local = local_engine(tiny_parts, eagle, tree)
-        prompts = [local.encode_chat(p) for p in PROMPTS]
+    back, the next Draft carries them in full, the replica catches up beside that step and drafts after it. Greedy
+    output at batch 1 and 3 equals the in-process engine's, and the deltas after the first send stay deltas."""
+    with catching_up(tiny_parts, eagle, unasked_rows=4) as (replicas, engine, drafter, local, prompts):
         for n in (1, 3):
             requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
             results = engine.generate(requests)
@@ -281,10 +278,6 @@ def test_long_contexts_features_go_only_when_the_replica_asks(tiny_parts, eagle)
         assert replicas.drafter.wanted == 1 + 3 and replicas.drafter.catching_up >= 1
         _check_deltas(replicas.drafter.received, full_sends=0)
         assert drafter.feature_resends == 0
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        replicas.stop()
 
 
 def test_drafter_replica_losing_rows_gets_them_again(tiny_parts, eagle, replicas, remote):
