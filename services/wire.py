@@ -277,6 +277,8 @@ def decode_score_item(item: pb.ScoreItem) -> ScoreRequest:
     """ValueError for an empty context or a malformed tree / warp."""
     if not item.context:
         raise ValueError(f"session {item.session_id}: empty context")
+    if item.HasField("features_from") and item.features_from < 0:
+        raise ValueError(f"session {item.session_id}: features_from must be >= 0, got {item.features_from}")
     return ScoreRequest(item.session_id, list(item.context), decode_tree(item.tree), decode_sampling(item.sampling),
                         hint(item), want_features=item.want_features, features_withheld=item.features_withheld,
                         features_from=item.features_from if item.HasField("features_from") else None,

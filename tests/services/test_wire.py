@@ -180,3 +180,9 @@ def test_verified_paths_and_seeds_round_trip():
     item = wire.encode_score_item(ScoreRequest("s", [1, 5], greedy_tree, SamplingParams()))
     request = wire.decode_score_item(item)
     assert request.verify_seed is None and request.tree.draft_probs is None and not item.tree.HasField("draft_probs")
+
+
+def test_a_negative_features_from_is_refused_by_name():
+    item = pb.ScoreItem(session_id="s", context=[1, 2], features_from=-1)
+    with pytest.raises(ValueError, match="features_from"):
+        wire.decode_score_item(item)
