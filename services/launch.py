@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treeserve.engine.drafters.registry import SHIPPED, canonical_name, drafter_dir
-from treeserve.engine.models.paths import needs_conversion
+from treeserve.engine.models.conversion import start_conversion
 from treeserve.engine.tree_config import parse_budget
 from .host_priority import REPLICA_SYSTEM_CONFIG, deprioritise_control_plane
 
@@ -96,19 +96,16 @@ def _check_models(args) -> None:
 
 
 def _prepare_target(args, progress=None):
-    """A GGUF target (the embedded default, or a .gguf path) not converted yet starts converting on a thread, so
-    that Ray and Serve start meanwhile (start_service waits for it before the replicas load it; every replica would
-    otherwise wait on the same conversion, or, on a joined cluster, convert for itself). Returns its Future, or
-    None when there is nothing to convert."""
-    if not needs_conversion(args.target.path):
-        return None
-    if progress is not None:
+    """A GGUF target (the embedded default, or a .gguf path) not converted yet starts converting in a child
+    process (engine/models/conversion.py), so that Ray and Serve start meanwhile and this process stays
+    torch-free until it binds the replicas (start_service waits for it before the replicas load it; every
+    replica would otherwise wait on the same conversion, or, on a joined cluster, convert for itself). Returns
+    the Conversion, or None when there is nothing to convert."""
+    converting = start_conversion(args.target.path)
+    if converting is not None and progress is not None:
         progress("first start: converting the target's GGUF to safetensors, once (into the model cache), "
                  "while Ray starts ...")
-    # Only a conversion needs torch: a start with nothing to convert never loads it in this process.
-    from treeserve.engine.models.loading import resolve_model_dir_in_background
-
-    return resolve_model_dir_in_background(args.target.path)
+    return converting
 
 
 def start_service(config, ray_address: str | None = None, quiet: bool = False,
@@ -118,12 +115,10 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
     A Ray instance started here runs its replicas at niceness 0 and gets its control plane re-niced
     (services/host_priority.py). `dashboard` (DashboardConfig; None: off) is the Ray dashboard of a Ray
     instance started here; a joined cluster keeps its own. `progress` (a callable taking one line) hears of a
-    first start's conversion of a GGUF target (on a thread while Ray starts; the replicas start once it is done),
-    then how many replicas of each deployment run while the application starts."""
+    first start's conversion of a GGUF target (in a child process while Ray starts; see _run_app for when the
+    replicas start), then how many replicas of each deployment run while the application starts."""
     import ray
     from ray import serve
-
-    from .app import build_app_from_config, config_to_args
 
     app = config.app
     joining = ray_address is not None or bool(os.environ.get("RAY_ADDRESS"))
@@ -160,15 +155,7 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
                     logging_config={"enable_access_log": config.logging_config.enable_access_log,
                                     "log_level": config.logging_config.log_level,
                                     "encoding": config.logging_config.encoding}, **options)
-        if converting is not None:
-            if progress is not None and not converting.done():
-                progress("Ray started; waiting for the target's conversion ...")
-            converting.result()
-        if progress is not None:
-            progress("starting the replicas (Router, Drafter, Target) ...")
-        with _ReplicaProgress(app.name, progress):
-            serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
-                      route_prefix=app.route_prefix)
+        _run_app(app, converting, joining, progress)
         if started:
             deprioritise_control_plane(control_plane_nice)
         # Ray sets RAY_AUTH_MODE=token in this process when it turns token authentication on by default.
@@ -187,6 +174,34 @@ def start_service(config, ray_address: str | None = None, quiet: bool = False,
         first_line = next((line for line in str(exc).splitlines() if line.strip()), "")
         raise ServiceStartError(f"the service did not start ({type(exc).__name__}: {first_line})") from exc
     return service
+
+
+def _run_app(app, converting, joining: bool, progress) -> None:
+    """serve.run the application while a first start's conversion (if any) may still be running. On a Ray
+    instance started here the replicas start at once: they share this machine's model cache, so each one starts
+    its process and imports (seconds of CPU) beside the conversion and then waits for it on the cache's flock
+    (gguf_cache.ensure_converted) instead of converting. A joined cluster's replicas may live on machines that
+    would convert for themselves, so there the conversion ends first. A conversion that failed raises its own
+    error (a bad GGUF: one line), not the replicas' failures that follow from it."""
+    from ray import serve
+
+    from .app import build_app_from_config, config_to_args
+
+    if converting is not None and (joining or converting.done()):
+        if progress is not None and not converting.done():
+            progress("Ray started; waiting for the target's conversion ...")
+        converting.result()
+        converting = None
+    if progress is not None:
+        progress("starting the replicas (Router, Drafter, Target) ..." if converting is None else
+                 "starting the replicas (Router, Drafter, Target); they load the target once it is converted ...")
+    try:
+        with _ReplicaProgress(app.name, progress):
+            serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
+                      route_prefix=app.route_prefix)
+    finally:
+        if converting is not None and converting.done():
+            converting.result()  # raises the conversion's error, if it failed
 
 
 class _ReplicaProgress:

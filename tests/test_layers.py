@@ -36,7 +36,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # 0. settings and requests, torch-free: what the Serve config, the wire format and the CLI's options read
     ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
      "drafters.models.compatibility", "drafters.models.formats", "lookup", "lookup.session", "lookup.suffix_index",
-     "lookup.shared_outputs", "hardware.cost_curve", "lanes", "kv_settings", "grammar.spec", "models.paths"),
+     "lookup.shared_outputs", "hardware.cost_curve", "lanes", "kv_settings", "grammar.spec", "models.paths",
+     "models.conversion"),
     # 1. token trees, sampling, penalties, verification and the C2T classifier: pure functions over tensors
     ("tree", "sampling", "processors", "verify", "acceptance", "c2t_classifier", "grammar"),
     # 2. models and the runners that keep their KV caches; what a step costs on this machine
@@ -59,7 +60,8 @@ HEAVY = ("torch", "transformers", "ray", "grpc", "numpy", "safetensors")
 # and the CLI builds its options from them, in processes that never load a model.
 TORCH_FREE = ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
               "drafters.models.compatibility", "drafters.models.formats", "lookup", "lookup.session",
-              "hardware.cost_curve", "bench.options", "kv_settings", "grammar.spec", "models.paths")
+              "hardware.cost_curve", "bench.options", "kv_settings", "grammar.spec", "models.paths",
+              "models.conversion")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

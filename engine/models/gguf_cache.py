@@ -16,6 +16,9 @@ is converted again; a directory without one (written before the stamp existed) i
 of a current directory never wait; a process that has to convert holds an exclusive `flock` on `<dir>.lock` beside
 it, so replicas started together never convert the same file twice, and a conversion cut short leaves only its
 `.partial-<pid>` directory behind, never a half-written cache.
+
+`python -m treeserve.engine.models.gguf_cache GGUF DIR` runs `main`: the child process that conversion.py starts
+for a first start, so that the command starting the service converts without importing torch itself.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from .conversion import UNCONVERTIBLE
 from .paths import SOURCE_FILE, gguf_stamp, is_current
 
 # transformers looks the two gguf callables up at call time; they are swapped for shared ones only while a
@@ -130,3 +135,20 @@ def _one_parse(gguf_path: Path):
             yield
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
+def main(argv: list[str]) -> int:
+    """`ensure_converted(GGUF, DIR)` for argv = [GGUF, DIR]: exit status 0 once DIR is current; a GGUF that cannot
+    be converted prints its one-line reason on stderr and exits with UNCONVERTIBLE, which the parent
+    (conversion.py) raises as a ValueError."""
+    gguf, out_dir = (Path(arg) for arg in argv)
+    try:
+        ensure_converted(gguf, out_dir)
+    except (ValueError, FileNotFoundError) as exc:
+        print(exc, file=sys.stderr)
+        return UNCONVERTIBLE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -12,7 +12,6 @@ model hub.
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,16 +48,6 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     unless its cache directory is current; processes asking at once wait for one conversion)."""
     gguf, out = gguf_and_cache_dir(path)
     return out if gguf is None else ensure_converted(gguf, out)
-
-
-def resolve_model_dir_in_background(path: str | os.PathLike) -> Future:
-    """`resolve_model_dir(path)` on a thread of its own: a first start converts the GGUF while Ray starts (each
-    waits on other processes or cores most of the time); `.result()` gives the directory or raises its error."""
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treeserve-convert")
-    try:
-        return executor.submit(resolve_model_dir, path)
-    finally:
-        executor.shutdown(wait=False)  # the thread ends with its one task
 
 
 @dataclass

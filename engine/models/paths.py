@@ -1,9 +1,9 @@
 """Where a target model lives, torch-free: the model cache, the embedded default GGUF, the cache directory a GGUF
 converts into, and whether that directory is current (the stamp gguf_cache.py writes).
 
-`treeserve serve` asks `needs_conversion` before it imports torch (services/launch.py): a start whose target is
-already converted or is a model directory never loads torch in the command's process. Converting is
-gguf_cache.py's; loading is loading.py's.
+A first start of `treeserve serve` asks, before anything imports torch, whether its target's directory is
+current (conversion.py, from services/launch.py): a start whose target is already converted or is a model
+directory starts no conversion. Converting is gguf_cache.py's; loading is loading.py's.
 """
 
 from __future__ import annotations
@@ -73,9 +73,3 @@ def is_current(gguf_path: Path, out_dir: Path) -> bool:
         return False
     return (out_dir / "config.json").is_file() and stamp == gguf_stamp(gguf_path)
 
-
-def needs_conversion(path: str | os.PathLike) -> bool:
-    """Whether resolving `path` to a model directory converts a GGUF first (a first start's slow step, worth
-    saying)."""
-    gguf, out = gguf_and_cache_dir(path)
-    return gguf is not None and not is_current(gguf, out)

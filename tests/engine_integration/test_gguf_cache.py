@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from treeserve.engine.models import gguf_cache, loading
+from treeserve.engine.models.conversion import start_conversion
 from treeserve.engine.models.gguf_cache import ensure_converted
-from treeserve.engine.models.paths import SOURCE_FILE, default_gguf_path, gguf_stamp, is_current, needs_conversion
+from treeserve.engine.models.paths import (SOURCE_FILE, default_gguf_path, gguf_and_cache_dir, gguf_stamp,
+                                           is_current)
 
 
 @pytest.fixture
@@ -83,12 +85,12 @@ def test_callers_at_once_wait_for_one_conversion(tmp_path, fake_conversions):
     assert results == [out] * 4 and fake_conversions == ["model"]
 
 
-def test_needs_conversion_follows_the_stamp(tmp_path, monkeypatch, fake_conversions):
+def test_a_gguf_converts_into_the_model_cache(tmp_path, monkeypatch, fake_conversions):
     gguf = _model_file(tmp_path)
     monkeypatch.setenv("TREESERVE_CACHE", str(tmp_path / "cache"))
-    assert needs_conversion(gguf)
+    assert not is_current(*gguf_and_cache_dir(gguf))
     model_dir = loading.resolve_model_dir(gguf)
-    assert model_dir.parent == tmp_path / "cache" / "models" and not needs_conversion(gguf)
+    assert model_dir.parent == tmp_path / "cache" / "models" and is_current(*gguf_and_cache_dir(gguf))
     assert loading.resolve_model_dir(gguf) == model_dir and len(fake_conversions) == 1
 
 
@@ -97,6 +99,16 @@ def test_an_unreadable_gguf_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="model.gguf is not a readable GGUF model"):
         gguf_cache.convert_gguf(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_child_process_says_why_it_refuses_a_gguf(tmp_path, monkeypatch):
+    """The conversion a first start runs beside Ray (engine/models/conversion.py) is this module's `main` in a
+    child process: an unreadable GGUF comes back to the parent as the same one-line ValueError."""
+    monkeypatch.setenv("TREESERVE_CACHE", str(tmp_path / "cache"))
+    bad = _model_file(tmp_path, b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="^[^\n]*model.gguf is not a readable GGUF model"):
+        start_conversion(bad).result(timeout=300)
+    assert not list((tmp_path / "cache" / "models").glob("*/config.json"))
 
 
 @pytest.mark.slow

@@ -5,18 +5,15 @@ in one line before Ray starts."""
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 
 import pytest
 
 from treeserve.cli.main import main
 from treeserve.cli.serve import add_console_arguments, dashboard_config
-from treeserve.engine.models import gguf_cache
-from treeserve.engine.models.paths import SOURCE_FILE, gguf_stamp, needs_conversion
 from treeserve.services import launch
 from treeserve.services.config import DashboardConfig
-from treeserve.services.launch import DEFAULT_CONFIG, _check_port_free, load_config
+from treeserve.services.launch import DEFAULT_CONFIG, _check_port_free
 
 
 def test_loopback_by_default_and_its_url():
@@ -93,27 +90,3 @@ def test_start_progress_reports_each_change_of_running_replicas(monkeypatch):
     with launch._ReplicaProgress("treeserve", None) as idle:  # no callback: no thread
         assert not idle.thread.is_alive()
 
-
-def test_a_first_start_says_it_converts_the_embedded_target(tmp_path, monkeypatch):
-    """With an empty model cache a start announces the one-off conversion, which runs on a thread while Ray starts
-    (load_config converts nothing); with the cache current there is nothing to convert or say."""
-
-    def convert(gguf, out):
-        converted.append(out)
-        out.mkdir(parents=True)
-        (out / "config.json").write_text("{}")
-        (out / SOURCE_FILE).write_text(json.dumps(gguf_stamp(gguf)))
-        return out
-
-    monkeypatch.setenv("TREESERVE_CACHE", str(tmp_path))
-    converted: list = []
-    monkeypatch.setattr(gguf_cache, "convert_gguf", convert)
-    args = load_config(str(DEFAULT_CONFIG), method="autoregressive").app.args
-    assert not converted
-    lines: list[str] = []
-    converting = launch._prepare_target(args, lines.append)
-    assert converting.result(timeout=60) == tmp_path / "models" / "smollm2-135m-instruct"
-    assert len(lines) == 1 and "converting the target's GGUF" in lines[0] and len(converted) == 1
-    assert launch._prepare_target(args, lines.append) is None  # cached: nothing to convert or say
-    assert len(lines) == 1 and len(converted) == 1
-    assert not needs_conversion(tmp_path / "models" / "smollm2-135m-instruct")
