@@ -15,6 +15,12 @@ LaneState = TypeVar("LaneState")
 MAX_LANES = 64  # lanes kept: a router's Target replicas come and go (scale-out, restarts), routers too
 
 
+def batch_size_bucket(batch_size: int) -> int:
+    """The power of two at or above `batch_size`: batched steps share one budget chooser (and its plain
+    decoding holds) per bucket, so requests joining or leaving a batch do not reset what was measured."""
+    return 1 << (batch_size - 1).bit_length()
+
+
 class Lanes(Generic[LaneState]):
     """State per lane, made on a lane's first step; past `limit` lanes the least recently stepped one is dropped (a
     lane whose replica left steps no more; one that comes back starts afresh)."""

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from .grammar.spec import Grammar
+from .lanes import batch_size_bucket
 from .tree_config import TreeConfig
 
 
@@ -155,6 +156,10 @@ class StepRecord:
     run_ahead_hit: bool = False  # the tree was drafted ahead while the previous step was scored
     catch_up: bool = False  # the model drafted nothing: the drafter caught up on the context beside this step
     catch_up_ms: float = 0.0  # this sequence's share of the drafter's catch-up forwards reported with this step
+    fed_prompt: bool = False  # the step fed a prompt (this sequence's or an arrival's): plain for every sequence
+    # The drafter did not follow this sequence's context this step (a remote one that has not asked for its long
+    # context's features): its model drafts nothing for it and catches up only once its plan would draft again.
+    parked: bool = False
 
 
 @dataclass
@@ -192,6 +197,27 @@ class GenerationResult:
     def mean_tree_size_lookup(self) -> float:
         """Lookup candidates (LOOKUP and BOTH nodes) per step."""
         return sum(s.tree_size_lookup for s in self.steps) / max(1, len(self.steps))
+
+    def load_switches(self) -> tuple[int, int]:
+        """How this request's drafting followed the load: (rises, steps to switch). A rise: a step whose batch-size
+        bucket (engine/lanes.py) is above the previous step's while the request's last step drafted; its steps to
+        switch: the steps from there on that still drafted before the first plain one (steps that fed a prompt are
+        plain for every sequence and count neither way; a fall of the load ends the count)."""
+        rises = switching = 0
+        counting = drafting = False
+        bucket = None
+        for s in self.steps:
+            b = batch_size_bucket(s.batch_size)
+            if bucket is not None and b != bucket:
+                counting = b > bucket and drafting
+                rises += counting
+            bucket = b
+            if s.fed_prompt:
+                continue
+            drafting = s.tree_size > 0
+            counting = counting and drafting
+            switching += counting
+        return rises, switching
 
     def mean_step_ms(self) -> tuple[float, float, float]:
         """Mean (drafting, target scoring, verification) milliseconds per step of this request."""

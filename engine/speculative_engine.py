@@ -25,9 +25,10 @@ from typing import Iterable, Protocol
 import torch
 
 from .builders import make_builder
-from .drafters.base import AUTOREGRESSIVE, Drafted, Drafter, DraftRequest, batch_size_bucket, root_only
+from .drafters.base import AUTOREGRESSIVE, Drafted, Drafter, DraftRequest, root_only
 from .grammar.compiler import GrammarCompiler
 from .grammar.spec import Grammar
+from .lanes import batch_size_bucket
 from .lookup.prediction import prediction_usage
 from .models.loading import chat_ids, model_eos_ids
 from .requests import FinishReason, GenerationRequest, GenerationResult, LogitsProcessors, StepRecord, TokenLogprob
@@ -175,7 +176,8 @@ class SpeculativeEngine:
         # (only a sampled sequence draws from its generator before verification: its verify seed)
         states = [None if s.request.sampling.is_greedy else s.generator.get_state() for s in batch]
         try:
-            dists = self.target.score([self.score_request(s, tree, chunk) for s, tree in zip(batch, trees)])
+            requests = [self.score_request(s, tree, chunk) for s, tree in zip(batch, trees)]
+            dists = self.target.score(requests)
         except Exception:  # nothing was verified (e.g. no KV pages: the router preempts and retries the step)
             for s, state in zip(batch, states):
                 if state is not None:
@@ -184,7 +186,7 @@ class SpeculativeEngine:
         if ahead is not None:
             ahead.result()
         recorder.scored()
-        for s, tree, dist, state in zip(batch, trees, dists, states):
+        for s, tree, dist, state, request in zip(batch, trees, dists, states, requests):
             if dist.prefill_remaining:  # a chunk of its prompt was fed: nothing to verify yet
                 if state is not None:
                     s.generator.set_state(state)
@@ -193,7 +195,7 @@ class SpeculativeEngine:
             result = (verify_tree(tree, dist, s.request.sampling, s.generator) if dist.verified is None
                       else check_verified(tree, dist.verified))
             self.commit(s, tree, dist, result)
-            recorder.verified(s, tree, result)
+            recorder.verified(s, tree, result, parked=request.features_withheld)
         recorder.finish()
 
     def _beside_score(self, lane: str) -> None:

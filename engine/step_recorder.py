@@ -49,8 +49,9 @@ class StepRecorder:
         """The target's forward is over."""
         self.score_done = time.perf_counter()
 
-    def verified(self, s: Sequence, tree: TokenTree, result: VerifyResult) -> None:
-        """Append the record of sequence `s`, whose `tree` verified to `result`."""
+    def verified(self, s: Sequence, tree: TokenTree, result: VerifyResult, parked: bool = False) -> None:
+        """Append the record of sequence `s`, whose `tree` verified to `result`; `parked`: the drafter did not follow
+        its context this step (StepRecord.parked)."""
         _, size_lookup, size_both = tree.count_sources()
         _, accepted_lookup, accepted_both = tree.count_sources(result.accepted_nodes)
         call = self.call
@@ -67,7 +68,8 @@ class StepRecorder:
                                   run_ahead_hit=bool(call and call.run_ahead_hits) and tree.num_nodes > 1,
                                   catch_up=bool(call) and (s.session_id in call.catching_up
                                                            or s.session_id in call.features_wanted),
-                                  catch_up_ms=call.catch_up_ms / len(self.batch) if call else 0.0))
+                                  catch_up_ms=call.catch_up_ms / len(self.batch) if call else 0.0,
+                                  fed_prompt=self.prefill, parked=parked))
 
     def finish(self) -> None:
         """Share the verification time among the records and report them to the drafter."""

@@ -74,6 +74,9 @@ class StreamRecord:
     catch_up_steps: int | None = 0  # steps whose drafter caught up on unread context beside them (stats)
     cached_tokens: int | None = 0  # prompt tokens whose KV the prefix cache held (stats; None: not reported)
     catch_up_ms: float | None = 0.0  # its share of the Drafter's catch-up forwards (stats; None: not reported)
+    parked_steps: int | None = 0  # steps the Drafter did not follow its context (stats; None: not reported)
+    load_rises: int | None = 0  # rises of its batch's size bucket while it drafted (stats; None: not reported)
+    steps_to_switch: int | None = 0  # steps that still drafted after those rises (stats; None: not reported)
     step_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # mean draft, score, verify ms of its steps (stats)
     ended: float = 0.0
     text: str = ""  # OpenAI: the streamed text
@@ -112,6 +115,12 @@ def _pooled_mal(records: list[StreamRecord]) -> float:
     return sum(r.mal for r in records) / len(records) if records else float("nan")
 
 
+def _summed(records: list[StreamRecord], name: str, reported: bool) -> float | None:
+    """The sum of a statistic over `records`; None where the API did not report it for every one of them."""
+    values = [getattr(r, name) for r in records]
+    return None if not reported or any(v is None for v in values) else sum(values)
+
+
 def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, check, api: str = "grpc") -> dict:
     """One table row from the records of every timed round at one concurrency level (`check`: a GreedyCheck
     already fed with this level's streams; `api`: the one measured)."""
@@ -126,13 +135,11 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
     per_stream = [r.tokens / (r.ended - r.sent) for r in ok if r.ended > r.sent]
     steps = max(1, sum(r.steps for r in ok))
     reported = api == "grpc"  # the OpenAI API's usage has no drafted steps nor run-ahead hits
-    drafted = None if not reported or any(r.drafted_steps is None for r in ok) else sum(r.drafted_steps for r in ok)
-    hits = None if not reported or any(r.run_ahead_hits is None for r in ok) else sum(r.run_ahead_hits for r in ok)
-    catch_ups = (None if not reported or any(r.catch_up_steps is None for r in ok)
-                 else sum(r.catch_up_steps for r in ok))
-    catch_up_ms = (None if not reported or any(r.catch_up_ms is None for r in ok)
-                   else sum(r.catch_up_ms for r in ok))
-    cached = None if any(r.cached_tokens is None for r in ok) else sum(r.cached_tokens for r in ok)
+    drafted, hits = _summed(ok, "drafted_steps", reported), _summed(ok, "run_ahead_hits", reported)
+    catch_ups, catch_up_ms = _summed(ok, "catch_up_steps", reported), _summed(ok, "catch_up_ms", reported)
+    parked, rises = _summed(ok, "parked_steps", reported), _summed(ok, "load_rises", reported)
+    switching = _summed(ok, "steps_to_switch", reported)
+    cached = _summed(ok, "cached_tokens", True)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     return {"api": api, "streams": streams, "requests": len(records), "errors": sum(errors.values()),
             "error_codes": errors,
@@ -152,6 +159,14 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
             # ... and what those catch-ups cost the Drafter, summed over the level's requests (beside the steps: the
             # cores or device it shares with the Target, not the step's wall time).
             "catch_up_ms": float("nan") if catch_up_ms is None else catch_up_ms,
+            # Sessions the Drafter did not follow for a while (parked: decoded plainly or from copies, their long
+            # contexts' features withheld), and the share of steps parked.
+            "parked_sessions": float("nan") if parked is None else sum(bool(r.parked_steps) for r in ok),
+            "parked_step_share": float("nan") if parked is None else parked / steps,
+            # How fast drafting followed a rise of the load: steps still drafted after a request's batch grew a
+            # size bucket, per rise (engine/requests.py `load_switches`).
+            "load_rises": float("nan") if rises is None else rises,
+            "steps_to_switch": float("nan") if switching is None or not rises else switching / rises,
             # Prompt tokens the prefix cache held (a level's latency reads differently with its prompts cached).
             "prompt_cached_share": float("nan") if cached is None or not prompt_tokens else cached / prompt_tokens,
             # Where a step's time goes, as the Router timed it: the Draft call, the Target's Score, verification.
@@ -235,7 +250,8 @@ def _grpc_session(address: str, prompts: list[list[int]], max_new_tokens: int, a
                                                                           stats.mean_tree_size_tokens, stats.steps)
                             record.drafted_steps, record.run_ahead_hits = stats.drafted_steps, stats.run_ahead_hits
                             record.catch_up_steps, record.cached_tokens = stats.catch_up_steps, stats.cached_tokens
-                            record.catch_up_ms = stats.catch_up_ms
+                            record.catch_up_ms, record.parked_steps = stats.catch_up_ms, stats.parked_steps
+                            record.load_rises, record.steps_to_switch = stats.load_rises, stats.steps_to_switch
                             record.step_ms = (stats.mean_draft_ms, stats.mean_score_ms, stats.mean_verify_ms)
                 except grpc.RpcError as exc:
                     record.error = exc.code().name
@@ -452,6 +468,7 @@ def _openai_call(connection: http.client.HTTPConnection, headers: dict, record: 
             record.steps = int(spec.get("steps") or 0)
         # not in the OpenAI API's usage
         record.drafted_steps = record.run_ahead_hits = record.catch_up_steps = record.catch_up_ms = None
+        record.parked_steps = record.load_rises = record.steps_to_switch = None
         details = usage.get("prompt_tokens_details") if usage else None
         record.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else None
         record.arrivals, record.token_count = chunk_arrivals(
@@ -510,6 +527,16 @@ def _catch_ups(level: dict) -> str:
     return _count(steps) if ms != ms else f"{_count(steps)} / {ms:.0f}"
 
 
+def _parked(level: dict) -> str:
+    sessions, share = level.get("parked_sessions", float("nan")), level.get("parked_step_share", float("nan"))
+    return "n/a" if sessions != sessions else f"{_count(sessions)} / {_share(share)}"
+
+
+def _switch(level: dict) -> str:
+    rises, steps = level.get("load_rises", float("nan")), level.get("steps_to_switch", float("nan"))
+    return "n/a" if rises != rises else f"{steps:.1f} ({_count(rises)})" if rises else "- (0)"
+
+
 def _share(value: float) -> str:
     return "n/a" if value != value else f"{value:.0%}"
 
@@ -528,12 +555,14 @@ def service_table(levels: list[dict], title: str):
     caption = ("OpenAI API: its chunks carry text, not token ids: '= in-process greedy' compares the streamed text "
                "with the decoded text of in-process greedy ids; tokens from usage.completion_tokens; a chunk's "
                "tokens (ITL) = the greedy tokens whose text it completes; MAL and draft tok/step from "
-               "usage.speculation; plain steps and run-ahead hits are not in that API's usage (n/a)"
+               "usage.speculation; plain steps, run-ahead hits, catch-ups, parked sessions and switches are not in "
+               "that API's usage (n/a)"
                if by_text else None)
     table = Table(title=title, caption=caption)
     for col in ("streams", "requests", "errors", "tokens", "agg tok/s", "tok/s per stream", "TTFT p50 ms",
                 "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "MAL", "draft tok/step", "plain steps",
-                "run-ahead hits", "catch-up steps / ms", "prompt cached", "step ms draft / score / verify",
+                "run-ahead hits", "catch-up steps / ms", "parked sessions / steps", "steps to switch (rises)",
+                "prompt cached", "step ms draft / score / verify",
                 "= in-process greedy (text)" if by_text else "= in-process greedy"):
         table.add_column(col, justify="right")
     for lv in levels:
@@ -543,7 +572,7 @@ def service_table(levels: list[dict], title: str):
                       f"{lv['tokens_per_s']:.1f}", f"{lv['stream_tokens_per_s']:.1f}", f"{lv['ttft_ms_p50']:.0f}",
                       f"{lv['ttft_ms_p95']:.0f}", f"{lv['itl_ms_p50']:.0f}", f"{lv['itl_ms_p95']:.0f}",
                       f"{lv['mal']:.2f}", f"{lv.get('tree_size', 0.0):.2f}", _share(lv.get('plain_step_share', 0.0)),
-                      _share(lv.get('run_ahead_hit_rate', 0.0)), _catch_ups(lv),
+                      _share(lv.get('run_ahead_hit_rate', 0.0)), _catch_ups(lv), _parked(lv), _switch(lv),
                       _share(lv.get("prompt_cached_share", float("nan"))), _step_ms(lv),
                       f"{equal}/{lv['greedy_compared']}{ties}")
     return table

@@ -461,6 +461,7 @@ class Router:
         draft_ms, score_ms, verify_ms = r.mean_step_ms()
         method, lookup = method_enum(job.method)  # "c2t+lookup": C2T with copy-from-context candidates
         by_source = r.accepted_by_source()
+        rises, switching = r.load_switches()
         return gen.GenerationStats(prompt_tokens=r.prompt_tokens, completion_tokens=len(r.token_ids),
                                    steps=len(r.steps), mean_accepted_length=r.mean_accepted_length,
                                    mean_tree_size_tokens=r.mean_tree_size, wall_time_ms=r.wall_time_s * 1e3,
@@ -473,6 +474,8 @@ class Router:
                                    drafted_steps=sum(s.tree_size > 0 for s in r.steps),
                                    catch_up_steps=sum(s.catch_up for s in r.steps),
                                    catch_up_ms=sum(s.catch_up_ms for s in r.steps),
+                                   parked_steps=sum(s.parked for s in r.steps),
+                                   load_rises=rises, steps_to_switch=switching,
                                    cached_tokens=r.cached_tokens,
                                    accepted_prediction_tokens=r.accepted_prediction_tokens,
                                    rejected_prediction_tokens=r.rejected_prediction_tokens)

@@ -29,13 +29,12 @@ from ..grammar.drafts import StepGrammar
 from ..lookup import AheadLookup, LookupSession, LookupSettings, LookupSources
 from ..lookup.grammar_copies import GrammarCopies
 from ..lookup.trees import lookup_chain, merge_chains, plan_lookup
-from ..methods import LOOKUP, split_method
 from ..requests import StepRecord
 from ..runners.kv_pool import KVPoolExhausted
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
-from ..lanes import Lanes
-from .base import AUTOREGRESSIVE, Drafted, DraftRequest, FeatureNeeds, ModelDrafter, batch_size_bucket, root_only
+from ..lanes import Lanes, batch_size_bucket
+from .base import AUTOREGRESSIVE, Drafted, DraftRequest, FeatureNeeds, ModelDrafter, root_only
 from .batched_c2t_chains import draft_c2t_chains
 from .hybrid_oracle import HybridOracle, head_index
 from .model_runner import DrafterRunner
@@ -197,7 +196,7 @@ class LocalDrafter(ModelDrafter):
         """Sessions among `requests` whose model drafting waits for their catch-up (`catch_up_beside`), or for the
         target features their request lacks."""
         beside = self.catch_up_beside
-        return {r.session_id for r in requests if split_method(r.tree.method)[0] != LOOKUP
+        return {r.session_id for r in requests if not r.tree.parsed_method.lookup_only
                 and (not self._has_features(r)
                      or (beside is not None and self.runner.lm.lag(r.session_id, len(r.context)) > beside))}
 
@@ -274,7 +273,7 @@ class LocalDrafter(ModelDrafter):
             return ahead, 0
         if not model_ready:
             state.catching_up = [r]
-        if split_method(r.tree.method)[1]:
+        if r.tree.parsed_method.copies:
             return self._draft_hybrid(lane, state, r, model_ready), 0
         if not model_ready:
             return None, 0
@@ -298,7 +297,7 @@ class LocalDrafter(ModelDrafter):
         session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
         copies = self._copies(r, session)
         settings = self.lookups.settings
-        base = split_method(r.tree.method)[0] if model_ready else LOOKUP
+        with_model = model_ready and not r.tree.parsed_method.lookup_only
         root, greedy = r.context[-1], r.sampling.is_greedy
         auto = self.budget is not None and r.tree.budget_auto
         builder = self.builder(r.tree)
@@ -307,7 +306,7 @@ class LocalDrafter(ModelDrafter):
             lookup = plan_lookup(copies, root, session.plan_nodes, settings.min_value)
             gains = lookup.gains()
             state.step_chooser = self._hybrid_chooser(gains)
-            plan = state.step_chooser.plan_hybrid(gains, model=base != LOOKUP, lane=lane,
+            plan = state.step_chooser.plan_hybrid(gains, model=with_model, lane=lane,
                                                   explore=not session.follows_prediction)
             if plan.lookup_only:
                 return lookup.tree(plan.lookup_nodes, greedy)
@@ -315,7 +314,7 @@ class LocalDrafter(ModelDrafter):
                 return None
             builder = BudgetChooser.resized(builder, plan.budget)
         generator = torch.Generator().manual_seed(r.seed)
-        if base == LOOKUP:
+        if not with_model:
             return builder.build(root, HybridOracle(None, copies, self.runner.vocab_size, model_enabled=False),
                                  r.sampling, generator)
         model = self.runner.begin(r.session_id, r.context, r.sampling, r.accepted_nodes, r.features, r.cache_scope,
@@ -343,7 +342,7 @@ class LocalDrafter(ModelDrafter):
         oracle = self.runner.begin(r.session_id, r.context, r.sampling, None, r.features, r.cache_scope, r.processors,
                                    r.grammar)
         # A hybrid method's trees ahead mix in the copies the lookup finds after the guessed tokens, as its steps do.
-        session = self.lookups.get(r.session_id) if split_method(r.tree.method)[1] else None
+        session = self.lookups.get(r.session_id) if r.tree.parsed_method.copies else None
         base = len(chain)
         for length in range(len(path), max(-1, len(path) - GUESSES), -1):
             end = path[length - 1] if length else 0
@@ -376,7 +375,7 @@ class LocalDrafter(ModelDrafter):
         if ahead is None:
             return None
         tree = ahead.tree
-        if split_method(r.tree.method)[1]:
+        if r.tree.parsed_method.copies:
             session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
             if ahead.predictions is not None:
                 session.adopt(ahead.predictions)
@@ -415,14 +414,14 @@ class LocalDrafter(ModelDrafter):
         settings = self.lookups.settings
         chains: list[_CopyChain | None] = []
         for r in speculative:
-            base, lookup = split_method(r.tree.method)
-            if not lookup:
+            method = r.tree.parsed_method
+            if not method.copies:
                 chains.append(None)
                 continue
             session = self.lookups.session(r.session_id, r.context, r.cache_scope, r.sampling.is_greedy, r.prediction)
             tokens, joints = lookup_chain(self._copies(r, session), self.batch_chain_depth, settings.chain_min_joint)
             confident = bool(joints) and joints[0] >= settings.skip_model_above
-            chains.append(_CopyChain(tokens, joints, base != LOOKUP and not confident))
+            chains.append(_CopyChain(tokens, joints, not method.lookup_only and not confident))
         copies = [chain for chain in chains if chain is not None]
         if state.batch_chooser is not None and copies:
             chooser = state.batch_chooser
@@ -453,7 +452,7 @@ class LocalDrafter(ModelDrafter):
             # Priced at the bucket's rows: at a batch size where drafting cannot pay, plain decoding ranks first
             # and little time goes to measuring depths that lose. A batch that copies from its context measures
             # copying alone as a budget too (the first batch of the bucket says whether it does).
-            copies = any(split_method(r.tree.method)[1] for r in speculative)
+            copies = any(r.tree.parsed_method.copies for r in speculative)
             self.batch_budgets[bucket] = self.budget.fresh(max_budget=self.batch_chain_depth, rows=bucket,
                                                            explore_within=BATCH_EXPLORE_WITHIN, copies_arm=copies,
                                                            explore_steps=BATCH_EXPLORE_STEPS,

@@ -38,7 +38,7 @@ from ..tree_config import TreeConfig
 
 
 __all__ = ["AUTOREGRESSIVE", "NO_FEATURES", "Drafted", "Drafter", "DrafterBase", "DraftRequest", "FeatureNeeds",
-           "ModelDrafter", "batch_size_bucket", "root_only"]
+           "ModelDrafter", "root_only"]
 
 
 @dataclass
@@ -85,12 +85,6 @@ class Drafted:
 def root_only(context: list[int]) -> TokenTree:
     """The tree of no drafts: the root alone (one plain decoding step)."""
     return TokenTree.build([context[-1]], [-1])
-
-
-def batch_size_bucket(batch_size: int) -> int:
-    """The power of two at or above `batch_size`: batched steps share one budget chooser (and its plain
-    decoding holds) per bucket, so requests joining or leaving a batch do not reset what was measured."""
-    return 1 << (batch_size - 1).bit_length()
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,11 @@ def test_level_summary_counts_errors_and_equality():
 def test_level_summary_weighs_step_times_by_steps():
     """The step-time breakdown is per step over the level: a request of 30 steps counts three times one of 10."""
     short = StreamRecord(0, token_ids=[1], ended=1.0, steps=10, step_ms=(10.0, 100.0, 1.0), mal=4.0,
-                         catch_up_steps=1, prompt_tokens=100, cached_tokens=96, catch_up_ms=40.0)
+                         catch_up_steps=1, prompt_tokens=100, cached_tokens=96, catch_up_ms=40.0, parked_steps=0,
+                         load_rises=1, steps_to_switch=3)
     long = StreamRecord(1, token_ids=[1], ended=1.0, steps=30, step_ms=(30.0, 200.0, 2.0), mal=1.0,
-                        catch_up_steps=2, prompt_tokens=300, cached_tokens=0, catch_up_ms=2.5)
+                        catch_up_steps=2, prompt_tokens=300, cached_tokens=0, catch_up_ms=2.5, parked_steps=12,
+                        load_rises=1, steps_to_switch=0)
     level = summarize_level(2, [short, long], wall_s=1.0, check=GreedyCheck())
     assert (level["draft_ms"], level["score_ms"], level["verify_ms"]) == pytest.approx((25.0, 175.0, 1.75))
     # MAL pooled as the in-process bench does: (40 + 30) tokens over 40 steps, not the mean of 4.0 and 1.0.
@@ -54,6 +56,10 @@ def test_level_summary_weighs_step_times_by_steps():
     assert level["catch_up_steps"] == 3  # steps that waited for the drafter to read unread context, summed
     assert level["catch_up_ms"] == pytest.approx(42.5) and "3 / 42" in _rendered(service_table([level], "t"))
     assert level["prompt_cached_share"] == pytest.approx(96 / 400)  # prompt tokens, not requests
+    # One of the two sessions parked, for 12 of the level's 40 steps; 3 drafted steps over 2 rises of the load.
+    assert (level["parked_sessions"], level["parked_step_share"]) == (1, pytest.approx(12 / 40))
+    assert (level["load_rises"], level["steps_to_switch"]) == (2, pytest.approx(1.5))
+    assert "1 / 30%" in _rendered(service_table([level], "t")) and "1.5 (2)" in _rendered(service_table([level], "t"))
     assert "25 / 175 / 1.8" in _rendered(service_table([level], "t"))
     assert math.isnan(summarize_level(2, [short], 1.0, GreedyCheck(), "openai")["draft_ms"])  # not in its usage
 
@@ -195,7 +201,8 @@ def test_streams_through_the_openai_api_equal_in_process_greedy(http_service, ti
         assert lv["ttft_ms_p50"] > 0 and lv["itl_ms_p95"] >= lv["itl_ms_p50"] > 0
         assert lv["mal"] >= 1 and lv["tree_size"] > 0
         assert math.isnan(lv["plain_step_share"]) and math.isnan(lv["run_ahead_hit_rate"])
-        assert math.isnan(lv["catch_up_steps"])
+        assert math.isnan(lv["catch_up_steps"]) and math.isnan(lv["parked_sessions"])
+        assert math.isnan(lv["steps_to_switch"])
     text = _rendered(service_table(levels, "OpenAI"))
     assert "= in-process greedy (text)" in text and "n/a" in text
 

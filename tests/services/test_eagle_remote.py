@@ -266,6 +266,8 @@ def test_long_contexts_features_go_only_when_the_replica_asks(tiny_parts, eagle)
             results = engine.generate(requests)
             assert [r.token_ids for r in results] == [r.token_ids for r in local.generate(requests)]
             assert all(any(s.tree_size for s in r.steps[3:]) for r in results)
+            # Parked (the Drafter not following) for the prefill alone: its Draft of the next step asks.
+            assert all([s.parked for s in r.steps] == [True] + [False] * (len(r.steps) - 1) for r in results)
         one = replicas.drafter.items[:4]  # the batch-1 request: asked, sent in full and caught up, then deltas
         assert [carried for _, carried in one] == [False, True, True, True]
         returned = [rows for target in replicas.targets for session, rows in target.returned if session == one[0][0]]
