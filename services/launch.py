@@ -196,7 +196,7 @@ def _run_app(app, converting, joining: bool, progress) -> None:
         progress("starting the replicas (Router, Drafter, Target) ..." if converting is None else
                  "starting the replicas (Router, Drafter, Target); they load the target once it is converted ...")
     try:
-        with _ReplicaProgress(app.name, progress):
+        with _ReplicaProgress(app.name, progress, converting):
             serve.run(build_app_from_config(app, config_to_args(app.args)), name=app.name,
                       route_prefix=app.route_prefix)
     finally:
@@ -207,14 +207,15 @@ def _run_app(app, converting, joining: bool, progress) -> None:
 class _ReplicaProgress:
     """While serve.run waits for every replica (model loads, first-run measurements: the longest part of a
     start), a thread reads serve.status() every PERIOD_S and hands `report` one line whenever a deployment's
-    running / wanted replica count changes, e.g. "replicas running: Router 1/1, Drafter 0/1, Target 1/2"."""
+    running / wanted replica count changes, e.g. "replicas running: Router 1/1, Drafter 0/1, Target 1/2", and
+    one when a first start's conversion (`converting`, still running when the replicas start) has ended."""
 
     PERIOD_S = 2.0
 
-    def __init__(self, app_name: str, report):
+    def __init__(self, app_name: str, report, converting=None):
         import threading
 
-        self.app_name, self.report = app_name, report
+        self.app_name, self.report, self.converting = app_name, report, converting
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="treeserve-start-progress", daemon=True)
 
@@ -245,6 +246,9 @@ class _ReplicaProgress:
     def _run(self) -> None:
         last = None
         while not self.stop.wait(self.PERIOD_S):
+            if self.converting is not None and self.converting.done():
+                self.report("the target's conversion has ended; the replicas load it")
+                self.converting = None
             try:
                 line = self.summary()
             except Exception:  # the controller is still starting; the next poll will tell

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 import ray.serve
@@ -126,3 +128,19 @@ def test_a_conversion_failing_under_the_replicas_is_the_error_shown(serve_run):
     with pytest.raises(ValueError, match="not a readable GGUF"):
         launch._run_app(_app(), converting, False, None)
     assert events == ["serve.run", "conversion waited for"]
+
+
+def test_the_progress_says_once_when_the_conversion_has_ended(monkeypatch):
+    monkeypatch.setattr(ray.serve, "status", lambda: SimpleNamespace(applications={}))
+    monkeypatch.setattr(launch._ReplicaProgress, "PERIOD_S", 0.01)
+    converting = _Conversion([], done=False)
+    lines: list[str] = []
+    with launch._ReplicaProgress("treeserve", lines.append, converting):
+        time.sleep(0.05)
+        assert lines == []  # still converting
+        converting.finished = True
+        deadline = time.monotonic() + 10
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+    assert lines == ["the target's conversion has ended; the replicas load it"]
