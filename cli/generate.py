@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from treeserve.engine.drafters.registry import DEFAULT_DRAFTER, NO_DRAFTER  # torch-free
-from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS, uses_lookup  # torch-free
+from treeserve.engine.methods import DEFAULT_METHOD, SERVED_METHODS  # torch-free
 from treeserve.engine.requests import GenerationRequest, SamplingParams
 from .connection import add_credential_arguments, credentials
 from .main import CliError
@@ -133,5 +133,5 @@ def _run_in_process(args: argparse.Namespace) -> int:
               f"tok in {len(result.steps)} steps, MAL {result.mean_accepted_length:.2f}, tree "
               f"{result.mean_tree_size:.1f} tok/step, {result.wall_time_s * 1e3:.0f} ms ({tokens_per_s:.1f} tok/s)"
               + ("; accepted by source: " + ", ".join(f"{k} {v}" for k, v in result.accepted_by_source().items())
-                 if uses_lookup(engine.tree.method) else ""), file=sys.stderr)
+                 if engine.tree.parsed_method.copies else ""), file=sys.stderr)
     return 0

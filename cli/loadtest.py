@@ -33,7 +33,7 @@ import random
 import sys
 from pathlib import Path
 
-from treeserve.engine.methods import SERVED_METHODS, uses_lookup  # torch-free
+from treeserve.engine.methods import SERVED_METHODS, Method  # torch-free
 from treeserve.services.launch import DEFAULT_CONFIG, start_service, stop_service, load_config
 from treeserve.services.loadtest import LoadTestOptions, LoadTest, Reference, is_loopback, load_prompts
 from treeserve.services.loadtest_report import format_report, report as summarize
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=32, help="concurrent clients (default: %(default)s)")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default: %(default)s)")
     parser.add_argument("--max-requests", type=int, default=100_000, help="requests at most (default: %(default)s)")
-    parser.add_argument("--methods", nargs="+", default=[m for m in SERVED_METHODS if not uses_lookup(m)],
+    parser.add_argument("--methods", nargs="+", default=[m for m in SERVED_METHODS if not Method.parse(m).copies],
                         choices=SERVED_METHODS, metavar="METHOD",
                         help="served methods to mix: %s (default: every one without lookup)" % ", ".join(SERVED_METHODS))
     parser.add_argument("--prompts", type=int, default=16, help="distinct prompts, balanced over Spec-Bench "

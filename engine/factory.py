@@ -18,7 +18,7 @@ from .drafters.lookup_only import LookupDrafter
 from .drafters.registry import AUTOREGRESSIVE_KIND, NO_DRAFTER, canonical_name, default_drafter
 from .hardware.profile import measure_profile
 from .lookup import LookupSettings
-from .methods import DEFAULT_METHOD, LOOKUP, split_method
+from .methods import DEFAULT_METHOD, LOOKUP, Method
 from .models.loading import LoadedModel, load_causal_lm
 from .runners.step_settings import StaticStepSettings, default_static_step
 from .runners.target import TargetRunner
@@ -69,8 +69,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     the target and the drafter start a request from the longest prefix of it they hold (engine/runners/kv_pages.py)."""
     torch_dtype = parse_dtype(dtype)
     drafter_torch_dtype = parse_drafter_dtype(drafter_dtype or dtype)
-    base, copies = split_method(method)
-    if drafter_path is None and base == LOOKUP:
+    parsed = Method.parse(method)
+    if drafter_path is None and parsed.lookup_only:
         drafter_path = NO_DRAFTER  # copies alone: no drafter model to load (nor to fit this target)
     if drafter_path == NO_DRAFTER:
         static = default_static_step(device, cuda_graphs, fused_ops=fused_ops)
@@ -79,7 +79,7 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     if drafter_path is None:
         drafter_path = default_drafter(drafter_kind)
     drafter_path = canonical_name(drafter_path, drafter_kind)
-    if copies and drafter_kind not in (None, AUTOREGRESSIVE_KIND):
+    if parsed.copies and drafter_kind not in (None, AUTOREGRESSIVE_KIND):
         raise ValueError(f"method {method!r} drafts copy-from-context candidates with the autoregressive drafter, "
                          f"not drafter_kind {drafter_kind!r}")
     target = target or load_causal_lm(target_path, device, torch_dtype)
@@ -90,7 +90,7 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                                       drafter_kind=drafter_kind, lookup=lookup, target_dtype=torch_dtype,
                                       static=static, cost_curve=cost_curve, tokenizer=target.tokenizer,
                                       catch_up_beside=CATCH_UP_BESIDE_TOKENS if run_ahead else None)
-    if drafter is not None and base == "opt_tree" and "delta" not in tree_overrides:
+    if drafter is not None and parsed.builder == "opt_tree" and "delta" not in tree_overrides:
         # OPT-Tree: a drafter step is worth it only while it adds more than mu expected tokens, whatever
         # the node budget (the profile is measured once per machine and cached).
         profile = drafter.budget.profile if drafter.budget is not None else \

@@ -8,6 +8,8 @@ an auto budget the hardware-aware chooser may also draft a step from the lookup 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 AUTOREGRESSIVE = "autoregressive"
 BUILDERS = ("chain", "static", "eagle2", "dyspec", "dyspec_threshold", "opt_tree", "c2t", "c2t_chain")
 LOOKUP = "lookup"
@@ -24,23 +26,45 @@ SERVED_METHODS = (AUTOREGRESSIVE,) + tuple(m for m in METHODS if not m.startswit
 DEFAULT_METHOD = "c2t+lookup"
 
 
-def split_method(method: str) -> tuple[str, bool]:
-    """(builder name, whether lookup candidates join the tree): "c2t+lookup" -> ("c2t", True), "lookup" ->
-    ("lookup", True), "c2t" -> ("c2t", False)."""
-    if method == LOOKUP:
-        return LOOKUP, True
-    if method.endswith(LOOKUP_SUFFIX):
-        return method[: -len(LOOKUP_SUFFIX)], True
-    return method, False
+@dataclass(frozen=True)
+class Method:
+    """A method name parsed (`parse`): the builder that shapes its trees ("lookup" for copies alone,
+    "autoregressive" for no drafting) and whether candidates copied from the request's context join them.
+    TreeConfig parses its method once (`TreeConfig.parsed_method`); a name outside METHODS parses too, and
+    `make_builder` refuses it by name."""
 
+    builder: str
+    copies: bool
 
-def uses_lookup(method: str) -> bool:
-    return split_method(method)[1]
+    @classmethod
+    def parse(cls, name: str) -> Method:
+        """The method `name` names: "c2t+lookup" -> Method("c2t", True), "lookup" -> Method("lookup", True),
+        "c2t" -> Method("c2t", False)."""
+        if name == LOOKUP:
+            return cls(LOOKUP, True)
+        if name.endswith(LOOKUP_SUFFIX):
+            return cls(name[: -len(LOOKUP_SUFFIX)], True)
+        return cls(name, False)
+
+    @property
+    def is_autoregressive(self) -> bool:
+        """Plain decoding: the method "autoregressive", no drafting."""
+        return self.builder == AUTOREGRESSIVE and not self.copies
+
+    @property
+    def lookup_only(self) -> bool:
+        """Copies from the context alone: no drafter model ("lookup")."""
+        return self.builder == LOOKUP
+
+    @property
+    def model_drafts(self) -> bool:
+        """The drafter model drafts this method's trees (copies may join them)."""
+        return not self.is_autoregressive and not self.lookup_only
 
 
 def with_lookup(method: str, lookup: bool) -> str:
     """`method` with copy-from-context candidates added when `lookup` (unchanged for autoregressive, lookup and
     a method that has them already)."""
-    if not lookup or method == AUTOREGRESSIVE or uses_lookup(method):
+    if not lookup or method == AUTOREGRESSIVE or Method.parse(method).copies:
         return method
     return method + LOOKUP_SUFFIX

@@ -4,9 +4,10 @@ format read it; engine/builders' `make_builder` validates it into a builder)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Literal, Union
 
-from .methods import DEFAULT_METHOD, METHODS, split_method
+from .methods import DEFAULT_METHOD, METHODS, Method
 
 AUTO_BUDGET = "auto"
 # A tree budget as a user or a config states it: a fixed number of draft nodes (a chain's length), or "auto", the
@@ -49,6 +50,13 @@ class TreeConfig:
     acceptance_by_rank: tuple[float, ...] | None = field(default=None, metadata={"help": "static_tree='sequoia': measured acceptance probability of the r-th ranked child"})
     c2t_classifier_path: str | None = field(default=None, metadata={"help": "c2t / c2t_chain: safetensors weights; None uses the drafter's own classifier (make_builder's `classifier`), else a joint-probability prior"})
 
+    @cached_property
+    def parsed_method(self) -> Method:
+        """`method` parsed once per config (on first read): make_builder and the drafters read this, not the name.
+        Not a field, so the CLI options, the wire and equality see `method` alone; a config keeps the method it
+        was made with (`dataclasses.replace` makes a new config, which parses its own)."""
+        return Method.parse(self.method)
+
 
 # Every budget a hardware-aware chooser may pick for a step (engine/budget.py); 0 = a plain decoding step. The
 # largest bounds an auto budget's tree (KV slots a session must keep free for it: the Serve config's check).
@@ -62,7 +70,7 @@ def tree_config(method: str, budget: TreeBudget, **overrides) -> TreeConfig:
     """TreeConfig for `method`; an integer budget is fixed (for a chain: its length), "auto" leaves it
     to the drafter's hardware-aware chooser."""
     budget = parse_budget(budget)
-    base = split_method(method)[0]  # "c2t+lookup" shapes its tree as "c2t" does
+    base = Method.parse(method).builder  # "c2t+lookup" shapes its tree as "c2t" does
     if base == "c2t":
         overrides = {**C2T_DEFAULTS, **overrides}
     config = TreeConfig(method=method, **overrides)

@@ -27,7 +27,7 @@ import grpc
 from treeserve.engine.chat_templates import chat_prompt_ids, special_token_strings  # noqa: F401 (re-exported)
 from treeserve.engine.drafters.base import AUTOREGRESSIVE
 from treeserve.engine.grammar.spec import Grammar, GrammarKind
-from treeserve.engine.methods import LOOKUP, split_method, with_lookup
+from treeserve.engine.methods import LOOKUP, Method, with_lookup
 from treeserve.engine.requests import (LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE, REPETITION_RANGE,
                                        GenerationRequest, LogitsProcessors, SamplingParams)
 from treeserve.engine.tree_config import TreeConfig, tree_config
@@ -478,5 +478,5 @@ METHOD_ENUMS = {name: value for value, name in METHOD_NAMES.items()}
 def method_enum(name: str) -> tuple[int, bool]:
     """A method name -> (TreeMethod, whether it drafts copy-from-context candidates): "c2t+lookup" -> (C2T,
     True), "lookup" -> (LOOKUP, True); UNSPECIFIED for a name the enum lacks."""
-    base, lookup = split_method(name)
-    return METHOD_ENUMS.get(base, 0), lookup
+    method = Method.parse(name)
+    return METHOD_ENUMS.get(method.builder, 0), method.copies

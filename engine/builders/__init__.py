@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..c2t_classifier import C2TClassifier
 from ..lookup.trees import LookupTreeBuilder
-from ..methods import HYBRID_BUILDERS, LOOKUP, METHODS, split_method
+from ..methods import HYBRID_BUILDERS, LOOKUP, METHODS
 from ..tree_config import TreeConfig
 from .base import DraftOracle, PartialTree, TreeBuilder
 from .c2t import C2TBuilder
@@ -27,7 +27,7 @@ def _classifier(config: TreeConfig, default: C2TClassifier | None) -> C2TClassif
 def make_builder(config: TreeConfig, classifier: C2TClassifier | None = None) -> TreeBuilder:
     """The builder for `config.method`; invalid parameters raise ValueError naming the field. `classifier`:
     the C2T classifier when the config names no file (the drafter's own)."""
-    method, lookup = split_method(config.method)
+    method, lookup = config.parsed_method.builder, config.parsed_method.copies
     if lookup and method != LOOKUP and method not in HYBRID_BUILDERS:
         raise ValueError(f"method must be one of {METHODS}, got {config.method!r}")
     if method == LOOKUP:

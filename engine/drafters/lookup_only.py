@@ -16,7 +16,7 @@ from ..budget import BATCH_STEP_COST, BudgetChooser, allocate_copies
 from ..hardware.profile import HardwareProfile
 from ..lookup import LookupSettings, LookupSources
 from ..lookup.trees import lookup_chain, merge_chains, plan_lookup
-from ..methods import LOOKUP, split_method
+from ..methods import LOOKUP
 from ..requests import StepRecord
 from ..tree import TokenTree
 from .base import AUTOREGRESSIVE, Drafted, DraftRequest, DrafterBase, root_only
@@ -38,8 +38,7 @@ class LookupDrafter(DrafterBase):
 
     def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
         for r in requests:
-            base = split_method(r.tree.method)[0]
-            if r.tree.method != AUTOREGRESSIVE and base != LOOKUP:
+            if r.tree.parsed_method.model_drafts:
                 raise ValueError(f"method {r.tree.method!r} drafts with a drafter model, and this engine has none "
                                  f"(drafter {NO_DRAFTER!r}): use method {LOOKUP!r} or configure a drafter")
         speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]

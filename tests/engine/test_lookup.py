@@ -24,7 +24,7 @@ from treeserve.engine.builders import (
     OptTreeBuilder,
     make_builder,
 )
-from treeserve.engine.methods import split_method
+from treeserve.engine.methods import Method
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.builders.base import DraftOracle, LookupSource, PartialTree
 from treeserve.engine.c2t_classifier import C2TClassifier
@@ -245,9 +245,12 @@ def test_lookup_chain_follows_the_copy():
 
 
 def test_method_names():
-    assert split_method("c2t+lookup") == ("c2t", True)
-    assert split_method("lookup") == ("lookup", True)
-    assert split_method("dyspec") == ("dyspec", False)
+    assert TreeConfig(method="c2t+lookup").parsed_method == Method("c2t", copies=True)
+    assert Method.parse("lookup") == Method("lookup", copies=True)
+    assert Method.parse("dyspec") == Method("dyspec", copies=False)
+    assert [(m.is_autoregressive, m.lookup_only, m.model_drafts) for m in map(Method.parse, (
+        "autoregressive", "lookup", "c2t+lookup", "dyspec"))] == [
+        (True, False, False), (False, True, False), (False, False, True), (False, False, True)]
     assert isinstance(make_builder(TreeConfig(method="c2t+lookup")), C2TBuilder)
     assert isinstance(make_builder(TreeConfig(method="lookup", budget=5)), LookupTreeBuilder)
     with pytest.raises(ValueError, match="method"):

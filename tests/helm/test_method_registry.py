@@ -7,7 +7,7 @@ from typing import get_args
 
 import pytest
 
-from treeserve.engine.methods import SERVED_METHODS, split_method
+from treeserve.engine.methods import SERVED_METHODS, Method
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def test_typed_config_and_proto_cover_every_served_method():
                    for v in generation_pb2.TreeMethod.DESCRIPTOR.values if v.number != 0}
     for method in SERVED_METHODS:
         assert AppConfig.from_args({"speculation": {"method": method}}).speculation.method == method
-        builder, _ = split_method(method)
+        builder = Method.parse(method).builder
         assert builder in proto_names, f"{method}: no TreeMethod for {builder!r} in generation.proto"
 
 
