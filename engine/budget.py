@@ -61,7 +61,7 @@ EARLY_STOP_STEPS = 2
 MAX_HOLD_DOUBLINGS = 4  # a batched chooser's plain hold grows to plain_hold_steps x 16 at most
 EARLY_STOP_BELOW = 0.85
 STEP_TIME_WINDOW = 64  # recent step times per budget whose median is its step cost
-LOOKUP_ONLY = -1  # `BudgetChooser.current` of a step drafted by the lookup source alone
+LOOKUP_ONLY = -1  # `Decision.current` of a step drafted by the lookup source alone
 # A batched step's predicted time stays within this multiple of a plain step's at its rows (`max_step_cost`): each
 # stream's inter-token latency under load stays within ~1.2x plain decoding's (issue 60), whatever a deeper chain or
 # more copies would add in tokens per second. Served on the 2-core CPU with long prompts, copies let the hybrid's
@@ -282,13 +282,6 @@ class BudgetChooser:
         """Recent accepted draft tokens over what the budgets used average (1 = an average stretch)."""
         return (self.recent_accepted + self.recent_prior) / (self.recent_expected + self.recent_prior)
 
-    # The default lane's decision (in-process decoding; tests).
-    current = property(lambda self: self.decisions[""].current,
-                       lambda self, value: setattr(self.decisions[""], "current", value))
-    held = property(lambda self: self.decisions[""].held)
-    owed = property(lambda self: self.decisions[""].owed,
-                    lambda self, value: setattr(self.decisions[""], "owed", value))
-
     def next_budget(self, lane: str = "") -> int:
         """Choose this step's budget for `lane`; the lane's records of this step (and of the `held` plain steps
         after it, when the budget is 0) are credited to it. A batched chooser that keeps choosing plain decoding
@@ -368,12 +361,6 @@ class BudgetChooser:
         """A chooser with these settings (and `changes`) and none of this one's measurements (another context
         or batch size measures its own)."""
         return dataclasses.replace(self, **changes)  # init=False state starts afresh
-
-    def builder_for(self, builder):
-        """`builder` with this step's budget (a chain's length), or None for no drafting this step;
-        builders without a budget are unchanged."""
-        plan = self.plan()
-        return None if plan.plain else self.resized(builder, plan.budget)
 
     @staticmethod
     def resized(builder, budget: int):  # type: ignore[no-untyped-def]

@@ -12,6 +12,8 @@ from treeserve.engine.builders import ChainBuilder, DySpecBuilder
 from treeserve.engine.hardware.profile import BATCH_PROFILE_NODES, BATCH_PROFILE_ROWS, measure_profile
 from treeserve.engine.requests import StepRecord
 
+from chooser_lane import builder_for, decision  # tests/chooser_lane.py
+
 PROFILE = HardwareProfile({1: 40.0, 2: 43.0, 4: 60.0, 8: 72.0, 16: 80.0, 32: 92.0, 64: 140.0}, 3.0, 128)
 
 
@@ -32,10 +34,11 @@ def test_explores_plain_decoding_then_keeps_the_fastest_measured_budget():
     seen = set()
     # Budget 2 pays (3 tokens in 50 ms); everything else is slower than plain decoding (1 token in 40 ms).
     for _ in range(40):
-        built = chooser.builder_for(DySpecBuilder(budget=64))
-        seen.add(chooser.current)
-        assert (built is None) == (chooser.current == 0)
-        chooser.observe(record(3, 50.0) if chooser.current == 2 else record(1, 40.0 + chooser.current))
+        built = builder_for(chooser, DySpecBuilder(budget=64))
+        current = decision(chooser).current
+        seen.add(current)
+        assert (built is None) == (current == 0)
+        chooser.observe(record(3, 50.0) if current == 2 else record(1, 40.0 + current))
     assert 0 in seen and 2 in seen
     assert chooser.choose() == 2
 
@@ -43,7 +46,7 @@ def test_explores_plain_decoding_then_keeps_the_fastest_measured_budget():
 def test_falls_back_to_plain_decoding_when_drafting_never_pays():
     chooser = BudgetChooser(PROFILE, max_budget=8, revisit=0.0)
     for _ in range(60):
-        builder = chooser.builder_for(ChainBuilder(length=4))
+        builder = builder_for(chooser, ChainBuilder(length=4))
         chooser.observe(record(1, 40.0) if builder is None else record(1, 60.0))
     assert chooser.choose() == 0
 
@@ -54,13 +57,14 @@ def test_plain_decoding_is_held_and_its_records_credited():
     chooser = BudgetChooser(PROFILE, max_budget=8, revisit=0.0, plain_hold_steps=3)
     chooser.arms = {0: _arm(10, 400.0, steps=10), 2: _arm(10, 600.0, steps=5)}  # plain decoding wins
     chooser._to_explore = []
-    assert chooser.builder_for(ChainBuilder(length=4)) is None and chooser.held == 3
+    assert builder_for(chooser, ChainBuilder(length=4)) is None and decision(chooser).held == 3
     for _ in range(4):  # the decided step and the 3 held ones
         chooser.observe(record(1, 40.0))
     chooser.observe(record(1, 1000.0))  # not decided by the chooser: ignored
     assert chooser.arms[0].steps == 14 and list(chooser.arms[0].step_seconds)[-4:] == [0.04] * 4
     chooser.arms[2] = _arm(30, 600.0, steps=15)  # drafting now measured faster: no hold once it is chosen
-    assert chooser.builder_for(ChainBuilder(length=4)) is not None and chooser.current == 2 and chooser.held == 0
+    assert builder_for(chooser, ChainBuilder(length=4)) is not None
+    assert decision(chooser).current == 2 and decision(chooser).held == 0
 
 
 def test_revisits_an_unlucky_rival_not_only_neighbours():
@@ -289,11 +293,11 @@ def test_a_batched_chooser_holds_plain_decoding_longer_while_it_keeps_winning():
     holds = []
     for _ in range(MAX_HOLD_DOUBLINGS + 3):
         assert chooser.next_budget() == 0
-        holds.append(chooser.held)
+        holds.append(decision(chooser).held)
     assert holds == [2 * 2 ** min(i, MAX_HOLD_DOUBLINGS) for i in range(MAX_HOLD_DOUBLINGS + 3)]
     single = BudgetChooser(PROFILE, max_budget=4, plain_hold_steps=2, revisit=0.0)  # batch 1: a fixed hold
     single._to_explore, single.arms = [], dict(chooser.arms)
-    assert [single.next_budget() == 0 and single.held for _ in range(3)] == [2, 2, 2]
+    assert [single.next_budget() == 0 and decision(single).held for _ in range(3)] == [2, 2, 2]
 
 
 
@@ -310,19 +314,20 @@ def test_the_step_decision_is_a_plain_draft_plan():
         plans = []
         for step in range(30):
             plan, budget = planner.plan(), decider.next_budget()
-            assert plan == DraftPlan(max(budget, 0), lookup_only=budget == LOOKUP_ONLY, held=decider.held), name
+            assert plan == DraftPlan(max(budget, 0), lookup_only=budget == LOOKUP_ONLY,
+                                     held=decision(decider).held), name
             assert plan.plain == (budget == 0)
             plans.append(plan)
             for chooser in (planner, decider):  # both credited alike: they keep deciding alike
                 for _ in range(chooser.rows):
-                    chooser.observe(batch_record(1 + step % 3, 100.0 + 10 * chooser.current, chooser.rows))
+                    chooser.observe(batch_record(1 + step % 3, 100.0 + 10 * decision(chooser).current, chooser.rows))
         assert any(p.plain and p.held == 3 for p in plans) if name == "batch 1" else \
             any(p.lookup_only and not p.plain for p in plans)
 
     profile = HardwareProfile({1: 40.0, 2: 42.0, 4: 45.0, 8: 50.0, 16: 70.0}, drafter_step_ms=4.0, prefix_tokens=128)
     alone = BudgetChooser(profile, max_budget=8)
     assert alone.plan_hybrid([0.9, 1.7], model=False) == DraftPlan(0, lookup_only=True, lookup_nodes=2)
-    assert alone.current == LOOKUP_ONLY
+    assert decision(alone).current == LOOKUP_ONLY
     budget, _ = BudgetChooser(profile, max_budget=8).next_hybrid([])
     assert BudgetChooser(profile, max_budget=8).plan_hybrid([]) == DraftPlan(budget)  # nothing to copy: the model's
 

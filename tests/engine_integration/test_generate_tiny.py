@@ -13,6 +13,8 @@ from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.requests import SamplingParams
 
+from chooser_lane import decision  # tests/chooser_lane.py
+
 METHODS = [
     TreeConfig(method="autoregressive"),
     TreeConfig(method="chain", depth=4),
@@ -220,10 +222,11 @@ def test_a_fixed_budget_is_not_overridden_by_the_chooser(pair):
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=chooser)
     context = [5, 6, 7, 8]
     fixed = local.draft([DraftRequest("s", context, SamplingParams(), TreeConfig(method="dyspec", budget=12), 0)])
-    assert fixed.trees[0].num_nodes - 1 == 12 and fixed.hold_steps == 0 and chooser.owed == 0
+    assert fixed.trees[0].num_nodes - 1 == 12 and fixed.hold_steps == 0 and decision(chooser).owed == 0
     auto = TreeConfig(method="dyspec", budget=12, budget_auto=True)
     chosen = local.draft([DraftRequest("s", context, SamplingParams(), auto, 0)])
-    assert chosen.trees[0].num_nodes == 1 and chooser.current == 0 and chosen.hold_steps == chooser.plain_hold_steps
+    assert chosen.trees[0].num_nodes == 1 and decision(chooser).current == 0
+    assert chosen.hold_steps == chooser.plain_hold_steps
 
 
 def test_a_plain_decoding_hold_survives_requests_leaving_the_batch(pair):

@@ -18,6 +18,8 @@ from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.requests import SamplingParams
 
+from chooser_lane import decision  # tests/chooser_lane.py
+
 # The tiny random target soon repeats itself, and these prompts repeat themselves: both give the lookup matches.
 PROMPTS = ["one two three four five six. one two three four five six. one two three",
            "The fox jumps. The fox jumps. The fox"]
@@ -177,7 +179,7 @@ def test_chooser_prices_lookup_only_steps():
     chooser = BudgetChooser(profile, max_budget=8, explore_steps=1)
     # Nothing to copy: the model's budgets (exploration first).
     budget, nodes = chooser.next_hybrid([])
-    assert nodes == 0 and chooser.current == budget
+    assert nodes == 0 and decision(chooser).current == budget
     gains = [0.9, 1.7, 2.4, 3.0, 3.5, 3.9]
     explored = {budget}
     for _ in range(20):  # while exploring, every promising budget is measured whatever the lookup offers
@@ -189,12 +191,12 @@ def test_chooser_prices_lookup_only_steps():
         explored.add(budget)
     assert explored == set(chooser._to_explore)
     # Then a confident copy of 6 tokens: expected ~4 accepted for ~1.2 plain steps beats the model budgets.
-    assert budget == 0 and nodes == 6 and chooser.current == LOOKUP_ONLY and chooser.held == 0
+    assert budget == 0 and nodes == 6 and decision(chooser).current == LOOKUP_ONLY and decision(chooser).held == 0
     chooser.observe(record(accepted=1, tree_size=6, ms=48.0))  # it accepted less than predicted
     assert chooser.lookup_factor < 1.0 and chooser.cost_ratios[-1] == pytest.approx(48.0 / profile.target_time_ms(7))
     # A weak copy does not beat a measured model budget that accepts well.
     for _ in range(3):
-        chooser.current, chooser.owed = 4, 1.0
+        decision(chooser).current, decision(chooser).owed = 4, 1.0
         chooser.observe(StepRecord(tree_size=4, accepted=3, emitted=4, batch_size=1, draft_ms=10.0,
                                    draft_model_ms=8.0, score_ms=45.0, verify_ms=0.0))
     budget, nodes = chooser.next_hybrid([0.05])
