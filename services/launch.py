@@ -98,9 +98,8 @@ def _check_models(args) -> None:
 def _prepare_target(args, progress=None):
     """A GGUF target (the embedded default, or a .gguf path) not converted yet starts converting in a child
     process (engine/models/conversion.py), so that Ray and Serve start meanwhile and this process stays
-    torch-free until it binds the replicas (start_service waits for it before the replicas load it; every
-    replica would otherwise wait on the same conversion, or, on a joined cluster, convert for itself). Returns
-    the Conversion, or None when there is nothing to convert."""
+    torch-free until it binds the replicas (_run_app says when the replicas start: beside it, or after it).
+    Returns the Conversion, or None when there is nothing to convert."""
     converting = start_conversion(args.target.path)
     if converting is not None and progress is not None:
         progress("first start: converting the target's GGUF to safetensors, once (into the model cache), "

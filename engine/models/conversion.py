@@ -1,11 +1,11 @@
 """A GGUF target's first conversion, started in a child process, torch-free on the caller's side.
 
 `treeserve serve` / `demo` convert the embedded GGUF on a first start while Ray starts (services/launch.py). The
-command's own process does not need torch until it binds the replica classes, and a start with nothing to convert
-never loads it for that, so the conversion (gguf_cache.py: torch, transformers, gguf) runs as
-`python -m treeserve.engine.models.gguf_cache GGUF DIR` beside it: nothing here imports a torch module, and the
-conversion's Python work does not share the command's interpreter lock with Ray's start. The child converts
-through `ensure_converted`, so its flock still makes concurrent starts convert once.
+command's own process needs no torch before it binds the replica classes, so the conversion (gguf_cache.py: torch,
+transformers, gguf) runs as `python -m treeserve.engine.models.gguf_cache GGUF DIR` beside it: nothing here imports
+a torch module, and the conversion's Python work does not share the command's interpreter lock with Ray's start.
+The child converts through `ensure_converted`, so its flock still makes concurrent starts (and the replicas, which
+wait on it) convert once.
 """
 
 from __future__ import annotations
