@@ -31,7 +31,7 @@ import grpc
 
 from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
 from treeserve.engine.models.loading import resolve_model_dir
-from treeserve.services.bench_service import inter_token_latencies, percentile
+from treeserve.services.client_harness import Stream, clock, inter_token_latencies, percentile
 from treeserve.services.client import open_channel
 from treeserve.v1 import generation_pb2 as gen
 from treeserve.v1 import generation_pb2_grpc as gen_grpc
@@ -48,16 +48,13 @@ def stream(stub, messages: list[tuple[str, str]], max_new_tokens: int, salt: str
     request = gen.GenerateRequest(chat=gen.ChatMessages(messages=[gen.ChatMessage(role=r, content=c)
                                                                   for r, c in messages]),
                                   max_new_tokens=max_new_tokens, cache_salt=salt)
-    sent = time.perf_counter()
-    arrivals, tokens, stats = [], [], None
+    record, stats = Stream(sent=clock()), None
     for message in stub.GenerateStream(request, timeout=600):
-        if message.token_ids:
-            arrivals.append((time.perf_counter(), len(message.token_ids)))
-            tokens.extend(message.token_ids)
+        record.receive(list(message.token_ids))
         if message.HasField("stats"):
             stats = message.stats
-    return {"ttft": arrivals[0][0] - sent if arrivals else None, "arrivals": arrivals, "tokens": tokens,
-            "cached": stats.cached_tokens if stats is not None else 0, "sent": sent}
+    return {"ttft": record.ttft, "arrivals": record.arrivals, "tokens": record.token_ids,
+            "cached": stats.cached_tokens if stats is not None else 0, "sent": record.sent}
 
 
 def multiturn(stub, count: int, first_turn_tokens: int, max_new_tokens: int) -> dict:

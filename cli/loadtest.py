@@ -78,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "limits.max_batch_size")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="deadline of every call, seconds "
                         "(default: %(default)s)")
-    parser.add_argument("--tie-epsilon", type=float, default=1e-3, help="top-2 logit gap under which a greedy "
-                        "divergence counts as a near tie (default: %(default)s)")
+    parser.add_argument("--tie-epsilon", type=float, default=LoadTestOptions.tie_epsilon, help="top-2 logit gap "
+                        "under which a greedy divergence counts as a near tie (default: %(default)s)")
     add_credential_arguments(parser.add_argument_group("with --address: reaching the running service"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the report as JSON here")

@@ -14,17 +14,15 @@ reports:
 
 - aggregate tokens/s: tokens of all streams / wall time from the first send to the last stream's end
   (summed over the timed rounds);
-- time to first token (TTFT), p50 / p95: send -> first message carrying tokens;
-- inter-token latency (ITL), p50 / p95, over tokens: a message carrying k tokens that arrives g seconds after
-  the previous one gives each of its k tokens an ITL of g / k (a speculative step emits several tokens at
-  once; a plain step one);
+- time to first token (TTFT), p50 / p95, and inter-token latency (ITL), p50 / p95, over tokens, as
+  services/client_harness.py reads them from each stream's arrivals;
 - errors: streams that ended in a gRPC error (status code counted); through the OpenAI API, a refusal (its
   error body's code, which is the gRPC code's name: UNAUTHENTICATED, RESOURCE_EXHAUSTED...; HTTP_<status> when
   the body has none), an error event in the stream, malformed events (MALFORMED_SSE), a stream that ended
   without `[DONE]` (INCOMPLETE_SSE), no connection (UNAVAILABLE) or a timeout (DEADLINE_EXCEEDED);
 - MAL from the service's own statistics (the OpenAI API's `usage.speculation`);
 - equality with in-process greedy: every stream's tokens against the target's own greedy `generate` on the
-  same prompt (engine/bench/greedy.py GreedyCheck: divergence allowed only at near-tied top-2 logits).
+  same prompt (engine/bench/greedy.py GreedyCheck: divergence allowed only at a near-tie of the top-2 logits).
 
 The OpenAI API's chunks carry text, not token ids, so there (`compare_text`) the streamed text is compared with
 the text of the greedy ids as the Router streams it (decoded without special tokens), the token count is
@@ -43,10 +41,10 @@ import json
 import os
 import ssl
 import threading
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from treeserve.engine.bench.greedy import TIE_GAP, GreedyCheck
+from dataclasses import dataclass
+from treeserve.engine.bench.greedy import GreedyCheck, Verdict, divergence_verdict
+from .client_harness import Stream, clock, latencies, percentile
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -57,14 +55,12 @@ COMPARED_BY = {"grpc": "token ids", "openai": "text"}
 
 
 @dataclass
-class StreamRecord:
-    """One GenerateStream call (or streaming /v1/completions request) as the client saw it."""
+class StreamRecord(Stream):
+    """One GenerateStream call (or streaming /v1/completions request) as the client saw it: its arrivals and (gRPC)
+    ids, and the service's own statistics of it."""
 
     index: int  # prompt index
     prompt_tokens: int = 0
-    sent: float = 0.0  # perf_counter at the call
-    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens) per message with tokens
-    token_ids: list[int] = field(default_factory=list)  # gRPC: the streamed ids
     error: str | None = None  # gRPC status code name
     mal: float = 0.0  # the service's own statistics
     tree_size: float = 0.0  # draft tokens per step the service chose for this request (its stats)
@@ -78,32 +74,13 @@ class StreamRecord:
     load_rises: int | None = 0  # rises of its batch's size bucket while it drafted (stats; None: not reported)
     steps_to_switch: int | None = 0  # steps that still drafted after those rises (stats; None: not reported)
     step_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # mean draft, score, verify ms of its steps (stats)
-    ended: float = 0.0
     text: str = ""  # OpenAI: the streamed text
     finish: str | None = None  # OpenAI: the finish_reason
     token_count: int | None = None  # OpenAI: usage.completion_tokens (no ids in its chunks)
 
     @property
-    def ttft(self) -> float | None:
-        return self.arrivals[0][0] - self.sent if self.arrivals else None
-
-    @property
     def tokens(self) -> int:
         return len(self.token_ids) if self.token_count is None else self.token_count
-
-
-def inter_token_latencies(arrivals: list[tuple[float, int]]) -> list[float]:
-    """Per token after the first message: the gap since the previous message over the tokens it carries."""
-    out: list[float] = []
-    for (t0, _), (t1, n) in zip(arrivals, arrivals[1:]):
-        out += [(t1 - t0) / n] * n
-    return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    import numpy as np
-
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def _pooled_mal(records: list[StreamRecord]) -> float:
@@ -126,8 +103,7 @@ def summarize_level(streams: int, records: list[StreamRecord], wall_s: float, ch
     already fed with this level's streams; `api`: the one measured)."""
     ok = [r for r in records if r.error is None]
     tokens = sum(r.tokens for r in ok)
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    itl = [x for r in ok for x in inter_token_latencies(r.arrivals)]
+    ttft, itl = latencies(ok)
     errors: dict[str, int] = {}
     for r in records:
         if r.error is not None:
@@ -207,13 +183,13 @@ def stream_round(address: str, prompts: list[list[int]], max_new_tokens: int, ap
                 if record is None:
                     return
                 call(record)
-                record.ended = time.perf_counter()
+                record.ended = clock()
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(streams)]
     for t in threads:
         t.start()
     barrier.wait()
-    started = time.perf_counter()
+    started = clock()
     for t in threads:
         t.join()
     return records, max((r.ended for r in records), default=started) - started
@@ -238,12 +214,10 @@ def _grpc_session(address: str, prompts: list[list[int]], max_new_tokens: int, a
             def call(record: StreamRecord) -> None:
                 request = gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompts[record.index]),
                                               max_new_tokens=max_new_tokens)
-                record.sent = time.perf_counter()
+                record.sent = clock()
                 try:
                     for message in stub.GenerateStream(request, metadata=metadata, timeout=timeout_s):
-                        if message.token_ids:
-                            record.arrivals.append((time.perf_counter(), len(message.token_ids)))
-                            record.token_ids += list(message.token_ids)
+                        record.receive(list(message.token_ids))
                         if message.HasField("stats"):
                             stats = message.stats
                             record.mal, record.tree_size, record.steps = (stats.mean_accepted_length,
@@ -363,18 +337,18 @@ def compare_text(check, reference: list[int], gaps: list[float], prefixes: list[
     (without a final stop token's, as the Router sends it) and its token count theirs; otherwise the divergence
     is at the first greedy token whose text the stream does not continue (allowed at a near-tie of its top-2
     logits), or the stream went on past greedy's end (a mismatch)."""
-    check.compared += 1
+    check.count(_text_verdict(reference, gaps, prefixes, text, tokens, finish))
+
+
+def _text_verdict(reference: list[int], gaps: list[float], prefixes: list[str], text: str, tokens: int,
+                  finish: str | None) -> Verdict:
     n = len(reference)
     if tokens == n and (text == prefixes[n] or (n and finish == "stop" and text == prefixes[n - 1])):
-        return
+        return "equal"
     for i in range(n):
         if not text.startswith(prefixes[i + 1]):
-            if gaps[i] < TIE_GAP:
-                check.tie_divergences += 1
-            else:
-                check.mismatches += 1
-            return
-    check.mismatches += 1
+            return divergence_verdict(gaps[i])
+    return "mismatch"
 
 
 def _openai_session(address: str, prompts: list[list[int]], max_new_tokens: int, timeout_s: float,
@@ -404,7 +378,7 @@ def _openai_call(connection: http.client.HTTPConnection, headers: dict, record: 
     chunks: list[tuple[float, str]] = []
     usage = None
     clean = False
-    record.sent = time.perf_counter()
+    record.sent = clock()
     deadline = record.sent + timeout_s
     try:
         connection.request("POST", "/v1/completions", body, headers)
@@ -419,7 +393,7 @@ def _openai_call(connection: http.client.HTTPConnection, headers: dict, record: 
             return
         done = False
         for data in sse_events(response):
-            now = time.perf_counter()
+            now = clock()
             if data == "[DONE]":
                 done = True
                 break

@@ -6,10 +6,10 @@ requests: every method of `methods`, greedy and sampled, streamed and unary; `ma
 (garbage bytes, empty prompt, bad sampling, unknown method, token ids outside the vocabulary, too many new
 tokens) and `cancel` of them cancelled by the client after a message or two. At `kill_at` it kills one replica
 of `kill` through Ray. `judge` gives every valid request a verdict against the target's own greedy answer
-computed in-process (`Reference`): ok, lost, corrupted, or a near-tie divergence (the top two logits within
-`tie_epsilon`: batched and single-sequence fp32 forwards round differently). A request refused with
-RESOURCE_EXHAUSTED because the router was full is retried after a short pause (what a client should do);
-those refusals are counted, not lost. services/loadtest_report.py turns the outcomes into the report.
+computed in-process (`Reference`): ok, lost, corrupted, or a near-tie divergence (engine/bench/greedy.py's rule:
+the top two logits within `tie_epsilon`). A request refused with RESOURCE_EXHAUSTED because the router was full
+is retried after a short pause (what a client should do); those refusals are counted, not lost. Each request is a
+services/client_harness.py `Stream`; services/loadtest_report.py turns the outcomes into the report.
 
 Bounded in every way: requests start only until the duration ends (and at most `max_requests`), every call
 has a deadline, and the drain after the end is capped.
@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from treeserve.engine.bench.greedy import TIE_GAP, greedy_verdict
 from treeserve.engine.dev_prompts import DEV_PROMPTS
 from treeserve.engine.requests import GenerationRequest
+from .client_harness import Stream, clock
 
 MALFORMED_KINDS = ("garbage", "empty_prompt", "negative_temperature", "unknown_method", "token_out_of_vocab",
                    "too_many_new_tokens", "bad_top_p")
@@ -41,15 +42,14 @@ def is_loopback(address: str) -> bool:
 
 # ================================================================================================ records
 @dataclass
-class Outcome:
+class Outcome(Stream):
+    """One request as the client saw it (a unary reply counts as one arrival) and its verdict."""
+
     kind: str  # "greedy", "sampled", "cancel", "malformed:<kind>"
     method: str = ""
     prompt: int = -1
     max_new_tokens: int = 0
     streamed: bool = True
-    started: float = 0.0
-    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, tokens) per message with tokens
-    tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish: int = 0
     stats_tokens: int = -1
@@ -58,17 +58,7 @@ class Outcome:
     expected_code: str = "OK"
     refusals: int = 0  # RESOURCE_EXHAUSTED (router full) before it was admitted
     unavailable_retries: int = 0  # UNAVAILABLE before any token (no router listening): sent again
-    ended: float = 0.0
     verdict: str = ""  # for valid requests: ok / lost / corrupted / near_tie
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    k = (len(values) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
 # ================================================================================================ prompts
@@ -135,7 +125,7 @@ class LoadTestOptions:
     kill: str = "none"  # deployment ("Target", "Drafter", "Router") one replica of which is killed once, or "none"
     kill_at: float = 0.5  # when, as a fraction of `duration`
     request_timeout: float = 300.0  # deadline of every call, seconds
-    tie_epsilon: float = 1e-3  # top-2 logit gap under which a greedy divergence counts as a near tie
+    tie_epsilon: float = TIE_GAP  # top-2 logit gap under which a greedy divergence counts as a near tie
     seed: int = 0  # seeds the request mix
 
 
@@ -210,9 +200,9 @@ class LoadTest:
 
         deadline = time.monotonic() + self.options.request_timeout
         while True:
-            out.started = time.monotonic()
+            out.sent = clock()
             out.arrivals.clear()
-            out.tokens.clear()
+            out.token_ids.clear()
             out.text = ""
             try:
                 if isinstance(message, bytes):
@@ -222,8 +212,8 @@ class LoadTest:
                 elif not out.streamed:
                     reply = await stub.Generate(message, metadata=self._metadata(),
                                                 timeout=max(1.0, deadline - time.monotonic()))
-                    out.arrivals.append((time.monotonic(), len(reply.token_ids)))
-                    out.tokens = list(reply.token_ids)
+                    out.arrivals.append((clock(), len(reply.token_ids)))
+                    out.token_ids = list(reply.token_ids)
                     out.text, out.finish, out.stats_tokens = reply.text, reply.finish_reason, reply.stats.completion_tokens
                 else:
                     call = stub.GenerateStream(message, metadata=self._metadata(),
@@ -231,9 +221,7 @@ class LoadTest:
                     cancel_after = self.rng.randint(1, 3) if out.kind == "cancel" else None
                     seen = 0
                     async for reply in call:
-                        if reply.token_ids:
-                            out.arrivals.append((time.monotonic(), len(reply.token_ids)))
-                        out.tokens.extend(reply.token_ids)
+                        out.receive(list(reply.token_ids))
                         out.text += reply.text_delta
                         seen += 1
                         if reply.finish_reason != gen.FINISH_REASON_UNSPECIFIED:
@@ -288,7 +276,7 @@ class LoadTest:
                 self.started += 1
                 out, message = self._next()
                 await self._call(stub, channel, out, message)
-                out.ended = time.monotonic()
+                out.ended = clock()
                 self.outcomes.append(out)
 
     async def _killer(self, at: float) -> None:
@@ -296,7 +284,7 @@ class LoadTest:
         deployment = self.options.kill
         try:
             name = await asyncio.to_thread(kill_replica, deployment)
-            self.kill_time = time.monotonic()
+            self.kill_time = clock()
             self.kill_note = f"killed {name}"
         except Exception as exc:  # reported, the run goes on
             self.kill_note = f"kill failed: {exc}"
@@ -336,17 +324,17 @@ class LoadTest:
                 continue
             if out.code != "OK" or out.finish == gen.FINISH_REASON_UNSPECIFIED:
                 cut = (self.options.kill == "Router" and out.code == "UNAVAILABLE" and self.kill_time is not None
-                       and out.started <= self.kill_time <= out.ended)
+                       and out.sent <= self.kill_time <= out.ended)
                 # A Router's death ends the streams it carried (their connections die with it): by design. A
                 # deadline (the service's limits.request_timeout_s or this client's) is a verdict on the box's
                 # speed, not a lost output: reported apart.
                 out.verdict = ("cut_by_router_kill" if cut else
                                "timed_out" if out.code == "DEADLINE_EXCEEDED" else "lost")
                 continue
-            consistent = (out.stats_tokens == len(out.tokens) <= out.max_new_tokens
-                          and all(0 <= t < self.ref.vocab for t in out.tokens)
-                          and (out.finish != gen.FINISH_REASON_LENGTH or len(out.tokens) == out.max_new_tokens)
-                          and (out.finish != gen.FINISH_REASON_EOS or (out.tokens and out.tokens[-1] in eos)))
+            consistent = (out.stats_tokens == len(out.token_ids) <= out.max_new_tokens
+                          and all(0 <= t < self.ref.vocab for t in out.token_ids)
+                          and (out.finish != gen.FINISH_REASON_LENGTH or len(out.token_ids) == out.max_new_tokens)
+                          and (out.finish != gen.FINISH_REASON_EOS or (out.token_ids and out.token_ids[-1] in eos)))
             if not consistent:
                 out.verdict = "corrupted"
             elif out.kind == "greedy":
@@ -356,15 +344,10 @@ class LoadTest:
 
     def _greedy_verdict(self, out: Outcome) -> str:
         expected = self.expected[out.prompt]
-        if out.tokens == expected:
-            return "ok"
-        k = next((i for i, (x, y) in enumerate(zip(out.tokens, expected)) if x != y), min(len(out.tokens),
-                                                                                          len(expected)))
-        if k < min(len(out.tokens), len(expected)):
-            gap = self.ref.top2_gap(self.prompts[out.prompt] + expected[:k])
-            if gap < self.options.tie_epsilon:
-                return "near_tie"
-        return "corrupted"
+        verdict = greedy_verdict(expected, out.token_ids,
+                                 lambda k: self.ref.top2_gap(self.prompts[out.prompt] + expected[:k]),
+                                 self.options.tie_epsilon)
+        return {"equal": "ok", "near_tie": "near_tie", "mismatch": "corrupted"}[verdict]
 
 
 def kill_replica(deployment: str) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .loadtest import LoadTest, percentile
+from .client_harness import latencies, percentile
+from .loadtest import LoadTest
 
 
 def report(test: LoadTest, wall_s: float) -> dict:
@@ -26,12 +27,9 @@ def report(test: LoadTest, wall_s: float) -> dict:
     if unavailable:
         by_status["UNAVAILABLE before any token (retried)"] = unavailable
     verdicts = Counter(o.verdict for o in test.outcomes)
-    ttft = [(o.arrivals[0][0] - o.started) * 1e3 for o in valid if o.code == "OK" and o.arrivals]
-    itl: list[float] = []
-    for o in valid:
-        if o.streamed and o.code == "OK":
-            for (t0, _), (t1, n) in zip(o.arrivals, o.arrivals[1:]):
-                itl += [(t1 - t0) * 1e3 / n] * n
+    # A unary reply is one arrival: its TTFT counts, it has no inter-token latencies.
+    ttft_s, itl_s = latencies([o for o in valid if o.code == "OK"])
+    ttft, itl = [1e3 * x for x in ttft_s], [1e3 * x for x in itl_s]
     stalls, resumes = [], []  # per stream in flight across the kill: gap spanning it; kill -> next message
     first_after = None
     if test.kill_time is not None:
@@ -43,7 +41,7 @@ def report(test: LoadTest, wall_s: float) -> dict:
                 resumes.append((after[0] - test.kill_time) * 1e3)
             if after:
                 first_after = min(first_after or after[0], after[0])
-    tokens = sum(len(o.tokens) for o in valid if o.code == "OK")
+    tokens = sum(len(o.token_ids) for o in valid if o.code == "OK")
     return {
         "streams": test.options.streams, "duration_s": test.options.duration, "wall_s": wall_s,
         "methods": test.options.methods, "requests": len(test.outcomes), "tokens": tokens,

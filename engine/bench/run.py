@@ -18,7 +18,7 @@ from ..devices import device_name
 from ..factory import build_engine
 from ..models.loading import chat_ids, load_causal_lm
 from ..requests import GenerationRequest, SamplingParams
-from .greedy import TIE_GAP, GreedyCheck, greedy_reference
+from .greedy import TIE_GAP, GreedyCheck, greedy_reference, is_near_tie
 from .options import BenchOptions
 from .peers import build_peers
 from .plots import mal_vs_candidates, write_plots
@@ -124,7 +124,7 @@ def run_bench(options: BenchOptions) -> int:
         for row, prompt in zip(rows, prompts):
             if checks:
                 reference, gaps = greedy_reference(target.model, prompt, options.max_new_tokens)
-                tie_positions += sum(g < TIE_GAP for g in gaps)
+                tie_positions += sum(map(is_near_tie, gaps))
             runs: dict[str, list] = defaultdict(list)
             for _ in range(repeats):  # repeats interleaved too: every method sees the same drifts
                 for key, runner in runners.items():

@@ -10,22 +10,13 @@ import pytest
 from rich.console import Console
 
 from treeserve.engine.bench.greedy import GreedyCheck, greedy_reference
-from treeserve.services.bench_service import (StreamRecord, inter_token_latencies, measure, percentile,
-                                              service_table, summarize_level)
+from treeserve.services.bench_service import StreamRecord, measure, service_table, summarize_level
 from treeserve.cli.main import main
 from treeserve.services import launch
 from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig
 from treeserve.services.bench_service import chunk_arrivals, compare_text, stream_round, text_prefixes
 from treeserve.services.api_server import start_api_server
 from treeserve.services.router import Router
-
-
-def test_inter_token_latency_spreads_a_message_over_its_tokens():
-    # first message at 1.0 s (TTFT), then 3 tokens 0.3 s later, then 1 token 0.1 s later
-    arrivals = [(1.0, 1), (1.3, 3), (1.4, 1)]
-    assert inter_token_latencies(arrivals) == pytest.approx([0.1, 0.1, 0.1, 0.1])
-    assert inter_token_latencies(arrivals[:1]) == []
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and math.isnan(percentile([], 95))
 
 
 def test_level_summary_counts_errors_and_equality():

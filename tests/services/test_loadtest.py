@@ -8,7 +8,8 @@ import json
 import pytest
 
 from treeserve.cli.main import main
-from treeserve.services.loadtest import load_prompts, percentile
+from treeserve.engine.bench.greedy import TIE_GAP
+from treeserve.services.loadtest import LoadTest, LoadTestOptions, Outcome, load_prompts
 
 
 def test_short_loadtest_against_the_service(serve_service, tiny_target_dir, tmp_path, capsys):
@@ -39,7 +40,6 @@ def test_refusals(argv, words, capsys):
 def test_helpers():
     prompts = load_prompts(10)
     assert len(prompts) == 10 and len(set(prompts)) == 10
-    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 99) != percentile([], 99)  # nan when empty
 
 
 def test_a_request_meant_to_be_cancelled_is_retried_while_the_router_is_full():
@@ -48,8 +48,6 @@ def test_a_request_meant_to_be_cancelled_is_retried_while_the_router_is_full():
     import asyncio
 
     import grpc
-
-    from treeserve.services.loadtest import LoadTest, LoadTestOptions, Outcome
 
     full = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                 details="too many concurrent requests (limit 2)")
@@ -88,3 +86,24 @@ def test_a_request_meant_to_be_cancelled_is_retried_while_the_router_is_full():
     malformed = Outcome(kind="malformed:too_many_new_tokens", expected_code="RESOURCE_EXHAUSTED", streamed=True)
     asyncio.run(test._call(stub, None, malformed, object()))
     assert (malformed.code, malformed.refusals, stub.calls) == ("RESOURCE_EXHAUSTED", 0, 1)
+
+
+def test_greedy_outputs_are_judged_by_the_near_tie_rule():
+    """A greedy output equal to the in-process answer is ok; one that leaves it where the reference's top-2 logits
+    lie within --tie-epsilon is a near tie (the gap computed only there); anywhere else, or stopping early, it is
+    corrupted."""
+    asked = []
+
+    class Ref:
+        def top2_gap(self, ids):
+            asked.append(len(ids) - 2)  # the prompt is 2 tokens
+            return TIE_GAP / 2 if len(ids) - 2 == 1 else 1.0
+
+    def verdict(tokens, **options):
+        test = LoadTest(LoadTestOptions(**options), "127.0.0.1:1", Ref(), [[7, 7]], [3], [[1, 2, 3]], 8, {}, None)
+        return test._greedy_verdict(Outcome(kind="greedy", prompt=0, token_ids=tokens))
+
+    assert verdict([1, 2, 3]) == "ok" and asked == []
+    assert verdict([1, 9, 9]) == "near_tie" and asked == [1]
+    assert verdict([9, 2, 3]) == "corrupted" and verdict([1, 2]) == "corrupted"
+    assert verdict([9, 2, 3], tie_epsilon=2.0) == "near_tie"
