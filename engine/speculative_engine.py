@@ -210,12 +210,12 @@ class SpeculativeEngine:
 
         First token first: a sequence's first step is its prompt's prefill, scored with the root alone, so its
         first token waits for neither the drafter's prefill nor a tree (an EAGLE drafter could not draft it
-        anyway: it reads the target's features of the prompt, which that prefill computes). A step that feeds a
-        prompt (or a chunk of one) is plain decoding for the whole batch: the arrival's first token waits for the
-        target's forward alone, not for a drafter call and the running sequences' trees in each of its chunk steps
-        (served on 2 cores at 8 streams, long prompts fed in 7 chunks each came 1.35x later than plain decoding's,
-        TTFT p50; docs/performance.md section 28). The drafter's records skip such steps anyway (engine/
-        step_recorder.py): a prefill's cost would be blamed on whatever budget it ran beside."""
+        anyway: it reads the target's features of the prompt, which that prefill computes). The rest of the
+        batch keeps drafting: an arrival does not turn the running sequences' step into a plain one. Tried and
+        reverted: every step that fed a prompt (or a chunk of one) plain for the whole batch; served on 2 cores
+        with long prompts, 16 streams lost the copies their batch-mates took in those steps (0.86-0.92x plain
+        decoding where 1.06-1.09x before) and the arrivals' TTFT p95 did not improve (docs/performance.md
+        section 28)."""
         call, drafting = self._call_drafter(batch, lane)
         drafted = dict(zip(drafting, call.trees)) if call is not None else {}
         return [drafted[i] if i in drafted else root_only(s.context) for i, s in enumerate(batch)], call
@@ -225,9 +225,7 @@ class SpeculativeEngine:
         call: nothing drafts, or the lane holds plain decoding)."""
         if self.drafter is None:
             return None, []
-        if any(not s.steps for s in batch):  # a prompt is fed this step: first token first
-            return None, []
-        drafting = [i for i, s in enumerate(batch) if s.tree.method != AUTOREGRESSIVE]
+        drafting = [i for i, s in enumerate(batch) if s.steps and s.tree.method != AUTOREGRESSIVE]
         if not drafting:
             return None, []
         bucket, held = self._plain_hold.get(lane, (0, 0))
