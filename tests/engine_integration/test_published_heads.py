@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -391,3 +393,15 @@ def test_a_passed_weight_check_is_remembered_until_the_file_changes(target, tmp_
     write_eagle3(path, model, state={k: v for k, v in state.items() if k != "midlayer.hidden_norm.weight"})
     with pytest.raises(ValueError, match="missing"):
         check_drafter(facts, path)
+
+
+def test_the_marks_of_weight_files_gone_are_forgotten(target, tmp_path, monkeypatch):
+    """A drafter written into a directory since removed leaves no mark behind once another check passes."""
+    monkeypatch.setenv("TREESERVE_CACHE", str(tmp_path / "cache"))
+    facts = {**target.model.config.to_dict(), "_path": None}
+    gone, kept = write_eagle3(tmp_path / "gone", target.model), write_eagle3(tmp_path / "kept", target.model)
+    check_drafter(facts, gone)
+    shutil.rmtree(gone)
+    check_drafter(facts, kept)
+    marks = list((tmp_path / "cache" / "checks").iterdir())
+    assert [Path(mark.read_text().split()[0]).resolve() for mark in marks] == [(kept / "model.safetensors").resolve()]

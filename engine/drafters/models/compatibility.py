@@ -372,11 +372,23 @@ def _check_weights(model_dir: Path, raw, layout: str, vocab: int, hidden: int, l
     if passed is not None:
         try:
             passed.parent.mkdir(parents=True, exist_ok=True)
+            _forget_gone(passed.parent)
             partial = passed.with_suffix(f".{os.getpid()}.tmp")
             partial.write_text(str(files[0]) + "\n")
             os.replace(partial, passed)
         except OSError:  # a read-only cache: checked again next time
             pass
+
+
+def _forget_gone(checks: Path) -> None:
+    """Remove the marks of weight files that no longer exist (each mark names its file): drafters trained into
+    temporary directories (tests, `treeserve train` runs thrown away) would otherwise leave a mark each, forever."""
+    for mark in checks.glob("drafter-weights-*.ok"):
+        try:
+            if not Path(mark.read_text().splitlines()[0]).exists():
+                mark.unlink()
+        except (OSError, IndexError):  # another process removed it, or a mark being written
+            continue
 
 
 def _passed_mark(weights: Path, raw, layout: str, vocab: int, hidden: int, layers: int) -> Path | None:
