@@ -31,7 +31,7 @@ import grpc
 
 from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
 from treeserve.engine.models.loading import resolve_model_dir
-from treeserve.services.client_harness import Stream, clock, inter_token_latencies, percentile
+from treeserve.services.client_harness import Stream, clock, latencies_around, percentile
 from treeserve.services.client import open_channel
 from treeserve.v1 import generation_pb2 as gen
 from treeserve.v1 import generation_pb2_grpc as gen_grpc
@@ -115,9 +115,9 @@ def chunked(stub, streams: int, long_tokens: int, max_new_tokens: int) -> dict:
         t.join()
     before, during = [], []
     for r in results:
-        gaps = inter_token_latencies(r["arrivals"])
-        for (at, _), gap in zip(r["arrivals"][1:], gaps):
-            (during if arrived <= at <= first + gap else before if at < arrived else []).append(gap)
+        r_before, r_during = latencies_around(r["arrivals"], arrived, first)
+        before += r_before
+        during += r_during
     p95_before, p95_during = percentile(before, 95), percentile(during, 95)
     return {"streams": streams, "long_prompt_ttft_ms": 1e3 * long["ttft"], "itl_ms_p95_before": 1e3 * p95_before,
             "itl_ms_p95_during": 1e3 * p95_during, "ratio": p95_during / p95_before,

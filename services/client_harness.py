@@ -52,6 +52,18 @@ def inter_token_latencies(arrivals: list[tuple[float, int]]) -> list[float]:
     return out
 
 
+def latencies_around(arrivals: list[tuple[float, int]], start: float, end: float) -> tuple[list[float], list[float]]:
+    """A stream's ITLs (`inter_token_latencies`) split by when their message arrived: (before `start`, from `start`
+    to `end` or within one of its gaps after it), e.g. around another request's prefill; a message's tokens go to
+    one side together, later ones to neither."""
+    before: list[float] = []
+    during: list[float] = []
+    for (t0, _), (t1, n) in zip(arrivals, arrivals[1:]):
+        gap = (t1 - t0) / n
+        (during if start <= t1 <= end + gap else before if t1 < start else []).extend([gap] * n)
+    return before, during
+
+
 def latencies(streams: list[Stream]) -> tuple[list[float], list[float]]:
     """(TTFT per stream that received tokens, ITL per token after each stream's first message), in seconds."""
     ttft = [s.ttft for s in streams if s.ttft is not None]

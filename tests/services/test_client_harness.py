@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from treeserve.services.client_harness import Stream, inter_token_latencies, latencies, percentile
+from treeserve.services.client_harness import (Stream, inter_token_latencies, latencies, latencies_around,
+                                                percentile)
 
 
 def test_inter_token_latency_spreads_a_message_over_its_tokens():
@@ -18,6 +19,14 @@ def test_inter_token_latency_spreads_a_message_over_its_tokens():
     assert inter_token_latencies(arrivals) == pytest.approx([0.1, 0.1, 0.1, 0.1])
     assert inter_token_latencies(arrivals[:1]) == []
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and math.isnan(percentile([], 95))
+
+
+def test_latencies_around_an_event_keep_a_message_s_tokens_together():
+    # messages of 1, 3 and 2 tokens after the first; the event from 3.5 s to 4.2 s
+    arrivals = [(0.0, 1), (1.0, 1), (4.0, 3), (6.0, 2), (9.0, 1)]
+    before, during = latencies_around(arrivals, 3.5, 4.2)
+    assert before == [1.0] and during == [1.0, 1.0, 1.0]  # the 3-token message, whole; later ones on neither side
+    assert latencies_around(arrivals, 5.0, 5.5) == ([1.0, 1.0, 1.0, 1.0], [1.0, 1.0])  # within one gap of its end
 
 
 def test_percentile_is_numpys_linear_interpolation():
