@@ -81,6 +81,7 @@ COPY pyproject.toml setup.py README.md ./src/
 COPY proto ./src/proto
 COPY engine ./src/engine
 COPY services ./src/services
+COPY tools ./src/tools
 COPY cli ./src/cli
 # Building generates the gRPC stubs (treeserve.v1) from proto/ with the pinned grpcio-tools.
 RUN pip install ./src

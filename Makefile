@@ -45,7 +45,7 @@ browser:
 	else echo "make: chromium is not installed (needs root and apt-get); the browser test will be skipped"; fi
 
 # The broad corpus's Debian sources (manual pages and their translations, gettext catalogues, the Python docs,
-# Debian's guides, the Jargon File; engine/training/sources/registry.py): apt-get install where root, a warning
+# Debian's guides, the Jargon File; tools/training/sources/registry.py): apt-get install where root, a warning
 # elsewhere. `treeserve make-corpus --install-sources` does the same; `make test` never needs them (fixtures).
 corpus-sources: setup
 	$(BIN)/treeserve make-corpus --install-sources --write-card --out .cache/corpus-sources

@@ -1,9 +1,9 @@
 """Build hooks: map the top-level folders into the `treeserve` namespace and generate gRPC stubs.
 
-The repository keeps `engine/`, `services/` and `cli/` at the top level (docs/design.md section 2); installed, they are
-`treeserve.engine`, `treeserve.services` and `treeserve.cli`, so no generic top-level module is created. The `.proto`
-files under `proto/treeserve/v1/` are compiled by grpcio-tools whenever the project is built into the package
-`treeserve.v1`: the import path in the generated code follows the proto path, so nothing is patched.
+The repository keeps `engine/`, `services/`, `tools/` and `cli/` at the top level (docs/design.md section 2); installed,
+they are `treeserve.engine`, `treeserve.services`, `treeserve.tools` and `treeserve.cli`, so no generic top-level module
+is created. The `.proto` files under `proto/treeserve/v1/` are compiled by grpcio-tools whenever the project is built
+into the package `treeserve.v1`: the import path in the generated code follows the proto path, so nothing is patched.
 """
 
 from pathlib import Path
@@ -11,7 +11,8 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).parent.resolve()
-FOLDERS = {"engine": "treeserve.engine", "services": "treeserve.services", "cli": "treeserve.cli"}
+FOLDERS = {"engine": "treeserve.engine", "services": "treeserve.services", "tools": "treeserve.tools",
+           "cli": "treeserve.cli"}
 PROTO_ROOT = ROOT / "proto"
 # Generated, never committed (.gitignore); an editable install imports `treeserve.v1` from here.
 STUB_ROOT = ROOT / "build" / "proto_stubs"

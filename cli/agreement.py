@@ -2,11 +2,11 @@
 
 The target greedily answers each prompt (first turn, chat template); the drafter is then teacher-forced on
 the same sequence, and at every answer position its top-1 and top-k are compared with the target's
-token (engine/training/agreement.py). This is the per-token acceptance a greedy chain sees, measured on
+token (tools/training/agreement.py). This is the per-token acceptance a greedy chain sees, measured on
 prompts the drafter never saw.
 
 `--kind parallel` measures a parallel drafter instead, per position 1..k+1 of one forward (position j+1 reads
-[MASK]_j; engine/training/parallel.py dev_agreement), printed as one JSON object.
+[MASK]_j; tools/training/parallel.py dev_agreement), printed as one JSON object.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.engine.drafters.models.base import DrafterModel
     from treeserve.engine.drafters.models.loading import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
-    from treeserve.engine.training.agreement import Counts, depth_table, greedy_sequence
-    from treeserve.engine.training.chain_acceptance import ChainCounts, chain_hits, target_features
+    from treeserve.tools.training.agreement import Counts, depth_table, greedy_sequence
+    from treeserve.tools.training.chain_acceptance import ChainCounts, chain_hits, target_features
 
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top_k < 1 or args.depth < 1:
         raise ValueError("--num-prompts, --max-new-tokens, --top-k and --depth must be >= 1")
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             result["also"] = {"prompts_file": str(args.also_prompts),
                               **also_counts[name].result(len(also), args.max_new_tokens, args.top_k)}
         if args.write_card:
-            from treeserve.engine.training.model_card import write_drafter_card
+            from treeserve.tools.training.model_card import write_drafter_card
 
             write_drafter_card(drafter_dir(name), result, args, name)
         label = f"{name}: " if len(counts) > 1 else ""
@@ -114,7 +114,7 @@ def run_parallel(args: argparse.Namespace) -> int:
     """`--kind parallel`: per-position agreement of one parallel drafter, as JSON."""
     from treeserve.engine.drafters.models.loading import load_parallel_drafter
     from treeserve.engine.models.loading import load_causal_lm
-    from treeserve.engine.training.parallel import dev_agreement
+    from treeserve.tools.training.parallel import dev_agreement
 
     drafters = args.drafter or ["parallel"]
     if len(drafters) != 1 or args.write_card:

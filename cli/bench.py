@@ -9,7 +9,7 @@ forwards, their KV cache upkeep, warping and row summaries), and the shares of s
 trees and verifying them and in the drafter runner outside its model forwards. A second table gives every
 category's speedup, so a method that wins on one kind of prompt and loses on another shows.
 
-- `--peers hf` adds what a user would pick instead (engine/bench/peers.py): HF greedy `generate`, HF
+- `--peers hf` adds what a user would pick instead (tools/bench/peers.py): HF greedy `generate`, HF
   prompt-lookup decoding and HF assisted generation with a shipped drafter, on the same prompts, in the same
   interleaved repeats, under the same greedy check.
 - `--warmup-prompts` untimed prompts (not from the dev set) run through every method first, so
@@ -17,10 +17,10 @@ category's speedup, so a method that wins on one kind of prompt and loses on ano
   method) several times, interleaved, and the run of median wall time counts.
 - `--answers-dir` writes one Spec-Bench answer file per method, read unmodified by Spec-Bench's
   `evaluation/speed.py` (`--base-path` = the autoregressive file).
-- `--plot DIR` draws the pictures (engine/bench/plots.py); it runs the untimed budget sweep (each builder at
+- `--plot DIR` draws the pictures (tools/bench/plots.py); it runs the untimed budget sweep (each builder at
   budgets 8/16/32/64: MAL against candidate tokens per step) that `--sweep` also runs alone.
 - A table titled PROJECTED gives each method's speedup on the 4xA100 layouts from its measured MAL and tree
-  sizes and a documented cost model (engine/bench/projection.py); it is never mixed with measured columns.
+  sizes and a documented cost model (tools/bench/projection.py); it is never mixed with measured columns.
 - `--service` (services/bench_service.py) measures the gRPC service instead: concurrent streams, TTFT, ITL,
   equality with in-process greedy of `--target`. It starts the service from `--config`, or with `--address
   HOST:PORT` loads a service already running there (a deployed one: `--tls-ca`, `--tls-server-name`,
@@ -42,10 +42,6 @@ import json
 import socket
 from pathlib import Path
 
-from treeserve.engine.bench.greedy import greedy_reference
-from treeserve.engine.bench.options import DEFAULT_METHODS, PEER_SETS, SWEEP_BUDGETS, SWEEP_METHODS, BenchOptions
-from treeserve.engine.bench.run import run_bench
-from treeserve.engine.bench.runner import BENCH_METHODS
 from treeserve.engine.dev_prompts import DEV_PROMPTS, load_prompts
 from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 from treeserve.engine.methods import SERVED_METHODS  # torch-free
@@ -53,6 +49,10 @@ from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.services.bench_service import CONCURRENCY, SERVICE_APIS, API_NAMES, measure, service_table
 from treeserve.services.launch import (DEFAULT_CONFIG, DEFAULT_CONTROL_PLANE_NICE, api_address, load_config,
                                        start_service, stop_service)
+from treeserve.tools.bench.greedy import greedy_reference
+from treeserve.tools.bench.options import DEFAULT_METHODS, PEER_SETS, SWEEP_BUDGETS, SWEEP_METHODS, BenchOptions
+from treeserve.tools.bench.run import run_bench
+from treeserve.tools.bench.runner import BENCH_METHODS
 from .connection import add_credential_arguments, credentials
 
 EXAMPLES = """examples:
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
-    """The in-process bench's options (engine/bench/options.py BenchOptions, field for field)."""
+    """The in-process bench's options (tools/bench/options.py BenchOptions, field for field)."""
     parser.add_argument("--prompts", type=Path, default=DEV_PROMPTS,
                         help="Spec-Bench-format jsonl (default: the vendored dev questions, benchmarks/data)")
     parser.add_argument("--num-prompts", type=int, default=24, help="prompts used, balanced over categories (default: %(default)s)")
@@ -153,7 +153,7 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured (preset and TP size) from it instead of ASSUMED efficiencies, and says so")
     parser.add_argument("--projection", action=argparse.BooleanOptionalAction, default=True,
                         help="print the PROJECTED speedups on the 4xA100 layouts (cost model of "
-                             "engine/bench/projection.py; a table of its own, never mixed with measurements)")
+                             "tools/bench/projection.py; a table of its own, never mixed with measurements)")
 
 
 def add_service_arguments(parser: argparse.ArgumentParser) -> None:

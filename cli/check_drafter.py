@@ -80,7 +80,7 @@ def agreement(target: str, drafter: str, chat_template: str | None, dtype: str, 
     from treeserve.engine.drafters.models.loading import load_drafter
     from treeserve.engine.models.loading import chat_ids, load_causal_lm
     from treeserve.engine.factory import parse_dtype
-    from treeserve.engine.training.agreement import Counts, greedy_sequence
+    from treeserve.tools.training.agreement import Counts, greedy_sequence
 
     torch_dtype = parse_dtype(dtype)
     loaded = load_causal_lm(target, dtype=torch_dtype, chat_template=chat_template)

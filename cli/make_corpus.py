@@ -20,15 +20,15 @@ from treeserve.engine.devices import check_device
 from treeserve.engine.drafters.models.formats import default_feature_layers
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.models.paths import cache_root
-from treeserve.engine.training.broad_mix import BROAD_KINDS, BenchmarkGuard
-from treeserve.engine.training.corpus import (BROAD_CORPUS_DIR, DEFAULT_CORPUS_DIR, LEGACY_RECIPE, CorpusConfig,
+from treeserve.tools.training.broad_mix import BROAD_KINDS, BenchmarkGuard
+from treeserve.tools.training.corpus import (BROAD_CORPUS_DIR, DEFAULT_CORPUS_DIR, LEGACY_RECIPE, CorpusConfig,
                                               build_corpus, corpus_summary)
-from treeserve.engine.training.corpus_card import write_corpus_card
-from treeserve.engine.training.heldout import HeldOutSplit, evaluation_rows, split_library, write_evaluation_set
-from treeserve.engine.training.prompt_mix import evaluation_texts
-from treeserve.engine.training.sources.install import install_sources
-from treeserve.engine.training.sources.registry import SourceLibrary, load_library
-from treeserve.engine.training.sources.snapshot import load_snapshot, save_snapshot
+from treeserve.tools.training.corpus_card import write_corpus_card
+from treeserve.tools.training.heldout import HeldOutSplit, evaluation_rows, split_library, write_evaluation_set
+from treeserve.tools.training.prompt_mix import evaluation_texts
+from treeserve.tools.training.sources.install import install_sources
+from treeserve.tools.training.sources.registry import SourceLibrary, load_library
+from treeserve.tools.training.sources.snapshot import load_snapshot, save_snapshot
 from .options import add_dataclass_options
 
 

@@ -19,7 +19,7 @@ of the fused kernels compiled on a GPU, engine/runners/fused_ops.py) instead of 
 
 `--json-out` writes the curve (schema treeserve.costcurve/1, engine/hardware/cost_curve.py); the budget chooser
 (engine/budget.py `profile_from_cost_curve`, `measure_profile(cost_curve=...)`) and the PROJECTED cost model
-(engine/bench/projection.py `load_layouts(cost_curve=...)`) read it instead of ASSUMED efficiencies.
+(tools/bench/projection.py `load_layouts(cost_curve=...)`) read it instead of ASSUMED efficiencies.
 
 usage:
   treeserve profile --model default --nodes 1 4 16 --batch 1 4 --repeats 3

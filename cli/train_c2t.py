@@ -13,9 +13,9 @@ from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.drafters.models.loading import load_drafter, target_feature_layers
 from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.training import prompts as sources
-from treeserve.engine.training.c2t import C2TTrainConfig, collect, train_classifier
-from treeserve.engine.training.prompts import prompt_texts
+from treeserve.tools.training import prompts as sources
+from treeserve.tools.training.c2t import C2TTrainConfig, collect, train_classifier
+from treeserve.tools.training.prompts import prompt_texts
 from .options import add_dataclass_options
 
 

@@ -12,11 +12,11 @@ from treeserve.engine.drafters.models.eagle import is_eagle_drafter
 from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.models.paths import cache_root
-from treeserve.engine.training.distill_data import DistillDataConfig, build_distill_data, load_distill_data
-from treeserve.engine.training.drafter import DrafterTrainConfig, train_drafter
-from treeserve.engine.training.eagle import EagleTrainConfig, target_features, train_eagle
-from treeserve.engine.training.model_card import portable_card
-from treeserve.engine.training.parallel import ParallelTrainConfig, train_parallel_drafter
+from treeserve.tools.training.distill_data import DistillDataConfig, build_distill_data, load_distill_data
+from treeserve.tools.training.drafter import DrafterTrainConfig, train_drafter
+from treeserve.tools.training.eagle import EagleTrainConfig, target_features, train_eagle
+from treeserve.tools.training.model_card import portable_card
+from treeserve.tools.training.parallel import ParallelTrainConfig, train_parallel_drafter
 from .options import add_dataclass_options
 
 

@@ -15,9 +15,9 @@ from treeserve.engine.drafters.models.formats import default_feature_layers
 from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.models.paths import cache_root
-from treeserve.engine.training.corpus import DEFAULT_CORPUS_DIR, compute_chunk_features, corpus_summary, features_path
-from treeserve.engine.training.broad_mix import BROAD_KINDS
-from treeserve.engine.training.eagle3 import Eagle3TrainConfig, load_corpus, train_eagle3
+from treeserve.tools.training.corpus import DEFAULT_CORPUS_DIR, compute_chunk_features, corpus_summary, features_path
+from treeserve.tools.training.broad_mix import BROAD_KINDS
+from treeserve.tools.training.eagle3 import Eagle3TrainConfig, load_corpus, train_eagle3
 from .options import add_dataclass_options
 
 

@@ -1,5 +1,5 @@
 """`treeserve tune-c2t`: choose a trained C2T classifier's confidence threshold beta against EAGLE-2 on tuning
-prompts (never the dev set), and record it in the classifier and its card (engine/training/c2t_tune.py)."""
+prompts (never the dev set), and record it in the classifier and its card (tools/training/c2t_tune.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from treeserve.engine.c2t_classifier import C2TClassifier
 from treeserve.engine.drafters.loading import drafter_classifier_path
 from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
 from treeserve.engine.factory import build_engine
-from treeserve.engine.training.c2t_tune import DEFAULT_BETAS, TUNING_PROMPTS, choose_beta, record_beta, sweep_betas
-from treeserve.engine.training.prompts import prompt_texts
+from treeserve.tools.training.c2t_tune import DEFAULT_BETAS, TUNING_PROMPTS, choose_beta, record_beta, sweep_betas
+from treeserve.tools.training.prompts import prompt_texts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

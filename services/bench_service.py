@@ -22,7 +22,7 @@ reports:
   without `[DONE]` (INCOMPLETE_SSE), no connection (UNAVAILABLE) or a timeout (DEADLINE_EXCEEDED);
 - MAL from the service's own statistics (the OpenAI API's `usage.speculation`);
 - equality with in-process greedy: every stream's tokens against the target's own greedy `generate` on the
-  same prompt (engine/bench/greedy.py GreedyCheck: divergence allowed only at a near-tie of the top-2 logits).
+  same prompt (engine/greedy_rule.py GreedyCheck: divergence allowed only at a near-tie of the top-2 logits).
 
 The OpenAI API's chunks carry text, not token ids, so there (`compare_text`) the streamed text is compared with
 the text of the greedy ids as the Router streams it (decoded without special tokens), the token count is
@@ -43,7 +43,7 @@ import ssl
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from treeserve.engine.bench.greedy import GreedyCheck, Verdict, divergence_verdict
+from treeserve.engine.greedy_rule import GreedyCheck, Verdict, divergence_verdict
 from .client_harness import Stream, clock, latencies, percentile
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

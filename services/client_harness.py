@@ -10,7 +10,7 @@ services/loadtest_report.py) and benchmarks/kv_service.py.
 - `percentile`: linear interpolation between the closest ranks.
 
 Whether a greedy stream equals the in-process greedy answer (divergence allowed only at a near-tie of the
-reference's top-2 logits) is engine/bench/greedy.py's rule, which the in-process bench shares.
+reference's top-2 logits) is engine/greedy_rule.py's rule, which the in-process bench shares.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ requests: every method of `methods`, greedy and sampled, streamed and unary; `ma
 (garbage bytes, empty prompt, bad sampling, unknown method, token ids outside the vocabulary, too many new
 tokens) and `cancel` of them cancelled by the client after a message or two. At `kill_at` it kills one replica
 of `kill` through Ray. `judge` gives every valid request a verdict against the target's own greedy answer
-computed in-process (`Reference`): ok, lost, corrupted, or a near-tie divergence (engine/bench/greedy.py's rule:
+computed in-process (`Reference`): ok, lost, corrupted, or a near-tie divergence (engine/greedy_rule.py's rule:
 the top two logits within `tie_epsilon`). A request refused with RESOURCE_EXHAUSTED because the router was full
 is retried after a short pause (what a client should do); those refusals are counted, not lost. Each request is a
 services/client_harness.py `Stream`; services/loadtest_report.py turns the outcomes into the report.
@@ -25,8 +25,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from treeserve.engine.bench.greedy import TIE_GAP, greedy_verdict
 from treeserve.engine.dev_prompts import DEV_PROMPTS
+from treeserve.engine.greedy_rule import TIE_GAP, greedy_verdict
 from treeserve.engine.requests import GenerationRequest
 from .client_harness import Stream, clock
 

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_no_generic_top_level_modules_installed(tmp_path):
     # From outside the checkout (the repository root itself would be on sys.path), only `treeserve` imports.
-    code = ("import importlib.util as u; import treeserve.engine, treeserve.services, treeserve.v1; "
-            "print([n for n in ('engine', 'services', 'deploy', 'helm') if u.find_spec(n)])")
+    code = ("import importlib.util as u; import treeserve.engine, treeserve.services, treeserve.tools, treeserve.v1; "
+            "print([n for n in ('engine', 'services', 'tools', 'deploy', 'helm') if u.find_spec(n)])")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from treeserve.cli.main import SUBCOMMANDS, build_parser
-from treeserve.engine.bench.options import PEER_SETS
-from treeserve.engine.bench.runner import parse_entry
+from treeserve.tools.bench.options import PEER_SETS
+from treeserve.tools.bench.runner import parse_entry
 from treeserve.engine.hardware.profile_model import preset_config, rank_config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "acceptance.sh"

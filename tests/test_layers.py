@@ -1,17 +1,18 @@
 """The layer rules (docs/design.md section 2), checked statically on every import statement of every module (those
 inside functions included, relative ones resolved), parsed with ast:
 
-- engine/ is a plain library (no Ray, no gRPC, nothing of services/ or cli/); services/ never reaches up into the
-  command layer cli/; only cli/ parses command lines (argparse).
+- engine/ is a plain library (no Ray, no gRPC, nothing of services/, tools/ or cli/); tools/ (the bench and the
+  training) stands on engine/ alone (no Ray, no gRPC, nothing of services/ or cli/); services/ reaches neither
+  into tools/ nor up into the command layer cli/; only cli/ parses command lines (argparse).
 - Inside engine/, floors that import only downward (a floor may import its own floor and those below), and no
-  import cycle among its packages and top-level modules.
-- No import cycle among the modules of engine/, services/ and cli/, function-local imports included (a module's
-  import of a package it lies in is no edge: Python imports that package first).
+  import cycle among its packages and top-level modules; none among tools/' packages either.
+- No import cycle among the modules of engine/, services/, tools/ and cli/, function-local imports included (a
+  module's import of a package it lies in is no edge: Python imports that package first).
 - TreeServe's own modules are imported at module level (in engine/, only its torch-free modules may import one
   inside a function), except where the imported module brings one of the
   optional heavy dependencies (HEAVY) that the importing module does without: the CLI's commands load torch or
-  Ray only when they run, config validation reads drafters and lookup settings without torch. The engine's
-  torch-free modules (TORCH_FREE) really import without torch.
+  Ray only when they run, config validation reads drafters and lookup settings without torch. The engine's and
+  the tools' torch-free modules (TORCH_FREE, TOOLS_TORCH_FREE) really import without torch.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"engine": "treeserve.engine", "services": "treeserve.services", "cli": "treeserve.cli"}
+PACKAGES = {"engine": "treeserve.engine", "services": "treeserve.services", "tools": "treeserve.tools",
+            "cli": "treeserve.cli"}
 # folder -> top-level modules / treeserve packages its code must not import
 FORBIDDEN = {
-    "engine": ("treeserve.cli", "treeserve.services", "ray", "grpc", "argparse"),
-    "services": ("treeserve.cli", "argparse"),
+    "engine": ("treeserve.cli", "treeserve.services", "treeserve.tools", "ray", "grpc", "argparse"),
+    "services": ("treeserve.cli", "treeserve.tools", "argparse"),
+    "tools": ("treeserve.cli", "treeserve.services", "ray", "grpc", "argparse"),
 }
 # The engine's floors, lowest first: a module's floor is that of its longest listed prefix (relative to engine/).
 FLOORS: tuple[tuple[str, ...], ...] = (
@@ -37,7 +40,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
      "drafters.models.compatibility", "drafters.models.formats", "lookup", "lookup.session", "lookup.suffix_index",
      "lookup.shared_outputs", "hardware.cost_curve", "lanes", "kv_settings", "grammar.spec", "models.paths",
-     "models.conversion"),
+     "models.conversion", "greedy_rule"),
     # 1. token trees, sampling, penalties, verification and the C2T classifier: pure functions over tensors
     ("tree", "sampling", "processors", "verify", "acceptance", "c2t_classifier", "grammar"),
     # 2. models and the runners that keep their KV caches; what a step costs on this machine
@@ -48,8 +51,6 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("drafters",),
     # 5. the engine and its factory
     ("speculative_engine", "step_recorder", "factory"),
-    # 6. tools over the engine: the bench and the training loops
-    ("bench", "training"),
 )
 # The optional heavy dependencies: a module may import one of TreeServe's modules inside a function only when that
 # module brings one of these (at import, through its own module-level imports) and the importing one does not.
@@ -60,8 +61,10 @@ HEAVY = ("torch", "transformers", "ray", "grpc", "numpy", "safetensors")
 # and the CLI builds its options from them, in processes that never load a model.
 TORCH_FREE = ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
               "drafters.models.compatibility", "drafters.models.formats", "lookup", "lookup.session",
-              "hardware.cost_curve", "bench.options", "kv_settings", "grammar.spec", "models.paths",
-              "models.conversion")
+              "hardware.cost_curve", "kv_settings", "grammar.spec", "models.paths", "models.conversion",
+              "greedy_rule")
+# The same inside tools/: the bench's options, from which the CLI builds `treeserve bench`'s arguments.
+TOOLS_TORCH_FREE = ("bench.options",)
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -92,9 +95,10 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str, bool]]:
     return found
 
 
-def engine_modules() -> dict[str, Path]:
-    """Every engine module by its name relative to engine/ ("" for the package itself)."""
-    return {module_name(p).removeprefix("treeserve.engine").lstrip("."): p for p in sorted((ROOT / "engine").rglob("*.py"))}
+def engine_modules(folder: str = "engine") -> dict[str, Path]:
+    """Every module of the folder (engine/ unless told) by its name relative to it ("" for the package itself)."""
+    return {module_name(p).removeprefix(PACKAGES[folder]).lstrip("."): p
+            for p in sorted((ROOT / folder).rglob("*.py"))}
 
 
 def floor_of(name: str) -> int:
@@ -106,19 +110,19 @@ def floor_of(name: str) -> int:
     return floor
 
 
-def engine_import_edges(module_level_only: bool = False) -> list[tuple[str, str, str]]:
+def engine_import_edges(module_level_only: bool = False, folder: str = "engine") -> list[tuple[str, str, str]]:
     """(importing module, imported engine module, "file:line") for every import of an engine module by an engine
-    module (only those at module level if asked); a `from package import name` counts as the package when `name`
-    is no module of it."""
-    modules = engine_modules()
+    module (only those at module level if asked), or the same inside another folder; a `from package import name`
+    counts as the package when `name` is no module of it."""
+    modules = engine_modules(folder)
     edges = []
     for source, path in modules.items():
         for line, name, inside in imports(path):
             if inside and module_level_only:
                 continue
-            if not name.startswith("treeserve.engine."):
+            if not name.startswith(PACKAGES[folder] + "."):
                 continue
-            target = name.removeprefix("treeserve.engine.")
+            target = name.removeprefix(PACKAGES[folder] + ".")
             while target and target not in modules:
                 target = target.rpartition(".")[0]
             edge = (source, target, f"{path.relative_to(ROOT)}:{line}")
@@ -189,12 +193,13 @@ def test_engine_floors_import_only_downwards():
     assert not upward, "\n".join(upward)
 
 
-def test_no_import_cycle_among_engine_packages():
-    assert cycles(engine_import_edges()) == []
+@pytest.mark.parametrize("folder", ["engine", "tools"])
+def test_no_import_cycle_among_packages(folder):
+    assert cycles(engine_import_edges(folder=folder)) == []
 
 
 def all_modules() -> dict[str, Path]:
-    """Every module of engine/, services/ and cli/ by its dotted name."""
+    """Every module of engine/, services/, tools/ and cli/ by its dotted name."""
     return {module_name(p): p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))}
 
 
@@ -308,16 +313,19 @@ def test_own_modules_are_imported_at_module_level():
     assert not lazy, "\n".join(sorted(set(lazy)))
 
 
-def test_engine_imports_its_own_modules_at_module_level():
-    """Stricter inside engine/: only the torch-free modules may import a module of the engine in a function."""
+@pytest.mark.parametrize("folder, torch_free", [("engine", TORCH_FREE), ("tools", TOOLS_TORCH_FREE)])
+def test_libraries_import_their_own_modules_at_module_level(folder, torch_free):
+    """Stricter inside engine/ and tools/: only the torch-free modules may import a module of TreeServe in a
+    function."""
     lazy = [f"{path.relative_to(ROOT)}:{line} imports {name} inside a function"
-            for name_, path in engine_modules().items() if name_ not in TORCH_FREE
+            for name_, path in engine_modules(folder).items() if name_ not in torch_free
             for line, name, inside in imports(path) if inside and name.startswith("treeserve.")]
     assert not lazy, "\n".join(lazy)
 
 
 def test_torch_free_modules_import_without_torch():
-    names = [f"treeserve.engine.{name}" for name in TORCH_FREE]
+    names = [f"treeserve.engine.{name}" for name in TORCH_FREE] + [f"treeserve.tools.{name}"
+                                                                     for name in TOOLS_TORCH_FREE]
     code = (f"import sys\nfor name in {names!r}:\n    __import__(name)\n"
             "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

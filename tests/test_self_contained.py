@@ -63,7 +63,7 @@ def test_shipped_drafter_cards_hold_no_absolute_paths():
 
 def test_trainers_write_portable_paths(tmp_path, monkeypatch):
     from treeserve.engine.models.loading import portable_path
-    from treeserve.engine.training.model_card import portable_card
+    from treeserve.tools.training.model_card import portable_card
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TREESERVE_CACHE", str(cache))

@@ -24,14 +24,14 @@ ROOT=$PWD
 KEEP=/root/keep
 SLIM=${TREESERVE_SLIM_DIR:-/tmp/treeserve-slim}
 MOVABLE=(engine/drafters/weights/distilled engine/drafters/weights/eagle engine/drafters/weights/parallel
-         engine/training/corpus_chunks engine/drafters/weights/eagle3)
+         tools/training/corpus_chunks engine/drafters/weights/eagle3)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 PART0_BYTES=60000000
 
-# The checkout as the `treeserve` namespace (setup.py maps engine/ services/ cli/ there) without an install.
+# The checkout as the `treeserve` namespace (setup.py maps engine/ services/ tools/ cli/ there) without an install.
 shim() {
   mkdir -p /tmp/ts/treeserve
-  for d in engine services cli; do ln -sfn "$ROOT/$d" "/tmp/ts/treeserve/$d"; done
+  for d in engine services tools cli; do ln -sfn "$ROOT/$d" "/tmp/ts/treeserve/$d"; done
   export PYTHONPATH="/tmp/ts:$KEEP/pkgs${PYTHONPATH:+:$PYTHONPATH}"
   export TREESERVE_CACHE="$KEEP/cache" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   mkdir -p "$TREESERVE_CACHE" "${OUT:=/tmp/out}"

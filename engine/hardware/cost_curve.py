@@ -1,7 +1,7 @@
 """A measured cost curve: T(n nodes, batch), the time of one tree forward, and the bounds beside it.
 
 `treeserve profile` (cli/profile.py) measures it (engine/hardware/cost_measure.py) and writes it as JSON; the
-budget chooser (engine/budget.py `profile_from_cost_curve`) and the PROJECTED table (engine/bench/projection.py)
+budget chooser (engine/budget.py `profile_from_cost_curve`) and the PROJECTED table (tools/bench/projection.py)
 read it instead of ASSUMED efficiencies. This module is the file's schema only: torch-free, so readers that
 never run a model (the projection) load it without importing torch.
 

@@ -1,8 +1,8 @@
-"""engine/bench/greedy.py: the one near-tie rule of the in-process bench, the service bench and the load test."""
+"""engine/greedy_rule.py: the one near-tie rule of the in-process bench, the service bench and the load test."""
 
 from __future__ import annotations
 
-from treeserve.engine.bench.greedy import TIE_GAP, GreedyCheck, greedy_verdict
+from treeserve.engine.greedy_rule import TIE_GAP, GreedyCheck, greedy_verdict
 
 
 def test_a_divergence_is_allowed_only_at_a_near_tie():

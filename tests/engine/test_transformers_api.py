@@ -25,7 +25,7 @@ from treeserve.engine.drafters.models.parallel import ParallelDrafterModel
 from treeserve.engine.models.hf_cache import cache_keyword
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
-from treeserve.engine.training.corpus import decode_batch
+from treeserve.tools.training.corpus import decode_batch
 
 RENAMED_IN = Version("5.24.0")
 

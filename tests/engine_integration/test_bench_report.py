@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from treeserve.cli import bench
-from treeserve.engine.bench import peers as peers_module
-from treeserve.engine.bench.greedy import greedy_reference
-from treeserve.engine.bench.peers import ForwardLog, HFPeer, build_peers, hf_assistant, step_counts
-from treeserve.engine.bench.report import MethodStats, summarize
-from treeserve.engine.bench.runner import AR_KEY, HF_KEY
+from treeserve.tools.bench import peers as peers_module
+from treeserve.tools.bench.greedy import greedy_reference
+from treeserve.tools.bench.peers import ForwardLog, HFPeer, build_peers, hf_assistant, step_counts
+from treeserve.tools.bench.report import MethodStats, summarize
+from treeserve.tools.bench.runner import AR_KEY, HF_KEY
 from treeserve.engine.drafters.models.base import DrafterModel
 from treeserve.engine.models.loading import chat_ids
 
@@ -193,7 +193,7 @@ def test_forward_log_reads_first_position(tiny):
 
 
 def test_projection_cost_model():
-    from treeserve.engine.bench import projection as bp
+    from treeserve.tools.bench import projection as bp
 
     layouts = bp.load_layouts()
     assert [lay.name for lay in layouts] == ["Llama-2-70B 4xA100", "Vicuna-33B 4xA100"]
@@ -218,7 +218,7 @@ def test_projection_cost_model():
 
 
 def test_summaries_compare_with_both_baselines():
-    from treeserve.engine.bench.peers import Outcome
+    from treeserve.tools.bench.peers import Outcome
 
     stats = {AR_KEY: MethodStats("autoregressive", "auto"), HF_KEY: MethodStats("hf-generate", "-", "peer"),
              "c2t:auto": MethodStats("c2t", "auto", drafter="eagle")}

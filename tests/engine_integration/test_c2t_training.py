@@ -14,10 +14,10 @@ from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.builders import Eagle2Builder
 from treeserve.engine.requests import SamplingParams
-from treeserve.engine.training.c2t import C2TTrainConfig, accepted_mask, answer_positions, collect, greedy_answer, train_classifier
+from treeserve.tools.training.c2t import C2TTrainConfig, accepted_mask, answer_positions, collect, greedy_answer, train_classifier
 from treeserve.engine.verify import verify_tree
 from treeserve.engine.runners.target import ScoreRequest
-from treeserve.engine.training.c2t_tune import SweepPoint, choose_beta
+from treeserve.tools.training.c2t_tune import SweepPoint, choose_beta
 
 
 def test_collect_and_train_end_to_end(tiny_target_dir, tiny_drafter_dir):

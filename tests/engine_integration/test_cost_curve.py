@@ -13,10 +13,10 @@ import json
 import pytest
 import torch
 
-from treeserve.engine.bench.options import BenchOptions
+from treeserve.tools.bench.options import BenchOptions
 from treeserve.cli.main import main
 from treeserve.cli.profile import add_arguments, command_line
-from treeserve.engine.bench import projection
+from treeserve.tools.bench import projection
 from treeserve.engine.hardware.cost_curve import SCHEMA, CostCurve, ModelFacts, interpolate_ms
 from treeserve.engine.hardware.cost_measure import DeviceFacts, measure_cost_curve
 from treeserve.engine.hardware.profile_model import (build_random_model, load_profile_model, model_facts,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from treeserve.engine.bench.greedy import greedy_reference
+from treeserve.tools.bench.greedy import greedy_reference
 from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.factory import build_engine

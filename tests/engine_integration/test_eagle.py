@@ -130,8 +130,8 @@ def test_train_drafter_cli_kind_eagle(tmp_path, target, tiny_target_dir, capsys)
     as an EAGLE drafter, and `agreement` measures it with the target's features."""
     from safetensors.torch import save_file
 
-    from treeserve.engine.training.agreement import Counts
-    from treeserve.engine.training.distill_data import teacher_labels
+    from treeserve.tools.training.agreement import Counts
+    from treeserve.tools.training.distill_data import teacher_labels
     from treeserve.cli.main import main
 
     gen = torch.Generator().manual_seed(1)
@@ -173,9 +173,9 @@ def test_train_drafter_cli_kind_eagle(tmp_path, target, tiny_target_dir, capsys)
 def test_c2t_collection_with_an_eagle_drafter(target):
     """train-c2t's labelling carries the target's features to an EAGLE drafter, as the engine does: a drafter
     trained on the target's greedy continuations of the prompts gets accepted (positive) nodes."""
-    from treeserve.engine.training.c2t import C2TTrainConfig, collect
-    from treeserve.engine.training.distill_data import teacher_labels
-    from treeserve.engine.training.eagle import EagleTrainConfig, target_features, train_eagle
+    from treeserve.tools.training.c2t import C2TTrainConfig, collect
+    from treeserve.tools.training.distill_data import teacher_labels
+    from treeserve.tools.training.eagle import EagleTrainConfig, target_features, train_eagle
 
     prompts = [target.tokenizer(text)["input_ids"] for text in ("Once upon a time", "def add(a, b):")]
     sequences = [p + reference(target.model, p, 40) for p in prompts]

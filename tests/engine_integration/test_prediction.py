@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from families import pit_pvalue
-from treeserve.engine.bench.greedy import greedy_reference
+from treeserve.tools.bench.greedy import greedy_reference
 from treeserve.engine.factory import build_engine
 from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import GenerationRequest, SamplingParams

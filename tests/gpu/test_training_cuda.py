@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from treeserve.cli.main import main
-from treeserve.engine.training.corpus import chunk_stats, decode_batch
+from treeserve.tools.training.corpus import chunk_stats, decode_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

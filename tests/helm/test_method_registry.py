@@ -60,7 +60,7 @@ def test_every_cli_method_choice_is_the_registry():
 
 
 def test_bench_entries_parse_against_the_registry():
-    from treeserve.engine.bench.runner import BENCH_METHODS, parse_method
+    from treeserve.tools.bench.runner import BENCH_METHODS, parse_method
     from treeserve.engine.methods import AUTOREGRESSIVE, METHODS
 
     assert BENCH_METHODS == (AUTOREGRESSIVE, *METHODS)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from treeserve.engine.bench.greedy import greedy_reference
+from treeserve.tools.bench.greedy import greedy_reference
 from treeserve.engine.drafters.registry import SHIPPED
 from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import make_parallel_drafter
 from treeserve.cli import bench
-from treeserve.engine.bench.runner import parse_entry
+from treeserve.tools.bench.runner import parse_entry
 
 
 def test_parse_entries():

@@ -13,8 +13,8 @@ from treeserve.engine.drafters.parallel import ParallelTreeDrafter
 from treeserve.engine.factory import build_engine
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.requests import SamplingParams
-from treeserve.engine.training.distill_data import teacher_labels
-from treeserve.engine.training.parallel import ParallelTrainConfig, train_parallel_drafter
+from treeserve.tools.training.distill_data import teacher_labels
+from treeserve.tools.training.parallel import ParallelTrainConfig, train_parallel_drafter
 
 METHODS = [("chain", 5), ("static", 16), ("opt_tree", 12), ("dyspec", 24), ("eagle2", 8)]
 
@@ -122,7 +122,7 @@ def test_parallel_directory_is_recognised(tiny_target, parallel_drafter_dir):
 
 def test_dev_agreement_per_position(tiny_target, parallel_drafter_dir):
     from treeserve.engine.drafters.models.loading import load_parallel_drafter
-    from treeserve.engine.training.parallel import dev_agreement
+    from treeserve.tools.training.parallel import dev_agreement
 
     drafter = load_parallel_drafter(str(parallel_drafter_dir), tiny_target.model)
     result = dev_agreement(tiny_target.model, tiny_target.tokenizer, drafter,
@@ -139,7 +139,7 @@ def test_agreement_command_kind_parallel(tiny_target, tiny_target_dir, parallel_
     from treeserve.cli.main import main
     from treeserve.engine.dev_prompts import load_prompts
     from treeserve.engine.drafters.models.loading import load_parallel_drafter
-    from treeserve.engine.training.parallel import dev_agreement
+    from treeserve.tools.training.parallel import dev_agreement
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"

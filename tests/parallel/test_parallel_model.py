@@ -13,7 +13,7 @@ from treeserve.engine.drafters.models.loading import load_parallel_drafter
 from treeserve.engine.drafters.models.parallel import ParallelDrafterModel, is_parallel_drafter, mask_ids
 from treeserve.engine.drafters.parallel import ParallelTreeDrafter
 from treeserve.engine.requests import SamplingParams
-from treeserve.engine.training.parallel import group_distributions, group_layout
+from treeserve.tools.training.parallel import group_distributions, group_layout
 
 GREEDY = SamplingParams()
 

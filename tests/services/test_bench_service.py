@@ -9,7 +9,8 @@ import math
 import pytest
 from rich.console import Console
 
-from treeserve.engine.bench.greedy import GreedyCheck, greedy_reference
+from treeserve.engine.greedy_rule import GreedyCheck
+from treeserve.tools.bench.greedy import greedy_reference
 from treeserve.services.bench_service import StreamRecord, measure, service_table, summarize_level
 from treeserve.cli.main import main
 from treeserve.services import launch

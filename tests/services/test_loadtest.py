@@ -8,7 +8,7 @@ import json
 import pytest
 
 from treeserve.cli.main import main
-from treeserve.engine.bench.greedy import TIE_GAP
+from treeserve.engine.greedy_rule import TIE_GAP
 from treeserve.services.loadtest import LoadTest, LoadTestOptions, Outcome, load_prompts
 
 

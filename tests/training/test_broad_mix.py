@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from treeserve.engine.dev_prompts import DEV_PROMPTS
-from treeserve.engine.training import broad_mix, heldout
-from treeserve.engine.training.broad_mix import BenchmarkGuard, MixSettings, MixSources, broad_prompt_mix
-from treeserve.engine.training.corpus import CorpusConfig, chunk_specs, recipe_fields
-from treeserve.engine.training.prompt_mix import evaluation_texts, normalise
-from treeserve.engine.training.sources.base import LANGUAGE_NAMES, Document, estimate_tokens, looks_english
-from treeserve.engine.training.sources.registry import SourceLibrary, load_library
+from treeserve.tools.training import broad_mix, heldout
+from treeserve.tools.training.broad_mix import BenchmarkGuard, MixSettings, MixSources, broad_prompt_mix
+from treeserve.tools.training.corpus import CorpusConfig, chunk_specs, recipe_fields
+from treeserve.tools.training.prompt_mix import evaluation_texts, normalise
+from treeserve.tools.training.sources.base import LANGUAGE_NAMES, Document, estimate_tokens, looks_english
+from treeserve.tools.training.sources.registry import SourceLibrary, load_library
 
 TREE = Path(__file__).resolve().parent / "fixtures" / "sources"
 # The kinds that need no standard-library scan: most tests use these to stay fast.

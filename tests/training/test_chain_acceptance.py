@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from treeserve.engine.training.chain_acceptance import ChainCounts, chain_hits
+from treeserve.tools.training.chain_acceptance import ChainCounts, chain_hits
 
 
 def test_masked_chains_equal_node_by_node_drafting(target, random_eagle3):
@@ -31,11 +31,11 @@ def test_masked_chains_equal_node_by_node_drafting(target, random_eagle3):
 
 
 def test_depth_one_is_top1_agreement_and_counts_are_conditional(target, random_eagle3):
-    from treeserve.engine.training.agreement import Counts
+    from treeserve.tools.training.agreement import Counts
 
     target, drafter = target[0], random_eagle3(target[0], 400)
     sequence = torch.randint(0, 400, (20,))
-    from treeserve.engine.training.chain_acceptance import target_features
+    from treeserve.tools.training.chain_acceptance import target_features
 
     with torch.no_grad():
         feats = target_features(target, drafter, sequence)

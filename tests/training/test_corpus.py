@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from treeserve.engine.models.loading import chat_ids
-from treeserve.engine.training import corpus, prompt_mix
-from treeserve.engine.training.corpus import CorpusConfig, build_corpus, chunk_path, chunk_stats, decode_batch
-from treeserve.engine.training.partial_chunk import partial_dir
+from treeserve.tools.training import corpus, prompt_mix
+from treeserve.tools.training.corpus import CorpusConfig, build_corpus, chunk_path, chunk_stats, decode_batch
+from treeserve.tools.training.partial_chunk import partial_dir
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_make_corpus_resumes_the_recipe_on_disk(tmp_path):
 
     from treeserve.cli.main import build_parser
     from treeserve.cli.make_corpus import add_arguments, corpus_config
-    from treeserve.engine.training.corpus import CorpusConfig
+    from treeserve.tools.training.corpus import CorpusConfig
 
     parser, commands = build_parser()
     add_arguments(commands["make-corpus"])

@@ -10,8 +10,8 @@ import torch
 
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter, is_eagle3_drafter
 from treeserve.engine.drafters.models.formats import default_feature_layers
-from treeserve.engine.training.corpus import CorpusConfig, build_corpus, compute_chunk_features
-from treeserve.engine.training.eagle3 import Eagle3TrainConfig, load_corpus, logits, train_eagle3, unroll
+from treeserve.tools.training.corpus import CorpusConfig, build_corpus, compute_chunk_features
+from treeserve.tools.training.eagle3 import Eagle3TrainConfig, load_corpus, logits, train_eagle3, unroll
 
 
 def test_training_time_test_sees_what_a_tree_node_sees(target, random_eagle3):
@@ -66,7 +66,7 @@ def test_a_batch_unrolls_each_sequence_as_alone(target, random_eagle3, packed):
 def test_bfloat16_compute_gives_the_float32_losses(target, random_eagle3):
     """compute_dtype bfloat16 runs the unroll's matmuls under autocast: the same losses to bf16 precision,
     gradients reach the float32 weights; an unknown dtype is refused before any work."""
-    from treeserve.engine.training.eagle3 import LabelHead, shift, target_labels, ttt_losses
+    from treeserve.tools.training.eagle3 import LabelHead, shift, target_labels, ttt_losses
 
     model, _ = target
     drafter = random_eagle3(model, 300)
@@ -93,7 +93,7 @@ def test_bfloat16_compute_gives_the_float32_losses(target, random_eagle3):
 def test_labels_are_the_target_head_over_the_draft_vocabulary(target):
     """target_labels: at each needed position the target's softmax renormalised over the draft vocabulary, its
     argmax, and whether the full head's argmax lies in the draft vocabulary (here some do, some do not)."""
-    from treeserve.engine.training.eagle3 import LabelHead, target_labels
+    from treeserve.tools.training.eagle3 import LabelHead, target_labels
 
     model, _ = target
     head = model.get_output_embeddings().weight.detach().float()
@@ -231,7 +231,7 @@ def test_train_eagle3_command_continues_a_drafter_and_its_card_names_every_run(t
     both command lines in order, the second continuing the directory a replay's first run writes (the default
     --out), not the scratch directory it was trained from."""
     from treeserve.cli.main import main
-    from treeserve.engine.training.eagle3_card import write_eagle3_card
+    from treeserve.tools.training.eagle3_card import write_eagle3_card
 
     corpus_dir, features_dir, chunks = tiny_corpus(target, tmp_path, conversations=12, answer_tokens=16)
     common = ["train-eagle3", "--target", str(tiny_target_dir), "--corpus", str(corpus_dir), "--features-dir",

@@ -15,13 +15,13 @@ from safetensors.torch import save_file
 
 from treeserve.cli.main import build_parser
 from treeserve.cli.make_corpus import add_arguments, corpus_config, run
-from treeserve.engine.training.corpus import (DEFAULT_CORPUS_DIR, CorpusConfig, build_corpus, chunk_stats,
+from treeserve.tools.training.corpus import (DEFAULT_CORPUS_DIR, CorpusConfig, build_corpus, chunk_stats,
                                               corpus_summary)
-from treeserve.engine.training.corpus_card import card_text
-from treeserve.engine.training.eagle3 import load_corpus
-from treeserve.engine.training.heldout import split_library
-from treeserve.engine.training.sources.registry import SOURCES, load_library
-from treeserve.engine.training.sources.snapshot import fingerprint
+from treeserve.tools.training.corpus_card import card_text
+from treeserve.tools.training.eagle3 import load_corpus
+from treeserve.tools.training.heldout import split_library
+from treeserve.tools.training.sources.registry import SOURCES, load_library
+from treeserve.tools.training.sources.snapshot import fingerprint
 
 TREE = Path(__file__).resolve().parent / "fixtures" / "sources"
 

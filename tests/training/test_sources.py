@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from treeserve.engine.training.sources import install, registry
-from treeserve.engine.training.sources.base import estimate_tokens, held_out, read_text
-from treeserve.engine.training.sources.documents import (folder_language, html_to_text, read_html_by_language,
+from treeserve.tools.training.sources import install, registry
+from treeserve.tools.training.sources.base import estimate_tokens, held_out, read_text
+from treeserve.tools.training.sources.documents import (folder_language, html_to_text, read_html_by_language,
                                                          read_html_guides, read_plain_tree, rst_to_text)
-from treeserve.engine.training.sources.gettext_catalogs import parse_mo, parse_po, read_catalogs
-from treeserve.engine.training.sources.manpages import read_manpages, roff_to_text
-from treeserve.engine.training.sources.snapshot import fingerprint, load_snapshot, save_snapshot
+from treeserve.tools.training.sources.gettext_catalogs import parse_mo, parse_po, read_catalogs
+from treeserve.tools.training.sources.manpages import read_manpages, roff_to_text
+from treeserve.tools.training.sources.snapshot import fingerprint, load_snapshot, save_snapshot
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TREE = FIXTURES / "sources"

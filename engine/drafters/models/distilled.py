@@ -5,7 +5,7 @@ frequent tokens of diverse text): the head is 3x cheaper than the full 49k one, 
 lossless because the draft probability of every other token is exactly 0. The trunk is a plain
 `LlamaModel` (the same code the target runs, so KV caches, 4D tree masks and position ids behave the
 same); it is initialised from the target's embeddings and a subset of its layers, then distilled
-(engine/training/drafter.py). The shipped one is "distilled" (engine/drafters/weights/distilled).
+(tools/training/drafter.py). The shipped one is "distilled" (engine/drafters/weights/distilled).
 
 On disk: TreeServe's drafter layout (engine/drafters/models/base.py), card kind "restricted_vocab".
 """

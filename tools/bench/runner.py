@@ -1,15 +1,16 @@
 """A bench method entry and what runs it: `METHOD[:BUDGET][@KIND]` parsing, a TreeServe engine behind the
-runner interface the peers share (engine/bench/peers.py), and Spec-Bench answer lines."""
+runner interface the peers share (tools/bench/peers.py), and Spec-Bench answer lines."""
 
 from __future__ import annotations
 
 import re
 import time
 
-from ..drafters.base import ModelDrafter
-from ..methods import AUTOREGRESSIVE, METHODS
-from ..requests import GenerationRequest
-from ..tree_config import AUTO_BUDGET, TreeBudget, parse_budget
+from treeserve.engine.drafters.base import ModelDrafter
+from treeserve.engine.methods import AUTOREGRESSIVE, METHODS
+from treeserve.engine.requests import GenerationRequest
+from treeserve.engine.tree_config import AUTO_BUDGET, TreeBudget, parse_budget
+
 from .peers import Outcome
 
 

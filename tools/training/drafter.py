@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..drafters.models.distilled import RestrictedVocabDrafter
+from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
+
 from .batches import SequenceBatches
 from .loop import LoopSettings, StepLoss, holdout_split, run_training, target_to_draft_map
 

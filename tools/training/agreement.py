@@ -2,12 +2,13 @@
 
 The target greedily answers a prompt; the drafter is then teacher-forced on the same sequence, and at every
 answer position its top-1 and top-k are compared with the target's token. This is the per-token acceptance
-a greedy chain sees. `treeserve agreement` and `treeserve check-drafter` report it; engine/training/
+a greedy chain sees. `treeserve agreement` and `treeserve check-drafter` report it; tools/training/
 chain_acceptance.py adds the acceptance at deeper chain positions.
 """
 
 from __future__ import annotations
-from ..drafters.models.base import DrafterModel
+from treeserve.engine.drafters.models.base import DrafterModel
+
 from .chain_acceptance import target_features
 
 

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from ..drafters.models.eagle3 import Eagle3Drafter
+from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
+
 from .batches import SequenceBatches
 from .heldout import kept_sequences
 from .loop import LoopSettings, StepLoss, growing_corpus_holdout, run_training

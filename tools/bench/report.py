@@ -148,7 +148,7 @@ def label(row: dict) -> str:
 
 
 def projection_rows(summary: list[dict], context: float, cost_curve: str | Path | None = None) -> list[dict]:
-    """PROJECTED speedups of every measured TreeServe method on the 4xA100 layouts (engine/bench/projection.py);
+    """PROJECTED speedups of every measured TreeServe method on the 4xA100 layouts (tools/bench/projection.py);
     with `cost_curve` (a `treeserve profile` file) the layout it measured projects from it. Each row names the
     source of every layout's target forward time ("cost_source[...]")."""
     plain = next((s for s in summary if s["key"] == AR_KEY), None)
@@ -186,7 +186,7 @@ def projection_table(rows: list[dict], context: float):
                         for n in names if rows and "cost_source" + n[len("projected_speedup"):] in rows[0])
     table = Table(title=f"PROJECTED (cost model, not measured): speedup over plain decoding on the deployed "
                         f"layouts, from the measured MAL / candidates / drafter forwards above, context "
-                        f"{context:.0f} tokens; constants and sources: engine/bench/projection.py"
+                        f"{context:.0f} tokens; constants and sources: tools/bench/projection.py"
                         + (f"; target forward time from {sources}" if sources else ""))
     for col in ("method", "MAL (measured)", "cand/step (measured)", "drafter fwd/step (measured)",
                 *(f"PROJECTED {n[len('projected_speedup['):-1]}" for n in names)):

@@ -27,8 +27,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from ..requests import GenerationRequest, SamplingParams
-from ..tree_config import tree_config
+
+from treeserve.engine.requests import GenerationRequest, SamplingParams
+from treeserve.engine.tree_config import tree_config
 
 TUNING_PROMPTS = (
     "Explain speculative decoding in simple terms.", "Write a short poem about the sea.",

@@ -1,22 +1,22 @@
 """What one `treeserve bench` run measures: `BenchOptions`, filled by the command line (cli/bench.py) or by a
-caller of `engine.bench.run.run_bench`."""
+caller of `tools.bench.run.run_bench`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..dev_prompts import DEV_PROMPTS
-from ..devices import check_device
-from ..drafters.registry import DEFAULT_DRAFTER  # torch-free
-from ..hardware.cost_curve import CostCurve  # torch-free
+from treeserve.engine.dev_prompts import DEV_PROMPTS
+from treeserve.engine.devices import check_device
+from treeserve.engine.drafters.registry import DEFAULT_DRAFTER  # torch-free
+from treeserve.engine.hardware.cost_curve import CostCurve  # torch-free
 
 DEFAULT_METHODS = ("autoregressive", "chain:4", "static:60", "eagle2:32", "dyspec:32", "dyspec_threshold:32",
                    "opt_tree:32", "c2t:32", "dyspec:auto", "opt_tree:auto", "c2t:auto", "lookup:auto",
                    "c2t+lookup:auto")
 SWEEP_METHODS = ("eagle2", "dyspec", "opt_tree", "c2t")
 SWEEP_BUDGETS = (8, 16, 32, 64)
-# Peer sets (engine/bench/peers.py): "hf" runs all three; each may also be named alone (a run that needs only
+# Peer sets (tools/bench/peers.py): "hf" runs all three; each may also be named alone (a run that needs only
 # prompt lookup saves the others' minutes).
 PEER_SETS = {"hf": ("hf-generate", "hf-pld", "hf-assisted"), "hf-generate": ("hf-generate",), "hf-pld": ("hf-pld",),
              "hf-assisted": ("hf-assisted",), "hf-compiled": ("hf-compiled",)}

@@ -5,8 +5,9 @@ Spec-Bench prompts with the same target in one process, side by side.
 - run.py: `run_bench`, the interleaved timed runs, the greedy check, the budget sweep, the outputs;
 - runner.py: method entries (`METHOD[:BUDGET][@KIND]`), a TreeServe engine behind the runner interface,
   Spec-Bench answer lines;
-- greedy.py: the token-for-token check against the target's own greedy `generate` and its near-tie rule (also
-  used by the service bench, services/bench_service.py, and the load test, services/loadtest.py);
+- greedy.py: the target's own greedy `generate` (tokens and top-2 logit gaps), the reference of the token-for-token
+  check, whose near-tie rule is engine/greedy_rule.py's (the service bench, services/bench_service.py, and the load
+  test, services/loadtest.py, judge by it too);
 - report.py: per-method statistics, speedups and the tables;
 - peers.py: Hugging Face `generate` (plain, and on a static cache compiled with CUDA graphs), prompt lookup and
   assisted generation on the same prompts;

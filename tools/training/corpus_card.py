@@ -13,7 +13,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ..dev_prompts import REPO_ROOT
+from treeserve.engine.dev_prompts import REPO_ROOT
+
 from .broad_mix import BROAD_KINDS, NEW_KINDS
 from .corpus import CorpusConfig, corpus_summary
 from .heldout import split_library

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..drafters.models.distilled import RestrictedVocabDrafter
-from ..drafters.models.parallel import ParallelDrafterModel
-from ..models.loading import chat_ids
+from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
+from treeserve.engine.drafters.models.parallel import ParallelDrafterModel
+from treeserve.engine.models.loading import chat_ids
+
 from .batches import SequenceBatches
 from .drafter import _sequences, choose_vocab, label_positions, soft_targets
 from .loop import LoopSettings, StepLoss, holdout_split, run_training, target_to_draft_map

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..drafters.models.eagle import EagleDrafter
+from treeserve.engine.drafters.models.eagle import EagleDrafter
+
 from .batches import SequenceBatches
 from .drafter import _sequences, choose_vocab, label_positions
 from .loop import LoopSettings, StepLoss, holdout_split, run_training, target_to_draft_map

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from ..models.loading import portable_path
+from treeserve.engine.models.loading import portable_path
+
 from .eagle3_card import write_eagle3_card
 
 # Card fields that hold paths: written as names relative to the cache or the checkout (portable_path), never

@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..models.loading import chat_ids
+from treeserve.engine.models.loading import chat_ids
+
 from . import prompts as prompt_sources
 
 

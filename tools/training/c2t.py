@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..builders import Eagle2Builder
-from ..c2t_classifier import C2TClassifier, c2t_features, top_entropy
-from ..drafters.base import root_only
-from ..drafters.model_runner import DrafterRunner
-from ..requests import SamplingParams
-from ..runners.target import ScoreRequest, TargetRunner
-from ..speculative_engine import CommittedFeatures
-from ..tree import TokenTree
+from treeserve.engine.builders import Eagle2Builder
+from treeserve.engine.c2t_classifier import C2TClassifier, c2t_features, top_entropy
+from treeserve.engine.drafters.base import root_only
+from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.requests import SamplingParams
+from treeserve.engine.runners.target import ScoreRequest, TargetRunner
+from treeserve.engine.speculative_engine import CommittedFeatures
+from treeserve.engine.tree import TokenTree
 
 
 @dataclass

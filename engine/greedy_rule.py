@@ -1,6 +1,8 @@
 """Token-for-token comparison with the target's own greedy answer, where a divergence is allowed only at a
 near-tie of the reference's top-2 logits (fp round-off may flip the argmax there). The one near-tie rule of the
-in-process bench, the service bench (services/bench_service.py) and the load test (services/loadtest.py)."""
+in-process bench (tools/bench/greedy.py, which computes the references), the service bench
+(services/bench_service.py) and the load test (services/loadtest.py); torch-free, so the services' measuring
+clients share it without importing the tools."""
 
 from __future__ import annotations
 
@@ -56,16 +58,3 @@ class GreedyCheck:
         self.compared += 1
         self.mismatches += verdict == "mismatch"
         self.tie_divergences += verdict == "near_tie"
-
-
-def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """The target's own greedy continuation and, per position, the gap between its top-2 logits."""
-    import torch
-
-    with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens,
-                             do_sample=False, top_p=None, top_k=None, temperature=None, output_logits=True,
-                             return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    gaps = [float(t.topk(2, dim=-1).values[0].diff().abs()) for t in out.logits]
-    return tokens, gaps

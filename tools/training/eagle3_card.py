@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..dev_prompts import REPO_ROOT
-from ..drafters.models.formats import feature_layers_from_config
-from ..drafters.registry import SHIPPED
+from treeserve.engine.dev_prompts import REPO_ROOT
+from treeserve.engine.drafters.models.formats import feature_layers_from_config
+from treeserve.engine.drafters.registry import SHIPPED
 
 
 def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:

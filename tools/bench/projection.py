@@ -59,8 +59,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..hardware.cost_curve import CostCurve
-from ..hardware.profile_model import MODELS_DIR
+from treeserve.engine.hardware.cost_curve import CostCurve
+from treeserve.engine.hardware.profile_model import MODELS_DIR
 
 HBM_BYTES_S = 2.039e12
 BF16_FLOPS = 312e12

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from treeserve.engine.training.batches import SequenceBatches, cosine_lr
+from treeserve.tools.training.batches import SequenceBatches, cosine_lr
 
 
 def test_batches_pack_to_the_token_budget_and_cover_every_sequence_each_epoch():
@@ -38,7 +38,7 @@ def test_the_first_epoch_is_shuffled_too():
 def test_a_growing_corpus_never_holds_out_what_it_trained_on():
     """As the corpus grows, the held-out set only drops members and gains new sequences: a drafter continued
     on the larger corpus is never measured on a sequence the earlier run trained on."""
-    from treeserve.engine.training.loop import growing_corpus_holdout
+    from treeserve.tools.training.loop import growing_corpus_holdout
 
     small_held, small_train = growing_corpus_holdout(500, 40, seed=0)
     big_held, big_train = growing_corpus_holdout(800, 40, seed=0)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from ..dev_prompts import load_prompts
-from ..devices import device_name
-from ..factory import build_engine
-from ..models.loading import chat_ids, load_causal_lm
-from ..requests import GenerationRequest, SamplingParams
-from .greedy import TIE_GAP, GreedyCheck, greedy_reference, is_near_tie
+from treeserve.engine.dev_prompts import load_prompts
+from treeserve.engine.devices import device_name
+from treeserve.engine.factory import build_engine
+from treeserve.engine.greedy_rule import TIE_GAP, GreedyCheck, is_near_tie
+from treeserve.engine.models.loading import chat_ids, load_causal_lm
+from treeserve.engine.requests import GenerationRequest, SamplingParams
+
+from .greedy import greedy_reference
 from .options import BenchOptions
 from .peers import build_peers
 from .plots import mal_vs_candidates, write_plots

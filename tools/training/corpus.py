@@ -33,9 +33,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..devices import device_name
-from ..models.hf_cache import cache_argument
-from ..models.loading import chat_ids
+from treeserve.engine.devices import device_name
+from treeserve.engine.models.hf_cache import cache_argument
+from treeserve.engine.models.loading import chat_ids
+
 from . import prompt_mix
 from .broad_mix import BROAD_KINDS, BenchmarkGuard, MixSettings, MixSources, broad_prompt_mix, tokens_by_kind
 from .heldout import split_library

@@ -32,11 +32,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..drafters.models.base import DrafterModel
-from ..drafters.models.loading import load_drafter
-from ..drafters.models.parallel import is_parallel_drafter
-from ..drafters.registry import drafter_dir
-from ..models.hf_cache import cache_keyword
+from treeserve.engine.drafters.models.base import DrafterModel
+from treeserve.engine.drafters.models.loading import load_drafter
+from treeserve.engine.drafters.models.parallel import is_parallel_drafter
+from treeserve.engine.drafters.registry import drafter_dir
+from treeserve.engine.models.hf_cache import cache_keyword
+
 from .options import PEER_SETS
 
 PLD_TOKENS = 10  # prompt_lookup_num_tokens: transformers' documented example value, the one users copy

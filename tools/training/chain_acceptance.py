@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.models.base import DrafterModel
+from treeserve.engine.drafters.models.base import DrafterModel
 
 
 @dataclass
