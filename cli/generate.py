@@ -55,15 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_request(args: argparse.Namespace):
-    from treeserve.services.validation import method_enum
+    from treeserve.services.validation import speculation_params
     from treeserve.v1 import generation_pb2 as gen
 
-    method, lookup = method_enum(args.method) if args.method else (0, False)
     return gen.GenerateRequest(
         text=args.prompt, max_new_tokens=args.max_new_tokens, stop_strings=args.stop, stop_token_ids=args.stop_token_id,
         sampling=gen.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
-        speculation=gen.SpeculationParams(method=method, budget_tokens=args.budget,
-                                          lookup=lookup and args.method != "lookup"))
+        speculation=speculation_params(args.method or None, args.budget))
 
 
 def stream_completion(address: str, request, application: str | None = None, timeout_s: float = 300.0,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from .drafters.base import AUTOREGRESSIVE
 from .drafters.dtype_choice import AUTO as AUTO_DTYPE
 from .drafters.loading import build_local_drafter
 from .drafters.models.base import runner_forward
@@ -18,7 +17,7 @@ from .drafters.lookup_only import LookupDrafter
 from .drafters.registry import AUTOREGRESSIVE_KIND, NO_DRAFTER, canonical_name, default_drafter
 from .hardware.profile import measure_profile
 from .lookup import LookupSettings
-from .methods import DEFAULT_METHOD, LOOKUP, Method
+from .methods import AUTOREGRESSIVE, DEFAULT_METHOD, LOOKUP, Method
 from .models.loading import LoadedModel, load_causal_lm
 from .runners.step_settings import StaticStepSettings, default_static_step
 from .runners.target import TargetRunner
@@ -74,8 +73,8 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
         drafter_path = NO_DRAFTER  # copies alone: no drafter model to load (nor to fit this target)
     if drafter_path == NO_DRAFTER:
         static = default_static_step(device, cuda_graphs, fused_ops=fused_ops)
-        return _engine_without_drafter(target_path, method, budget, device, torch_dtype, max_context_tokens, target,
-                                       lookup, cost_curve, prefix_caching, static, tree_overrides)
+        return _engine_without_drafter(target_path, method, parsed, budget, device, torch_dtype, max_context_tokens,
+                                       target, lookup, cost_curve, prefix_caching, static, tree_overrides)
     if drafter_path is None:
         drafter_path = default_drafter(drafter_kind)
     drafter_path = canonical_name(drafter_path, drafter_kind)
@@ -85,7 +84,7 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     target = target or load_causal_lm(target_path, device, torch_dtype)
     drafter = None
     static = default_static_step(device, cuda_graphs, fused_ops=fused_ops)
-    if method != AUTOREGRESSIVE:
+    if not parsed.is_autoregressive:
         drafter = build_local_drafter(drafter_path, target.model, device, drafter_torch_dtype, budget,
                                       drafter_kind=drafter_kind, lookup=lookup, target_dtype=torch_dtype,
                                       static=static, cost_curve=cost_curve, tokenizer=target.tokenizer,
@@ -112,18 +111,19 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
                              eos_token_ids=target.eos_token_ids, run_ahead=run_ahead)
 
 
-def _engine_without_drafter(target_path: str, method: str, budget: TreeBudget, device: str, dtype: torch.dtype,
-                            max_context_tokens: int, target: LoadedModel | None, lookup: LookupSettings | None,
-                            cost_curve: str | None, prefix_caching: bool, static: StaticStepSettings | None,
-                            tree_overrides: dict) -> SpeculativeEngine:
+def _engine_without_drafter(target_path: str, method: str, parsed: Method, budget: TreeBudget, device: str,
+                            dtype: torch.dtype, max_context_tokens: int, target: LoadedModel | None,
+                            lookup: LookupSettings | None, cost_curve: str | None, prefix_caching: bool,
+                            static: StaticStepSettings | None, tree_overrides: dict) -> SpeculativeEngine:
     """An engine over the target alone: method "lookup" drafts copies from the context (engine/drafters/
-    lookup_only.py), "autoregressive" none; any method drafting with a model is refused, naming the setting."""
-    if method not in (LOOKUP, AUTOREGRESSIVE):
+    lookup_only.py), "autoregressive" none; any method drafting with a model is refused, naming the setting.
+    `parsed`: `method` as build_engine parsed it."""
+    if parsed.model_drafts:
         raise ValueError(f"method {method!r} drafts with a drafter model: with drafter {NO_DRAFTER!r} use method "
                          f"{LOOKUP!r} (copies from the context) or {AUTOREGRESSIVE!r}")
     target = target or load_causal_lm(target_path, device, dtype)
     drafter = None
-    if method == LOOKUP:
+    if parsed.lookup_only:
         profile = (measure_profile(target.model, None, device, dtype, static=static, cost_curve=cost_curve)
                    if budget == AUTO_BUDGET else None)
         drafter = LookupDrafter(lookup, profile)

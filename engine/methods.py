@@ -65,6 +65,7 @@ class Method:
 def with_lookup(method: str, lookup: bool) -> str:
     """`method` with copy-from-context candidates added when `lookup` (unchanged for autoregressive, lookup and
     a method that has them already)."""
-    if not lookup or method == AUTOREGRESSIVE or Method.parse(method).copies:
+    parsed = Method.parse(method)
+    if not lookup or parsed.is_autoregressive or parsed.copies:
         return method
     return method + LOOKUP_SUFFIX

@@ -106,7 +106,7 @@ def _bind(args: Mapping[str, Any], overrides: dict[str, dict[str, Any]], interna
     target = serve.deployment(TargetReplica, name="Target").options(**overrides.get("Target", {})).bind(
         args, internal_secret=secret)
     drafter = None
-    if config.speculation.method != "autoregressive" and config.drafter.has_model:  # else no Drafter deployment
+    if not config.speculation.parsed_method.is_autoregressive and config.drafter.has_model:  # else no Drafter deployment
         drafter = serve.deployment(DrafterReplica, name="Drafter").options(**overrides.get("Drafter", {})).bind(
             args, internal_secret=secret)
     return serve.deployment(RouterReplica, name="Router").options(**overrides.get("Router", {})).bind(

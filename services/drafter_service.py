@@ -23,7 +23,7 @@ from treeserve.engine.drafters.loading import build_local_drafter
 from treeserve.engine.drafters.models.compatibility import detect_layout
 from treeserve.engine.drafters.registry import drafter_dir
 from treeserve.engine.factory import parse_drafter_dtype, parse_dtype
-from treeserve.engine.methods import DEFAULT_METHOD
+from treeserve.engine.methods import DEFAULT_METHOD, Method
 from treeserve.engine.models.loading import load_causal_lm, resolve_model_dir
 from treeserve.engine.models.target_parts import load_target_parts
 from treeserve.engine.runners.kv_pool import KVPoolExhausted, limit_gpu_memory
@@ -64,7 +64,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             if not item.context:
                 raise ValueError(f"session {item.session_id}: empty context")
             method = item.tree.method or self.default_method
-            base = tree_config(method, "auto") if method != "autoregressive" else TreeConfig(method=method)
+            base = TreeConfig(method=method) if Method.parse(method).is_autoregressive else tree_config(method, "auto")
             config = wire.decode_tree_config(item.tree, base)
             request = DraftRequest(item.session_id, list(item.context), wire.decode_sampling(item.sampling),
                                    config, int(item.seed), wire.hint(item), cache_scope=item.cache_scope,

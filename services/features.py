@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeserve.engine.drafters.base import AUTOREGRESSIVE, DraftRequest
+from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.speculative_engine import CommittedFeatures
 from treeserve.v1 import internal_pb2 as pb
 
@@ -67,7 +67,7 @@ def check_target_provides(item: pb.ScoreItem, runner_name: str, provides_feature
 def sends_features(request: DraftRequest) -> bool:
     """Whether the request's features go to the drafter: an autoregressive item is not drafted, its rows wait
     for the session's next drafted step."""
-    return request.features is not None and request.tree.method != AUTOREGRESSIVE
+    return request.features is not None and not request.tree.parsed_method.is_autoregressive
 
 
 # Unsent rows a session's delta may carry before a replica asked for them: a short prompt's rows go at once (the

@@ -83,7 +83,7 @@ def load_config(path: str | None, method: str | None = None, budget: str | None 
 
 def _check_models(args) -> None:
     """Fail before starting Ray when a model the config names cannot exist (replicas would crash-loop)."""
-    if args.speculation.method != "autoregressive":
+    if not args.speculation.parsed_method.is_autoregressive:
         name = canonical_name(args.drafter.path, args.drafter.kind)
         directory = drafter_dir(name)
         if name in SHIPPED and not (directory / "config.json").is_file():

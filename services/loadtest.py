@@ -155,18 +155,16 @@ class LoadTest:
         return auth_metadata(self.token)
 
     def _valid_request(self, out: Outcome):
-        from .validation import method_enum
+        from .validation import speculation_params
         from treeserve.v1 import generation_pb2 as gen
 
         sampling = gen.SamplingParams()
         if out.kind == "sampled" or (out.kind == "cancel" and self.rng.random() < 0.5):
             sampling = gen.SamplingParams(temperature=self.rng.choice([0.7, 1.0]), top_p=self.rng.choice([0.0, 0.9]),
                                           top_k=self.rng.choice([0, 40]), seed=self.rng.randrange(1, 2 ** 31))
-        method, lookup = method_enum(out.method)
         return gen.GenerateRequest(token_ids=gen.TokenIds(ids=self.prompts[out.prompt]),
                                    max_new_tokens=out.max_new_tokens, sampling=sampling,
-                                   speculation=gen.SpeculationParams(method=method,
-                                                                     lookup=lookup and out.method != "lookup"))
+                                   speculation=speculation_params(out.method))
 
     def _malformed(self, kind: str):
         """(request message or raw bytes, expected status code name)."""

@@ -313,11 +313,12 @@ class RequestValidator:
         if method is None and not budget_tokens:
             return None, default.method
         name = method or default.method
-        if name == AUTOREGRESSIVE:
+        parsed = Method.parse(name)
+        if parsed.is_autoregressive:
             return TreeConfig(method=AUTOREGRESSIVE), name
         if budget_tokens:
             return tree_config(name, int(budget_tokens)), name
-        if name == default.method:
+        if parsed == default.parsed_method:
             return default, name
         return tree_config(name, "auto"), name
 
@@ -480,3 +481,13 @@ def method_enum(name: str) -> tuple[int, bool]:
     True), "lookup" -> (LOOKUP, True); UNSPECIFIED for a name the enum lacks."""
     method = Method.parse(name)
     return METHOD_ENUMS.get(method.builder, 0), method.copies
+
+
+def speculation_params(name: str | None, budget_tokens: int = 0) -> gen.SpeculationParams:
+    """A request's SpeculationParams naming the method `name` (None: the server's): its TreeMethod, and `lookup` set
+    for a hybrid ("c2t+lookup" -> C2T with lookup; method "lookup" is a TreeMethod of its own, the flag unset)."""
+    if name is None:
+        return gen.SpeculationParams(budget_tokens=budget_tokens)
+    method = Method.parse(name)
+    return gen.SpeculationParams(method=METHOD_ENUMS.get(method.builder, 0), budget_tokens=budget_tokens,
+                                 lookup=method.copies and not method.lookup_only)

@@ -34,7 +34,7 @@ from ..runners.kv_pool import KVPoolExhausted
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
 from ..lanes import Lanes, batch_size_bucket
-from .base import AUTOREGRESSIVE, Drafted, DraftRequest, FeatureNeeds, ModelDrafter, root_only
+from .base import Drafted, DraftRequest, FeatureNeeds, ModelDrafter, root_only
 from .batched_c2t_chains import draft_c2t_chains
 from .hybrid_oracle import HybridOracle, head_index
 from .model_runner import DrafterRunner
@@ -162,7 +162,7 @@ class LocalDrafter(ModelDrafter):
         choosers."""
         runner_seconds, forward_seconds = self.runner.seconds, self.runner.lm.forward_seconds
         hits, misses = self.run_ahead.hits, self.run_ahead.misses
-        speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
+        speculative = [r for r in requests if not r.tree.parsed_method.is_autoregressive]
         state = self.lanes[lane]
         caught_up_ms, state.catch_up_seconds = state.catch_up_seconds * 1e3, 0.0
         state.step_chooser = self.budget
@@ -183,7 +183,7 @@ class LocalDrafter(ModelDrafter):
         wanted = tuple(r.session_id for r in state.catching_up if not self._has_features(r))
         state.catching_up = [r for r in state.catching_up if self._has_features(r)]
         trees = iter(drafted)
-        return Drafted([(next(trees) if r.tree.method != AUTOREGRESSIVE else None) or root_only(r.context)
+        return Drafted([(next(trees) if not r.tree.parsed_method.is_autoregressive else None) or root_only(r.context)
                         for r in requests],
                        model_ms=(self.runner.seconds - runner_seconds) * 1e3,
                        forward_ms=(self.runner.lm.forward_seconds - forward_seconds) * 1e3,

@@ -19,7 +19,7 @@ from ..lookup.trees import lookup_chain, merge_chains, plan_lookup
 from ..methods import LOOKUP
 from ..requests import StepRecord
 from ..tree import TokenTree
-from .base import AUTOREGRESSIVE, Drafted, DraftRequest, DrafterBase, root_only
+from .base import Drafted, DraftRequest, DrafterBase, root_only
 from .registry import NO_DRAFTER
 
 # Copy chain length of a batched step before the criterion cuts it (LocalDrafter's batch chain depth).
@@ -41,7 +41,7 @@ class LookupDrafter(DrafterBase):
             if r.tree.parsed_method.model_drafts:
                 raise ValueError(f"method {r.tree.method!r} drafts with a drafter model, and this engine has none "
                                  f"(drafter {NO_DRAFTER!r}): use method {LOOKUP!r} or configure a drafter")
-        speculative = [r for r in requests if r.tree.method != AUTOREGRESSIVE]
+        speculative = [r for r in requests if not r.tree.parsed_method.is_autoregressive]
         batch = batch_size or len(requests)
         trees = dict(zip(map(id, speculative), self._batch(speculative, batch) if batch > 1 else
                          [self._single(r, lane) for r in speculative]))

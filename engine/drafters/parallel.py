@@ -40,7 +40,7 @@ from ..runners.step_settings import StaticStepSettings
 from ..sampling import warp_probs
 from ..tree import TokenTree
 from ..tree_config import TreeConfig
-from .base import AUTOREGRESSIVE, Drafted, DraftRequest, ModelDrafter, root_only
+from .base import Drafted, DraftRequest, ModelDrafter, root_only
 from .models.parallel import mask_ids
 from .parallel_tree_search import ParallelTreeSearch, search_for_config
 from .registry import PARALLEL_KIND
@@ -118,7 +118,7 @@ class ParallelTreeDrafter(ModelDrafter):
         stop below `batch_chain_min_joint` above (`batch_size` as `LocalDrafter.draft`), capped by an
         explicit budget; a batch-1 tree's budget is decided by `lane`'s chooser."""
         batched = (batch_size or len(requests)) > 1
-        plans = [self._plan_search(r, batched, lane) if r.tree.method != AUTOREGRESSIVE else (None, 0)
+        plans = [(None, 0) if r.tree.parsed_method.is_autoregressive else self._plan_search(r, batched, lane)
                  for r in requests]
         searches = [search for search, _ in plans]
         drafted = [r for r, search in zip(requests, searches) if search is not None]

@@ -133,18 +133,22 @@ class ParallelTreeSearch:
 def search_for_config(config: TreeConfig, positions: int) -> ParallelTreeSearch:
     """The parallel tree for a TreeConfig, over `positions` (= k+1) distributions."""
     cap = positions if config.max_depth is None else min(positions, config.max_depth)
-    if config.method == "static":
+    # The parallel drafter drafts no copies from the context (a Serve config refuses "<builder>+lookup" with it): a
+    # request naming such a method gets the dynamic methods' best-first tree, whatever its builder.
+    method = config.parsed_method
+    shape = None if method.copies else method.builder
+    if shape == "static":
         paths = config.static_paths if config.static_paths is not None else named_tree(config.static_tree, config.depth)
         paths = tuple(tuple(int(r) for r in p) for p in paths if len(p) <= positions)
         if not paths:
             raise ValueError("static tree has no path within the parallel drafter's positions")
         return ParallelTreeSearch(budget=len(paths), max_depth=positions, paths=paths)
-    if config.method == "chain":
+    if shape == "chain":
         length = min(config.depth, positions)
         return ParallelTreeSearch(budget=length, max_depth=length, max_width=1)
-    if config.method == "c2t_chain":  # chain with early exit: stop where the joint probability falls below 0.1
+    if shape == "c2t_chain":  # chain with early exit: stop where the joint probability falls below 0.1
         length = min(config.depth, positions)
         return ParallelTreeSearch(budget=length, max_depth=length, max_width=1, min_prob=0.1)
-    if config.method == "dyspec_threshold":
+    if shape == "dyspec_threshold":
         return ParallelTreeSearch(budget=config.budget, max_depth=cap, min_prob=config.threshold)
     return ParallelTreeSearch(budget=config.budget, max_depth=cap)

@@ -14,7 +14,7 @@ from treeserve.engine.drafters.models.compatibility import check_drafter
 from treeserve.engine.drafters.registry import NO_DRAFTER, drafter_dir, is_shipped, kind_of
 from treeserve.engine.kv_settings import DEFAULT_PREFILL_CHUNK_TOKENS  # torch-free
 from treeserve.engine.lookup import LookupSettings  # torch-free
-from treeserve.engine.methods import AUTOREGRESSIVE, DEFAULT_METHOD, LOOKUP, SERVED_METHODS  # torch-free
+from treeserve.engine.methods import AUTOREGRESSIVE, DEFAULT_METHOD, LOOKUP, SERVED_METHODS, Method  # torch-free
 from treeserve.engine.tree_config import CANDIDATE_BUDGETS, parse_budget  # torch-free
 from .api import ApiConfig, SecurityConfig
 from .builder import build
@@ -49,6 +49,12 @@ class SpeculationConfig:
         "read, a stretch decoded plainly) drafts its copies alone for one step while the Drafter reads the rest "
         "beside the Target's score, so a long prompt's drafter prefill never lengthens a step; null: read inline, in "
         "the step (engine/drafters/autoregressive.py LocalDrafter.catch_up)", default=64)
+
+    @property
+    def parsed_method(self) -> Method:
+        """`method` as a typed value, which every check and builder reads instead of the name (parsed on each read,
+        not cached: `serve --method` sets `method` on a config already built)."""
+        return Method.parse(self.method)
 
     def _check(self, path: str, base_dir: Optional[Path]) -> None:
         parse_budget(self.budget, f"{path}.budget", maximum=1024)
@@ -123,13 +129,13 @@ class AppConfig:
             if model.max_sessions is not None and model.max_sessions < self.limits.max_batch_size:
                 raise ValueError(f"{path}.{role}.max_sessions: {model.max_sessions} is below limits.max_batch_size="
                                  f"{self.limits.max_batch_size}: a full batch on one replica could never be scored")
-        if not self.drafter.has_model and self.speculation.method not in (LOOKUP, AUTOREGRESSIVE):
+        if not self.drafter.has_model and self.speculation.parsed_method.model_drafts:
             raise ValueError(f"{path}.speculation.method: {self.speculation.method} drafts with a drafter model, and "
                              f"drafter.path is {NO_DRAFTER!r}: use method {LOOKUP!r} (copies from the context) or "
                              f"{AUTOREGRESSIVE!r}, or configure a drafter")
         if self.drafter.tensor_parallel_size != 1:
             raise ValueError(f"{path}.drafter.tensor_parallel_size: the drafter is not sharded; must be 1")
-        if self.speculation.method.endswith("lookup") and self.drafter.kind == "parallel":
+        if self.speculation.parsed_method.copies and self.drafter.kind == "parallel":
             raise ValueError(f"{path}.speculation.method: {self.speculation.method} (copy-from-context candidates) "
                              "drafts with the autoregressive drafter, not drafter.kind parallel")
         if not self.api.loopback_only and not self.security.tls and not self.security.allow_insecure:
