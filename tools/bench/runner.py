@@ -7,7 +7,7 @@ import re
 import time
 
 from treeserve.engine.drafters.base import ModelDrafter
-from treeserve.engine.methods import AUTOREGRESSIVE, METHODS
+from treeserve.engine.methods import AUTOREGRESSIVE, METHODS, Method
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.tree_config import AUTO_BUDGET, TreeBudget, parse_budget
 
@@ -26,7 +26,7 @@ def parse_method(entry: str) -> tuple[str, TreeBudget]:
     name, _, budget = entry.partition(":")
     if name not in BENCH_METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(BENCH_METHODS)}")
-    if name == AUTOREGRESSIVE or not budget:
+    if Method.parse(name).is_autoregressive or not budget:
         return name, AUTO_BUDGET
     return name, parse_budget(budget, f"the budget of {entry!r}")
 
@@ -37,7 +37,7 @@ def parse_entry(entry: str, default_kind: str = "autoregressive") -> list[tuple[
     name, budget = parse_method(body)
     if kind and kind not in ("autoregressive", "parallel"):
         raise ValueError(f"drafter kind of {entry!r} must be 'autoregressive' or 'parallel'")
-    if name == "autoregressive":
+    if Method.parse(name).is_autoregressive:  # no drafter: one entry, whatever the kinds
         return [(name, budget, "autoregressive")]
     kinds = [kind] if kind else (["autoregressive", "parallel"] if default_kind == "both" else [default_kind])
     return [(name, budget, k) for k in kinds]

@@ -104,12 +104,11 @@ def sweep_betas(engine, prompts: list[list[int]], budget: int, cap: int, betas, 
     `prompts`."""
     from tqdm import tqdm
 
-    runs = [("eagle2", None)] + [("c2t", b) for b in sorted(set(betas))]
+    runs = [("eagle2", None, budget)] + [("c2t", b, cap) for b in sorted(set(betas))]
     points = []
-    for method, beta in tqdm(runs, desc="tune C2T beta", disable=not progress):
+    for method, beta, nodes in tqdm(runs, desc="tune C2T beta", disable=not progress):
         # tree_config: the shape `bench` and the services use (C2T: the paper's depth and K)
-        tree = tree_config(method, budget if method == "eagle2" else cap, beta=beta,
-                           c2t_classifier_path=str(classifier_path))
+        tree = tree_config(method, nodes, beta=beta, c2t_classifier_path=str(classifier_path))
         mal, candidates = measure(engine, prompts, tree, max_new_tokens)
         points.append(SweepPoint(method, beta, round(mal, 4), round(candidates, 2)))
     return points[0], points[1:]
