@@ -20,6 +20,7 @@ from ..methods import LOOKUP
 from ..requests import StepRecord
 from ..tree import TokenTree
 from .base import Drafted, DraftRequest, DrafterBase, root_only
+from .planner import StepPlanner
 from .registry import NO_DRAFTER
 
 # Copy chain length of a batched step before the criterion cuts it (LocalDrafter's batch chain depth).
@@ -35,6 +36,7 @@ class LookupDrafter(DrafterBase):
         self.lookups = LookupSources(lookup)
         self.profile = profile
         self.budget = BudgetChooser(profile) if profile is not None else None
+        self.planner = StepPlanner(self.budget)
 
     def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
         for r in requests:
@@ -55,7 +57,7 @@ class LookupDrafter(DrafterBase):
         plan = plan_lookup(session, r.context[-1], session.plan_nodes if auto else r.tree.budget, settings.min_value)
         nodes = r.tree.budget
         if auto:
-            decision = self.budget.plan_hybrid(plan.gains(), model=False, lane=lane)
+            decision = self.planner.plan_copies(lane, plan.gains(), model=False)
             nodes = decision.lookup_nodes if decision.lookup_only else 0
         return plan.tree(nodes, r.sampling.is_greedy) if nodes and plan.size else None
 
@@ -74,8 +76,7 @@ class LookupDrafter(DrafterBase):
                 for r, (tokens, joints) in zip(requests, chains)]
 
     def observe(self, record: StepRecord, lane: str = "") -> None:
-        if self.budget is not None and record.batch_size == 1:
-            self.budget.observe(record, lane)
+        self.planner.observe(record, lane)
 
     def release(self, session_id: str) -> bool:
         return self.lookups.release(session_id)

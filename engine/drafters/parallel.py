@@ -43,6 +43,7 @@ from ..tree_config import TreeConfig
 from .base import Drafted, DraftRequest, ModelDrafter, root_only
 from .models.parallel import mask_ids
 from .parallel_tree_search import ParallelTreeSearch, search_for_config
+from .planner import StepPlanner
 from .registry import PARALLEL_KIND
 
 # Candidates read per position for a request with a grammar, as a multiple of the search's width: the grammar
@@ -68,6 +69,7 @@ class ParallelTreeDrafter(ModelDrafter):
         self.masks = mask_ids(self.num_masks)
         self.vocab_ids = model.vocab_ids.cpu()  # [V_draft] target ids of the head's rows
         self.budget = budget  # the batch-1 trees' chooser (None: fixed budgets); it decides each lane apart
+        self.planner = StepPlanner(budget)
         self.batch_chain_min_joint = batch_chain_min_joint
         self._searches: dict[str, ParallelTreeSearch] = {}
         self.last_positions: list[Tensor] = []  # warped q_1..q_{k+1} per drafted request (draft vocab), for tests
@@ -117,9 +119,8 @@ class ParallelTreeDrafter(ModelDrafter):
         """One tree per request from one batched forward: the configured tree at batch size 1, chains that
         stop below `batch_chain_min_joint` above (`batch_size` as `LocalDrafter.draft`), capped by an
         explicit budget; a batch-1 tree's budget is decided by `lane`'s chooser."""
-        batched = (batch_size or len(requests)) > 1
-        plans = [(None, 0) if r.tree.parsed_method.is_autoregressive else self._plan_search(r, batched, lane)
-                 for r in requests]
+        plan = self._chain_search if (batch_size or len(requests)) > 1 else self._tree_search  # the step's mode
+        plans = [(None, 0) if r.tree.parsed_method.is_autoregressive else plan(r, lane) for r in requests]
         searches = [search for search, _ in plans]
         drafted = [r for r, search in zip(requests, searches) if search is not None]
         started, forward_seconds = time.perf_counter(), self.lm.forward_seconds
@@ -131,23 +132,25 @@ class ParallelTreeDrafter(ModelDrafter):
                        forward_ms=(self.lm.forward_seconds - forward_seconds) * 1e3,
                        hold_steps=max((held for _, held in plans), default=0))
 
-    def _plan_search(self, r: DraftRequest, batched: bool, lane: str) -> tuple[ParallelTreeSearch | None, int]:
-        """The tree search for `r` this step (None: the root alone) and the plain steps its plan holds after this
-        one: a chain capped by the positions and an explicit budget in a batched step; else the configured tree,
-        resized by the lane chooser's plan."""
-        if batched:
-            depth = min(r.tree.depth, self.positions)
-            if not r.tree.budget_auto:
-                depth = min(depth, r.tree.budget)
-            return ParallelTreeSearch(budget=depth, max_depth=depth, max_width=1,
-                                      min_prob=self.batch_chain_min_joint), 0
+    def _chain_search(self, r: DraftRequest, lane: str) -> tuple[ParallelTreeSearch, int]:
+        """A batched step's search for `r`: a chain capped by the positions and an explicit budget, cut below
+        `batch_chain_min_joint`; it holds no plain steps."""
+        depth = min(r.tree.depth, self.positions)
+        if not r.tree.budget_auto:
+            depth = min(depth, r.tree.budget)
+        return ParallelTreeSearch(budget=depth, max_depth=depth, max_width=1, min_prob=self.batch_chain_min_joint), 0
+
+    def _tree_search(self, r: DraftRequest, lane: str) -> tuple[ParallelTreeSearch | None, int]:
+        """A batch-1 step's search for `r` (None: the root alone) and the plain steps its plan holds after it: the
+        configured tree, resized by the planner's plan for the lane where the tree has a size to choose."""
         search = self.search(r.tree)
-        if self.budget is not None and r.tree.budget_auto and search.paths is None and search.max_width > 1:
-            plan = self.budget.plan(lane)
-            if plan.plain:  # no drafting pays this step
-                return None, plan.held
-            return BudgetChooser.resized(search, plan.budget), plan.held
-        return search, 0
+        sized = search.paths is None and search.max_width > 1
+        plan = self.planner.plan_tree(lane, r.tree.budget_auto and sized)
+        if plan is None:
+            return search, 0
+        if plan.plain:  # no drafting pays this step
+            return None, plan.held
+        return BudgetChooser.resized(search, plan.budget), plan.held
 
     def _search(self, r: DraftRequest, rows: Tensor, search: ParallelTreeSearch) -> TokenTree:
         grammar = (StepGrammar(self.grammars, r.session_id, r.grammar, r.context)
@@ -160,9 +163,8 @@ class ParallelTreeDrafter(ModelDrafter):
         return search.search(r.context[-1], values.tolist(), tokens.tolist(), allowed)
 
     def observe(self, record: StepRecord, lane: str = "") -> None:
-        """Feed a finished step's timing to the lane's budget chooser (it ignores steps it did not decide)."""
-        if self.budget is not None and record.batch_size == 1:
-            self.budget.observe(record, lane)
+        """Feed a finished step's timing to the lane's chooser that decided it (engine/drafters/planner.py)."""
+        self.planner.observe(record, lane)
 
     def release(self, session_id: str) -> bool:
         if self.grammars is not None:

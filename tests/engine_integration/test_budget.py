@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from treeserve.engine.budget import (EARLY_STOP_STEPS, LOOKUP_ONLY, MAX_HOLD_DOUBLINGS, BudgetChooser, DraftPlan,
                                      allocate_copies)
-from treeserve.engine.drafters.autoregressive import BATCH_PLAIN_MARGIN
+from treeserve.engine.drafters.planner import BATCH_PLAIN_MARGIN
 from treeserve.engine.hardware.profile import HardwareProfile
 from treeserve.engine.builders import ChainBuilder, DySpecBuilder
 from treeserve.engine.hardware.profile import BATCH_PROFILE_NODES, BATCH_PROFILE_ROWS, measure_profile

@@ -123,8 +123,8 @@ def test_batched_chain_depth_is_chosen_per_batch_size_and_stays_lossless(pair):
     results = engine.generate([GenerationRequest(p, max_new_tokens=24) for p in prompts])
     for p, r in zip(prompts, results):
         assert r.token_ids == reference(target.model, p, 24)[:len(r.token_ids)]
-    chooser = local.batch_budgets[4]
-    assert set(local.batch_budgets) <= {2, 4}
+    chooser = local.planner.batch_budgets[4]
+    assert set(local.planner.batch_budgets) <= {2, 4}
     assert chooser.candidates == [0, 1, 2, 3, 4]
     measured = {b for b, arm in chooser.arms.items() if arm.steps >= 1}
     assert 0 in measured and len(measured) >= 2  # plain batched decoding and some chain depth were timed
@@ -149,7 +149,7 @@ def test_an_explicit_budget_caps_batched_chains_without_the_chooser(pair):
     call = local.draft([DraftRequest(f"s{i}", c, SamplingParams(), TreeConfig(method="dyspec", budget=2), 0)
                         for i, c in enumerate(contexts)])
     assert [t.num_nodes - 1 for t in call.trees] == [2, 2]
-    assert local.batch_budgets == {} and call.hold_steps == 0
+    assert local.planner.batch_budgets == {} and call.hold_steps == 0
     wide = local.draft([DraftRequest(f"s{i}", c, SamplingParams(), TreeConfig(method="dyspec", budget=12), 0)
                         for i, c in enumerate(contexts)]).trees
     assert [t.num_nodes - 1 for t in wide] == [4, 4]  # batch_chain_depth
@@ -176,7 +176,7 @@ def test_a_sequence_drafted_alone_for_a_batched_step_is_drafted_as_the_batch(pai
         tree = local.draft(requests, batch_size).trees[0]
         assert all(len(tree.children(n)) <= 1 for n in range(tree.num_nodes))  # a chain (or the root alone)
         assert tree.num_nodes - 1 <= local.batch_chain_depth
-    assert set(local.batch_budgets) == {2, 4}
+    assert set(local.planner.batch_budgets) == {2, 4}
 
 
 def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):

@@ -107,7 +107,7 @@ def test_auto_budget_drafts_lookup_only_steps_and_stays_greedy_equal(pair, refer
     check_greedy(engine, references)
     assert any(nodes > 0 for _, nodes in seen), "no lookup-only step"
     assert all(budget == 0 or nodes == 0 for budget, nodes in seen)
-    calibrated = chooser.cost_ratios or engine.drafter.copy_budget.cost_ratios
+    calibrated = chooser.cost_ratios or engine.drafter.planner.copy_budget.cost_ratios
     assert calibrated, "lookup-only steps did not calibrate their cost"
     assert calls and all(call.hold_steps == 0 for call in calls)  # the lookup is checked every step: no holds
 
@@ -118,16 +118,16 @@ def test_steps_with_something_to_copy_are_measured_apart(pair, references):
     chooser = BudgetChooser(flat_profile())
     engine = make_engine(pair, TreeConfig(method="c2t+lookup", budget_auto=True, depth=4, top_k=4), chooser)
     contexts = []
-    original = engine.drafter._hybrid_chooser
+    original = engine.drafter.planner._copy_chooser
 
     def spy(gains):
         picked = original(gains)
         contexts.append((bool(gains) and gains[-1] >= 0.5, picked))
         return picked
 
-    engine.drafter._hybrid_chooser = spy
+    engine.drafter.planner._copy_chooser = spy
     check_greedy(engine, references)
-    copy = engine.drafter.copy_budget
+    copy = engine.drafter.planner.copy_budget
     assert copy is not None and copy is not chooser and copy.profile is chooser.profile
     assert {copying for copying, _ in contexts} == {True, False}, "both contexts should occur on these prompts"
     assert all((picked is copy) == copying for copying, picked in contexts)
