@@ -2,13 +2,16 @@
 
 Every entry point (CLI `generate`/`bench`, the Target and Drafter deployments, tests on real models) builds
 through these functions, so a model loads, a drafter is checked against its target, and the budget is
-chosen the same way everywhere.
+chosen the same way everywhere. An in-process engine's runners go behind their async adapters here
+(`in_process_engine`; engine/parts.py); the served engine, over replica clients, is services/remote_engine.py's
+`build_remote_engine`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .drafters.base import Drafter
 from .drafters.dtype_choice import AUTO as AUTO_DTYPE
 from .drafters.loading import build_local_drafter
 from .drafters.models.base import runner_forward
@@ -19,10 +22,11 @@ from .hardware.profile import measure_profile
 from .lookup import LookupSettings
 from .methods import AUTOREGRESSIVE, DEFAULT_METHOD, LOOKUP, Method
 from .models.loading import LoadedModel, load_causal_lm
+from .parts import InProcessDrafter, InProcessTarget, LocalTarget
 from .runners.step_settings import StaticStepSettings, default_static_step
 from .runners.target import TargetRunner
 from .speculative_engine import SpeculativeEngine
-from .tree_config import AUTO_BUDGET, TreeBudget, tree_config
+from .tree_config import AUTO_BUDGET, TreeBudget, TreeConfig, tree_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # With run-ahead, a session whose drafter cache lags its context by more than this (a prompt; a long stretch decoded
@@ -105,10 +109,16 @@ def build_engine(target_path: str = "default", drafter_path: str | None = None, 
     runner.lm.use_prefix_caching(prefix_caching)
     if drafter is not None:
         drafter.lm.use_prefix_caching(prefix_caching)
-    return SpeculativeEngine(runner,
-                             drafter, target.tokenizer,
-                             tree_config(method, budget, **tree_overrides), max_context_tokens,
-                             eos_token_ids=target.eos_token_ids, run_ahead=run_ahead)
+    return in_process_engine(runner, drafter, target.tokenizer, tree_config(method, budget, **tree_overrides),
+                             max_context_tokens, eos_token_ids=target.eos_token_ids, run_ahead=run_ahead)
+
+
+def in_process_engine(target: LocalTarget, drafter: Drafter | None, tokenizer, tree: TreeConfig,
+                      max_context_tokens: int, **options) -> SpeculativeEngine:
+    """An engine over a target and a drafter in this process, each behind its async adapter (engine/parts.py);
+    `options`: SpeculativeEngine's."""
+    return SpeculativeEngine(InProcessTarget(target), InProcessDrafter(drafter) if drafter is not None else None,
+                             tokenizer, tree, max_context_tokens, **options)
 
 
 def _engine_without_drafter(target_path: str, method: str, parsed: Method, budget: TreeBudget, device: str,
@@ -129,5 +139,5 @@ def _engine_without_drafter(target_path: str, method: str, parsed: Method, budge
         drafter = LookupDrafter(lookup, profile)
     runner = TargetRunner(target.model, device, dtype, static=static, tokenizer=target.tokenizer)
     runner.lm.use_prefix_caching(prefix_caching)
-    return SpeculativeEngine(runner, drafter, target.tokenizer, tree_config(method, budget, **tree_overrides),
+    return in_process_engine(runner, drafter, target.tokenizer, tree_config(method, budget, **tree_overrides),
                              max_context_tokens, eos_token_ids=target.eos_token_ids)

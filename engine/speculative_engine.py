@@ -1,11 +1,14 @@
 """In-process speculative generation: the reference decoding loop the services distribute.
 
-One step for the active batch (`step`) reads like the protocol (docs/design.md section 3):
+One step for the active batch (`step`, a coroutine) reads like the protocol (docs/design.md section 3):
 
-    trees, _ = self.draft(batch)                   # drafter: TokenTree per sequence
-    dists = self.target.score(requests(trees))     # target: one forward over all trees
-    verify_tree(tree, dist, ...) per sequence      # accepted tokens + bonus
-    self.commit(...) per sequence                  # emission, stop conditions, EAGLE features
+    trees, _ = await self.draft(batch)                 # drafter: TokenTree per sequence
+    dists = await self.target.score(requests(trees))   # target: one forward over all trees
+    verify_tree(tree, dist, ...) per sequence          # accepted tokens + bonus
+    self.commit(...) per sequence                      # emission, stop conditions, EAGLE features
+
+The drafter and the target are the async protocols of engine/parts.py: in-process runners behind their adapters
+(engine/factory.py wraps them), or the services' replica clients. `generate` is the one synchronous entry point.
 
 Timings and per-step records are kept by a `StepRecorder` (engine/step_recorder.py) beside the loop.
 
@@ -16,37 +19,28 @@ nothing: the tree is the root alone, so the same loop is plain decoding.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Protocol
+from typing import Iterable
 
 import torch
 
 from .builders import make_builder
-from .drafters.base import AUTOREGRESSIVE, Drafted, Drafter, DraftRequest, root_only
+from .drafters.base import AUTOREGRESSIVE, Drafted, DraftRequest, root_only
 from .grammar.compiler import GrammarCompiler
 from .grammar.spec import Grammar
 from .lanes import batch_size_bucket
 from .lookup.prediction import prediction_usage
 from .models.loading import chat_ids, model_eos_ids
+from .parts import Drafter, Target
 from .requests import FinishReason, GenerationRequest, GenerationResult, LogitsProcessors, StepRecord, TokenLogprob
 from .runners.target import ScoreRequest
 from .step_recorder import StepRecorder
 from .tree import TokenTree
 from .tree_config import TreeConfig
 from .verify import TargetDists, VerifyResult, check_verified, verify_tree
-
-
-class Target(Protocol):
-    """`TargetRunner`, a tensor-parallel target, or a client of a Target replica."""
-
-    vocab_size: int
-    provides_features: bool  # honours ScoreRequest.want_features (returns the features an EAGLE drafter reads)
-
-    def score(self, requests: list[ScoreRequest]) -> list[TargetDists]: ...
-    def release(self, session_id: str) -> bool: ...
 
 
 _session_ids = itertools.count()
@@ -113,9 +107,9 @@ class SpeculativeEngine:
         # bucket, not the exact size, so requests arriving or finishing one by one keep the hold; per lane, as
         # the router steps each Target replica's sessions apart (services/router.py).
         self._plain_hold: dict[str, tuple[int, int]] = {}
-        # Run-ahead in-process: the drafter drafts the next step's trees on a thread of its own while the target
-        # scores (engine/drafters/run_ahead.py). Worth it where the drafter has a device or cores of its own.
-        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="treeserve-run-ahead") if run_ahead else None
+        # Run-ahead in-process: the drafter drafts the next step's trees on its own thread while the target scores
+        # (engine/drafters/run_ahead.py). Worth it where the drafter has a device or cores of its own.
+        self.run_ahead = run_ahead
 
     # ------------------------------------------------------------------ public API
     def encode_chat(self, text_or_messages: str | list[dict]) -> list[int]:
@@ -150,26 +144,34 @@ class SpeculativeEngine:
             self.grammars.compile(request.grammar)  # ValueError naming what is wrong with it
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """The synchronous entry point (the CLI's in-process commands, the bench, tests): `generate_async` to
+        completion on an event loop of its own. Not for parts bound to another loop (the replica clients): await
+        `generate_async` on theirs."""
+        return asyncio.run(self.generate_async(requests))
+
+    async def generate_async(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Decode `requests` as one batch to completion (stepping them together, releasing their sessions)."""
         for r in requests:
             self.validate(r)
         batch = [self.start(r) for r in requests]
         try:
             active = list(batch)
             while active:
-                self.step(active)
+                await self.step(active)
                 active = [s for s in active if s.finish is None]
         finally:
             for s in batch:
-                self.release(s)
+                await self.release(s)
         return [self.result(s) for s in batch]
 
-    def step(self, batch: list[Sequence], lane: str = "") -> None:
+    async def step(self, batch: list[Sequence], lane: str = "") -> None:
         """One speculation step for every sequence of `batch`: draft, score, verify, commit. `lane`: which of
-        the router's lanes the batch is (steps of different lanes may run at once, on threads of their own)."""
-        recorder = StepRecorder(batch, self.drafter, lane)
-        trees, call = self.draft(batch, lane)
+        the router's lanes the batch is (steps of different lanes may be in flight at once)."""
+        recorder = StepRecorder(batch)
+        trees, call = await self.draft(batch, lane)
         recorder.drafted(call)
-        ahead = self._ahead.submit(self._beside_score, lane) if self._ahead and call else None
+        # the drafter's own work beside the target's forward: awaited before verification
+        ahead = asyncio.ensure_future(self.drafter.beside_score(lane)) if self.run_ahead and call else None
         chunk = self.prefill_chunk_tokens if any(s.steps for s in batch) else None  # others decode: chunk
         # A chunk step (or a step the target refused) verifies nothing: its sequences' generators go back to where
         # they were, so a seed gives the same output however the prompt was fed or the step retried.
@@ -177,14 +179,16 @@ class SpeculativeEngine:
         states = [None if s.request.sampling.is_greedy else s.generator.get_state() for s in batch]
         try:
             requests = [self.score_request(s, tree, chunk) for s, tree in zip(batch, trees)]
-            dists = self.target.score(requests)
+            dists = await self.target.score(requests)
         except Exception:  # nothing was verified (e.g. no KV pages: the router preempts and retries the step)
             for s, state in zip(batch, states):
                 if state is not None:
                     s.generator.set_state(state)
+            if ahead is not None:
+                await asyncio.gather(ahead, return_exceptions=True)  # the drafter's thread is done with its state
             raise
         if ahead is not None:
-            ahead.result()
+            await ahead
         recorder.scored()
         for s, tree, dist, state, request in zip(batch, trees, dists, states, requests):
             if dist.prefill_remaining:  # a chunk of its prompt was fed: nothing to verify yet
@@ -196,15 +200,11 @@ class SpeculativeEngine:
                       else check_verified(tree, dist.verified))
             self.commit(s, tree, dist, result)
             recorder.verified(s, tree, result, parked=request.features_withheld)
-        recorder.finish()
+        records = recorder.finish()
+        if self.drafter is not None and records:
+            await self.drafter.observe(records, lane)
 
-    def _beside_score(self, lane: str) -> None:
-        """The drafter's work while the target scores the lane's step: the catch-up of sessions its call left lagging,
-        then the next step's trees drafted ahead."""
-        self.drafter.catch_up(lane)
-        self.drafter.draft_ahead(lane)
-
-    def draft(self, batch: list[Sequence], lane: str = "") -> tuple[list[TokenTree], Drafted | None]:
+    async def draft(self, batch: list[Sequence], lane: str = "") -> tuple[list[TokenTree], Drafted | None]:
         """One TokenTree per sequence (the root alone for autoregressive decoding, a held plain step, or a
         sequence's first step), and the drafter's call (None: it was not called).
 
@@ -216,23 +216,23 @@ class SpeculativeEngine:
         with long prompts, 16 streams lost the copies their batch-mates took in those steps (0.86-0.92x plain
         decoding where 1.06-1.09x before) and the arrivals' TTFT p95 did not improve (docs/performance.md
         section 28)."""
-        call, drafting = self._call_drafter(batch, lane)
+        call, drafting = await self._call_drafter(batch, lane)
         drafted = dict(zip(drafting, call.trees)) if call is not None else {}
         return [drafted[i] if i in drafted else root_only(s.context) for i, s in enumerate(batch)], call
 
-    def _call_drafter(self, batch: list[Sequence], lane: str) -> tuple[Drafted | None, list[int]]:
+    async def _call_drafter(self, batch: list[Sequence], lane: str) -> tuple[Drafted | None, list[int]]:
         """The drafter's call for the sequences of `batch` that draft this step, and their indices (None, []: no
         call: nothing drafts, or the lane holds plain decoding)."""
         if self.drafter is None:
             return None, []
-        drafting = [i for i, s in enumerate(batch) if s.steps and s.tree.method != AUTOREGRESSIVE]
+        drafting = [i for i, s in enumerate(batch) if s.steps and not s.tree.parsed_method.is_autoregressive]
         if not drafting:
             return None, []
         bucket, held = self._plain_hold.get(lane, (0, 0))
         if held > 0 and bucket == batch_size_bucket(len(batch)):
             self._plain_hold[lane] = (bucket, held - 1)
             return None, []
-        call = self.drafter.draft([self.draft_request(batch[i]) for i in drafting], len(batch), lane)
+        call = await self.drafter.draft([self.draft_request(batch[i]) for i in drafting], len(batch), lane)
         self._plain_hold[lane] = (batch_size_bucket(len(batch)), call.hold_steps)
         return call, drafting
 
@@ -285,10 +285,12 @@ class SpeculativeEngine:
                                  "emitted tokens")
             s.logprobs.extend(dist.logprobs[:len(s.emitted) - before])  # those of the tokens emitted
 
-    def release(self, s: Sequence) -> None:
-        self.target.release(s.session_id)
+    async def release(self, s: Sequence) -> None:
+        """Free the sequence's session in the target and the drafter (its final context: placement by prefix)."""
+        prefix = (s.request.cache_scope, s.context)
+        await self.target.release(s.session_id, prefix)
         if self.drafter is not None:
-            self.drafter.release(s.session_id)
+            await self.drafter.release(s.session_id, prefix)
 
     # ------------------------------------------------------------------ one sequence
     def start(self, request: GenerationRequest) -> Sequence:

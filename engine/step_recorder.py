@@ -3,8 +3,8 @@
 `SpeculativeEngine.step` decodes; this records what the step did, so the decoding reads like the protocol.
 A step's records carry the batch's drafting and scoring wall times, the drafter runner's share of drafting,
 the per-sequence verification time, and the tree's and the accepted path's counts by draft source. The
-finished records go to the drafter's `observe` (its budget chooser learns from them), except on a step that
-prefilled a new sequence's prompt: such a step costs far more than decoding, and the chooser would blame
+finished records are what the engine reports to the drafter's `observe` (its budget chooser learns from them),
+except on a step that prefilled a new sequence's prompt: such a step costs far more than decoding, and the chooser would blame
 whatever budget it tried then.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from .drafters.base import Drafted, Drafter
+from .drafters.base import Drafted
 from .requests import StepRecord
 from .tree import TokenTree
 from .verify import VerifyResult
@@ -26,14 +26,12 @@ class Sequence(Protocol):
 
 
 class StepRecorder:
-    """Times one step of `batch` (of `lane`) from its creation on and appends each sequence's StepRecord.
+    """Times one step of `batch` from its creation on and appends each sequence's StepRecord.
 
     Call in step order: `drafted`, `scored`, `verified` once per sequence, then `finish`."""
 
-    def __init__(self, batch: list[Sequence], drafter: Drafter | None, lane: str = "") -> None:
+    def __init__(self, batch: list[Sequence]) -> None:
         self.batch = batch
-        self.drafter = drafter
-        self.lane = lane
         self.prefill = any(not s.steps for s in batch)  # some sequence's prompt is fed in this step
         self.started = time.perf_counter()
         self.draft_done = self.score_done = self.started
@@ -71,10 +69,10 @@ class StepRecorder:
                                   catch_up_ms=call.catch_up_ms / len(self.batch) if call else 0.0,
                                   fed_prompt=self.prefill, parked=parked))
 
-    def finish(self) -> None:
-        """Share the verification time among the records and report them to the drafter."""
+    def finish(self) -> list[StepRecord]:
+        """Share the verification time among the records; returns those the drafter observes (none after a
+        prefill)."""
         verify_ms = (time.perf_counter() - self.score_done) * 1e3 / max(1, len(self.recorded))
         for s in self.recorded:
             s.steps[-1].verify_ms = verify_ms
-            if self.drafter is not None and not self.prefill:
-                self.drafter.observe(s.steps[-1], self.lane)
+        return [] if self.prefill else [s.steps[-1] for s in self.recorded]

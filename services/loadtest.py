@@ -101,7 +101,7 @@ class Reference:
         """logit(top1) - logit(top2) of the token after `ids`."""
         import torch
 
-        model = self.engine.target.lm.model  # build_engine's in-process TargetRunner
+        model = self.engine.target.runner.lm.model  # build_engine's in-process TargetRunner
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].float()
         top = torch.topk(logits, 2).values

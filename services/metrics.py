@@ -228,6 +228,10 @@ class RouterMetrics:
         """ReplicaPool.on_down: one replica of `deployment` marked down (the reason is in the router's log)."""
         self.replicas_down.inc(tags={"deployment": deployment})
 
+    def record_retry(self, deployment: str) -> None:
+        """GroupedCaller.on_retry: a group of a call re-sent to another replica of `deployment`."""
+        self.retries.inc(tags={"deployment": deployment})
+
     def record_request(self, code: str, method: str | None) -> None:
         self.requests.inc(tags={"code": code, "method": method or "none"})
 

@@ -1,13 +1,15 @@
 """The Router: request admission, continuous batching and streaming over the speculative engine.
 
-One background step loop per router drives `SpeculativeEngine.step` on the active sequences, one step in flight
-per lane (the sessions placed on one Target replica; in-process, one lane): requests join and leave only at their
-lane's step boundaries, so each lane's batch changes continuously, and no replica's step waits for another's. At
-batch size 1 the drafter builds the configured dynamic tree, above 1 C2T chains (docs/design.md section 6; the
-decision is the drafter's, per call). The engine is injected: in the Serve deployment (`RouterReplica`,
-services/router_replica.py) its Target and Drafter are gRPC clients of the replicas (services/transport/
-clients.py); in unit tests they are in-process runners. Verification, emission and stop conditions are the
-engine's own (`start`, `step`, `result`); the router only turns what each step emitted into stream messages.
+One background step loop per router awaits `SpeculativeEngine.step` on the active sequences, one step in flight
+per lane (the sessions placed on one Target replica, `engine.target.lane_of`; in-process, one lane): requests join
+and leave only at their lane's step boundaries, so each lane's batch changes continuously, and no replica's step
+waits for another's. At batch size 1 the drafter builds the configured dynamic tree, above 1 C2T chains
+(docs/design.md section 6; the decision is the drafter's, per call). The engine is injected and the router treats
+every engine alike: in the Serve deployment (services/router_replica.py) it is services/remote_engine.py's, whose
+Target and Drafter are grpc.aio clients of the replicas awaited on this loop; in unit tests its parts are
+in-process runners behind their adapters (engine/parts.py), which keep each runner on a thread of its own.
+Verification, emission and stop conditions are the engine's own (`start`, `step`, `result`); the router only turns
+what each step emitted into stream messages.
 
 The public gRPC API in front of it (TLS, tokens, payload decoding, status codes, one log line per rejected
 request) is services/api_server.py; what a valid request is, services/validation.py (shared with any other
@@ -22,11 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
@@ -36,7 +37,7 @@ from treeserve.engine.speculative_engine import Sequence, SpeculativeEngine
 from treeserve.v1 import generation_pb2 as gen
 from .config import LimitsConfig
 from .metrics import RouterMetrics
-from .transport.pool import NoReplicaError, ReplicasFullError, GroupedCaller
+from .transport.pool import NoReplicaError, ReplicasFullError
 from .validation import RequestError, RequestValidator, SamplingDefaults, method_enum
 
 
@@ -90,21 +91,16 @@ def logprobs_message(logprobs: list[TokenLogprob]) -> list[gen.TokenLogprob]:
 
 
 class Router:
-    """Plain class: inject the engine. `RouterReplica` builds one over gRPC clients for Serve."""
+    """Plain class: inject the engine (`RouterReplica` receives one over gRPC clients from `build_remote_engine`)."""
 
     def __init__(self, engine: SpeculativeEngine, limits: LimitsConfig | None = None,
-                 metrics: RouterMetrics | None = None, clients: Iterable[GroupedCaller | None] = (),
-                 router_id: str | None = None, model_name: str = "treeserve",
-                 lane_of: Callable[[str, tuple[str, list[int]]], str] | None = None,
+                 metrics: RouterMetrics | None = None, router_id: str | None = None, model_name: str = "treeserve",
                  sampling_defaults: SamplingDefaults = SamplingDefaults()):
         self.engine = engine
         self.limits = limits or LimitsConfig()
         # sampling_defaults: what a request's unset sampling fields take (services/validation.py SamplingDefaults)
         self.validator = RequestValidator(engine, self.limits, sampling_defaults)
         self.metrics = metrics or RouterMetrics(enabled=False)
-        # The engine's Target / Drafter when they are replica clients (services/transport/clients.py): bound to
-        # the step loop's event loop, released through, counted for retries. Empty for in-process runners.
-        self.clients = [c for c in clients if c is not None]
         self.router_id = router_id or uuid.uuid4().hex[:8]
         self.model_name = model_name  # the model clients name and /v1/models lists (services/openai_api.py)
         self._waiting: list[_Job] = []
@@ -117,14 +113,7 @@ class Router:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        # In-process runners are not thread-safe: a release (a worker thread) must not run while a step (another
-        # worker thread) is in a forward, or the last session's release clears the KV pool under it.
-        self._engine_lock = threading.Lock()
-        self._retries_seen: dict[int, int] = {}
         self._run_ahead_seen = (0, 0)  # the drafter's run-ahead (hits, misses) counted so far
-        # (session id, (cache scope, context)) -> its lane: the Target replica it is placed on, by prefix and load
-        # (RemoteTarget.lane_of); in-process, one lane.
-        self.lane_of: Callable[[str, tuple[str, list[int]]], str] = lane_of or (lambda session_id, prefix: "")
         self.steps = 0
 
     async def check_health(self) -> None:
@@ -215,8 +204,6 @@ class Router:
 
     async def start(self) -> None:
         if self._task is None:
-            for client in self.clients:
-                client.bind_loop()
             self._wake = asyncio.Event()
             self._task = asyncio.create_task(self._loop(), name="treeserve-step-loop")
 
@@ -325,7 +312,7 @@ class Router:
     async def _loop(self) -> None:
         """Step every lane that has sequences and no step in flight; admit and prune between steps.
 
-        A lane is the sessions of one Target replica (`lane_of`): lanes step independently, so one replica's
+        A lane is the sessions of one Target replica (`engine.target.lane_of`): lanes step independently, so one replica's
         step never waits for another's, and one lane's drafting and verification overlap the others' scoring.
         A sequence joins a step only at its lane's step boundary, and leaves (cancelled, past its deadline) only
         when no step of its lane is in flight."""
@@ -354,7 +341,7 @@ class Router:
         for job in self._active:
             if id(job) not in busy:
                 prefix = (job.request.cache_scope, job.seq.context)
-                lanes.setdefault(self.lane_of(job.seq.session_id, prefix), []).append(job)
+                lanes.setdefault(self.engine.target.lane_of(job.seq.session_id, prefix), []).append(job)
         return lanes
 
     async def _step(self, jobs: list[_Job], lane: str) -> None:
@@ -363,7 +350,7 @@ class Router:
         prefill = any(not s.steps for s in batch)
         started = time.monotonic()
         try:
-            await asyncio.to_thread(self._locked, self.engine.step, batch, lane)
+            await self.engine.step(batch, lane)
         except (Exception, asyncio.CancelledError) as exc:  # retried on other replicas already: fail the batch
             if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():
                 raise  # the router is closing
@@ -388,7 +375,6 @@ class Router:
         if prefill:
             self.metrics.record_prefill_step((time.monotonic() - started) * 1e3)
         self._count_run_ahead()
-        self._count_retries()
         for job in jobs:
             if job in self._active:
                 self._publish(job)
@@ -402,14 +388,6 @@ class Router:
         seen_hits, seen_misses = self._run_ahead_seen
         self._run_ahead_seen = (drafter.run_ahead_hits, drafter.run_ahead_misses)
         self.metrics.record_run_ahead(self._run_ahead_seen[0] - seen_hits, self._run_ahead_seen[1] - seen_misses)
-
-    def _count_retries(self) -> None:
-        for client in self.clients:
-            retries = client.retries
-            seen = self._retries_seen.get(id(client), 0)
-            if retries > seen:
-                self.metrics.retries.inc(retries - seen, tags={"deployment": client.pool.name})
-                self._retries_seen[id(client)] = retries
 
     def _emitted(self, job: _Job, count: int) -> None:
         """Latency metrics of a stream message carrying `count` tokens."""
@@ -511,24 +489,10 @@ class Router:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    def _locked(self, call, *args):  # type: ignore[no-untyped-def]
-        """`call(*args)` with the engine to itself (see `_engine_lock`); replica clients need no lock, and lanes
-        step at once."""
-        if self.clients:
-            return call(*args)
-        with self._engine_lock:
-            return call(*args)
-
     async def _release(self, seq: Sequence) -> None:
-        """Free the session's caches: on every replica through the engine's remote clients (`clients`), else in
-        its in-process runners."""
+        """Free the session's caches in the engine's target and drafter (on every replica, for replica clients:
+        what the session leaves cached guides the next turn's placement)."""
         try:
-            if self.clients:
-                for client in self.clients:  # what the session leaves cached guides the next turn's placement
-                    await client.release_async(seq.session_id, (seq.request.cache_scope, seq.context))
-            else:
-                parts = [self.engine.target] + ([self.engine.drafter] if self.engine.drafter is not None else [])
-                for part in parts:
-                    await asyncio.to_thread(self._locked, part.release, seq.session_id)
+            await self.engine.release(seq)
         except Exception as exc:  # a replica cache left behind is evicted later; never fail a request for it
             log.warning("release of %s failed: %s", seq.session_id, exc)

@@ -20,7 +20,7 @@ from treeserve.engine.runners.cached_lm import CachedLM
 from treeserve.engine.runners.kv_pool import KVPoolExhausted, limit_gpu_memory
 from treeserve.engine.runners.step_settings import default_static_step
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.speculative_engine import Target
+from treeserve.engine.parts import LocalTarget
 from treeserve.v1 import internal_pb2 as pb, internal_pb2_grpc as pb_grpc
 from . import wire
 from .features import FeaturesUnavailable, check_target_provides
@@ -30,9 +30,10 @@ from .transport.replica_server import Worker, limit_threads
 
 
 
-class ServedTarget(Target, Protocol):
-    """What a Target replica serves: the engine's `Target` (a `TargetRunner` or the tensor-parallel target), and
-    the KV cache of its sessions where this process holds it (health reports, idle sweeps)."""
+class ServedTarget(LocalTarget, Protocol):
+    """What a Target replica serves: an in-process target (engine/parts.py `LocalTarget`: a `TargetRunner` or the
+    tensor-parallel target), and the KV cache of its sessions where this process holds it (health reports, idle
+    sweeps)."""
 
     lm: CachedLM | None  # None where the tensor-parallel ranks hold the cache
 

@@ -565,12 +565,12 @@ def pit_pvalue(model, prompt: list[int], outputs: list[list[int]], sampling, bin
 def drafted_trees(engine) -> list:
     """The TokenTrees `engine`'s drafter returns from now on, recorded in the returned list as they are drafted."""
     trees = []
-    draft = engine.drafter.draft
+    draft = engine.drafter.local.draft
 
     def recording(requests, *args, **kwargs):
         out = draft(requests, *args, **kwargs)
         trees.extend(out.trees)
         return out
 
-    engine.drafter.draft = recording
+    engine.drafter.local.draft = recording
     return trees

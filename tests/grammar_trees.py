@@ -21,14 +21,14 @@ def constrained_generate(model, compiled, prompt: list[int], n: int, eos: list[i
 def record_trees(engine) -> list:
     """A list that fills with (context, tree) for every tree the engine's drafter drafts from now on."""
     trees = []
-    draft = engine.drafter.draft
+    draft = engine.drafter.local.draft
 
     def spy(requests, *args, **kwargs):
         drafted = draft(requests, *args, **kwargs)
         trees.extend((list(r.context), tree) for r, tree in zip(requests, drafted.trees))
         return drafted
 
-    engine.drafter.draft = spy
+    engine.drafter.local.draft = spy
     return trees
 
 

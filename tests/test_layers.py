@@ -50,7 +50,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # 4. drafters
     ("drafters",),
     # 5. the engine and its factory
-    ("speculative_engine", "step_recorder", "factory"),
+    ("speculative_engine", "step_recorder", "parts", "factory"),
 )
 # The optional heavy dependencies: a module may import one of TreeServe's modules inside a function only when that
 # module brings one of these (at import, through its own module-level imports) and the importing one does not.

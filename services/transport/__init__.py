@@ -11,8 +11,8 @@ channels because a DeploymentHandle round trip costs ~5x a gRPC call on a small 
 - `pool`: the router's view of one deployment's replicas (least-loaded sticky placement; a replica whose call
   failed or whose connection dropped is marked down at once and re-admitted only when a probe answers; refresh)
   and the grouped caller that retries a failed group on another replica.
-- `bridge`: runs the async client methods from the engine's worker thread on the router's loop.
-- `clients`: `RemoteTarget` / `RemoteDrafter`, the engine's Target / Drafter protocols over a pool.
+- `clients`: `RemoteTarget` / `RemoteDrafter`, the engine's async Target / Drafter protocols (engine/parts.py) over
+  a pool, awaited by the engine's step on the router's loop.
 
 EAGLE's target features on their way from the Target to the Drafter replicas are services/features.py.
 """

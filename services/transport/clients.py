@@ -1,8 +1,8 @@
-"""The engine's Target and Drafter protocols over the replicas: `RemoteTarget` and `RemoteDrafter`.
+"""The engine's async Target and Drafter protocols (engine/parts.py) over the replicas: `RemoteTarget` and
+`RemoteDrafter`.
 
-The async methods run on the router's event loop; the sync protocol methods (called by `SpeculativeEngine.step`
-on a worker thread) bridge onto that loop (services/transport/bridge.py). Each call groups its items by the
-sessions' replicas and survives losing one (services/transport/pool.py). For an EAGLE drafter the target
+`SpeculativeEngine.step` awaits them on the router's event loop, where their grpc.aio channels live. Each call
+groups its items by the sessions' replicas and survives losing one (services/transport/pool.py). For an EAGLE drafter the target
 returns its features with the scores and the drafter client sends each replica only the rows it lacks
 (services/features.py).
 """
@@ -10,11 +10,10 @@ returns its features with the scores and the drafter client sends each replica o
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from typing import Callable
 
-from treeserve.engine.drafters.base import NO_FEATURES, Drafted, DrafterBase, DraftRequest, FeatureNeeds, root_only
+from treeserve.engine.drafters.base import NO_FEATURES, Drafted, DraftRequest, FeatureNeeds, root_only
 from treeserve.engine.requests import StepRecord
 from treeserve.engine.runners.target import ScoreRequest
 from treeserve.engine.tree import TokenTree
@@ -39,12 +38,13 @@ class RemoteTarget(GroupedCaller):
     provides_features = True
 
     def __init__(self, pool: ReplicaPool, vocab_size: int, call_timeout_s: float = 120.0,
-                 retry_timeout_s: float = 120.0, features_listener: Callable[[str, int], None] | None = None):
-        super().__init__(pool, call_timeout_s, retry_timeout_s)
+                 retry_timeout_s: float = 120.0, features_listener: Callable[[str, int], None] | None = None,
+                 on_retry: Callable[[str], None] | None = None):
+        super().__init__(pool, call_timeout_s, retry_timeout_s, on_retry)
         self.vocab_size = vocab_size
         self.features_listener = features_listener
 
-    async def score_async(self, requests: list[ScoreRequest]) -> list[TargetDists]:
+    async def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
         async def send(live: LiveReplica, group: list[ScoreRequest]) -> list[TargetDists]:
             message = pb.ScoreRequest(items=[wire.encode_score_item(r) for r in group])
             reply = await live.stub.Score(message, timeout=self.call_timeout_s)
@@ -62,9 +62,6 @@ class RemoteTarget(GroupedCaller):
                     self.features_listener(r.session_id, d.features_start)
         return dists
 
-    def score(self, requests: list[ScoreRequest]) -> list[TargetDists]:
-        return self._sync(self.score_async(requests))
-
     def lane_of(self, session_id: str, prefix: tuple[str, list[int]] | None = None) -> str:
         """The router's lane of a session: the Target replica it is placed on ("" while none is live); a new
         session is placed by its `prefix` (cache scope, context) and the replicas' load (ReplicaPool.pick)."""
@@ -72,7 +69,7 @@ class RemoteTarget(GroupedCaller):
         return live.endpoint.replica_id if live is not None else ""
 
 
-class RemoteDrafter(GroupedCaller, DrafterBase):
+class RemoteDrafter(GroupedCaller):
     """engine Drafter protocol over Drafter replicas. Without a live drafter the step degrades to a root-only
     tree (one autoregressive step): it costs time, never tokens.
 
@@ -88,13 +85,16 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
     wait_for_live = False  # a step without a drafter is still a step: never wait for one
 
     def __init__(self, pool: ReplicaPool, call_timeout_s: float = 60.0, retry_timeout_s: float = 2.0,
-                 feature_needs: FeatureNeeds = NO_FEATURES, unasked_rows: int = UNASKED_ROWS):
-        super().__init__(pool, call_timeout_s, retry_timeout_s)
+                 feature_needs: FeatureNeeds = NO_FEATURES, unasked_rows: int = UNASKED_ROWS,
+                 on_retry: Callable[[str], None] | None = None):
+        super().__init__(pool, call_timeout_s, retry_timeout_s, on_retry)
         self.feature_needs = feature_needs  # reads: the engine then scores with want_features
         self.feature_deltas = FeatureDeltas(unasked_rows)
         self._observations: list[pb.StepObservation] = []
-        self._observed = threading.Lock()
         self.fallbacks = 0
+        # the replicas' run-ahead: steps answered with a tree drafted ahead, and trees drafted ahead in vain
+        self.run_ahead_hits = 0
+        self.run_ahead_misses = 0
         self._lane_prefix = f"{uuid.uuid4().hex[:12]}/"  # this router's lanes, on replicas several routers share
 
     def lane_key(self, lane: str) -> str:
@@ -106,10 +106,8 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
         """Sessions whose rows a replica lacked and were sent again from 0."""
         return self.feature_deltas.resends
 
-    async def draft_async(self, requests: list[DraftRequest], batch_size: int | None = None,
-                          lane: str = "") -> Drafted:
-        with self._observed:
-            observations, self._observations = self._observations[-64:], []
+    async def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
+        observations, self._observations = self._observations[-64:], []
         holds: list[int] = []
         deltas = self.feature_deltas
         call = Drafted([])
@@ -162,15 +160,13 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
             log.warning("drafting skipped for this step (%s): root-only trees", exc)
             return Drafted([root_only(r.context) for r in requests])
 
-    def draft(self, requests: list[DraftRequest], batch_size: int | None = None, lane: str = "") -> Drafted:
-        return self._sync(self.draft_async(requests, batch_size, lane))
-
-    def observe(self, record: StepRecord, lane: str = "") -> None:
+    async def observe(self, records: list[StepRecord], lane: str = "") -> None:
         # Sent with the next Draft call (the budget choosers live in the drafter replica), to the lane's chooser.
         # Steps without a draft count too: they measure plain decoding, the budget-0 arm.
-        observation = wire.encode_observation(record, self.lane_key(lane))
-        with self._observed:  # lanes report from threads of their own
-            self._observations.append(observation)
+        self._observations.extend(wire.encode_observation(record, self.lane_key(lane)) for record in records)
+
+    async def beside_score(self, lane: str = "") -> None:
+        """Nothing here: each Drafter replica catches up and drafts ahead on its own worker after answering."""
 
     def wants_features(self, session_id: str, missing_rows: int) -> bool:
         """A long context's features come from the Target only once a replica asked for them (`features_wanted`);
@@ -181,6 +177,6 @@ class RemoteDrafter(GroupedCaller, DrafterBase):
         """RemoteTarget.features_listener: the router's rows of the session from `start` on were (re)computed."""
         self.feature_deltas.rewritten(session_id, start)
 
-    async def release_async(self, session_id: str, prefix: tuple[str, list[int]] | None = None) -> int:
+    async def release(self, session_id: str, prefix: tuple[str, list[int]] | None = None) -> bool:
         self.feature_deltas.forget(session_id)
-        return await super().release_async(session_id, prefix)
+        return await super().release(session_id, prefix)

@@ -31,7 +31,6 @@ import grpc
 
 from treeserve.v1 import internal_pb2 as pb
 from ..internal_auth import client_interceptors
-from .bridge import LoopBridge
 from .discovery import Discovery, Endpoint
 from .prefix_affinity import PrefixIndex, block_hashes
 from .replica_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
@@ -359,17 +358,20 @@ def describe(exc: BaseException) -> str:
     return str(exc)
 
 
-class GroupedCaller(LoopBridge):
+class GroupedCaller:
     """Send per-session items grouped by their affine replica. On a retryable failure mark the replica down and
     re-send the failed group's items (regrouped on the smaller ring) until `retry_timeout_s` passes. A full
     replica (RESOURCE_EXHAUSTED) stays in the pool: its group goes to the replicas not yet refused for this call,
-    and `ReplicasFullError` says when none has room."""
+    and `ReplicasFullError` says when none has room. `on_retry(deployment)` hears of each re-sent group (the
+    router's metrics)."""
 
-    def __init__(self, pool: ReplicaPool, call_timeout_s: float, retry_timeout_s: float):
+    def __init__(self, pool: ReplicaPool, call_timeout_s: float, retry_timeout_s: float,
+                 on_retry: Callable[[str], None] | None = None):
         self.pool = pool
         self.call_timeout_s = call_timeout_s
         self.retry_timeout_s = retry_timeout_s
         self.retries = 0
+        self.on_retry = on_retry
 
     wait_for_live = True  # False: fail at once (NoReplicaError) when no replica is live
 
@@ -422,6 +424,8 @@ class GroupedCaller(LoopBridge):
                 elif live is not None:
                     self.pool.mark_down(replica_id, describe(exc), live)
                 self.retries += 1
+                if self.on_retry is not None:
+                    self.on_retry(self.pool.name)
                 out = await self._grouped(group, session_of, send, deadline, full)
             for i, value in zip(idx, out):
                 results[i] = value
@@ -429,15 +433,12 @@ class GroupedCaller(LoopBridge):
         await asyncio.gather(*(run(rid, idx) for rid, idx in groups.items()))
         return results
 
-    async def release_async(self, session_id: str, prefix: tuple[str, list[int]] | None = None) -> int:
-        """Drop the session on every live replica (a retry may have moved it); returns how many held it. A
-        background task: it waits for a busy replica (up to 30 s) rather than leave the session behind, and a
-        replica it misses frees the session once idle (SessionClock). `prefix`: its final (cache scope, context),
-        cached where it ran (placement by prefix)."""
+    async def release(self, session_id: str, prefix: tuple[str, list[int]] | None = None) -> bool:
+        """Drop the session on every live replica (a retry may have moved it); True if any held it. A background
+        task: it waits for a busy replica (up to 30 s) rather than leave the session behind, and a replica it
+        misses frees the session once idle (SessionClock). `prefix`: its final (cache scope, context), cached where
+        it ran (placement by prefix)."""
         self.pool.forget(session_id, prefix)
         await self.pool.refresh()
         replies = await self.pool.broadcast("Release", pb.ReleaseRequest(session_ids=[session_id]), timeout_s=30.0)
-        return sum(r.released for r in replies)
-
-    def release(self, session_id: str) -> bool:
-        return self._sync(self.release_async(session_id)) > 0
+        return sum(r.released for r in replies) > 0

@@ -4,6 +4,7 @@ with the model for one step, the drafter reads what it missed while the target s
 drafts without the wait. Output stays the target's: greedy-equal, and sampled output follows the target's
 distribution (chi-square)."""
 
+import asyncio
 import collections
 
 import pytest
@@ -19,6 +20,7 @@ from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import GenerationRequest, SamplingParams
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.tree_config import TreeConfig, tree_config
 
 BESIDE = 16  # tokens of lag past which a session catches up beside the step
@@ -34,7 +36,7 @@ def pair(tiny_target_dir, tiny_drafter_dir):
 def engine_for(pair, tree: TreeConfig, beside: int | None = BESIDE) -> tuple[SpeculativeEngine, LocalDrafter]:
     target, drafter = pair
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), catch_up_beside=beside)
-    return SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer, tree, 2048, run_ahead=True), local
+    return in_process_engine(TargetRunner(target.model), local, target.tokenizer, tree, 2048, run_ahead=True), local
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -49,17 +51,17 @@ def test_a_prompt_is_read_beside_the_step_then_drafted(pair):
     prompt = engine.encode_chat(PROMPT)
     assert len(prompt) > BESIDE
     seq = engine.start(GenerationRequest(prompt, max_new_tokens=24))
-    engine.step([seq])  # the prefill: the root alone, the drafter not called
+    asyncio.run(engine.step([seq]))  # the prefill: the root alone, the drafter not called
     assert drafter.runner.lm.lag(seq.session_id, len(seq.context)) == len(seq.context) - 1
-    engine.step([seq])  # the drafter lags the whole prompt: no model drafts, its catch-up runs beside the score
+    asyncio.run(engine.step([seq]))  # the drafter lags the whole prompt: no model drafts, its catch-up runs beside the score
     assert seq.steps[-1].tree_size == 0 and seq.steps[-1].catch_up
     assert drafter.runner.lm.lag(seq.session_id, len(seq.context)) <= 2  # read all but the step's own tokens
-    engine.step([seq])
+    asyncio.run(engine.step([seq]))
     assert seq.steps[-1].tree_size > 0  # drafted at once: nothing left to read inline
     while seq.finish is None:
-        engine.step([seq])
+        asyncio.run(engine.step([seq]))
     assert seq.emitted == greedy(target.model, prompt, 24)[:len(seq.emitted)]
-    engine.release(seq)
+    asyncio.run(engine.release(seq))
 
 
 def test_a_hybrid_step_copies_while_the_model_catches_up(pair):
@@ -68,13 +70,13 @@ def test_a_hybrid_step_copies_while_the_model_catches_up(pair):
     engine, drafter = engine_for(pair, TreeConfig(method="c2t+lookup", budget=8))
     prompt = engine.encode_chat("Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the")
     seq = engine.start(GenerationRequest(prompt, max_new_tokens=32))
-    engine.step([seq])
-    engine.step([seq])
+    asyncio.run(engine.step([seq]))
+    asyncio.run(engine.step([seq]))
     assert seq.steps[-1].tree_size == seq.steps[-1].tree_size_lookup  # copies only
     while seq.finish is None:
-        engine.step([seq])
+        asyncio.run(engine.step([seq]))
     assert seq.emitted == greedy(target.model, prompt, 32)[:len(seq.emitted)]
-    engine.release(seq)
+    asyncio.run(engine.release(seq))
 
 
 def test_a_parked_batch_row_resumes_without_stalling_the_batch(pair):
@@ -84,22 +86,22 @@ def test_a_parked_batch_row_resumes_without_stalling_the_batch(pair):
     engine, drafter = engine_for(pair, TreeConfig(method="c2t", budget=4))
     prompts = [engine.encode_chat(p) for p in (PROMPT, "List three rivers of Europe and their lengths.")]
     running = engine.start(GenerationRequest(prompts[1], max_new_tokens=20))
-    engine.step([running])
-    engine.step([running])  # caught up beside this step
-    engine.step([running])
+    asyncio.run(engine.step([running]))
+    asyncio.run(engine.step([running]))  # caught up beside this step
+    asyncio.run(engine.step([running]))
     arriving = engine.start(GenerationRequest(prompts[0], max_new_tokens=20))
     batch = [running, arriving]
-    engine.step(batch)  # the arrival's prefill; the running row drafts
+    asyncio.run(engine.step(batch))  # the arrival's prefill; the running row drafts
     assert running.steps[-1].tree_size > 0
     lagging = drafter.draft([engine.draft_request(s) for s in batch], 2)
     assert lagging.catching_up == (arriving.session_id,) and lagging.trees[1].num_nodes == 1  # the arrival: its catch-up pending
     assert drafter.catch_up() == 1
     assert drafter.runner.lm.lag(arriving.session_id, len(arriving.context)) <= 1
     while any(s.finish is None for s in batch):
-        engine.step([s for s in batch if s.finish is None])
+        asyncio.run(engine.step([s for s in batch if s.finish is None]))
     for s, prompt in zip(batch, (prompts[1], prompts[0])):
         assert s.emitted == greedy(target.model, prompt, 20)[:len(s.emitted)]
-        engine.release(s)
+        asyncio.run(engine.release(s))
 
 
 def test_a_parked_session_costs_the_drafter_nothing(pair):
@@ -130,10 +132,10 @@ def test_inline_catch_up_keeps_drafting_every_step(pair):
     engine, drafter = engine_for(pair, TreeConfig(method="c2t", budget=6), beside=None)
     prompt = engine.encode_chat(PROMPT)
     seq = engine.start(GenerationRequest(prompt, max_new_tokens=8))
-    engine.step([seq])
-    engine.step([seq])
+    asyncio.run(engine.step([seq]))
+    asyncio.run(engine.step([seq]))
     assert seq.steps[-1].tree_size > 0
-    engine.release(seq)
+    asyncio.run(engine.release(seq))
 
 
 def test_sampled_output_after_a_catch_up_follows_the_target(pair):

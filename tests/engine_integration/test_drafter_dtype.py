@@ -51,9 +51,9 @@ def test_a_drafter_in_its_own_dtype_drafts_losslessly(tiny_target_dir, tiny_draf
     for method, budget in (("dyspec", 8), ("c2t+lookup", "auto")):
         engine = build_engine(str(tiny_target_dir), drafter_path=str(tiny_drafter_dir), method=method,
                               budget=budget, drafter_dtype=drafter_dtype)
-        chosen = next(engine.drafter.model.parameters()).dtype
+        chosen = next(engine.drafter.local.model.parameters()).dtype
         assert chosen == torch.bfloat16 if drafter_dtype == "bfloat16" else chosen in (torch.float32, torch.bfloat16)
-        assert next(engine.target.lm.model.parameters()).dtype == torch.float32  # the target keeps its dtype
+        assert next(engine.target.runner.lm.model.parameters()).dtype == torch.float32  # the target keeps its dtype
         assert greedy(engine) == plain
 
 

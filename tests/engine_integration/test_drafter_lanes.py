@@ -4,6 +4,8 @@ their own decision and hold their own plain decoding; a draft call's facts come 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from treeserve.engine.lanes import Lanes
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.tree_config import TreeConfig
 
 
@@ -63,7 +65,7 @@ def test_two_lanes_stepped_in_turn_credit_their_own_choosers(pair):
         return call
 
     local.draft = spy
-    engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
+    engine = in_process_engine(TargetRunner(target.model), local, target.tokenizer,
                                TreeConfig(method="dyspec", budget=4, budget_auto=True), max_context_tokens=2048)
     prompts = {lane: engine.encode_chat(text) for lane, text in
                (("a", "Tell me about the weather"), ("b", "Name three colours."))}
@@ -71,7 +73,7 @@ def test_two_lanes_stepped_in_turn_credit_their_own_choosers(pair):
     while any(s.finish is None for s in seqs.values()):
         for lane, s in seqs.items():
             if s.finish is None:
-                engine.step([s], lane)
+                asyncio.run(engine.step([s], lane))
     for lane, s in seqs.items():
         assert s.emitted == reference(target.model, prompts[lane], 32)[:len(s.emitted)]
 
@@ -84,5 +86,5 @@ def test_two_lanes_stepped_in_turn_credit_their_own_choosers(pair):
         # Held steps never called the drafter: fewer calls than the steps after the prefill.
         assert len(calls[lane]) < len(s.steps) - 1
         assert all(call.hold_steps in (0, chooser.plain_hold_steps) for call in calls[lane])
-    engine.release(seqs["a"])
-    engine.release(seqs["b"])
+    asyncio.run(engine.release(seqs["a"]))
+    asyncio.run(engine.release(seqs["b"]))

@@ -9,7 +9,7 @@ import torch
 from step_plans import decode_beside  # tests/step_plans.py
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
-from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.drafters.models.loading import load_drafter
 from treeserve.engine.drafters.models.eagle import EagleDrafter
 from treeserve.engine.models.loading import load_causal_lm
@@ -49,7 +49,7 @@ def eagle_dir(target, tmp_path_factory):
 def make_engine(target, eagle_dir, tree):
     drafter = load_drafter(str(eagle_dir), target.model)
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size))
-    return SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer, tree, max_context_tokens=2048)
+    return in_process_engine(TargetRunner(target.model), local, target.tokenizer, tree, max_context_tokens=2048)
 
 
 @torch.inference_mode()
@@ -208,7 +208,7 @@ def test_prefix_cache_and_chunked_prefill_keep_the_features_exact(target, eagle_
     chunk's; the output stays the target's greedy output, and the trees still draft (features were complete)."""
     engine = make_engine(target, eagle_dir, TreeConfig(method="dyspec", budget=12))
     engine.prefill_chunk_tokens = 8
-    engine.target.lm.bound(256, kv=KVSettings(page_size=8))  # short prompts span several pages
+    engine.target.runner.lm.bound(256, kv=KVSettings(page_size=8))  # short prompts span several pages
     system = "You are a careful assistant. Answer about foxes, rivers and the weather in full sentences."
     first = engine.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "A fox?"}])
     again = engine.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "A river?"}])

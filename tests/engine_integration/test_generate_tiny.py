@@ -6,7 +6,7 @@ import torch
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.base import Drafted, DrafterBase, root_only
-from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import FinishReason, GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
@@ -37,7 +37,7 @@ def pair(tiny_target_dir, tiny_drafter_dir):
 def make_engine(pair, tree):
     target, drafter = pair
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size))
-    return SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer, tree, max_context_tokens=2048)
+    return in_process_engine(TargetRunner(target.model), local, target.tokenizer, tree, max_context_tokens=2048)
 
 
 @torch.inference_mode()
@@ -117,7 +117,7 @@ def test_batched_chain_depth_is_chosen_per_batch_size_and_stays_lossless(pair):
     profile = HardwareProfile({1: 40.0, 2: 40.5, 4: 41.0, 8: 42.0, 16: 43.0, 32: 44.0}, 0.5, 128)
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size),
                          budget=BudgetChooser(profile, max_budget=8, explore_steps=1), batch_chain_depth=4)
-    engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
+    engine = in_process_engine(TargetRunner(target.model), local, target.tokenizer,
                                TreeConfig(method="dyspec", budget=8, budget_auto=True), max_context_tokens=2048)
     prompts = [engine.encode_chat(p) for p in ["Hello there", "Write a poem about rain", "Why?", "Count to ten"]]
     results = engine.generate([GenerationRequest(p, max_new_tokens=24) for p in prompts])
@@ -196,7 +196,7 @@ def test_held_plain_decoding_skips_the_drafter_and_stays_lossless(pair):
     draft = local.draft
     local.draft = lambda requests, batch_size=None, lane="": calls.append(len(requests)) or draft(requests, batch_size,
                                                                                                   lane)
-    engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
+    engine = in_process_engine(TargetRunner(target.model), local, target.tokenizer,
                                TreeConfig(method="dyspec", budget=4, budget_auto=True), max_context_tokens=2048)
     prompt = engine.encode_chat("Tell me about the weather")
     result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
@@ -251,7 +251,7 @@ def test_a_plain_decoding_hold_survives_requests_leaving_the_batch(pair):
             return True
 
     drafter = HoldingDrafter()
-    engine = SpeculativeEngine(TargetRunner(target.model), drafter, target.tokenizer,
+    engine = in_process_engine(TargetRunner(target.model), drafter, target.tokenizer,
                                TreeConfig(method="dyspec", budget=4), max_context_tokens=2048)
     prompt = engine.encode_chat("Tell me about the weather")
     lengths = [3, 6, 6, 12]  # batch sizes 4, 3 (same bucket), then 1

@@ -27,6 +27,7 @@ from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest, SamplingParams
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.tree_config import TreeConfig
 
@@ -52,7 +53,7 @@ def make_engine(pair, method: str, budget: int) -> SpeculativeEngine:
     target, drafter = pair
     local = None if method == "autoregressive" else LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size,
                                                                                 tokenizer=target.tokenizer))
-    return SpeculativeEngine(TargetRunner(target.model, tokenizer=target.tokenizer), local, target.tokenizer,
+    return in_process_engine(TargetRunner(target.model, tokenizer=target.tokenizer), local, target.tokenizer,
                              TreeConfig(method=method, budget=budget or 1), 2048)
 
 

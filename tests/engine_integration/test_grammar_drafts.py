@@ -28,7 +28,7 @@ from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.requests import GenerationRequest, SamplingParams
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.tree import Source
 
@@ -159,7 +159,7 @@ def test_requests_without_a_grammar_draft_the_same_trees(pair):
     prompt = target.tokenizer.encode("one two three four. one two three four. one two")
     runs = []
     for tokenizer in (target.tokenizer, None):
-        engine = SpeculativeEngine(TargetRunner(target.model, tokenizer=target.tokenizer),
+        engine = in_process_engine(TargetRunner(target.model, tokenizer=target.tokenizer),
                                    LocalDrafter(DrafterRunner(drafter, vocab, tokenizer=tokenizer)), target.tokenizer,
                                    TreeConfig(method="c2t+lookup", budget=10), 2048)
         trees = record_trees(engine)
@@ -176,7 +176,7 @@ def test_trees_drafted_ahead_and_batched_copy_chains_obey_the_grammar(pair):
     tok = target.tokenizer
     vocab = target.model.config.vocab_size
     local = LocalDrafter(DrafterRunner(drafter, vocab, tokenizer=tok))
-    engine = SpeculativeEngine(TargetRunner(target.model, tokenizer=tok), local, tok,
+    engine = in_process_engine(TargetRunner(target.model, tokenizer=tok), local, tok,
                                TreeConfig(method="c2t+lookup", budget=10), 2048, run_ahead=True)
     ahead = []
     draft_ahead = local.draft_ahead

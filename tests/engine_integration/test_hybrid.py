@@ -11,7 +11,7 @@ from treeserve.engine.hardware.profile import HardwareProfile
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.lookup import MATCH_BUCKETS, LookupSettings
-from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.models.loading import chat_ids, load_causal_lm
 from treeserve.engine.requests import GenerationRequest, StepRecord
 from treeserve.engine.drafters.model_runner import DrafterRunner
@@ -48,7 +48,7 @@ def flat_profile() -> HardwareProfile:
 def make_engine(pair, tree, chooser=None):
     target, drafter = pair
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size), budget=chooser)
-    return SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer, tree, max_context_tokens=2048)
+    return in_process_engine(TargetRunner(target.model), local, target.tokenizer, tree, max_context_tokens=2048)
 
 
 @torch.inference_mode()
@@ -102,12 +102,12 @@ def test_auto_budget_drafts_lookup_only_steps_and_stays_greedy_equal(pair, refer
 
     monkeypatch.setattr(BudgetChooser, "next_hybrid", spy)
     calls = []
-    draft = engine.drafter.draft
-    monkeypatch.setattr(engine.drafter, "draft", lambda *args: calls.append(draft(*args)) or calls[-1])
+    draft = engine.drafter.local.draft
+    monkeypatch.setattr(engine.drafter.local, "draft", lambda *args: calls.append(draft(*args)) or calls[-1])
     check_greedy(engine, references)
     assert any(nodes > 0 for _, nodes in seen), "no lookup-only step"
     assert all(budget == 0 or nodes == 0 for budget, nodes in seen)
-    calibrated = chooser.cost_ratios or engine.drafter.planner.copy_budget.cost_ratios
+    calibrated = chooser.cost_ratios or engine.drafter.local.planner.copy_budget.cost_ratios
     assert calibrated, "lookup-only steps did not calibrate their cost"
     assert calls and all(call.hold_steps == 0 for call in calls)  # the lookup is checked every step: no holds
 
@@ -118,16 +118,16 @@ def test_steps_with_something_to_copy_are_measured_apart(pair, references):
     chooser = BudgetChooser(flat_profile())
     engine = make_engine(pair, TreeConfig(method="c2t+lookup", budget_auto=True, depth=4, top_k=4), chooser)
     contexts = []
-    original = engine.drafter.planner._copy_chooser
+    original = engine.drafter.local.planner._copy_chooser
 
     def spy(gains):
         picked = original(gains)
         contexts.append((bool(gains) and gains[-1] >= 0.5, picked))
         return picked
 
-    engine.drafter.planner._copy_chooser = spy
+    engine.drafter.local.planner._copy_chooser = spy
     check_greedy(engine, references)
-    copy = engine.drafter.planner.copy_budget
+    copy = engine.drafter.local.planner.copy_budget
     assert copy is not None and copy is not chooser and copy.profile is chooser.profile
     assert {copying for copying, _ in contexts} == {True, False}, "both contexts should occur on these prompts"
     assert all((picked is copy) == copying for copying, picked in contexts)
@@ -135,7 +135,7 @@ def test_steps_with_something_to_copy_are_measured_apart(pair, references):
     # short answers the other context occurs at a request's first step, a prefill step, which no chooser is
     # credited.)
     assert sum(a.steps for a in copy.arms.values()) > 0
-    assert engine.drafter.step_choosers() == {"": chooser, "copying": copy}  # what the bench reports
+    assert engine.drafter.local.step_choosers() == {"": chooser, "copying": copy}  # what the bench reports
 
 
 def test_lookup_method_auto_never_calls_the_model(pair, references):
@@ -213,7 +213,7 @@ def test_shared_outputs_feed_later_requests_and_stay_greedy_equal(pair, referenc
     target, drafter = pair
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size),
                          lookup=LookupSettings(shared_tokens=4096))
-    engine = SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
+    engine = in_process_engine(TargetRunner(target.model), local, target.tokenizer,
                                TreeConfig(method="lookup", budget=8), max_context_tokens=2048)
     for text in PROMPTS:
         prompt, expected = references[text]
@@ -231,8 +231,8 @@ def test_factory_passes_lookup_settings(tiny_target_dir, tiny_drafter_dir, refer
 
     engine = build_engine(str(tiny_target_dir), str(tiny_drafter_dir), method="c2t+lookup", budget=8,
                           lookup=LookupSettings(shared_tokens=1024, max_ngram=6))
-    settings = engine.drafter.lookups.settings
-    assert (settings.shared_tokens, settings.max_ngram) == (1024, 6) and engine.drafter.lookups.shared() is not None
+    settings = engine.drafter.local.lookups.settings
+    assert (settings.shared_tokens, settings.max_ngram) == (1024, 6) and engine.drafter.local.lookups.shared() is not None
     prompt, expected = references[PROMPTS[0]]
     result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
     assert result.token_ids == expected[:len(result.token_ids)]

@@ -32,7 +32,7 @@ from treeserve.engine.requests import FinishReason, GenerationRequest
 from treeserve.engine.requests import SamplingParams
 from treeserve.engine.tree import Source
 from treeserve.engine.chat_templates import model_has_template
-from treeserve.services.router_replica import load_tokenizer
+from treeserve.services.remote_engine import load_tokenizer
 from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig
 from treeserve.services.validation import chat_prompt_ids, RequestValidator
 from treeserve.engine.drafters.autoregressive import LocalDrafter
@@ -246,8 +246,7 @@ def test_service_greedy_equals_generate(pair):
                           vocab, retry_timeout_s=20)
     drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub, static_discovery([drafter_server.address])))
     engine = SpeculativeEngine(target, drafter, tokenizer, tree_config("c2t+lookup", 6), 2048, eos_token_ids=eos)
-    router = Router(engine, LimitsConfig(max_prompt_tokens=256, max_new_tokens=64, request_timeout_s=60),
-                    clients=[target, drafter])
+    router = Router(engine, LimitsConfig(max_prompt_tokens=256, max_new_tokens=64, request_timeout_s=60))
     server = start_api_server(router, ApiConfig(), SecurityConfig(), port=0, http_port=0)
     try:
         with grpc.insecure_channel(server.address) as channel:
@@ -345,8 +344,8 @@ def test_published_eagle3_head_greedy_equals_generate(llama3, head, method):
     spec = llama3.spec
     draft_ids = _draft_ids(head)
     engine = llama3.engine(method, budget=8, drafter=head, **({"delta": 0.0} if method == "opt_tree" else {}))
-    assert len(engine.drafter.runner.vocab_ids) == DRAFT_VOCAB and engine.target.lm.feature_layers == (2, 1, 0)
-    assert engine.drafter.runner.target_feature_size == 3 * HIDDEN  # fc reads the target's width into the head's
+    assert len(engine.drafter.local.runner.vocab_ids) == DRAFT_VOCAB and engine.target.runner.lm.feature_layers == (2, 1, 0)
+    assert engine.drafter.local.runner.target_feature_size == 3 * HIDDEN  # fc reads the target's width into the head's
     trees = drafted_trees(engine)
     for prompt in spec.prompts[:2] + [llama3.repeat]:
         expected = spec.greedy(prompt, 16)

@@ -28,7 +28,7 @@ def reference(model, prompt: list[int], n: int) -> list[int]:
 
 def test_lookup_without_a_drafter_equals_generate(target, tiny_target_dir):
     engine = build_engine(str(tiny_target_dir), method="lookup", budget=8, target=target)
-    assert isinstance(engine.drafter, LookupDrafter)
+    assert isinstance(engine.drafter.local, LookupDrafter)
     prompts = [engine.encode_chat("Repeat: the cat sat on the mat, the cat sat on the mat, the cat sat"),
                engine.encode_chat("Count: one two three one two three one two three")]
     alone = [engine.generate([GenerationRequest(p, max_new_tokens=24)])[0] for p in prompts]

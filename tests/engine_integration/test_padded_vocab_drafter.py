@@ -123,7 +123,7 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_in_one_line(qwen, tm
 def test_greedy_equals_generate(qwen, method):
     spec = qwen.spec
     engine = qwen.engine(method)
-    ids = engine.drafter.runner.vocab_ids
+    ids = engine.drafter.local.runner.vocab_ids
     assert torch.equal(ids, torch.arange(SMALL_QWEN_VOCAB))
     accepted = 0
     for prompt, stop in zip(spec.prompts, spec.stops):

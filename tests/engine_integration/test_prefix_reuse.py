@@ -17,6 +17,7 @@ from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest, SamplingParams
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.tree_config import TreeConfig, tree_config
 
 METHODS = [TreeConfig(method="autoregressive"), TreeConfig(method="chain", depth=4),
@@ -41,7 +42,7 @@ def make_engine(pair, tree: TreeConfig, prefix_caching: bool) -> SpeculativeEngi
     if tree.method != "autoregressive":
         local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size))
         local.lm.bound(256, kv=kv)
-    return SpeculativeEngine(runner, local, target.tokenizer, tree, max_context_tokens=2048)
+    return in_process_engine(runner, local, target.tokenizer, tree, max_context_tokens=2048)
 
 
 @torch.inference_mode()

@@ -21,6 +21,7 @@ from treeserve.engine.requests import GenerationRequest, LogitsProcessors, Sampl
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.sampling import warp_probs
 from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.tree import TokenTree
 from treeserve.engine.tree_config import TreeConfig
 
@@ -65,7 +66,7 @@ def pair(tiny_target_dir, tiny_drafter_dir):
 def make_engine(pair, method: str, budget: int) -> SpeculativeEngine:
     target, drafter = pair
     local = None if method == "autoregressive" else LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size))
-    return SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer,
+    return in_process_engine(TargetRunner(target.model), local, target.tokenizer,
                              TreeConfig(method=method, budget=budget or 1), 2048)
 
 

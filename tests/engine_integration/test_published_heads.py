@@ -203,7 +203,7 @@ def test_eagle1_head_drafts_greedy_equal(target, tiny_target_dir, tmp_path, meth
     prompt = build_engine(str(tiny_target_dir), method="autoregressive", target=target).encode_chat("Name a river.")
     plain = build_engine(str(tiny_target_dir), method="autoregressive", target=target)
     engine = build_engine(str(tiny_target_dir), drafter_path=str(path), method=method, budget=6, target=target)
-    assert engine.target.lm.feature_layers is None  # EAGLE-1/2 read the final state
+    assert engine.target.runner.lm.feature_layers is None  # EAGLE-1/2 read the final state
     want = plain.generate([GenerationRequest(prompt, max_new_tokens=20)])[0].token_ids
     assert engine.generate([GenerationRequest(prompt, max_new_tokens=20)])[0].token_ids == want
 
@@ -221,7 +221,7 @@ def test_eagle3_head_reads_the_layers_its_config_names(target, tmp_path, form):
     assert load_drafter(str(path), target.model).feature_layers == want
 
     engine = build_engine(str(path.parent), drafter_path=str(path), method="chain", budget=2, target=target)
-    assert engine.target.lm.feature_layers == want  # the target returns what the head fuses
+    assert engine.target.runner.lm.feature_layers == want  # the target returns what the head fuses
 
 
 def test_eagle3_head_matches_the_reference_forward(target, tmp_path):
@@ -277,7 +277,7 @@ def test_eagle3_head_drafts_greedy_equal(target, tiny_target_dir, tmp_path, widt
     plain = build_engine(str(tiny_target_dir), method="autoregressive", target=target)
     prompt = plain.encode_chat("Count to five.")
     engine = build_engine(str(tiny_target_dir), drafter_path=str(path), method="dyspec", budget=6, target=target)
-    assert engine.target.lm.feature_layers == (1, 1, 2)
+    assert engine.target.runner.lm.feature_layers == (1, 1, 2)
     want = plain.generate([GenerationRequest(prompt, max_new_tokens=20)])[0].token_ids
     assert engine.generate([GenerationRequest(prompt, max_new_tokens=20)])[0].token_ids == want
 

@@ -2,6 +2,7 @@
 target scores it. Hits and misses both decode exactly the target's greedy output; a tree drafted ahead is used
 only for the exact context it assumed; sampled requests draft nothing ahead and keep following the target."""
 
+import asyncio
 import collections
 
 import pytest
@@ -18,6 +19,7 @@ from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.target import TargetRunner
 from treeserve.engine.requests import SamplingParams
 from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.tree import TokenTree
 
 
@@ -29,7 +31,7 @@ def pair(tiny_target_dir, tiny_drafter_dir):
 def engine_for(pair, tree: TreeConfig) -> tuple[SpeculativeEngine, LocalDrafter]:
     target, drafter = pair
     local = LocalDrafter(DrafterRunner(drafter, target.model.config.vocab_size))
-    return SpeculativeEngine(TargetRunner(target.model), local, target.tokenizer, tree, 2048, run_ahead=True), local
+    return in_process_engine(TargetRunner(target.model), local, target.tokenizer, tree, 2048, run_ahead=True), local
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -109,10 +111,10 @@ def test_a_hit_step_is_credited_to_the_budget_that_drafted_it(pair):
     prompt = engine.encode_chat("Tell me a story about a fox.")
     seq = engine.start(GenerationRequest(prompt, max_new_tokens=40))
     while seq.finish is None and drafter.run_ahead.hits == 0:
-        engine.step([seq])
+        asyncio.run(engine.step([seq]))
     assert drafter.run_ahead.hits == 1
     assert seq.steps[-1].tree_size > 0  # the hit step scored the tree drafted ahead
-    engine.release(seq)
+    asyncio.run(engine.release(seq))
 
 
 def test_sampled_requests_draft_nothing_ahead_and_follow_the_target(pair):
@@ -137,10 +139,10 @@ def test_the_draft_request_of_a_hit_keeps_the_lookup_in_step(pair):
     prompt = engine.encode_chat("Repeat: the cat sat on the mat. The cat sat on the mat.")
     seq = engine.start(GenerationRequest(prompt, max_new_tokens=40))
     while seq.finish is None and drafter.run_ahead.hits == 0:
-        engine.step([seq])
+        asyncio.run(engine.step([seq]))
     if drafter.run_ahead.hits:
         session = drafter.lookup_session(seq.session_id)
         assert len(session.index) == len(seq.context) - seq.steps[-1].emitted  # the hit step's whole context
-    engine.release(seq)
+    asyncio.run(engine.release(seq))
     assert drafter.draft([DraftRequest("x", [1, 2, 3], SamplingParams(), TreeConfig(method="dyspec", budget=2),
                                        0)]).trees

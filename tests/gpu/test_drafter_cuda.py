@@ -8,7 +8,7 @@ import torch
 
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
-from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
@@ -54,7 +54,7 @@ def test_oracle_answers_match_the_cpu_runner(target):
 def test_cuda_generation_is_the_targets_greedy_decoding(tiny_target_dir, tiny_drafter_dir, method):
     model = load_causal_lm(tiny_target_dir, "cuda", torch.float32)
     drafter = load_causal_lm(tiny_drafter_dir, "cuda", torch.float32).model
-    engine = SpeculativeEngine(TargetRunner(model.model, "cuda"),
+    engine = in_process_engine(TargetRunner(model.model, "cuda"),
                                LocalDrafter(DrafterRunner(drafter, model.model.config.vocab_size, "cuda")),
                                model.tokenizer, TreeConfig(method=method, budget=12), max_context_tokens=1024)
     prompt = engine.encode_chat("Tell me about the weather")

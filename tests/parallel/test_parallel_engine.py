@@ -30,7 +30,7 @@ def reference(model, prompt_ids, n):
 def test_greedy_equals_target_generate(tiny_target, parallel_drafter_dir, method, budget):
     engine = build_engine(drafter_path=str(parallel_drafter_dir), method=method, budget=budget, target=tiny_target,
                           drafter_kind="parallel", static_tree="eagle1_25")
-    assert isinstance(engine.drafter, ParallelTreeDrafter)
+    assert isinstance(engine.drafter.local, ParallelTreeDrafter)
     accepted = 0
     for text in ["Tell me a story about a fox.", "2+2=?"]:
         prompt = engine.encode_chat(text)
@@ -42,7 +42,7 @@ def test_greedy_equals_target_generate(tiny_target, parallel_drafter_dir, method
         assert all(s.draft_ms >= s.draft_model_ms >= s.draft_forward_ms > 0 for s in result.steps[1:])
         accepted += sum(s.accepted for s in result.steps)
     assert accepted > 0
-    assert not engine.drafter.lm.sessions  # released
+    assert not engine.drafter.local.lm.sessions  # released
 
 
 def test_batch_and_sampling(tiny_target, parallel_drafter_dir):

@@ -28,7 +28,7 @@ SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "parr
 def test_parallel_trees_obey_the_grammar(tiny_target, parallel_drafter_dir, method, budget):
     engine = build_engine(drafter_path=str(parallel_drafter_dir), method=method, budget=budget, target=tiny_target,
                           drafter_kind="parallel", static_tree="eagle1_25")
-    assert isinstance(engine.drafter, ParallelTreeDrafter) and engine.drafter.grammars is not None
+    assert isinstance(engine.drafter.local, ParallelTreeDrafter) and engine.drafter.local.grammars is not None
     trees = record_trees(engine)
     prompt = engine.encode_chat("Describe a pet as JSON.")
     grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))
@@ -44,7 +44,7 @@ def test_the_first_position_is_masked_at_the_root(tiny_target, parallel_drafter_
     drafter's own row."""
     engine = build_engine(drafter_path=str(parallel_drafter_dir), method="opt_tree", budget=8, target=tiny_target,
                           drafter_kind="parallel")
-    drafter = engine.drafter
+    drafter = engine.drafter.local
     tok = tiny_target.tokenizer
     prompt = engine.encode_chat("A pet.")
     output = tok.encode('{"kind": "')

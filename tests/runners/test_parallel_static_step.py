@@ -23,6 +23,7 @@ from treeserve.engine.drafters.models.distilled import RestrictedVocabDrafter
 from treeserve.engine.drafters.models.parallel import ParallelDrafterModel, mask_ids
 from treeserve.engine.drafters.parallel import ParallelTreeDrafter
 from treeserve.engine.factory import build_engine
+from treeserve.engine.parts import InProcessDrafter, InProcessTarget
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
@@ -162,9 +163,10 @@ def static_parallel_pair(tiny_target_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("parallel_static") / "pd"
     parallel_drafter(target.model, vocab_ids=torch.arange(vocab), num_masks=4).save(path)
     engine = build_engine(target=target, drafter_path=str(path), drafter_kind="parallel", method="dyspec", budget=8)
-    engine.target = TargetRunner(target.model, static=SETTINGS)
-    engine.drafter = build_local_drafter(str(path), target.model, budget=8, drafter_kind="parallel", static=SETTINGS)
-    assert isinstance(engine.drafter, ParallelTreeDrafter) and engine.drafter.lm.static_settings is SETTINGS
+    engine.target = InProcessTarget(TargetRunner(target.model, static=SETTINGS))
+    engine.drafter = InProcessDrafter(build_local_drafter(str(path), target.model, budget=8, drafter_kind="parallel",
+                                                          static=SETTINGS))
+    assert isinstance(engine.drafter.local, ParallelTreeDrafter) and engine.drafter.local.lm.static_settings is SETTINGS
     return target, engine
 
 
@@ -185,5 +187,5 @@ def test_greedy_parallel_speculation_on_the_static_step_equals_generate(static_p
         assert len(result.token_ids) == 12 or result.finish_reason == "stop"
         accepted += sum(s.accepted for s in result.steps)
     assert accepted > 0  # the drafter's trees were verified, some of them accepted
-    assert engine.drafter.lm.static_step is not None and engine.target.lm.static_step is not None
-    assert engine.drafter.lm.forward_count > 0
+    assert engine.drafter.local.lm.static_step is not None and engine.target.runner.lm.static_step is not None
+    assert engine.drafter.local.lm.forward_count > 0

@@ -22,6 +22,7 @@ from tiny_models import tiny_llama  # tests/tiny_models.py
 from treeserve.engine.drafters.models.base import runner_forward
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter
 from treeserve.engine.factory import build_engine
+from treeserve.engine.parts import InProcessTarget
 from treeserve.engine.kv_settings import KVSettings
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.requests import GenerationRequest
@@ -199,9 +200,10 @@ def test_unsupported_layouts_keep_the_eager_forward():
 def tiny_pair(tiny_target_dir, tiny_drafter_dir):
     target = load_causal_lm(tiny_target_dir)
     engine = build_engine(target=target, drafter_path=str(tiny_drafter_dir), method="dyspec", budget=6)
-    engine.target = TargetRunner(target.model, static=SETTINGS)  # the static step on the CPU, both models
-    engine.drafter.runner.lm = CachedLM(engine.drafter.model, static=SETTINGS,
-                                        drafter=runner_forward(engine.drafter.model))
+    # the static step on the CPU, both models
+    engine.target = InProcessTarget(TargetRunner(target.model, static=SETTINGS))
+    engine.drafter.local.runner.lm = CachedLM(engine.drafter.local.model, static=SETTINGS,
+                                              drafter=runner_forward(engine.drafter.local.model))
     return target, engine
 
 

@@ -31,14 +31,14 @@ class TinyParts:
 
     def engine(self, method: str = "dyspec", budget: int = 8, max_context_tokens: int = 2048):
         from treeserve.engine.drafters.autoregressive import LocalDrafter
-        from treeserve.engine.speculative_engine import SpeculativeEngine
+        from treeserve.engine.factory import in_process_engine
         from treeserve.engine.tree_config import tree_config
         from treeserve.engine.drafters.model_runner import DrafterRunner
         from treeserve.engine.runners.target import TargetRunner
 
         vocab = self.target.model.config.vocab_size
         drafter = LocalDrafter(DrafterRunner(self.drafter_model, vocab))
-        return SpeculativeEngine(TargetRunner(self.target.model, tokenizer=self.target.tokenizer), drafter,
+        return in_process_engine(TargetRunner(self.target.model, tokenizer=self.target.tokenizer), drafter,
                                  self.target.tokenizer,
                                  tree_config(method, budget), max_context_tokens)
 

@@ -225,9 +225,9 @@ def test_client_cancel_leaves_no_noise(tiny_parts, make_local_service, caplog):
                 next(stream)
                 stream.cancel()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (engine.target.lm.sessions or service.router._active):
+        while time.monotonic() < deadline and (engine.target.runner.lm.sessions or service.router._active):
             time.sleep(0.05)
-        assert not engine.target.lm.sessions and not service.router._active
+        assert not engine.target.runner.lm.sessions and not service.router._active
     finally:
         service.server.stop(0.5)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -4,19 +4,19 @@ them (restart, eviction) makes the client resend them all. Greedy output equals 
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from contextlib import contextmanager
 
 import grpc
 import pytest
 import torch
+from loop_thread import LoopThread
 
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.base import DraftRequest, FeatureNeeds, root_only
 from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.drafters.models.loading import load_drafter
 from treeserve.engine.drafters.models.eagle import EagleDrafter
 from treeserve.engine.tree_config import tree_config
@@ -68,7 +68,7 @@ def _vocab(parts) -> int:
 
 def local_engine(parts, eagle, tree: TreeConfig) -> SpeculativeEngine:
     drafter = LocalDrafter(DrafterRunner(eagle, _vocab(parts)))
-    return SpeculativeEngine(TargetRunner(parts.target.model), drafter, parts.target.tokenizer, tree, 2048)
+    return in_process_engine(TargetRunner(parts.target.model), drafter, parts.target.tokenizer, tree, 2048)
 
 
 class RecordingDrafter(DrafterServicer):
@@ -141,16 +141,11 @@ def replicas(tiny_parts, eagle):
 
 @pytest.fixture
 def remote(tiny_parts, replicas):
-    """A SpeculativeEngine over the replicas' clients, bound to an event loop on its own thread."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    """A SpeculativeEngine over the replicas' clients, and the event loop on its own thread that runs its steps."""
+    loop = LoopThread()
     target, drafter = replicas.clients(_vocab(tiny_parts))
-    for client in (target, drafter):
-        client.bind_loop(loop)
-    yield SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 8), 2048)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
+    yield SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 8), 2048), loop
+    loop.close()
 
 
 def _check_deltas(received: list[tuple[str, int, int, int]], full_sends: int) -> None:
@@ -175,8 +170,7 @@ def test_router_with_remote_eagle_matches_in_process(tiny_parts, eagle, replicas
     the in-process engine's; the drafter replica got deltas only, and finished sessions left no rows."""
     target, drafter = replicas.clients(_vocab(tiny_parts))
     engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 8), 2048)
-    router = Router(engine, LimitsConfig(max_prompt_tokens=256, max_new_tokens=64, request_timeout_s=60),
-                    clients=[target, drafter])
+    router = Router(engine, LimitsConfig(max_prompt_tokens=256, max_new_tokens=64, request_timeout_s=60))
     server = ReplicaServer(gen_grpc.add_TreeServeServicer_to_server, RouterServicer(router), host="127.0.0.1").start()
     local = local_engine(tiny_parts, eagle, tree_config("dyspec", 8))
     try:
@@ -202,13 +196,14 @@ def test_router_with_remote_eagle_matches_in_process(tiny_parts, eagle, replicas
                                   TreeConfig(method="dyspec", budget=8)], ids=lambda t: t.method)
 def test_remote_batches_match_in_process(tiny_parts, eagle, replicas, remote, tree):
     """Batch 1 (dynamic trees) and batch 3 (C2T chains in one drafter call), one Score per step."""
-    engine = remote
+    engine, loop = remote
     engine.tree = tree
     local = local_engine(tiny_parts, eagle, tree)
     prompts = [local.encode_chat(p) for p in PROMPTS]
     for n in (1, 3):
         requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
-        assert [r.token_ids for r in engine.generate(requests)] == [r.token_ids for r in local.generate(requests)]
+        assert [r.token_ids for r in loop.run(engine.generate_async(requests))] == \
+            [r.token_ids for r in local.generate(requests)]
     _check_deltas(replicas.drafter.received, full_sends=0)
     assert engine.drafter.feature_resends == 0
     assert not replicas.drafter.features.session_ids and not engine.drafter.feature_deltas.session_ids
@@ -217,23 +212,19 @@ def test_remote_batches_match_in_process(tiny_parts, eagle, replicas, remote, tr
 @contextmanager
 def catching_up(parts, eagle, unasked_rows: int = UNASKED_ROWS):
     """Replicas whose Drafter catches sessions up beside the step (`catch_up_beside` 12: above any lag a dyspec-8
-    step leaves), an engine over their clients on a loop thread, the in-process engine and the encoded PROMPTS ->
-    (replicas, engine, its drafter client, local engine, prompts)."""
+    step leaves), the generation of an engine over their clients on a loop thread, its drafter client, the in-process
+    engine and the encoded PROMPTS -> (replicas, generate, its drafter client, local engine, prompts)."""
     replicas = Replicas(parts, eagle, catch_up_beside=12)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    loop = LoopThread()
     try:
         target, drafter = replicas.clients(_vocab(parts), unasked_rows=unasked_rows)
-        for client in (target, drafter):
-            client.bind_loop(loop)
         tree = tree_config("dyspec", 8)
         engine = SpeculativeEngine(target, drafter, parts.target.tokenizer, tree, 2048)
         local = local_engine(parts, eagle, tree)
-        yield replicas, engine, drafter, local, [local.encode_chat(p) for p in PROMPTS]
+        yield replicas, lambda requests: loop.run(engine.generate_async(requests)), drafter, local, \
+            [local.encode_chat(p) for p in PROMPTS]
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+        loop.close()
         replicas.stop()
 
 
@@ -241,10 +232,10 @@ def test_a_replica_catching_up_beside_the_step_matches_in_process(tiny_parts, ea
     """A Drafter replica whose sessions lag past `catch_up_beside` (every prompt here) answers them with the root
     alone, reads their context on its worker after the answer (while the Target scores), and drafts them the
     next step; greedy output at batch 1 and 3 equals the in-process engine's, and the feature deltas stay deltas."""
-    with catching_up(tiny_parts, eagle) as (replicas, engine, drafter, local, prompts):
+    with catching_up(tiny_parts, eagle) as (replicas, generate, drafter, local, prompts):
         for n in (1, 3):
             requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
-            results = engine.generate(requests)
+            results = generate(requests)
             assert [r.token_ids for r in results] == [r.token_ids for r in local.generate(requests)]
             assert all(r.steps[1].tree_size == 0 and any(s.tree_size for s in r.steps[2:]) for r in results)
             assert [[s.catch_up for s in r.steps[:3]] for r in results] == [[False, True, False]] * n
@@ -260,10 +251,10 @@ def test_long_contexts_features_go_only_when_the_replica_asks(tiny_parts, eagle)
     and asks for the rows (`features_wanted`); that step's Score (after its Draft) brings the whole context's rows
     back, the next Draft carries them in full, the replica catches up beside that step and drafts after it. Greedy
     output at batch 1 and 3 equals the in-process engine's, and the deltas after the first send stay deltas."""
-    with catching_up(tiny_parts, eagle, unasked_rows=4) as (replicas, engine, drafter, local, prompts):
+    with catching_up(tiny_parts, eagle, unasked_rows=4) as (replicas, generate, drafter, local, prompts):
         for n in (1, 3):
             requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
-            results = engine.generate(requests)
+            results = generate(requests)
             assert [r.token_ids for r in results] == [r.token_ids for r in local.generate(requests)]
             assert all(any(s.tree_size for s in r.steps[3:]) for r in results)
             # Parked (the Drafter not following) for the prefill alone: its Draft of the next step asks.
@@ -285,41 +276,41 @@ def test_long_contexts_features_go_only_when_the_replica_asks(tiny_parts, eagle)
 def test_drafter_replica_losing_rows_gets_them_again(tiny_parts, eagle, replicas, remote):
     """A Drafter replica that lost a session's rows (restart, eviction) answers features_missing; the client
     resends them from 0 and generation goes on, equal to the in-process engine's."""
-    engine = remote
+    engine, loop = remote
     local = local_engine(tiny_parts, eagle, engine.tree)
     prompt = local.encode_chat(PROMPTS[0])
     expected = local.generate([GenerationRequest(prompt, max_new_tokens=30)])[0].token_ids
     seq = engine.start(GenerationRequest(prompt, max_new_tokens=30))
     while len(replicas.drafter.received) < 2:  # the prefill step drafts nothing; then two drafted steps
-        engine.step([seq])
+        loop.run(engine.step([seq]))
     assert replicas.drafter._release([seq.session_id]) == 1  # the replica's state is gone, the client's count not
     while seq.finish is None:
-        engine.step([seq])
+        loop.run(engine.step([seq]))
     assert seq.emitted == expected
     assert engine.drafter.feature_resends == 1
     _check_deltas(replicas.drafter.received, full_sends=1)
-    engine.release(seq)
+    loop.run(engine.release(seq))
 
 
 def test_target_replica_lost_resends_recomputed_rows(tiny_parts, eagle, replicas, remote):
     """A Target replica that rebuilds a session returns the features of the whole context again; the router's
     rows are replaced, and the drafter replica gets them in full (no features_missing round trip)."""
-    engine = remote
+    engine, loop = remote
     local = local_engine(tiny_parts, eagle, engine.tree)
     prompt = local.encode_chat(PROMPTS[2])
     expected = local.generate([GenerationRequest(prompt, max_new_tokens=30)])[0].token_ids
     seq = engine.start(GenerationRequest(prompt, max_new_tokens=30))
     while len(replicas.drafter.received) < 2:
-        engine.step([seq])
+        loop.run(engine.step([seq]))
     holder = next(i for i, s in enumerate(replicas.targets) if seq.session_id in s.session_ids())
     replicas.target_servers[holder].stop(0)
     while seq.finish is None:
-        engine.step([seq])
+        loop.run(engine.step([seq]))
     assert seq.emitted == expected
     # Marked down by the failed Score (then retried) or first by its connection's watch.
     assert engine.target.pool.marked_down == 1 and engine.drafter.feature_resends == 0
     _check_deltas(replicas.drafter.received, full_sends=1)
-    engine.release(seq)
+    loop.run(engine.release(seq))
 
 
 # ------------------------------------------------------------------------------------------ the replica's store
@@ -425,6 +416,6 @@ def test_router_replica_wires_features_for_an_eagle_config(tiny_target_dir, tiny
     for path, eagle in ((str(eagle_dir), True), (str(tiny_drafter_dir), False)):
         args = {"target": {"path": str(tiny_target_dir)}, "drafter": {"path": path}}
         router = RouterReplica(args, handle, handle, internal_secret="0" * 64, serve_api=False)
-        engine = router.engine
+        engine = router.router.engine
         assert engine.carries_features is eagle and engine.drafter.feature_needs.reads is eagle
         assert engine.target.features_listener == engine.drafter.features_rewritten

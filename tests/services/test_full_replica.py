@@ -62,7 +62,7 @@ async def _score(addresses: list[str], requests: list[ScoreRequest]):
     target = RemoteTarget(ReplicaPool("Target", pb_grpc.TargetStub, static_discovery(addresses)), 16,
                           retry_timeout_s=10)
     try:
-        return target, await target.score_async(requests)
+        return target, await target.score(requests)
     except ReplicasFullError as exc:
         return target, exc
 

@@ -10,7 +10,7 @@ import json
 import grpc
 import pytest
 
-from test_remote_parts import Loop, _bind
+from loop_thread import LoopThread
 from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.grammar.spec import Grammar, GrammarKind
 from treeserve.engine.requests import GenerationRequest, SamplingParams
@@ -54,15 +54,16 @@ def test_grammar_round_trip():
 
 @pytest.fixture(scope="module")
 def remote_target(tiny_parts):
-    """The engine over a Target replica (its own gRPC server) and the in-process drafter."""
+    """The engine over a Target replica (its own gRPC server) and the in-process drafter, and the loop thread its
+    steps run on."""
     servicer = TargetServicer(TargetRunner(tiny_parts.target.model, tokenizer=tiny_parts.target.tokenizer))
     server = ReplicaServer(pb_grpc.add_TargetServicer_to_server, servicer, host="127.0.0.1").start()
-    loop = Loop()
+    loop = LoopThread()
     pool = ReplicaPool("Target", pb_grpc.TargetStub, static_discovery([server.address]))
     target = RemoteTarget(pool, tiny_parts.target.model.config.vocab_size, retry_timeout_s=20)
-    loop.run(_bind(target))
     local = tiny_parts.engine("c2t+lookup", 8)
-    yield SpeculativeEngine(target, local.drafter, tiny_parts.target.tokenizer, tree_config("c2t+lookup", 8), 2048)
+    engine = SpeculativeEngine(target, local.drafter, tiny_parts.target.tokenizer, tree_config("c2t+lookup", 8), 2048)
+    yield engine, loop
     loop.close()
     server.stop(0.2)
 
@@ -73,7 +74,8 @@ def test_a_target_replica_masks_as_the_in_process_target(remote_target, tiny_par
     grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))
     for sampling, seed in ((SamplingParams(), None), (SamplingParams(temperature=1.0), 5)):
         request = GenerationRequest(prompt, 24, sampling=sampling, seed=seed, grammar=grammar)
-        served = remote_target.generate([request])[0]
+        engine, loop = remote_target
+        served = loop.run(engine.generate_async([request]))[0]
         assert served.token_ids == local.generate([request])[0].token_ids
         value = json.loads(served.text)
         assert value["kind"] in ("cat", "dog") and isinstance(value["ok"], bool)

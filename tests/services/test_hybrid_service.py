@@ -80,7 +80,7 @@ def test_router_serves_hybrid_methods_and_reports_sources(local_service, tiny_pa
 
 
 def test_drafter_replica_drafts_lookup_candidates(tiny_parts):
-    from test_remote_parts import Loop, _bind
+    from loop_thread import LoopThread
 
     from treeserve.services.drafter_service import DrafterServicer
     from treeserve.services.transport.clients import RemoteDrafter
@@ -93,16 +93,15 @@ def test_drafter_replica_drafts_lookup_candidates(tiny_parts):
     # the trees would differ from the in-process engine's (the output would not: tests/services/test_remote_parts.py).
     servicer = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab)), vocab, run_ahead=False)
     server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, servicer, host="127.0.0.1").start()
-    loop = Loop()
+    loop = LoopThread()
     try:
         drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub, static_discovery([server.address])))
-        loop.run(_bind(drafter))
         local = tiny_parts.engine("c2t+lookup", 8)
         remote = SpeculativeEngine(local.target, drafter, local.tokenizer, tree_config("c2t+lookup", 8), 2048)
         prompts = [local.encode_chat(p) for p in (PROMPT, "The fox jumps. The fox jumps. The fox")]
         for n in (1, 2):  # batch 1: hybrid trees; 2: lookup chains merged with C2T chains
             requests = [GenerationRequest(p, max_new_tokens=20) for p in prompts[:n]]
-            got, want = remote.generate(requests), local.generate(requests)
+            got, want = loop.run(remote.generate_async(requests)), local.generate(requests)
             assert [r.token_ids for r in got] == [r.token_ids for r in want]
             assert sum(s.tree_size_lookup for r in got for s in r.steps) > 0
             assert [s.tree_size_lookup for s in got[0].steps] == [s.tree_size_lookup for s in want[0].steps]

@@ -4,12 +4,11 @@ clients (ReplicaPool with the secret) work as before. Replica servers listen on 
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 
 import grpc
 import pytest
+from loop_thread import LoopThread
 
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
@@ -47,24 +46,16 @@ def replicas(tiny_parts):
 
 @pytest.fixture(scope="module")
 def router_engine(tiny_parts, replicas):
-    """The router's clients with the secret, on their own loop; a session left open on both replicas."""
+    """The engine over the router's clients with the secret, and the loop thread its steps run on."""
     servers, target_servicer, _ = replicas
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    loop = LoopThread()
     target = RemoteTarget(ReplicaPool("Target", pb_grpc.TargetStub, static_discovery([servers["Target"].address]),
                                       internal_secret=SECRET), tiny_parts.target.model.config.vocab_size)
     drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub,
                                         static_discovery([servers["Drafter"].address]), internal_secret=SECRET))
-
-    async def bind():
-        target.bind_loop()
-        drafter.bind_loop()
-    asyncio.run_coroutine_threadsafe(bind(), loop).result(10)
     engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 8), 2048)
-    yield engine
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
+    yield engine, loop
+    loop.close()
 
 
 def _stub(address, deployment, token=None):
@@ -76,17 +67,19 @@ def test_router_clients_with_the_secret_generate_as_before(router_engine, tiny_p
     local = tiny_parts.engine()
     prompt = local.encode_chat("Why is the sky blue?")
     expected = local.generate([GenerationRequest(prompt, max_new_tokens=12)])[0].token_ids
-    assert router_engine.generate([GenerationRequest(prompt, max_new_tokens=12)])[0].token_ids == expected
+    engine, loop = router_engine
+    assert loop.run(engine.generate_async([GenerationRequest(prompt, max_new_tokens=12)]))[0].token_ids == expected
 
 
 @pytest.mark.parametrize("deployment", ["Target", "Drafter"])
 def test_outsiders_are_unauthenticated_and_learn_nothing(router_engine, replicas, tiny_parts, deployment):
     servers, target_servicer, drafter_servicer = replicas
     # A live session on both replicas (a request mid-generation).
-    seq = router_engine.start(GenerationRequest(router_engine.encode_chat("Tell me a story."), max_new_tokens=30))
+    engine, loop = router_engine
+    seq = engine.start(GenerationRequest(engine.encode_chat("Tell me a story."), max_new_tokens=30))
     seq.session_id = f"victim-{deployment}"
-    router_engine.step([seq])  # the prompt's prefill (the target alone)
-    router_engine.step([seq])  # a drafted step: the drafter holds the session too
+    loop.run(engine.step([seq]))  # the prompt's prefill (the target alone)
+    loop.run(engine.step([seq]))  # a drafted step: the drafter holds the session too
     servicer = target_servicer if deployment == "Target" else drafter_servicer
     assert seq.session_id in servicer.session_ids()
     address = servers[deployment].address

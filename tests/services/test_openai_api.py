@@ -246,7 +246,7 @@ def test_429_at_the_concurrency_limit_and_disconnects_free_the_slot(http_service
         for stream in streams:
             stream.close()
     _wait(lambda: router.in_flight == 0)
-    _wait(lambda: not router.engine.target.lm.sessions)  # released on the target runner
+    _wait(lambda: not router.engine.target.runner.lm.sessions)  # released on the target runner
     assert client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3,
                                           temperature=0).usage.completion_tokens == 3
 
@@ -329,6 +329,6 @@ def test_unary_request_ends_when_its_client_disconnects(tiny_parts):
             job = (router._active + router._waiting)[0]
         _wait(lambda: job.done)
         assert job.status == "CANCELLED" and router.in_flight == 0
-        _wait(lambda: not router.engine.target.lm.sessions)
+        _wait(lambda: not router.engine.target.runner.lm.sessions)
     finally:
         server.stop(0.5)

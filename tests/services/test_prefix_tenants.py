@@ -28,8 +28,8 @@ def service(tiny_parts, tmp_path_factory):
     token_file = tmp_path_factory.mktemp("tenants") / "tokens"
     token_file.write_text("\n".join(TOKENS) + "\n")
     engine = tiny_parts.engine()
-    engine.target.lm.bound(64, kv=KVSettings(page_size=8))
-    engine.drafter.lm.bound(64, kv=KVSettings(page_size=8))
+    engine.target.runner.lm.bound(64, kv=KVSettings(page_size=8))
+    engine.drafter.local.lm.bound(64, kv=KVSettings(page_size=8))
     limits = LimitsConfig(max_prompt_tokens=256, max_new_tokens=32, max_concurrent_requests=4, max_batch_size=4,
                           request_timeout_s=60)
     server = start_api_server(Router(engine, limits), ApiConfig(), SecurityConfig(auth_token_file=str(token_file)),
@@ -52,16 +52,17 @@ def test_a_prefix_is_reused_within_its_tenant_only(service):
     a, b = TOKENS
     first = generate(server, a, "Can I return a rake?")
     assert first.stats.cached_tokens == 0
-    hits_before = engine.target.lm.table.stats.hit_tokens
+    hits_before = engine.target.runner.lm.table.stats.hit_tokens
     again = generate(server, a, "Can I return a hoe?")
     assert again.stats.cached_tokens >= 8 * (len(SYSTEM) // 40)  # the system prompt's pages, at least
-    assert engine.target.lm.table.stats.hit_tokens > hits_before
+    assert engine.target.runner.lm.table.stats.hit_tokens > hits_before
     # Another tenant, or the same one with another salt: nothing cached, on the target nor the drafter.
-    hits_before = (engine.target.lm.table.stats.hit_tokens, engine.drafter.lm.table.stats.hit_tokens)
+    hits_before = (engine.target.runner.lm.table.stats.hit_tokens, engine.drafter.local.lm.table.stats.hit_tokens)
     other = generate(server, b, "Can I return a hoe?")
     salted = generate(server, a, "Can I return a hoe?", salt="project-x")
     assert other.stats.cached_tokens == salted.stats.cached_tokens == 0
-    assert (engine.target.lm.table.stats.hit_tokens, engine.drafter.lm.table.stats.hit_tokens) == hits_before
+    assert (engine.target.runner.lm.table.stats.hit_tokens,
+            engine.drafter.local.lm.table.stats.hit_tokens) == hits_before
     # The output is the same whatever was cached.
     assert other.token_ids == salted.token_ids == again.token_ids
     with pytest.raises(grpc.RpcError) as refused:

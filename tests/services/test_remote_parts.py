@@ -4,10 +4,8 @@ mid-generation, and a full replica (RESOURCE_EXHAUSTED) kept in the pool."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
+from loop_thread import LoopThread
 
 from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.base import root_only
@@ -44,41 +42,19 @@ class Replicas:
             server.stop(0.2)
 
 
-class Loop:
-    """An event loop on a thread: the router's loop, which the sync client methods bridge onto."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @pytest.fixture
 def remote(tiny_parts):
     replicas = Replicas(tiny_parts)
-    loop = Loop()
+    loop = LoopThread()
     target_pool = ReplicaPool("Target", pb_grpc.TargetStub,
                               static_discovery([s.address for s in replicas.target_servers]), cooldown_s=60)
     drafter_pool = ReplicaPool("Drafter", pb_grpc.DrafterStub, static_discovery([replicas.drafter_server.address]))
     target = RemoteTarget(target_pool, replicas.vocab, retry_timeout_s=20)
     drafter = RemoteDrafter(drafter_pool)
-    for client in (target, drafter):
-        loop.run(_bind(client))
     engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", 8), 2048)
     yield engine, replicas, loop
     loop.close()
     replicas.stop()
-
-
-async def _bind(client):
-    client.bind_loop()
 
 
 def test_remote_engine_matches_in_process(remote, tiny_parts):
@@ -87,7 +63,7 @@ def test_remote_engine_matches_in_process(remote, tiny_parts):
     prompts = [local.encode_chat(p) for p in ("Tell me a story about a fox.", "2+2=?", "Why?")]
     for n in (1, 3):  # batch 1: dynamic trees; 3: C2T chains in one drafter call
         requests = [GenerationRequest(p, max_new_tokens=16) for p in prompts[:n]]
-        got = [r.token_ids for r in engine.generate(requests)]
+        got = [r.token_ids for r in loop.run(engine.generate_async(requests))]
         assert got == [r.token_ids for r in local.generate(requests)]
         if n == 1:  # the Drafter replica drafted ahead while the Target scored, and some steps were hits
             assert engine.drafter.run_ahead_hits > 0
@@ -106,7 +82,7 @@ def test_sampled_trees_are_verified_by_the_target(remote, tiny_parts):
     requests = [GenerationRequest(local.encode_chat(p), max_new_tokens=16, sampling=sampling, seed=seed)
                 for seed, p in enumerate(("Tell me a story about a fox.", "2+2=?"))]
     for n in (1, 2):
-        got = [r.token_ids for r in engine.generate(requests[:n])]
+        got = [r.token_ids for r in loop.run(engine.generate_async(requests[:n]))]
         assert got == [r.token_ids for r in local.generate(requests[:n])]
     servicer = replicas.targets[0]
     tree = root_only([5, 7, 9])
@@ -121,11 +97,11 @@ def test_health_release(remote):
     engine, replicas, loop = remote
     target = engine.target
     context = [1, 2, 3, 4]  # scoring the root alone feeds the prompt: the session now has a cache
-    loop.run(target.score_async([ScoreRequest("s-1", context, root_only(context), SamplingParams())]))
+    loop.run(target.score([ScoreRequest("s-1", context, root_only(context), SamplingParams())]))
     health = loop.run(target.pool.broadcast("Health", pb.HealthRequest()))
     assert sum(h.active_sessions for h in health) == 1
     assert {h.vocab_size for h in health} == {replicas.vocab}
-    assert loop.run(target.release_async("s-1")) == 1
+    assert loop.run(target.release("s-1"))
     assert sum(h.active_sessions for h in loop.run(target.pool.broadcast("Health", pb.HealthRequest()))) == 0
 
 
@@ -135,12 +111,12 @@ def test_target_replica_lost_mid_generation(remote, tiny_parts):
     prompt = local.encode_chat("Tell me a story about a fox.")
     expected = local.generate([GenerationRequest(prompt, max_new_tokens=40)])[0].token_ids
     seq = engine.start(GenerationRequest(prompt, max_new_tokens=40))
-    engine.step([seq])
+    loop.run(engine.step([seq]))
     # Stop the replica that holds the session; the next step goes to the other one (rebuilt from context).
     holder = next(i for i, s in enumerate(replicas.targets) if seq.session_id in s.session_ids())
     replicas.target_servers[holder].stop(0)
     while seq.finish is None:
-        engine.step([seq])
+        loop.run(engine.step([seq]))
     assert seq.emitted == expected
     # Marked down by a failed call (then retried) or, usually first, by its connection's watch (no retry needed).
     assert engine.target.pool.marked_down == 1 and len(engine.target.pool.live) == 1
@@ -152,10 +128,10 @@ def test_drafter_lost_degrades_to_autoregressive_steps(remote, tiny_parts):
     prompt = local.encode_chat("2+2=?")
     expected = local.generate([GenerationRequest(prompt, max_new_tokens=20)])[0].token_ids
     seq = engine.start(GenerationRequest(prompt, max_new_tokens=20))
-    engine.step([seq])
+    loop.run(engine.step([seq]))
     replicas.drafter_server.stop(0)
     while seq.finish is None:
-        engine.step([seq])
+        loop.run(engine.step([seq]))
     assert seq.emitted == expected
     assert engine.drafter.fallbacks >= 1 and seq.steps[-1].tree_size == 0
 
@@ -204,17 +180,15 @@ def test_held_plain_decoding_skips_the_draft_rpc(tiny_parts):
     target_server = ReplicaServer(pb_grpc.add_TargetServicer_to_server,
                                   TargetServicer(TargetRunner(tiny_parts.target.model)), host="127.0.0.1").start()
     drafter_server = ReplicaServer(pb_grpc.add_DrafterServicer_to_server, servicer, host="127.0.0.1").start()
-    loop = Loop()
+    loop = LoopThread()
     try:
         target = RemoteTarget(ReplicaPool("Target", pb_grpc.TargetStub, static_discovery([target_server.address])),
                               vocab)
         drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub,
                                             static_discovery([drafter_server.address])))
-        for client in (target, drafter):
-            loop.run(_bind(client))
         engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config("dyspec", "auto"), 2048)
         prompt = engine.encode_chat("Tell me a story about a fox.")
-        result = engine.generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
+        result = loop.run(engine.generate_async([GenerationRequest(prompt, max_new_tokens=24)]))[0]
         expected = tiny_parts.engine().generate([GenerationRequest(prompt, max_new_tokens=24)])[0]
         assert result.token_ids == expected.token_ids
         assert servicer.worker.calls < len(result.steps)  # Draft + Release calls: held steps sent none

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -32,9 +33,9 @@ from treeserve.engine.verify import TargetDists
 from treeserve.services.config import LimitsConfig
 from treeserve.services.drafter_service import DrafterServicer
 from treeserve.services.router import Router
+from treeserve.services.validation import RequestError
 from treeserve.services.target_service import TargetServicer
 from treeserve.services.transport import pool as pool_module
-from treeserve.services.transport.bridge import LoopBridge
 from treeserve.services.transport.clients import RemoteDrafter, RemoteTarget
 from treeserve.services.transport.discovery import Discovery, Endpoint
 from treeserve.services.transport.pool import ReplicaPool
@@ -128,7 +129,7 @@ def test_a_stopped_replica_leaves_the_ring_before_any_call_and_stays_out(fakes):
     async def scenario():
         pool = _pool(registry)
         target = RemoteTarget(pool, 16, retry_timeout_s=10)
-        await target.score_async(_requests([f"old-{i}" for i in range(8)]))
+        await target.score(_requests([f"old-{i}" for i in range(8)]))
         doomed = _ids_on(pool, dead, 4, "new")  # sessions the full ring would send to the dead replica
         servers[0].stop(0)
         # No call is made meanwhile: the connection watch alone takes it out.
@@ -138,7 +139,7 @@ def test_a_stopped_replica_leaves_the_ring_before_any_call_and_stays_out(fakes):
             await pool.refresh(force=True)
         assert set(pool.live) == {alive} and dead in pool.down
         scored_before = len(runners[1].scored)
-        await target.score_async(_requests(doomed))
+        await target.score(_requests(doomed))
         assert target.retries == 0  # nothing was sent to the dead replica
         assert runners[1].scored[scored_before:] == doomed
         await pool.close()
@@ -159,10 +160,10 @@ def test_a_failed_call_marks_the_replica_down_at_once(fakes):
         first = _ids_on(pool, dead, 3, "a")
         later = _ids_on(pool, dead, 3, "b")
         servers[0].stop(0)
-        await target.score_async(_requests(first))
+        await target.score(_requests(first))
         assert target.retries == 1 and pool.marked_down == 1 and set(pool.live) == {alive}
         await pool.refresh(force=True)
-        await target.score_async(_requests(later))
+        await target.score(_requests(later))
         assert target.retries == 1  # the later sessions went straight to the live replica
         assert runners[1].scored[-6:] == first + later
         await pool.close()
@@ -212,7 +213,7 @@ def test_with_no_replica_left_a_waiting_caller_probes_the_marked_down_ones(fakes
         await pool.refresh(force=True)
         pool.mark_down(only, "UNAVAILABLE: a transient failure")
         started = time.monotonic()
-        await target.score_async(_requests(["s"]))
+        await target.score(_requests(["s"]))
         assert time.monotonic() - started < 10 and set(pool.live) == {only} and runners[0].scored == ["s"]
         await pool.close()
 
@@ -232,7 +233,7 @@ def test_a_call_cut_by_its_channel_closing_is_sent_again(fakes, monkeypatch):
         target = RemoteTarget(pool, 16, retry_timeout_s=10)
         await pool.refresh(force=True)
         ids = _ids_on(pool, slow, 2, "s")
-        call = asyncio.ensure_future(target.score_async(_requests(ids)))
+        call = asyncio.ensure_future(target.score(_requests(ids)))
         await asyncio.sleep(0.3)  # the call is on the slow replica
         pool.mark_down(slow, "test")
         dists = await asyncio.wait_for(call, 10)
@@ -243,18 +244,38 @@ def test_a_call_cut_by_its_channel_closing_is_sent_again(fakes, monkeypatch):
     asyncio.run(scenario())
 
 
-def test_a_cancelled_replica_call_fails_the_step_rather_than_ending_the_step_loop():
-    """A cancelled coroutine seen from the engine's thread is a RuntimeError: asyncio.to_thread would turn
-    concurrent.futures.CancelledError into asyncio.CancelledError, which the router's step loop does not catch."""
+class CancelledTarget:
+    """A Target whose call ends in asyncio.CancelledError without its step being cancelled (a grpc.aio call
+    cancelled under the caller, as closing a channel does)."""
 
-    async def cancelled():
+    vocab_size = 64
+    provides_features = False
+
+    async def score(self, requests):
         raise asyncio.CancelledError()
 
+    async def release(self, session_id, prefix=None):
+        return False
+
+    def lane_of(self, session_id, prefix=None):
+        return ""
+
+
+def test_a_cancelled_replica_call_fails_the_step_rather_than_ending_the_step_loop(tiny_parts):
+    """The request whose step's call was cancelled fails (INTERNAL); the router's step loop goes on, where a
+    CancelledError it took for its own would end it silently and leave every stream waiting forever."""
+    engine = SpeculativeEngine(CancelledTarget(), None, tiny_parts.target.tokenizer,
+                               tree_config("autoregressive", "auto"), 256)
+
     async def scenario():
-        bridge = LoopBridge()
-        bridge.bind_loop()
-        with pytest.raises(RuntimeError, match="cancelled"):
-            await asyncio.to_thread(bridge._sync, cancelled())
+        router = Router(engine, LimitsConfig(max_prompt_tokens=64, max_new_tokens=8, request_timeout_s=30))
+        for _ in range(2):  # the loop survives the first failure and steps the next request
+            job = await router.submit(gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1, 2, 3]), max_new_tokens=4))
+            with pytest.raises(RequestError) as info:
+                await asyncio.wait_for(router.collect(job), 30)
+            assert info.value.code == grpc.StatusCode.INTERNAL
+            await router.check_health()
+        await router.close()
 
     asyncio.run(scenario())
 
@@ -337,7 +358,7 @@ def _router(parts, deployment: Deployment) -> Router:
     # stream to finish, kill or no kill (what deploy/local-cpu.yaml's max_batch_size 4 does under 4 streams).
     limits = LimitsConfig(max_prompt_tokens=256, max_new_tokens=64, max_concurrent_requests=8, max_batch_size=8,
                           request_timeout_s=60)
-    return Router(engine, limits, clients=[target, drafter])
+    return Router(engine, limits)
 
 
 async def _generate(router: Router, prompt: list[int], max_new_tokens: int, first: asyncio.Event | None = None):

@@ -137,8 +137,7 @@ def _router(tiny_parts, servers, drafter_server, vocab, method="dyspec", budget=
                           vocab, retry_timeout_s=30)
     drafter = RemoteDrafter(ReplicaPool("Drafter", pb_grpc.DrafterStub, static_discovery([drafter_server.address])))
     engine = SpeculativeEngine(target, drafter, tiny_parts.target.tokenizer, tree_config(method, budget), 2048)
-    router = Router(engine, LimitsConfig(max_batch_size=8, max_concurrent_requests=8), clients=[target, drafter],
-                    lane_of=target.lane_of)
+    router = Router(engine, LimitsConfig(max_batch_size=8, max_concurrent_requests=8))
     return router, target
 
 

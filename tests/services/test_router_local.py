@@ -171,15 +171,15 @@ def test_cancel_frees_sessions(slow_service):
             gen.GenerateRequest(text="a long story", max_new_tokens=200), timeout=60)
         next(stream)  # the first token: the prompt's prefill, before the drafter holds anything
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not engine.drafter.runner.lm.sessions:
+        while time.monotonic() < deadline and not engine.drafter.local.runner.lm.sessions:
             next(stream)
-        assert engine.target.lm.sessions and engine.drafter.runner.lm.sessions
+        assert engine.target.runner.lm.sessions and engine.drafter.local.runner.lm.sessions
         stream.cancel()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (engine.target.lm.sessions or engine.drafter.runner.lm.sessions
+    while time.monotonic() < deadline and (engine.target.runner.lm.sessions or engine.drafter.local.runner.lm.sessions
                                            or service.router._active):
         time.sleep(0.05)
-    assert not engine.target.lm.sessions and not engine.drafter.runner.lm.sessions
+    assert not engine.target.runner.lm.sessions and not engine.drafter.local.runner.lm.sessions
     assert not service.router._active
 
 
@@ -191,9 +191,9 @@ def test_client_deadline_frees_sessions(slow_service):
                 gen.GenerateRequest(text="a long story", max_new_tokens=200), timeout=0.5))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (engine.target.lm.sessions or service.router._active):
+    while time.monotonic() < deadline and (engine.target.runner.lm.sessions or service.router._active):
         time.sleep(0.05)
-    assert not engine.target.lm.sessions and not service.router._active
+    assert not engine.target.runner.lm.sessions and not service.router._active
 
 
 def test_server_deadline(tiny_parts, make_local_service):
@@ -218,7 +218,7 @@ def test_streams_that_outgrow_the_kv_pages_are_preempted_and_resumed(make_local_
 
     reference = tiny_parts.engine()
     engine = tiny_parts.engine()
-    engine.target.lm.bound(8, 256, KVSettings(page_size=16, kv_tokens=160))
+    engine.target.runner.lm.bound(8, 256, KVSettings(page_size=16, kv_tokens=160))
     limits = LimitsConfig(max_prompt_tokens=200, max_new_tokens=48, max_concurrent_requests=8, max_batch_size=4,
                           request_timeout_s=120)
     service = make_local_service(engine, limits)

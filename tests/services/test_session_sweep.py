@@ -3,10 +3,11 @@ router leaves behind (it never sends Release) does not hold KV rows or autoscali
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from treeserve.engine.drafters.autoregressive import LocalDrafter
-from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.tree_config import tree_config
 from treeserve.engine.requests import GenerationRequest
 from treeserve.engine.drafters.model_runner import DrafterRunner
@@ -15,8 +16,10 @@ from treeserve.services.drafter_service import DrafterServicer
 from treeserve.services.target_service import TargetServicer
 
 
-class _InProcessTarget:
-    """The engine's Target protocol straight onto a TargetServicer's own methods (no gRPC)."""
+class _ServicerTarget:
+    """An in-process target straight onto a TargetServicer's own methods (no gRPC)."""
+
+    provides_features = False
 
     def __init__(self, servicer: TargetServicer):
         self.servicer = servicer
@@ -39,11 +42,11 @@ def test_orphaned_sessions_are_swept(tiny_parts):
     vocab = tiny_parts.target.model.config.vocab_size
     target = TargetServicer(TargetRunner(tiny_parts.target.model))
     drafter = DrafterServicer(LocalDrafter(DrafterRunner(tiny_parts.drafter_model, vocab)), vocab)
-    engine = SpeculativeEngine(_InProcessTarget(target), None, tiny_parts.target.tokenizer,
+    engine = in_process_engine(_ServicerTarget(target), None, tiny_parts.target.tokenizer,
                                tree_config("autoregressive", "auto"), 1024)
     seq = engine.start(GenerationRequest(engine.encode_chat("hello"), max_new_tokens=8))
     seq.session_id = "orphan"
-    engine.step([seq])  # the router dies here: no Release ever comes
+    asyncio.run(engine.step([seq]))  # the router dies here: no Release ever comes
     assert "orphan" in target.session_ids()
     target.clock.idle_s = 3600.0
     assert target.sweep() == 0 and "orphan" in target.session_ids()  # in use recently: kept

@@ -17,11 +17,11 @@ from treeserve.engine.drafters.model_runner import DrafterRunner
 from treeserve.engine.tree_config import tree_config
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
-from treeserve.engine.speculative_engine import SpeculativeEngine
+from treeserve.engine.factory import in_process_engine
 from treeserve.services.api_server import start_api_server
 from treeserve.services.config import ApiConfig, LimitsConfig, SecurityConfig
 from treeserve.services.router import Router
-from treeserve.services.router_replica import load_tokenizer
+from treeserve.services.remote_engine import load_tokenizer
 from treeserve.v1 import generation_pb2 as gen
 from treeserve.v1 import generation_pb2_grpc as gen_grpc
 
@@ -37,7 +37,7 @@ def served(multi_eos_model):
     target = load_causal_lm(multi_eos_model.path).model
     # The drafter is the target's own weights: stop tokens arrive inside accepted paths.
     drafter = LocalDrafter(DrafterRunner(load_causal_lm(multi_eos_model.path).model, vocab))
-    engine = SpeculativeEngine(TargetRunner(target), drafter, tokenizer, tree_config("chain", 4), 2048,
+    engine = in_process_engine(TargetRunner(target), drafter, tokenizer, tree_config("chain", 4), 2048,
                                eos_token_ids=eos_ids)
     router = Router(engine, LIMITS)
     server = start_api_server(router, ApiConfig(), SecurityConfig(), port=0, http_port=0)

@@ -101,12 +101,12 @@ def test_default_tp3_features_equal_tp1_in_float64(default_tp3_float64, default_
 
 def _engine(target, tokenizer, drafter):
     from treeserve.engine.drafters.autoregressive import LocalDrafter
-    from treeserve.engine.speculative_engine import SpeculativeEngine
+    from treeserve.engine.factory import in_process_engine
     from treeserve.engine.tree_config import tree_config
     from treeserve.engine.drafters.model_runner import DrafterRunner
 
     local = LocalDrafter(DrafterRunner(drafter, target.vocab_size))
-    return SpeculativeEngine(target, local, tokenizer, tree_config("dyspec", 8), 2048)
+    return in_process_engine(target, local, tokenizer, tree_config("dyspec", 8), 2048)
 
 
 # Two prompts of 32 tokens (the two tests below took 162 s with three on the 2-core CI box); the features tests above
@@ -177,8 +177,7 @@ def test_default_tp3_eagle_through_the_target_replica(default_tp3, default_pair)
                                        feature_needs=FeatureNeeds(reads=True))
         remote_target.features_listener = remote_drafter.features_rewritten
         engine = SpeculativeEngine(remote_target, remote_drafter, target.tokenizer, tree_config("dyspec", 8), 2048)
-        router = Router(engine, LimitsConfig(max_prompt_tokens=512, max_new_tokens=64, request_timeout_s=300),
-                        clients=[remote_target, remote_drafter])
+        router = Router(engine, LimitsConfig(max_prompt_tokens=512, max_new_tokens=64, request_timeout_s=300))
         server = ReplicaServer(gen_grpc.add_TreeServeServicer_to_server, RouterServicer(router), host="127.0.0.1").start()
         try:
             with grpc.insecure_channel(server.address) as channel:

@@ -178,7 +178,7 @@ def test_tiny_eagle3_trained_end_to_end_drafts_losslessly(target, tiny_target_di
     plain, _ = greedy(build_engine(str(tiny_target_dir), method="autoregressive"))
     for method in ("dyspec", "c2t", "chain"):
         engine = build_engine(str(tiny_target_dir), drafter_path=str(tmp_path / "drafter"), method=method, budget=6)
-        assert engine.target.lm.feature_layers == layers  # the target returns what the head fuses
+        assert engine.target.runner.lm.feature_layers == layers  # the target returns what the head fuses
         tokens, mal = greedy(engine)
         assert tokens == plain and mal >= 1.0
 

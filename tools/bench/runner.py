@@ -87,9 +87,10 @@ class EngineRunner:
         self.key = key
         self.engine = engine
         self.sampling = sampling
-        # Bench engines are built in-process (engine/factory.py): their drafter is a local one, model and choosers
-        # (or, with drafter "none", copies alone: no model to count).
-        self.drafter: ModelDrafter | None = engine.drafter if isinstance(engine.drafter, ModelDrafter) else None
+        # Bench engines are built in-process (engine/factory.py): their drafter is a local one behind its adapter,
+        # model and choosers (or, with drafter "none", copies alone: no model to count).
+        local = engine.drafter.local if engine.drafter is not None else None
+        self.drafter: ModelDrafter | None = local if isinstance(local, ModelDrafter) else None
         self.drafter_lm = self.drafter.lm if self.drafter is not None else None
 
     def generate(self, prompt: list[int], max_new_tokens: int):
