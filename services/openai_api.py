@@ -82,7 +82,8 @@ FINISH = {gen.FINISH_REASON_LENGTH: "length", gen.FINISH_REASON_EOS: "stop", gen
 
 # ================================================================================== the API
 class OpenAIApi:
-    """The aiohttp application over a Router (plain `Router` in tests, `RouterReplica` in Serve)."""
+    """The aiohttp application over a Router (the Router replica's in Serve, a plain one over in-process runners in
+    tests)."""
 
     def __init__(self, router: Any, api: ApiConfig, security: SecurityConfig, model_id: str):
         self.router = router

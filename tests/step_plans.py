@@ -2,6 +2,7 @@
 static-step GPU tests (tests/gpu) compare between the eager forward, graph replays and fused ops; and an engine
 decoding one sequence beside another's chunked prefill (`decode_beside`)."""
 
+import asyncio
 import random
 
 from treeserve.engine.runners.cached_lm import CachedLM, ExtendRequest
@@ -37,13 +38,13 @@ def decode_beside(engine, running, arriving) -> int:
     """Chunked prefill: step `running` alone (its prefill), then with `arriving` until `arriving` has its first token
     or `running` ends, asserting `running` emits on every step; then both to the end. Returns the steps that fed
     `arriving` a chunk of its prompt without a token."""
-    engine.step([running])
+    asyncio.run(engine.step([running]))
     chunks = 0
     while not arriving.steps and running.finish is None:
         before = len(running.emitted)
-        engine.step([running, arriving])
+        asyncio.run(engine.step([running, arriving]))
         chunks += not arriving.steps
         assert len(running.emitted) > before  # the running sequence decodes on every chunk step
     while running.finish is None or arriving.finish is None:
-        engine.step([s for s in (running, arriving) if s.finish is None])
+        asyncio.run(engine.step([s for s in (running, arriving) if s.finish is None]))
     return chunks

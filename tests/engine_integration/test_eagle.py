@@ -1,6 +1,7 @@
 """The EAGLE drafter path: target features flow from the target's scores to the drafter, trees drafted
 from them match a from-scratch recomputation, and speculative output stays the target's greedy output."""
 
+import asyncio
 import json
 
 import pytest
@@ -223,4 +224,4 @@ def test_prefix_cache_and_chunked_prefill_keep_the_features_exact(target, eagle_
         tokens = engine.result(s).token_ids
         assert tokens == reference(target.model, prompt, n)[:len(tokens)]
     assert any(s.tree_size > 0 for s in arriving.steps)
-    engine.release(running), engine.release(arriving)
+    asyncio.run(engine.release(running)), asyncio.run(engine.release(arriving))

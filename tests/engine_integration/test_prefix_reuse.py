@@ -5,6 +5,8 @@ with the cache on follows the target distribution (chi-square on the probability
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -119,4 +121,4 @@ def test_a_prompt_fed_in_chunks_beside_a_decoding_sequence_changes_no_output(pai
     assert [engine.result(running).token_ids, engine.result(arriving).token_ids] == alone
     if sampling.is_greedy:
         assert alone[1] == reference(pair[0].model, long_prompt, len(alone[1]))
-    engine.release(running), engine.release(arriving)
+    asyncio.run(engine.release(running)), asyncio.run(engine.release(arriving))

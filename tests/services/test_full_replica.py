@@ -92,7 +92,7 @@ def test_router_answers_resource_exhausted_when_the_replicas_are_full(tiny_parts
 
     engine = tiny_parts.engine()
 
-    def full_step(batch, lane=""):
+    async def full_step(batch, lane=""):
         raise ReplicasFullError("every Target replica is full (1 refused: all 2 KV rows ...)")
 
     engine.step = full_step

@@ -3,6 +3,7 @@ batching, cancellation (no Ray; the Serve path is tests/services/test_serve_e2e.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -134,9 +135,9 @@ def slow_service(tiny_parts, make_local_service):
     engine = tiny_parts.engine()
     step = engine.step
 
-    def slow_step(batch, lane=""):
-        time.sleep(0.05)
-        step(batch, lane)
+    async def slow_step(batch, lane=""):
+        await asyncio.sleep(0.05)
+        await step(batch, lane)
     engine.step = slow_step
     service = make_local_service(engine, LimitsConfig(max_prompt_tokens=256, max_new_tokens=256,
                                                        max_concurrent_requests=3, max_batch_size=2,
@@ -199,7 +200,11 @@ def test_client_deadline_frees_sessions(slow_service):
 def test_server_deadline(tiny_parts, make_local_service):
     engine = tiny_parts.engine()
     step = engine.step
-    engine.step = lambda batch, lane="": (time.sleep(0.2), step(batch, lane))
+
+    async def slow_step(batch, lane=""):
+        await asyncio.sleep(0.2)
+        await step(batch, lane)
+    engine.step = slow_step
     service = make_local_service(engine, LimitsConfig(max_prompt_tokens=256, max_new_tokens=256,
                                                        request_timeout_s=0.5))
     try:
