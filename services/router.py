@@ -312,8 +312,9 @@ class Router:
     async def _loop(self) -> None:
         """Step every lane that has sequences and no step in flight; admit and prune between steps.
 
-        A lane is the sessions of one Target replica (`engine.target.lane_of`): lanes step independently, so one replica's
-        step never waits for another's, and one lane's drafting and verification overlap the others' scoring.
+        A lane is the sessions of one Target replica (`engine.target.lane_of`): lanes step independently, so one
+        replica's step never waits for another's, and one lane's drafting and verification overlap the others'
+        scoring.
         A sequence joins a step only at its lane's step boundary, and leaves (cancelled, past its deadline) only
         when no step of its lane is in flight."""
         stepping: dict[str, tuple[asyncio.Task, list[_Job]]] = {}  # lane -> its step in flight and its jobs
