@@ -28,7 +28,7 @@ from typing import Iterable
 import torch
 
 from .builders import make_builder
-from .drafters.base import AUTOREGRESSIVE, Drafted, DraftRequest, root_only
+from .drafters.base import Drafted, DraftRequest, root_only
 from .grammar.compiler import GrammarCompiler
 from .grammar.spec import Grammar
 from .lanes import batch_size_bucket
@@ -81,7 +81,7 @@ class SpeculativeEngine:
     def __init__(self, target: Target, drafter: Drafter | None, tokenizer, tree: TreeConfig,
                  max_context_tokens: int, eos_token_ids: Iterable[int] = (), run_ahead: bool = False,
                  prefill_chunk_tokens: int | None = None):
-        if drafter is None and tree.method != AUTOREGRESSIVE:
+        if drafter is None and not tree.parsed_method.is_autoregressive:
             raise ValueError(f"tree method {tree.method!r} needs a drafter")
         self.target = target
         self.drafter = drafter
@@ -132,10 +132,10 @@ class SpeculativeEngine:
         if total > self.max_context_tokens:
             raise ValueError(f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
                              f"({request.max_new_tokens}) exceeds the context window of {self.max_context_tokens}")
-        method = (request.tree or self.tree).method
-        if method != AUTOREGRESSIVE and self.drafter is None:
-            raise ValueError(f"tree method {method!r} needs a drafter")
-        if request.tree is not None and request.tree.method != AUTOREGRESSIVE:
+        tree = request.tree or self.tree
+        if not tree.parsed_method.is_autoregressive and self.drafter is None:
+            raise ValueError(f"tree method {tree.method!r} needs a drafter")
+        if request.tree is not None and not request.tree.parsed_method.is_autoregressive:
             make_builder(request.tree)  # validates the per-request tree parameters
         if request.grammar is not None:
             if request.ignore_eos and not request.stop_token_ids:

@@ -15,9 +15,8 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer
 
 from treeserve.engine import chat_templates
-from treeserve.engine.drafters.base import AUTOREGRESSIVE, FeatureNeeds
+from treeserve.engine.drafters.base import FeatureNeeds
 from treeserve.engine.drafters.lookup_only import LookupDrafter
-from treeserve.engine.methods import LOOKUP
 from treeserve.engine.models.loading import model_eos_ids, read_generation_config, resolve_model_dir
 from treeserve.engine.parts import Drafter, InProcessDrafter
 from treeserve.engine.speculative_engine import SpeculativeEngine
@@ -46,11 +45,11 @@ def build_remote_engine(config: AppConfig, app: str, internal_secret: str | None
     target = RemoteTarget(target_pool, vocab_size, call_timeout_s=timeout, retry_timeout_s=timeout,
                           on_retry=metrics.record_retry)
     drafter: Drafter | None = None
-    if not config.drafter.has_model and config.speculation.method == LOOKUP:
+    if not config.drafter.has_model and config.speculation.parsed_method.lookup_only:
         # No drafter model: copies from the context cost no forward, so they are drafted here (fixed budgets: the
         # target's cost curve is measured in the Target replicas).
         drafter = InProcessDrafter(LookupDrafter(config.speculation.lookup))
-    elif drafter_handle is not None and config.speculation.method != AUTOREGRESSIVE:
+    elif drafter_handle is not None and not config.speculation.parsed_method.is_autoregressive:
         drafter_pool = ReplicaPool("Drafter", pb_grpc.DrafterStub,
                                    serve_discovery(app, "Drafter", drafter_handle, scope), max_bytes,
                                    refresh_period_s=1.0, internal_secret=internal_secret,
