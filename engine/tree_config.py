@@ -1,13 +1,15 @@
 """`TreeConfig`: how a drafter shapes its tree (no torch import: the typed service config, requests and the wire
-format read it; engine/builders' `make_builder` validates it into a builder)."""
+format read it). It is the external format, one flat set of fields whichever method it names; `settings` parses it
+into its builder's own typed settings (engine/tree_settings.py), which engine/builders' `make_builder` builds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Literal, Union
 
-from .methods import DEFAULT_METHOD, METHODS, Method
+from .methods import DEFAULT_METHOD, HYBRID_BUILDERS, LOOKUP, METHODS, Method
+from .tree_settings import SETTINGS, BuilderSettings
 
 AUTO_BUDGET = "auto"
 # A tree budget as a user or a config states it: a fixed number of draft nodes (a chain's length), or "auto", the
@@ -31,24 +33,25 @@ def parse_budget(value: int | str, what: str = "budget", maximum: int | None = N
 
 @dataclass
 class TreeConfig:
-    """How the drafter shapes its tree; validated by `make_builder`."""
+    """How the drafter shapes its tree. Each field's meaning for a builder is in that builder's settings
+    (engine/tree_settings.py), which `settings` validates."""
 
     method: str = field(default=DEFAULT_METHOD, metadata={"help": f"tree method, one of {', '.join(METHODS)}"})
-    budget: int = field(default=64, metadata={"help": "draft nodes per tree (root excluded); cap for threshold methods"})
+    budget: int = field(default=64, metadata={"help": "draft nodes per tree (root excluded); cap for threshold methods; not chain's (its depth)"})
     budget_auto: bool = field(default=False, metadata={"help": "the drafter's hardware-aware chooser picks each step's budget (if it has one); False: `budget` is fixed"})
-    depth: int = field(default=6, metadata={"help": "chain length / EAGLE-2 expansion rounds / max depth for c2t(_chain), binary static tree"})
-    top_k: int = field(default=10, metadata={"help": "EAGLE-2 K (children per node, nodes expanded per layer); C2T K for both Top-K uses"})
-    threshold: float = field(default=0.05, metadata={"help": "dyspec_threshold: expand while a position's reach probability exceeds this, in (0, 1)"})
-    delta: float = field(default=0.2, metadata={"help": "opt_tree: stop when E_sub grows by at most delta (>= 0; paper: between mu and 1)"})
-    beta: float | None = field(default=None, metadata={"help": "c2t / c2t_chain: classifier confidence threshold, in (0, 1); None uses the classifier's own (C2TClassifier.beta)"})
-    prefetch: int = field(default=16, metadata={"help": "dyspec: draft rows fetched per drafter call (T > 0: the popped node + best unfetched heap nodes; T = 0: the best unfetched candidates)"})
-    max_depth: int | None = field(default=None, metadata={"help": "optional depth cap for dyspec, dyspec_threshold and opt_tree"})
+    depth: int = field(default=6, metadata={"help": "chain, c2t_chain: length; eagle2: expansion rounds; c2t: deepest layer; static: binary / sequoia depth"})
+    top_k: int = field(default=10, metadata={"help": "eagle2, c2t: K"})
+    threshold: float = field(default=0.05, metadata={"help": "dyspec_threshold: reach probability to expand, in (0, 1)"})
+    delta: float = field(default=0.2, metadata={"help": "opt_tree: stop when E_sub grows by at most delta (>= 0)"})
+    beta: float | None = field(default=None, metadata={"help": "c2t, c2t_chain: classifier confidence threshold, in (0, 1); None: the classifier's own"})
+    prefetch: int = field(default=16, metadata={"help": "dyspec: draft rows fetched per drafter call"})
+    max_depth: int | None = field(default=None, metadata={"help": "dyspec, dyspec_threshold, opt_tree: optional depth cap; the parallel drafter caps all its best-first trees by it (eagle2's and c2t's too)"})
     chain_sampled: bool = field(default=True, metadata={"help": "chain at temperature > 0: sample tokens (SpS) instead of deterministic top-1"})
     rerank: bool = field(default=True, metadata={"help": "eagle2: keep the `budget` best nodes; False keeps the whole expanded tree"})
     static_tree: str = field(default="mc_sim_7b_63", metadata={"help": "static: 'mc_sim_7b_63', 'eagle1_25', 'binary' (uses depth) or 'sequoia'"})
     static_paths: tuple[tuple[int, ...], ...] | None = field(default=None, metadata={"help": "static: explicit rank paths; overrides static_tree"})
     acceptance_by_rank: tuple[float, ...] | None = field(default=None, metadata={"help": "static_tree='sequoia': measured acceptance probability of the r-th ranked child"})
-    c2t_classifier_path: str | None = field(default=None, metadata={"help": "c2t / c2t_chain: safetensors weights; None uses the drafter's own classifier (make_builder's `classifier`), else a joint-probability prior"})
+    c2t_classifier_path: str | None = field(default=None, metadata={"help": "c2t, c2t_chain: safetensors weights; None uses the drafter's own classifier (make_builder's `classifier`), else a joint-probability prior"})
 
     @cached_property
     def parsed_method(self) -> Method:
@@ -56,6 +59,18 @@ class TreeConfig:
         Not a field, so the CLI options, the wire and equality see `method` alone; a config keeps the method it
         was made with (`dataclasses.replace` makes a new config, which parses its own)."""
         return Method.parse(self.method)
+
+    @cached_property
+    def settings(self) -> BuilderSettings:
+        """This config's builder's own settings (engine/tree_settings.py), parsed on first read and kept as
+        `parsed_method` is: its fields, read from this config by name. ValueError naming the field for a value the
+        builder cannot take, and naming `method` for a method no builder shapes ("autoregressive", an unknown
+        name, "<builder>+lookup" for a builder copies cannot join)."""
+        method = self.parsed_method
+        cls = SETTINGS.get(method.builder)
+        if cls is None or (method.copies and method.builder != LOOKUP and method.builder not in HYBRID_BUILDERS):
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
 
 # Every budget a hardware-aware chooser may pick for a step (engine/budget.py); 0 = a plain decoding step. The

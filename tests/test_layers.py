@@ -37,10 +37,10 @@ FORBIDDEN = {
 # The engine's floors, lowest first: a module's floor is that of its longest listed prefix (relative to engine/).
 FLOORS: tuple[tuple[str, ...], ...] = (
     # 0. settings and requests, torch-free: what the Serve config, the wire format and the CLI's options read
-    ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
-     "drafters.models.compatibility", "drafters.models.formats", "lookup", "lookup.session", "lookup.suffix_index",
-     "lookup.shared_outputs", "hardware.cost_curve", "lanes", "kv_settings", "grammar.spec", "models.paths",
-     "models.conversion", "greedy_rule"),
+    ("methods", "tree_config", "tree_settings", "requests", "devices", "dev_prompts", "chat_templates",
+     "drafters.registry", "drafters.models.compatibility", "drafters.models.formats", "lookup", "lookup.session",
+     "lookup.suffix_index", "lookup.shared_outputs", "hardware.cost_curve", "lanes", "kv_settings", "grammar.spec",
+     "models.paths", "models.conversion", "greedy_rule"),
     # 1. token trees, sampling, penalties, verification and the C2T classifier: pure functions over tensors
     ("tree", "sampling", "processors", "verify", "acceptance", "c2t_classifier", "grammar"),
     # 2. models and the runners that keep their KV caches; what a step costs on this machine
@@ -59,10 +59,10 @@ HEAVY = ("torch", "transformers", "ray", "grpc", "numpy", "safetensors")
 # Modules that import without torch although parts of them use it (a function-local import of a torch module of
 # TreeServe's, where the function needs it): the Serve config validates drafters and lookup settings with them,
 # and the CLI builds its options from them, in processes that never load a model.
-TORCH_FREE = ("methods", "tree_config", "requests", "devices", "dev_prompts", "chat_templates", "drafters.registry",
-              "drafters.models.compatibility", "drafters.models.formats", "lookup", "lookup.session",
-              "hardware.cost_curve", "kv_settings", "grammar.spec", "models.paths", "models.conversion",
-              "greedy_rule")
+TORCH_FREE = ("methods", "tree_config", "tree_settings", "requests", "devices", "dev_prompts", "chat_templates",
+              "drafters.registry", "drafters.models.compatibility", "drafters.models.formats", "lookup",
+              "lookup.session", "hardware.cost_curve", "kv_settings", "grammar.spec", "models.paths",
+              "models.conversion", "greedy_rule")
 # The same inside tools/: the bench's options, from which the CLI builds `treeserve bench`'s arguments.
 TOOLS_TORCH_FREE = ("bench.options",)
 

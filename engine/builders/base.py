@@ -126,20 +126,6 @@ _ROW_SUM_TOL = 1e-3
 _TOP_K, _WITHOUT_REPLACEMENT = int(ChildDraw.TOP_K), int(ChildDraw.WITHOUT_REPLACEMENT)
 
 
-def check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
-    """ValueError naming `name` unless value is an int >= 1 (or None when allowed)."""
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def check_open_unit(name: str, value: float) -> None:
-    """ValueError naming `name` unless 0 < value < 1."""
-    if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0):
-        raise ValueError(f"{name} must lie strictly between 0 and 1, got {value!r}")
-
-
 def safe_log(prob: float) -> float:
     return math.log(prob) if prob > 0.0 else float("-inf")
 

@@ -23,7 +23,8 @@ import torch
 from ..c2t_classifier import C2TClassifier
 from ..requests import SamplingParams
 from ..tree import TokenTree
-from .base import DraftOracle, PartialTree, check_open_unit, check_positive
+from ..tree_settings import check_open_unit, check_positive
+from .base import DraftOracle, PartialTree
 
 
 @dataclass

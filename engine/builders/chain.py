@@ -25,7 +25,8 @@ import torch
 from ..c2t_classifier import C2TClassifier, c2t_features
 from ..requests import SamplingParams
 from ..tree import ChildDraw, TokenTree
-from .base import DraftOracle, PartialTree, check_open_unit, check_positive, safe_log
+from ..tree_settings import check_open_unit, check_positive
+from .base import DraftOracle, PartialTree, safe_log
 
 
 @dataclass

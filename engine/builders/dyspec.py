@@ -37,7 +37,8 @@ from ..lookup.suffix_index import LookupRow
 from ..requests import SamplingParams
 from ..sampling import ResidualRow
 from ..tree import ChildDraw, TokenTree
-from .base import DraftOracle, LookupSource, PartialTree, UniformStream, check_open_unit, check_positive, safe_log
+from ..tree_settings import check_open_unit, check_positive
+from .base import DraftOracle, LookupSource, PartialTree, UniformStream, safe_log
 
 
 @dataclass

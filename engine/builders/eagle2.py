@@ -21,7 +21,8 @@ import torch
 
 from ..requests import SamplingParams
 from ..tree import TokenTree
-from .base import DraftOracle, PartialTree, check_positive
+from ..tree_settings import check_positive
+from .base import DraftOracle, PartialTree
 
 
 @dataclass

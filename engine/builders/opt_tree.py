@@ -21,7 +21,8 @@ import torch
 
 from ..requests import SamplingParams
 from ..tree import TokenTree
-from .base import DraftOracle, PartialTree, check_positive
+from ..tree_settings import check_non_negative, check_positive
+from .base import DraftOracle, PartialTree
 
 
 @dataclass
@@ -35,8 +36,7 @@ class OptTreeBuilder:
     def __post_init__(self) -> None:
         check_positive("budget", self.budget)
         check_positive("max_depth", self.max_depth, allow_none=True)
-        if not math.isfinite(self.delta) or self.delta < 0:
-            raise ValueError(f"delta must be a finite number >= 0, got {self.delta}")
+        check_non_negative("delta", self.delta)
 
     def build(self, root_token: int, oracle: DraftOracle, sampling: SamplingParams, generator: torch.Generator) -> TokenTree:
         return self.build_with_trace(root_token, oracle, sampling, generator)[0]

@@ -16,7 +16,8 @@ import torch
 
 from ..requests import SamplingParams
 from ..tree import ChildDraw, TokenTree
-from .base import DraftOracle, PartialTree, check_positive, safe_log
+from ..tree_settings import check_positive
+from .base import DraftOracle, PartialTree, safe_log
 
 Path = tuple[int, ...]
 

@@ -133,7 +133,8 @@ class ParallelTreeDrafter(ModelDrafter):
                        hold_steps=max((held for _, held in plans), default=0))
 
     def _chain_search(self, r: DraftRequest, lane: str) -> tuple[ParallelTreeSearch, int]:
-        """A batched step's search for `r`: a chain capped by the positions and an explicit budget, cut below
+        """A batched step's search for `r`: a chain of TreeConfig's `depth` (whatever the method: this mode is the
+        drafter's own, no builder's) capped by the positions and an explicit budget, cut below
         `batch_chain_min_joint`; it holds no plain steps."""
         depth = min(r.tree.depth, self.positions)
         if not r.tree.budget_auto:

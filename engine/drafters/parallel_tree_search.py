@@ -32,6 +32,7 @@ from typing import Callable, ClassVar
 from ..builders.static import named_tree
 from ..tree import ChildDraw, TokenTree
 from ..tree_config import TreeConfig
+from ..tree_settings import C2TChainSettings, ChainSettings, DySpecThresholdSettings, StaticSettings
 
 Path = tuple[int, ...]
 # Whether the request's grammar allows `token` after a node's path below the root (tokens, root excluded)
@@ -131,24 +132,37 @@ class ParallelTreeSearch:
 
 
 def search_for_config(config: TreeConfig, positions: int) -> ParallelTreeSearch:
-    """The parallel tree for a TreeConfig, over `positions` (= k+1) distributions."""
-    cap = positions if config.max_depth is None else min(positions, config.max_depth)
-    # The parallel drafter drafts no copies from the context (a Serve config refuses "<builder>+lookup" with it): a
-    # request naming such a method gets the dynamic methods' best-first tree, whatever its builder.
+    """The parallel tree for a TreeConfig, over `positions` (= k+1) distributions: "static", "chain", "c2t_chain"
+    and "dyspec_threshold" shaped by their builders' settings; every other method the best-first tree."""
     method = config.parsed_method
-    shape = None if method.copies else method.builder
-    if shape == "static":
-        paths = config.static_paths if config.static_paths is not None else named_tree(config.static_tree, config.depth)
+    # The parallel drafter drafts no copies from the context (a Serve config refuses "<builder>+lookup" with it): a
+    # request naming such a method gets the best-first tree, whatever its builder.
+    settings = None if method.copies or method.builder not in _OWN_SHAPES else config.settings
+    if isinstance(settings, StaticSettings):
+        paths = settings.static_paths if settings.static_paths is not None else \
+            named_tree(settings.static_tree, settings.depth)
         paths = tuple(tuple(int(r) for r in p) for p in paths if len(p) <= positions)
         if not paths:
             raise ValueError("static tree has no path within the parallel drafter's positions")
         return ParallelTreeSearch(budget=len(paths), max_depth=positions, paths=paths)
-    if shape == "chain":
-        length = min(config.depth, positions)
+    if isinstance(settings, ChainSettings):
+        length = min(settings.depth, positions)
         return ParallelTreeSearch(budget=length, max_depth=length, max_width=1)
-    if shape == "c2t_chain":  # chain with early exit: stop where the joint probability falls below 0.1
-        length = min(config.depth, positions)
+    if isinstance(settings, C2TChainSettings):  # a chain with early exit: stop where the joint probability < 0.1
+        length = min(settings.depth, positions)
         return ParallelTreeSearch(budget=length, max_depth=length, max_width=1, min_prob=0.1)
-    if shape == "dyspec_threshold":
-        return ParallelTreeSearch(budget=config.budget, max_depth=cap, min_prob=config.threshold)
-    return ParallelTreeSearch(budget=config.budget, max_depth=cap)
+    if isinstance(settings, DySpecThresholdSettings):
+        return ParallelTreeSearch(budget=settings.budget, max_depth=_cap(settings.max_depth, positions),
+                                  min_prob=settings.threshold)
+    # The best-first tree stands in for eagle2, dyspec, opt_tree and c2t (and every "+lookup" method), read from
+    # TreeConfig itself: its cap is `max_depth` for all of them, though eagle2's and c2t's builders ignore it and
+    # are bounded by `depth` (engine/tree_settings.py); capping by depth would change their parallel trees.
+    return ParallelTreeSearch(budget=config.budget, max_depth=_cap(config.max_depth, positions))
+
+
+# The methods the parallel drafter shapes as their builders do (from their settings), not best-first.
+_OWN_SHAPES = ("static", "chain", "c2t_chain", "dyspec_threshold")
+
+
+def _cap(max_depth: int | None, positions: int) -> int:
+    return positions if max_depth is None else min(positions, max_depth)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..budget import BATCH_STEP_COST, BudgetChooser, DraftPlan
-from ..builders.base import check_positive
+from ..tree_settings import check_positive
 from ..lanes import Lanes, batch_size_bucket
 from ..requests import StepRecord
 from .base import DraftRequest

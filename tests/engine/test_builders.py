@@ -12,6 +12,8 @@ import torch
 from toy import ToyModels, ToyOracle
 from treeserve.engine.acceptance import expected_accepted_drafts, expected_accepted_length
 from treeserve.engine.builders import (
+    C2TBuilder,
+    C2TChainBuilder,
     ChainBuilder,
     DraftOracle,
     DySpecBuilder,
@@ -275,6 +277,28 @@ def test_make_builder_for_every_method(models):
 def test_bad_config_names_the_field(config, field):
     with pytest.raises(ValueError, match=field):
         make_builder(config)
+
+
+def test_make_builder_builds_each_builder_from_its_settings():
+    """The table from settings to builder: each TreeConfig field a builder reads reaches its constructor."""
+    eagle2 = make_builder(TreeConfig(method="eagle2", budget=9, depth=3, top_k=2, rerank=False, max_depth=1))
+    assert (type(eagle2), eagle2.budget, eagle2.depth, eagle2.top_k, eagle2.rerank) == (Eagle2Builder, 9, 3, 2, False)
+    dyspec = make_builder(TreeConfig(method="dyspec+lookup", budget=9, max_depth=4, prefetch=3))
+    assert (type(dyspec), dyspec.budget, dyspec.max_depth, dyspec.prefetch) == (DySpecBuilder, 9, 4, 3)
+    thresh = make_builder(TreeConfig(method="dyspec_threshold", threshold=0.2, budget=9, max_depth=4))
+    assert (type(thresh), thresh.threshold, thresh.budget, thresh.max_depth) == (DySpecThresholdBuilder, 0.2, 9, 4)
+    opt = make_builder(TreeConfig(method="opt_tree", budget=9, delta=0.5, max_depth=4))
+    assert (type(opt), opt.budget, opt.delta, opt.max_depth) == (OptTreeBuilder, 9, 0.5, 4)
+    chain = make_builder(TreeConfig(method="chain", budget=9, depth=3, chain_sampled=False))
+    assert (type(chain), chain.length, chain.sampled) == (ChainBuilder, 3, False)
+    c2t = make_builder(TreeConfig(method="c2t", budget=9, depth=3, top_k=2, beta=0.3))
+    assert (type(c2t), c2t.budget, c2t.max_depth, c2t.top_k, c2t.beta) == (C2TBuilder, 9, 3, 2, 0.3)
+    c2t_chain = make_builder(TreeConfig(method="c2t_chain", depth=3, beta=0.3))
+    assert (type(c2t_chain), c2t_chain.max_length, c2t_chain.beta) == (C2TChainBuilder, 3, 0.3)
+    assert make_builder(TreeConfig(method="static", static_tree="binary", depth=2)).paths == binary_tree(2)
+    assert make_builder(TreeConfig(method="static", static_tree="eagle1_25")).paths == EAGLE1_25
+    sequoia = TreeConfig(method="static", static_tree="sequoia", acceptance_by_rank=(0.6, 0.2), budget=6, depth=3)
+    assert make_builder(sequoia).paths == sequoia_tree((0.6, 0.2), 6, 3)
 
 
 class BadOracle(DraftOracle):

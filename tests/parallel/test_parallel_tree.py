@@ -85,6 +85,16 @@ def test_config_shapes():
         ParallelTreeSearch(budget=0)
 
 
+def test_the_best_first_tree_is_capped_by_max_depth_for_every_method():
+    """eagle2's and c2t's builders are bounded by `depth` and ignore `max_depth`; the parallel drafter's best-first
+    tree, which stands in for them, is capped by `max_depth` (the positions without one), as for dyspec and
+    opt_tree (engine/tree_settings.py Eagle2Settings)."""
+    for method in ("eagle2", "c2t", "dyspec", "opt_tree", "c2t+lookup"):
+        assert search_for_config(TreeConfig(method=method, budget=12, depth=2), 5).max_depth == 5, method
+        assert search_for_config(TreeConfig(method=method, budget=12, depth=2, max_depth=3), 5).max_depth == 3, method
+        assert search_for_config(TreeConfig(method=method, budget=12, max_depth=9), 5).max_depth == 5, method
+
+
 # ------------------------------------------------------------------------------------ losslessness
 def toy_positions(models: ToyModels, context: tuple[int, ...], sampling: SamplingParams) -> torch.Tensor:
     """A toy 'parallel drafter': q_1 = the draft after the context, q_{j+1} = the draft after the context
