@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treeserve.engine.drafters.models.parallel import ParallelDrafterModel
+from parallel_drafters import make_parallel_drafter  # tests/parallel_drafters.py
 from treeserve.engine.models.loading import load_causal_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -25,20 +25,6 @@ def _one_thread():
 @pytest.fixture(scope="session")
 def tiny_target(tiny_target_dir):
     return load_causal_lm(tiny_target_dir)
-
-
-def make_parallel_drafter(target_model, layers=(0,), vocab_size: int = 4096, num_masks: int = 4, seed: int = 0,
-                          noise: float = 0.5):
-    """A parallel drafter from the tiny target's layers with a random sub-vocabulary (specials included) and
-    randomised [MASK] embeddings, so mask outputs differ from the plain next-token output."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = target_model.config.vocab_size
-    ids = torch.randperm(vocab, generator=gen)[:vocab_size]
-    ids = torch.unique(torch.cat([ids, torch.arange(8)]))
-    model = ParallelDrafterModel.from_target(target_model, list(layers), ids, num_masks, seed)
-    with torch.no_grad():
-        model.mask_embeddings.add_(torch.randn(model.mask_embeddings.shape, generator=gen) * noise)
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import make_parallel_drafter
+from parallel_drafters import make_parallel_drafter  # tests/parallel_drafters.py
 from treeserve.cli import bench
 from treeserve.tools.bench.runner import parse_entry
 

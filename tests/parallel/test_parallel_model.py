@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_parallel_drafter
+from parallel_drafters import make_parallel_drafter  # tests/parallel_drafters.py
 from treeserve.engine.tree_config import TreeConfig
 from treeserve.engine.drafters.base import DraftRequest
 from treeserve.engine.drafters.models.loading import load_parallel_drafter
