@@ -11,7 +11,8 @@ import torch
 from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter, is_eagle3_drafter
 from treeserve.engine.drafters.models.formats import default_feature_layers
 from treeserve.tools.training.corpus import CorpusConfig, build_corpus, compute_chunk_features
-from treeserve.tools.training.eagle3 import Eagle3TrainConfig, load_corpus, logits, train_eagle3, unroll
+from treeserve.tools.training.eagle3 import (Eagle3TrainConfig, load_corpus, logits, train_eagle3, unroll,
+                                             with_vocab)
 
 
 def test_training_time_test_sees_what_a_tree_node_sees(target, random_eagle3):
@@ -111,6 +112,27 @@ def test_labels_are_the_target_head_over_the_draft_vocabulary(target):
     assert torch.equal(top, expected.argmax(-1))
     assert torch.equal(labels.in_draft[needed], torch.isin(full[rows, columns].argmax(-1), vocab))
     assert not labels.in_draft[~needed].any() and labels.in_draft[0, 3:].all()
+
+
+def test_a_new_vocabulary_keeps_what_the_head_learned(target, random_eagle3):
+    """`--revocab`: the trunk is unchanged, rows of tokens the head already predicted are its own, rows of new
+    tokens are the target's LM head rows (a fresh head's start), and the maps follow the new vocabulary."""
+    model, _ = target
+    drafter = random_eagle3(model, 300)
+    old = drafter.vocab_ids
+    new = torch.cat([old[:150], torch.tensor([i for i in range(model.config.vocab_size) if i not in set(old.tolist())][:100])])
+    moved = with_vocab(drafter, model, new)
+    assert torch.equal(moved.vocab_ids, new.sort().values) and int(moved.t2d.sum()) == len(new)
+    for name, weight in drafter.state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(moved.state_dict()[name], weight), name
+    head = model.get_output_embeddings().weight
+    rows = {int(t): i for i, t in enumerate(old)}
+    for i, token in enumerate(moved.vocab_ids.tolist()):
+        expected = drafter.lm_head.weight[rows[token]] if token in rows else head[token]
+        assert torch.equal(moved.lm_head.weight[i], expected.to(moved.lm_head.weight.dtype)), token
+    with pytest.raises(ValueError, match="revocab"):
+        Eagle3TrainConfig(revocab=True)
 
 
 def test_published_layout_round_trips(target, random_eagle3, tmp_path):
@@ -247,6 +269,9 @@ def test_train_eagle3_command_continues_a_drafter_and_its_card_names_every_run(t
     assert later["corpus_chunks_used"] == later["corpus_totals"]["chunks"] == len(chunks) == 3
     assert later["config"]["init_from"] == "first"
     assert json.loads((second / "config.json").read_text())["draft_vocab_size"] == 256  # the first run's vocabulary
+    third = tmp_path / "third"  # --revocab: the vocabulary chosen again from this corpus, at the size asked
+    assert main(common + ["--draft-vocab-size", "200", "--init-from", str(second), "--revocab", "--out", str(third)]) == 0
+    assert json.loads((third / "config.json").read_text())["draft_vocab_size"] == 200
     agreement = {"top1": 0.5, "top4": 0.75, "positions": 10, "prompts": 1, "max_new_tokens": 10,
                  "acceptance_by_depth": [0.5, 0.4]}
     card = write_eagle3_card(second, agreement, "second").read_text()

@@ -52,7 +52,10 @@ class Eagle3TrainConfig:
     max_seq_len: int = field(default=512, metadata={"help": "longest training window (the last tokens of a sequence)"})
     holdout_sequences: int = field(default=200, metadata={"help": "sequences kept out of training to measure agreement"})
     grad_clip: float = field(default=0.5, metadata={"help": "gradient-norm clip (EAGLE-3: 0.5)"})
-    init_from: str = field(default="", metadata={"help": "continue training this EAGLE-3 drafter directory (its vocabulary wins)"})
+    init_from: str = field(default="", metadata={"help": "continue training this EAGLE-3 drafter directory (its vocabulary wins unless --revocab)"})
+    revocab: bool = field(default=False, metadata={
+        "help": "with --init-from: choose the draft vocabulary from this corpus (draft_vocab_size tokens); the head "
+                "keeps its rows for the tokens it knew, new tokens start from the target's LM head rows"})
     compute_dtype: str = field(default="float32", metadata={
         "help": "float32, or bfloat16: the drafter's matmuls under autocast (weights, optimiser and labels stay "
                 "float32); ~2x faster steps on CPUs with AMX-BF16, slower on CPUs without bf16 units"})
@@ -62,6 +65,9 @@ class Eagle3TrainConfig:
         # Checked here, so the CLI refuses it before loading the target or computing features.
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.revocab and not self.init_from:
+            raise ValueError("revocab re-chooses the vocabulary of an --init-from drafter; without one the vocabulary "
+                             "is chosen from the corpus anyway")
 
 
 @dataclass
@@ -120,6 +126,25 @@ def choose_draft_vocab(corpus: Corpus, size: int, target_vocab: int, always: lis
     counts = torch.bincount(corpus.tokens[corpus.answer_mask], minlength=target_vocab).double().cpu()
     counts[torch.tensor(always, dtype=torch.long)] = float("inf")
     return counts.topk(min(size, target_vocab)).indices.sort().values
+
+
+def with_vocab(drafter: Eagle3Drafter, target, vocab_ids: torch.Tensor) -> Eagle3Drafter:
+    """`drafter` over the draft vocabulary `vocab_ids`: its fc, layer and norm as they are; the LM head's rows of
+    the tokens it already predicted kept, the others taken from the target's LM head (where a fresh head starts,
+    `Eagle3Drafter.from_target`). A head trained on one corpus keeps what it learned while a broader corpus
+    brings tokens its vocabulary lacked (issue 61: the shipped 8k vocabulary covered 67% of the translation
+    answers' tokens)."""
+    device = drafter.lm_head.weight.device
+    fresh = Eagle3Drafter.from_target(target, vocab_ids, drafter.feature_layers).to(device)
+    trunk = {k: v for k, v in drafter.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    fresh.load_state_dict(trunk, strict=False)
+    row_of = torch.full((len(drafter.t2d),), -1, dtype=torch.long, device=device)
+    row_of[drafter.vocab_ids] = torch.arange(len(drafter.vocab_ids), device=device)
+    rows = row_of[fresh.vocab_ids]
+    known = rows >= 0
+    with torch.no_grad():
+        fresh.lm_head.weight[known] = drafter.lm_head.weight[rows[known]].to(fresh.lm_head.weight.dtype)
+    return fresh
 
 
 def make_batch(corpus: Corpus, seq_ids: list[int], max_len: int):
@@ -329,6 +354,9 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
         drafter = Eagle3Drafter.load(Path(config.init_from), target.get_input_embeddings().weight, str(device))
         if drafter.feature_layers != corpus.feature_layers:
             raise ValueError(f"--init-from reads layers {drafter.feature_layers}, the corpus holds {corpus.feature_layers}")
+        if config.revocab:
+            vocab = choose_draft_vocab(corpus, config.draft_vocab_size, target.config.vocab_size, special_ids)
+            drafter = with_vocab(drafter, target, vocab)
     else:
         vocab = choose_draft_vocab(corpus, config.draft_vocab_size, target.config.vocab_size, special_ids)
         drafter = Eagle3Drafter.from_target(target, vocab, corpus.feature_layers).to(device)
