@@ -17,6 +17,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from treeserve.engine.drafters.autoregressive import LocalDrafter
+from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.factory import in_process_engine
+from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.tree_config import tree_config
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,12 +36,6 @@ class TinyParts:
     drafter_model: object
 
     def engine(self, method: str = "dyspec", budget: int = 8, max_context_tokens: int = 2048):
-        from treeserve.engine.drafters.autoregressive import LocalDrafter
-        from treeserve.engine.factory import in_process_engine
-        from treeserve.engine.tree_config import tree_config
-        from treeserve.engine.drafters.model_runner import DrafterRunner
-        from treeserve.engine.runners.target import TargetRunner
-
         vocab = self.target.model.config.vocab_size
         drafter = LocalDrafter(DrafterRunner(self.drafter_model, vocab))
         return in_process_engine(TargetRunner(self.target.model, tokenizer=self.target.tokenizer), drafter,

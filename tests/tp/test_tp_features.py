@@ -11,13 +11,16 @@ equal to TP=1's, with the mean accepted lengths of both printed side by side.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from treeserve.engine.drafters.autoregressive import LocalDrafter
 from treeserve.engine.drafters.base import FeatureNeeds
+from treeserve.engine.drafters.model_runner import DrafterRunner
+from treeserve.engine.factory import in_process_engine
 from treeserve.engine.models.loading import load_causal_lm
 from treeserve.engine.runners.target import TargetRunner
+from treeserve.engine.tree_config import tree_config
 from treeserve.services.tp_target import TensorParallelTarget
 
 from helpers import dev_prompts, next_step, tree_batch, RANK_CPUS
@@ -100,11 +103,6 @@ def test_default_tp3_features_equal_tp1_in_float64(default_tp3_float64, default_
 
 
 def _engine(target, tokenizer, drafter):
-    from treeserve.engine.drafters.autoregressive import LocalDrafter
-    from treeserve.engine.factory import in_process_engine
-    from treeserve.engine.tree_config import tree_config
-    from treeserve.engine.drafters.model_runner import DrafterRunner
-
     local = LocalDrafter(DrafterRunner(drafter, target.vocab_size))
     return in_process_engine(target, local, tokenizer, tree_config("dyspec", 8), 2048)
 
