@@ -114,6 +114,6 @@ def run_line(training: dict) -> str:
 
 def shipped_directory() -> str:
     """What a continued run's --init-from reads when the card is replayed: the directory the run before wrote
-    (train-eagle3's default --out), whatever scratch directory the original run used."""
-
-    return str(SHIPPED["eagle3"].directory.relative_to(REPO_ROOT))
+    (train-eagle3's default --out), whatever scratch directory the original run used. Both sides resolved: the
+    package may be imported through a symlinked checkout."""
+    return str(SHIPPED["eagle3"].directory.resolve().relative_to(REPO_ROOT.resolve()))
