@@ -12,7 +12,7 @@ from treeserve.engine.drafters.models.eagle3 import Eagle3Drafter, is_eagle3_dra
 from treeserve.engine.drafters.models.formats import default_feature_layers
 from treeserve.tools.training.corpus import CorpusConfig, build_corpus, compute_chunk_features
 from treeserve.tools.training.eagle3 import (Eagle3TrainConfig, load_corpus, logits, train_eagle3, unroll,
-                                             with_vocab)
+                                             with_intermediate_size, with_vocab)
 
 
 def test_training_time_test_sees_what_a_tree_node_sees(target, random_eagle3):
@@ -133,6 +133,34 @@ def test_a_new_vocabulary_keeps_what_the_head_learned(target, random_eagle3):
         assert torch.equal(moved.lm_head.weight[i], expected.to(moved.lm_head.weight.dtype)), token
     with pytest.raises(ValueError, match="revocab"):
         Eagle3TrainConfig(revocab=True)
+
+
+def test_a_wider_mlp_starts_as_the_same_head_and_round_trips(target, random_eagle3, tmp_path):
+    """`--intermediate-size` (issue 61's capacity comparison): the widened head computes what the narrow one did
+    (new units silent), the new units are trainable (a gradient reaches their down_proj columns), the published
+    layout stores the width, and narrowing is refused."""
+    model, _ = target
+    drafter = random_eagle3(model, 300)
+    width = drafter.midlayer.mlp.gate_proj.out_features
+    wider = with_intermediate_size(drafter, 3 * width, torch.Generator().manual_seed(0))
+    assert wider.config.intermediate_size == 3 * width and drafter.config.intermediate_size == width
+    ids, feats = torch.randint(0, 500, (2, 7)), torch.randn(2, 7, model.config.hidden_size)
+    with torch.no_grad():
+        before, after = drafter(ids, feats), wider(ids, feats)
+    torch.testing.assert_close(after.logits, before.logits)
+    torch.testing.assert_close(after.hidden, before.hidden)
+    wider(ids, feats).logits.logsumexp(-1).sum().backward()
+    assert wider.midlayer.mlp.down_proj.weight.grad[:, width:].abs().sum() > 0
+    wider.save(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["intermediate_size"] == 3 * width
+    loaded = Eagle3Drafter.load(tmp_path, model.get_input_embeddings().weight)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, feats).logits, before.logits, atol=2e-2, rtol=1e-2)
+    assert with_intermediate_size(drafter, width, torch.Generator()) is drafter
+    with pytest.raises(ValueError, match="narrower"):
+        with_intermediate_size(drafter, width - 1, torch.Generator())
+    with pytest.raises(ValueError, match="intermediate_size"):
+        Eagle3TrainConfig(intermediate_size=-1)
 
 
 def test_published_layout_round_trips(target, random_eagle3, tmp_path):
@@ -272,6 +300,10 @@ def test_train_eagle3_command_continues_a_drafter_and_its_card_names_every_run(t
     third = tmp_path / "third"  # --revocab: the vocabulary chosen again from this corpus, at the size asked
     assert main(common + ["--draft-vocab-size", "200", "--init-from", str(second), "--revocab", "--out", str(third)]) == 0
     assert json.loads((third / "config.json").read_text())["draft_vocab_size"] == 200
+    fourth = tmp_path / "fourth"  # --intermediate-size: a wider MLP, continued from the third head
+    width = json.loads((third / "config.json").read_text())["intermediate_size"]
+    assert main(common + ["--init-from", str(third), "--intermediate-size", str(2 * width), "--out", str(fourth)]) == 0
+    assert json.loads((fourth / "config.json").read_text())["intermediate_size"] == 2 * width
     agreement = {"top1": 0.5, "top4": 0.75, "positions": 10, "prompts": 1, "max_new_tokens": 10,
                  "acceptance_by_depth": [0.5, 0.4]}
     card = write_eagle3_card(second, agreement, "second").read_text()

@@ -24,6 +24,7 @@ rows of the draft vocabulary, so training never runs the target. Losses at answe
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,9 @@ class Eagle3TrainConfig:
     revocab: bool = field(default=False, metadata={
         "help": "with --init-from: choose the draft vocabulary from this corpus (draft_vocab_size tokens); the head "
                 "keeps its rows for the tokens it knew, new tokens start from the target's LM head rows"})
+    intermediate_size: int = field(default=0, metadata={
+        "help": "the head's MLP width (0: the target's, or the --init-from head's); wider than an --init-from head "
+                "widens it without changing its outputs (the new units start silent), a capacity experiment"})
     compute_dtype: str = field(default="float32", metadata={
         "help": "float32, or bfloat16: the drafter's matmuls under autocast (weights, optimiser and labels stay "
                 "float32); ~2x faster steps on CPUs with AMX-BF16, slower on CPUs without bf16 units"})
@@ -68,6 +72,8 @@ class Eagle3TrainConfig:
         if self.revocab and not self.init_from:
             raise ValueError("revocab re-chooses the vocabulary of an --init-from drafter; without one the vocabulary "
                              "is chosen from the corpus anyway")
+        if self.intermediate_size < 0:
+            raise ValueError(f"intermediate_size must be 0 (keep) or a width, got {self.intermediate_size}")
 
 
 @dataclass
@@ -145,6 +151,36 @@ def with_vocab(drafter: Eagle3Drafter, target, vocab_ids: torch.Tensor) -> Eagle
     with torch.no_grad():
         fresh.lm_head.weight[known] = drafter.lm_head.weight[rows[known]].to(fresh.lm_head.weight.dtype)
     return fresh
+
+
+def with_intermediate_size(drafter: Eagle3Drafter, size: int, generator: torch.Generator) -> Eagle3Drafter:
+    """`drafter` with its MLP widened to `size` units, computing the same function: the old units are kept, the
+    new units' gate / up rows are drawn at the config's initializer_range and their down_proj columns are zero,
+    so they start silent and training grows them (the zero-initialised residual branch of Goyal et al., 2017,
+    as in Net2WiderNet's function-preserving widening, Chen et al., 2016). The published layout holds any width:
+    config.json's `intermediate_size` is the head's own, which SGLang's and vLLM's loaders read."""
+    mlp = drafter.midlayer.mlp
+    width = mlp.gate_proj.out_features
+    if size < width:
+        raise ValueError(f"intermediate_size {size} is narrower than the head's {width}; only widening keeps what it learned")
+    if size == width:
+        return drafter
+    config = copy.deepcopy(drafter.config)
+    config.intermediate_size = size
+    device = mlp.gate_proj.weight.device
+    wider = Eagle3Drafter(config, drafter.d2t.cpu(), drafter.target_vocab_size, drafter.feature_layers).to(device)
+    wider.own_embeddings = drafter.own_embeddings
+    state = drafter.state_dict()
+    std = float(getattr(config, "initializer_range", 0.02))
+    hidden = config.hidden_size
+    for name in ("gate_proj", "up_proj"):
+        old = state.pop(f"midlayer.mlp.{name}.weight")
+        new = torch.randn(size - width, hidden, generator=generator).to(old) * std
+        state[f"midlayer.mlp.{name}.weight"] = torch.cat([old, new], dim=0)
+    old = state.pop("midlayer.mlp.down_proj.weight")
+    state["midlayer.mlp.down_proj.weight"] = torch.cat([old, old.new_zeros(hidden, size - width)], dim=1)
+    wider.load_state_dict(state)
+    return wider
 
 
 def make_batch(corpus: Corpus, seq_ids: list[int], max_len: int):
@@ -360,6 +396,8 @@ def train_eagle3(target, corpus: Corpus, config: Eagle3TrainConfig, special_ids:
     else:
         vocab = choose_draft_vocab(corpus, config.draft_vocab_size, target.config.vocab_size, special_ids)
         drafter = Eagle3Drafter.from_target(target, vocab, corpus.feature_layers).to(device)
+    if config.intermediate_size:
+        drafter = with_intermediate_size(drafter, config.intermediate_size, generator)
     drafter.train()
     drafter.embed_tokens.weight.requires_grad_(False)  # the target's own embeddings, frozen and not stored
     head_weight = target.get_output_embeddings().weight.detach().float()
