@@ -314,3 +314,16 @@ def test_train_eagle3_command_continues_a_drafter_and_its_card_names_every_run(t
     # The data section names where the chunks were generated, and describes the widest run's corpus.
     assert "on 2-core CPUs (batch 4, 3 chunks)" in card and "runs used up to 3 chunks" in card
     assert runs[0].split("`")[2].startswith(": ") and "min on the CPU" in runs[0]
+    # Every option that changes the head is replayed: the vocabulary re-chosen, the wider MLP.
+    later_runs = [line.split("`")[1] for line in write_eagle3_card(fourth, agreement, "fourth").read_text().splitlines()
+                  if line.startswith("- `treeserve train-eagle3")]
+    assert len(later_runs) == 4 and later_runs[2].endswith(" --revocab") and "--intermediate-size" not in later_runs[2]
+    assert f"--intermediate-size {2 * width} " in later_runs[3] and "--revocab" not in later_runs[3]
+    assert " --corpus tools/training/corpus_chunks/corpus " in later_runs[3]  # not the default corpus: named
+    # A measurement on prompts outside the corpus (--also-prompts) gets its own section with the command.
+    also = {"prompts_file": str(tmp_path / "other.jsonl"), "top1": 0.25, "top4": 0.5, "positions": 8, "prompts": 2,
+            "top1_by_category": {"translate": 0.125, "retrieval_qa": 0.375}}
+    card = write_eagle3_card(second, {**agreement, "also": also}, "second").read_text()
+    assert "## Agreement on prompt kinds outside its training data" in card
+    assert "top-1 **25.0%**, top-4 50.0%" in card and "translate 12.5%, retrieval_qa 37.5%" in card
+    assert "--also-prompts other.jsonl --also-num-prompts 2" in card

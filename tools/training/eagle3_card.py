@@ -11,6 +11,8 @@ from treeserve.engine.dev_prompts import REPO_ROOT
 from treeserve.engine.drafters.models.formats import feature_layers_from_config
 from treeserve.engine.drafters.registry import SHIPPED
 
+from .corpus import DEFAULT_CORPUS_DIR
+
 
 def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
     training = json.loads((directory / "training.json").read_text())
@@ -49,7 +51,7 @@ def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
         f"treeserve agreement --drafter {name} --num-prompts {agreement['prompts']} "
         f"--max-new-tokens {agreement['max_new_tokens']}",
         "```",
-        "",
+        *beyond_dev(agreement, name),
         "## Data",
         "",
         f"`treeserve make-corpus`: the target's own answers to offline conversations (self-instruct, standard-library "
@@ -74,6 +76,32 @@ def write_eagle3_card(directory: Path, agreement: dict, name: str) -> Path:
     path = directory / "README.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def beyond_dev(agreement: dict, name: str) -> list[str]:
+    """The card's section on prompts of kinds outside the drafter's corpus (`agreement --also-prompts FILE`,
+    measured on the same run's target): where a head trained on narrow data stands on what users also send
+    (issue 61). Empty without such a measurement."""
+    also = agreement.get("also")
+    if not also:
+        return [""]
+    topk_key = next(k for k in also if k.startswith("top") and k not in ("top1", "top1_by_category"))
+    source = Path(also["prompts_file"])
+    shown = source.resolve().relative_to(REPO_ROOT.resolve()) if source.resolve().is_relative_to(REPO_ROOT.resolve()) else source.name
+    return [
+        "",
+        "## Agreement on prompt kinds outside its training data",
+        "",
+        f"`{source.name}`: greedy top-1 **{also['top1']:.1%}**, {topk_key.replace('top', 'top-')} "
+        f"{also[topk_key]:.1%}, over {also['positions']} answer positions of {also['prompts']} prompts; top-1 by "
+        "kind: " + ", ".join(f"{k} {v:.1%}" for k, v in also["top1_by_category"].items()) + ".",
+        "",
+        "```sh",
+        f"treeserve agreement --drafter {name} --num-prompts {agreement['prompts']} "
+        f"--max-new-tokens {agreement['max_new_tokens']} --also-prompts {shown} --also-num-prompts {also['prompts']}",
+        "```",
+        "",
+    ]
 
 
 def made_on(totals: dict, minutes: float) -> str:
@@ -104,12 +132,22 @@ def run_line(training: dict) -> str:
                + (f" --compute-dtype {settings['compute_dtype']}"
                   if settings.get("compute_dtype", "float32") != "float32" else "")
                + (f" --batch-tokens {settings['batch_tokens']}" if settings.get("batch_tokens", 4096) != 4096 else "")
+               + (f" --corpus {corpus_directory(training['corpus'])}"
+                  if training.get("corpus", DEFAULT_CORPUS_DIR.name) != DEFAULT_CORPUS_DIR.name else "")
+               + (f" --exclude-kinds {' '.join(training['excluded_kinds'])}" if training.get("excluded_kinds") else "")
+               + (f" --intermediate-size {settings['intermediate_size']}" if settings.get("intermediate_size") else "")
                + (f" --init-from {shipped_directory()}" if settings.get("init_from") else "")
+               + (" --revocab" if settings.get("revocab") else "")
                + (" --device cuda" if training.get("device", "cpu") != "cpu" else ""))
     where = training.get("device", "cpu")
     return (f"- `{command}`: {stats['minutes']} min on {'the CPU' if where == 'cpu' else where}, {stats['steps']} steps, {stats['tokens_seen']} tokens seen; "
             f"held-out top-1 by unrolled step {', '.join(f'{a:.1%}' for a in stats['holdout_step_accuracy'])} "
             f"({stats['holdout_sequences']} held-out corpus sequences).")
+
+
+def corpus_directory(name: str) -> str:
+    """The --corpus a replay reads: the committed corpus of that name, beside the default one."""
+    return str((DEFAULT_CORPUS_DIR.parent / name).resolve().relative_to(REPO_ROOT.resolve()))
 
 
 def shipped_directory() -> str:
