@@ -162,7 +162,8 @@ def with_intermediate_size(drafter: Eagle3Drafter, size: int, generator: torch.G
     mlp = drafter.midlayer.mlp
     width = mlp.gate_proj.out_features
     if size < width:
-        raise ValueError(f"intermediate_size {size} is narrower than the head's {width}; only widening keeps what it learned")
+        raise ValueError(f"intermediate_size {size} is narrower than the head's {width}; only widening keeps what "
+                         "it learned")
     if size == width:
         return drafter
     config = copy.deepcopy(drafter.config)

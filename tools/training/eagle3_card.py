@@ -1,6 +1,7 @@
 """The EAGLE-3 drafter's model card (README.md next to its weights), written from recorded facts only: its
-`training.json` (corpus, training statistics, settings, written by `treeserve train-eagle3`) and a dev-prompt
-agreement measurement (`treeserve agreement --drafter eagle3 --write-card`)."""
+`training.json` (corpus, training statistics, settings, written by `treeserve train-eagle3`) and an agreement
+measurement on the dev prompts, with prompts of other kinds beside them where it has some (`treeserve agreement
+--drafter eagle3 --write-card [--also-prompts FILE]`)."""
 
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ def beyond_dev(agreement: dict, name: str) -> list[str]:
     if not also:
         return [""]
     topk_key = next(k for k in also if k.startswith("top") and k not in ("top1", "top1_by_category"))
-    source = Path(also["prompts_file"])
-    shown = source.resolve().relative_to(REPO_ROOT.resolve()) if source.resolve().is_relative_to(REPO_ROOT.resolve()) else source.name
+    source, root = Path(also["prompts_file"]).resolve(), REPO_ROOT.resolve()
+    shown = source.relative_to(root) if source.is_relative_to(root) else source.name  # a checkout's file, or a name
     return [
         "",
         "## Agreement on prompt kinds outside its training data",
